@@ -1,0 +1,174 @@
+"""The base of every distillation criterion: label-smoothed CE plus named, weighted terms.
+
+A method subclasses :class:`KDCriterionBase`, declares the loss terms it adds (``TERM_NAMES``), what
+it needs captured from student and teacher (``student_request`` / ``teacher_request``), its weights
+(``loss_weights``), and computes its terms from a :class:`DistillationBatch`. The base does the
+rest, once for all methods:
+
+* ``loss = w_ce * L_CE + sum_i w_i * L_i`` where every ``L`` is a sum over real tokens (or the
+  method's documented unit), so ``loss / sample_size`` is normalised exactly like fairseq's CE
+  (per target token, or per sentence with ``--sentence-avg``), independent of batch size and
+  worker count;
+* the teacher runs only when some distillation term has a non-zero weight, without autograd, on
+  the student's device and dtype; features are captured only when requested;
+* every term is logged unweighted as ``<name>_loss`` next to fairseq's ``loss`` (the weighted
+  total), ``ce_loss`` (the label-smoothed CE) and ``nll_loss``, all in base 2 like fairseq's, so
+  the total equals the weighted sum of the logged terms;
+* ``begin_epoch`` is forwarded from the task for epoch-dependent weights and schedules.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+import torch
+from fairseq import utils
+from fairseq.criterions.label_smoothed_cross_entropy import (
+    LabelSmoothedCrossEntropyCriterion,
+    LabelSmoothedCrossEntropyCriterionConfig,
+)
+from fairseq.logging import metrics
+from torch import Tensor
+
+from ..models.feature_capture import CapturedFeatures, CaptureRequest, FeatureCapture
+
+
+@dataclass
+class KDCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
+    label_smoothing: float = field(
+        default=0.1,
+        metadata={"help": "epsilon for label smoothing of the CE term (0.1 in all papers implemented)"},
+    )
+
+
+@dataclass
+class DistillationBatch:
+    """Everything a method needs for one batch. Hidden/attention features are only present when
+    the method requested them."""
+
+    sample: dict
+    student_output: tuple
+    teacher_output: Optional[tuple]
+    student: CapturedFeatures
+    teacher: CapturedFeatures
+    target_mask: Tensor  # (batch, tgt_len), True at target tokens that count
+
+    @property
+    def student_logits(self) -> Tensor:
+        return self.student_output[0]
+
+    @property
+    def teacher_logits(self) -> Tensor:
+        return self.teacher_output[0]
+
+
+class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
+    """Label-smoothed CE plus weighted distillation terms; see the module docstring."""
+
+    #: names of the distillation terms this method adds (each logged as ``<name>_loss``)
+    TERM_NAMES: Tuple[str, ...] = ()
+    #: what to capture from the student and from the teacher during the forward pass
+    student_request: CaptureRequest = CaptureRequest()
+    teacher_request: CaptureRequest = CaptureRequest()
+
+    def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False):
+        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
+        require_teacher = getattr(task, "require_teacher", None)
+        if require_teacher is None:
+            raise ValueError(
+                f"criterion {self.criterion_name()!r} needs --task translation_kd "
+                f"(got --task {getattr(task.cfg, '_name', type(task).__name__)})"
+            )
+        self.teacher = require_teacher(self.criterion_name())
+        self.epoch = 1
+
+    @classmethod
+    def criterion_name(cls) -> str:
+        from fairseq.criterions import CRITERION_REGISTRY
+
+        for name, registered in CRITERION_REGISTRY.items():
+            if registered is cls:
+                return name
+        return cls.__name__
+
+    # ----------------------------------------------------------- method API
+    def loss_weights(self) -> Dict[str, float]:
+        """Weight of ``"ce"`` and of every name in ``TERM_NAMES`` at the current epoch."""
+        raise NotImplementedError
+
+    def distillation_terms(self, batch: DistillationBatch) -> Dict[str, Tensor]:
+        """Each active term as an unnormalised sum (see the module docstring)."""
+        raise NotImplementedError
+
+    def begin_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    # ------------------------------------------------------------- forward
+    def forward(self, model, sample, reduce=True):
+        if not reduce:
+            raise ValueError("distillation criterions only compute reduced losses")
+        weights = self.loss_weights()
+        distilling = any(weights[name] != 0 for name in self.TERM_NAMES)
+        student_request = self.student_request if distilling else CaptureRequest()
+        with FeatureCapture(model, student_request) as capture:
+            net_output = model(**sample["net_input"])
+        ce_loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=True)
+
+        terms: Dict[str, Tensor] = {}
+        if distilling:
+            self.teacher.follow(next(model.parameters()))
+            teacher_output, teacher_features = self.teacher.forward(sample["net_input"], self.teacher_request)
+            batch = DistillationBatch(
+                sample=sample,
+                student_output=net_output,
+                teacher_output=teacher_output,
+                student=capture.features(),
+                teacher=teacher_features,
+                target_mask=self.target_mask(sample),
+            )
+            terms = self.distillation_terms(batch)
+        loss = weights["ce"] * ce_loss
+        for name in self.TERM_NAMES:
+            if name in terms and weights[name] != 0:
+                loss = loss + weights[name] * terms[name]
+
+        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        logging_output = {
+            "loss": loss.data,
+            "ce_loss": ce_loss.data,
+            "nll_loss": nll_loss.data,
+            "ntokens": sample["ntokens"],
+            "nsentences": sample["target"].size(0),
+            "sample_size": sample_size,
+        }
+        for name in self.TERM_NAMES:
+            value = terms.get(name)
+            logging_output[f"{name}_loss"] = value.data if value is not None else 0.0
+        if self.report_accuracy:
+            n_correct, total = self.compute_accuracy(model, net_output, sample)
+            logging_output["n_correct"] = utils.item(n_correct.data)
+            logging_output["total"] = utils.item(total.data)
+        return loss, sample_size, logging_output
+
+    def target_mask(self, sample) -> Tensor:
+        """True at target tokens that count: not padding and not in the ignored prefix."""
+        mask = sample["target"].ne(self.padding_idx)
+        if self.ignore_prefix_size > 0:
+            mask[:, : self.ignore_prefix_size] = False
+        return mask
+
+    # ------------------------------------------------------------- logging
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
+        if sample_size == 0:
+            return
+        for name in ("ce",) + tuple(cls.TERM_NAMES):
+            key = f"{name}_loss"
+            value = sum(log.get(key, 0) for log in logging_outputs)
+            metrics.log_scalar(key, value / sample_size / math.log(2), sample_size, round=3)
+
+
+def zero_like_loss(reference: Tensor) -> Tensor:
+    return torch.zeros((), dtype=torch.float32, device=reference.device)

@@ -1,0 +1,49 @@
+"""Word-level knowledge distillation (Hinton et al., 2015; Kim & Rush, 2016, "word-level KD").
+
+``loss = (1 - a) * L_CE + a * L_KD`` with ``L_KD = tau^2 * sum_t KL(p_T^tau || p_S^tau)`` over real
+target positions (``../shared/docs/methods.md``, "Word-level KD"). The CKD paper uses a = 0.1; the
+Align-to-Distill code uses 0.5, our default.
+"""
+from dataclasses import dataclass, field
+
+from fairseq.criterions import register_criterion
+
+from .base import KDCriterionBase, KDCriterionConfig
+from .losses import word_level_kd
+
+
+@dataclass
+class WordKDConfig(KDCriterionConfig):
+    kd_weight: float = field(
+        default=0.5,
+        metadata={"help": "a in (1-a)*CE + a*KD; 0 reduces to label_smoothed_cross_entropy "
+                  "(CKD paper 0.1, Align-to-Distill 0.5)"},
+    )
+    kd_temperature: float = field(
+        default=1.0, metadata={"help": "softmax temperature tau of teacher and student (loss scaled by tau^2)"}
+    )
+
+
+@register_criterion("word_kd", dataclass=WordKDConfig)
+class WordKDCriterion(KDCriterionBase):
+    TERM_NAMES = ("word_kd",)
+
+    def __init__(self, task, sentence_avg, label_smoothing, kd_weight, kd_temperature,
+                 ignore_prefix_size=0, report_accuracy=False):
+        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
+        if not 0.0 <= kd_weight <= 1.0:
+            raise ValueError(f"--kd-weight must be in [0, 1], got {kd_weight}")
+        if kd_temperature <= 0:
+            raise ValueError(f"--kd-temperature must be > 0, got {kd_temperature}")
+        self.kd_weight = kd_weight
+        self.kd_temperature = kd_temperature
+
+    def loss_weights(self):
+        return {"ce": 1.0 - self.kd_weight, "word_kd": self.kd_weight}
+
+    def distillation_terms(self, batch):
+        return {
+            "word_kd": word_level_kd(
+                batch.student_logits, batch.teacher_logits, batch.target_mask, self.kd_temperature
+            )
+        }

@@ -1,0 +1,65 @@
+"""The dimensions of a Transformer that distillation modules are sized from."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .feature_capture import NotATransformerError, unwrap_model
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """Layer counts, head counts and widths of one encoder-decoder Transformer.
+
+    Read from the built model rather than from its config so that every architecture, registered
+    here or not, is described by what it actually is.
+    """
+
+    encoder_layers: int
+    decoder_layers: int
+    encoder_heads: int
+    decoder_heads: int
+    cross_heads: int
+    encoder_embed_dim: int
+    decoder_embed_dim: int
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> "TransformerShape":
+        model = unwrap_model(model)
+        try:
+            enc_layers, dec_layers = model.encoder.layers, model.decoder.layers
+            if len(enc_layers) == 0 or len(dec_layers) == 0:
+                raise NotATransformerError("the model has an empty encoder or decoder")
+            enc_attn = enc_layers[0].self_attn
+            dec_attn = dec_layers[0].self_attn
+            cross = dec_layers[0].encoder_attn
+            if cross is None:
+                raise NotATransformerError("the decoder has no encoder-decoder attention")
+            return cls(
+                encoder_layers=len(enc_layers),
+                decoder_layers=len(dec_layers),
+                encoder_heads=enc_attn.num_heads,
+                decoder_heads=dec_attn.num_heads,
+                cross_heads=cross.num_heads,
+                encoder_embed_dim=enc_attn.embed_dim,
+                decoder_embed_dim=dec_attn.embed_dim,
+            )
+        except AttributeError as err:
+            raise NotATransformerError(
+                f"{type(model).__name__} is not a fairseq encoder-decoder Transformer "
+                f"(expected encoder.layers / decoder.layers with attention modules): {err}"
+            ) from err
+
+    def layers(self, side: str) -> int:
+        return {"encoder": self.encoder_layers, "decoder": self.decoder_layers}[side]
+
+    def embed_dim(self, side: str) -> int:
+        return {"encoder": self.encoder_embed_dim, "decoder": self.decoder_embed_dim}[side]
+
+    def describe(self) -> str:
+        return (
+            f"{self.encoder_layers}+{self.decoder_layers} layers, heads "
+            f"{self.encoder_heads}/{self.decoder_heads}/{self.cross_heads} (enc/dec/cross), "
+            f"width {self.encoder_embed_dim}/{self.decoder_embed_dim}"
+        )

@@ -1,0 +1,1 @@
+from . import translation_kd  # noqa: F401  (registers the task)

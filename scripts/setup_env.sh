@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment in .venv and install what fairseq-kd needs.
+#
+# Why by hand rather than `pip install -e .` resolving everything: stock fairseq 0.12.2 does not build
+# on Python >= 3.11, fairseq-fixed must be built without build isolation against the torch already
+# installed, and a resolver left alone would pull a second (CUDA) torch or torchaudio.
+# Idempotent: a finished environment is recognised by a stamp file and reused in about a second.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${FAIRSEQ_KD_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+STAMP="$VENV/.fairseq_kd_env_v1"
+
+if [[ -f "$STAMP" ]]; then
+    # Keep the editable install pointing at this checkout (a fresh clone may reuse a shared venv).
+    "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null
+    exit 0
+fi
+
+"$PY" - <<'PYCHK'
+import sys
+if sys.version_info < (3, 11):
+    sys.exit(f"fairseq-kd needs Python >= 3.11, found {sys.version.split()[0]}; set PYTHON=/path/to/python3.11")
+PYCHK
+
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip)
+"${PIP[@]}" install -q --upgrade pip setuptools wheel
+
+# torch first and pinned, so nothing later can replace it.  A local CPU wheel is used where the
+# machine provides one (TORCH_WHEEL or /opt/wheels), otherwise the registry's.
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    echo "[setup_env] torch $("$VENV/bin/python" -c 'import torch;print(torch.__version__)') already installed"
+else
+    WHEEL="${TORCH_WHEEL:-$(ls /opt/wheels/torch-2.13.0*cp311*.whl 2>/dev/null | head -n1 || true)}"
+    if [[ -n "$WHEEL" ]]; then
+        "${PIP[@]}" install -q "$WHEEL"
+    else
+        "${PIP[@]}" install -q "$TORCH_SPEC"
+    fi
+fi
+TORCH_VERSION="$("$VENV/bin/python" -c 'import torch;print(torch.__version__.split("+")[0])')"
+CONSTRAINTS="$VENV/constraints.txt"
+echo "torch==$TORCH_VERSION" >"$CONSTRAINTS"
+
+# Build requirements of fairseq-fixed, then fairseq-fixed itself without isolation or deps.
+"${PIP[@]}" install -q -c "$CONSTRAINTS" "cython<3.2" "numpy<2.3"
+"${PIP[@]}" install -q -c "$CONSTRAINTS" \
+    "hydra-core==1.3.2" "omegaconf==2.3.0" cffi regex "sacrebleu>=2.3" tqdm bitarray \
+    scikit-learn packaging sentencepiece subword-nmt sacremoses pytest matplotlib
+echo "[setup_env] building fairseq-fixed==0.12.3.1 (about 3 minutes the first time; pip caches the wheel)"
+"${PIP[@]}" install -q --no-deps --no-build-isolation "fairseq-fixed==0.12.3.1"
+"${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT"
+
+# Refuse to finish with a second torch or torchaudio in the environment.
+"$VENV/bin/python" - <<'PYCHK'
+import importlib.util, sys, torch
+if importlib.util.find_spec("torchaudio") is not None:
+    sys.exit("torchaudio is installed in the environment; it pins another torch. Remove it.")
+import fairseq, fairseq_kd  # noqa: F401
+print(f"[setup_env] ok: torch {torch.__version__}, fairseq {fairseq.__version__}")
+PYCHK
+touch "$STAMP"
