@@ -21,7 +21,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
-import torch
 from fairseq import utils
 from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
@@ -101,7 +100,19 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
         raise NotImplementedError
 
     def begin_epoch(self, epoch: int) -> None:
+        """Called by the task at the start of every epoch (also after a resume, with its epoch)."""
         self.epoch = epoch
+
+    def checkpoint_state(self) -> dict:
+        """Non-parameter state to keep across a resume (tensors and plain values only).
+
+        Parameters and buffers are saved by the trainer with the criterion's state_dict; this is
+        for state that must survive although the criterion has no parameters.
+        """
+        return {}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """Restore what :meth:`checkpoint_state` returned."""
 
     # ------------------------------------------------------------- forward
     def forward(self, model, sample, reduce=True):
@@ -169,6 +180,3 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
             value = sum(log.get(key, 0) for log in logging_outputs)
             metrics.log_scalar(key, value / sample_size / math.log(2), sample_size, round=3)
 
-
-def zero_like_loss(reference: Tensor) -> Tensor:
-    return torch.zeros((), dtype=torch.float32, device=reference.device)

@@ -121,6 +121,17 @@ class CapturedFeatures:
     decoder_hidden: Optional[Tensor] = None
     attention: Dict[str, AttentionMaps] = field(default_factory=dict)
 
+    def hidden(self, side: str) -> Tensor:
+        """Hidden states of ``"encoder"`` or ``"decoder"``: ``(layers + 1, batch, len, dim)``."""
+        states = {"encoder": self.encoder_hidden, "decoder": self.decoder_hidden}[side]
+        if states is None:
+            raise RuntimeError(f"{side} hidden states were not requested in the CaptureRequest")
+        return states
+
+    def padding_mask(self, side: str) -> Tensor:
+        """``(batch, len)`` True at padded positions of the ``"encoder"`` or ``"decoder"`` side."""
+        return {"encoder": self.source_padding_mask, "decoder": self.target_padding_mask}[side]
+
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """Strip DDP / fairseq ModuleProxyWrapper layers to reach the module that owns the layers."""

@@ -1,0 +1,175 @@
+"""Shared fixtures: tiny binarised data, a tiny trained teacher, in-process models, CLI runners.
+
+The data is a copy task with reordering (target = source reversed, upper-cased) so a few dozen
+updates already give a teacher that is better than chance; the fixtures are session-scoped so the
+whole suite binarises and trains the teacher once.
+"""
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+BIN = Path(sys.executable).parent
+USER_DIR = str(REPO / "fairseq_kd")
+QUIET_ENV = {
+    **os.environ,
+    "PYTHONWARNINGS": "ignore",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+
+# Small enough to train in seconds on 2 cores, big enough to have 4 heads and 3 layers to map.
+TINY_TEACHER_ARGS = [
+    "--arch", "transformer", "--encoder-layers", "3", "--decoder-layers", "3",
+    "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+    "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
+    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+]
+TINY_STUDENT_ARGS = [
+    "--arch", "transformer", "--encoder-layers", "2", "--decoder-layers", "2",
+    "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
+    "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
+    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+]
+COMMON_TRAIN_ARGS = [
+    "--optimizer", "adam", "--lr", "0.003", "--max-tokens", "1500", "--seed", "1",
+    "--no-progress-bar", "--log-format", "simple", "--log-interval", "1",
+    "--num-workers", "0", "--no-epoch-checkpoints", "--disable-validation",
+]
+
+
+def write_reverse_corpus(folder: Path, sizes=(("train", 400), ("valid", 40), ("test", 40)), seed=0):
+    """Source: random words; target: the words reversed and upper-cased (a reordering task)."""
+    rng = random.Random(seed)
+    vocab = [f"w{i}" for i in range(30)]
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, count in sizes:
+        with open(folder / f"{split}.src", "w") as fs, open(folder / f"{split}.tgt", "w") as ft:
+            for _ in range(count):
+                words = [rng.choice(vocab) for _ in range(rng.randint(2, 9))]
+                fs.write(" ".join(words) + "\n")
+                ft.write(" ".join(w.upper() for w in reversed(words)) + "\n")
+    return folder
+
+
+def run_cli(name: str, *args, check=True, cwd=None, timeout=600) -> subprocess.CompletedProcess:
+    """Run a console script of the environment (fairseq-train, fairseq-generate, ...)."""
+    cmd = [str(BIN / name), *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=QUIET_ENV, cwd=cwd, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{name} failed ({proc.returncode}):\n{' '.join(cmd)}\n--- stdout ---\n{proc.stdout[-4000:]}"
+            f"\n--- stderr ---\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def run_module(module: str, *args, check=True, cwd=None, timeout=600) -> subprocess.CompletedProcess:
+    """Run ``python -m module`` in the environment."""
+    cmd = [sys.executable, "-m", module, *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=QUIET_ENV, cwd=cwd, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{module} failed ({proc.returncode}):\n{' '.join(cmd)}\n--- stdout ---\n{proc.stdout[-4000:]}"
+            f"\n--- stderr ---\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def train_student(data_bin, teacher_ckpt, save_dir, criterion_args, student_args=TINY_STUDENT_ARGS,
+                  max_update=4, extra=(), check=True):
+    """fairseq-train a student with --user-dir fairseq_kd; returns the CompletedProcess."""
+    return run_cli(
+        "fairseq-train", data_bin, "--user-dir", USER_DIR, "--task", "translation_kd",
+        "--teacher-checkpoint", teacher_ckpt, *student_args, *criterion_args, *COMMON_TRAIN_ARGS,
+        "--max-update", str(max_update), "--save-dir", save_dir, *extra, check=check,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_data_bin(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("tiny_data")
+    raw = write_reverse_corpus(root / "raw")
+    dest = root / "bin"
+    run_cli(
+        "fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt",
+        "--trainpref", raw / "train", "--validpref", raw / "valid", "--testpref", raw / "test",
+        "--destdir", dest, "--joined-dictionary", "--workers", "1",
+    )
+    return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher(tiny_data_bin, tmp_path_factory) -> Path:
+    """A 3+3-layer, 4-head, d=32 teacher trained for 40 updates with stock --task translation."""
+    save = tmp_path_factory.mktemp("tiny_teacher")
+    run_cli(
+        "fairseq-train", tiny_data_bin, "--task", "translation", *TINY_TEACHER_ARGS,
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        *COMMON_TRAIN_ARGS, "--max-update", "40", "--save-dir", save, "--user-dir", USER_DIR,
+    )
+    return save / "checkpoint_last.pt"
+
+
+@pytest.fixture(scope="session")
+def kd_task(tiny_data_bin, tiny_teacher):
+    """An in-process translation_kd task with the tiny teacher loaded."""
+    import fairseq_kd
+    from fairseq_kd.tasks.translation_kd import TranslationKDConfig, TranslationKDTask
+
+    fairseq_kd.register()
+
+    cfg = TranslationKDConfig(data=str(tiny_data_bin), source_lang="src", target_lang="tgt",
+                              teacher_checkpoint=str(tiny_teacher))
+    return TranslationKDTask.setup_task(cfg)
+
+
+def build_tiny_student(task, **overrides):
+    """Build (and register the shape of) an in-process student like TINY_STUDENT_ARGS."""
+    from argparse import Namespace
+
+    from fairseq.models.transformer import base_architecture
+
+    args = Namespace(
+        arch="transformer", _name="transformer", encoder_layers=2, decoder_layers=2,
+        encoder_embed_dim=16, decoder_embed_dim=16, encoder_ffn_embed_dim=32,
+        decoder_ffn_embed_dim=32, encoder_attention_heads=2, decoder_attention_heads=2,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        max_source_positions=128, max_target_positions=128,
+    )
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    base_architecture(args)
+    return task.build_model(args)
+
+
+def make_batch(task, sentences, targets):
+    """A fairseq-style sample (left-padded source, right-padded target) from word lists."""
+    from fairseq.data import LanguagePairDataset
+
+    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
+    src = [src_dict.encode_line(s, add_if_not_exist=False).long() for s in sentences]
+    tgt = [tgt_dict.encode_line(t, add_if_not_exist=False).long() for t in targets]
+    dataset = LanguagePairDataset(src, [len(s) for s in src], src_dict, tgt, [len(t) for t in tgt], tgt_dict)
+    return dataset.collater([dataset[i] for i in range(len(src))])
+
+
+@pytest.fixture
+def tiny_batch(kd_task):
+    return make_batch(
+        kd_task,
+        ["w1 w2 w3", "w4 w5 w6 w7 w8 w9", "w10 w11"],
+        ["W3 W2 W1", "W9 W8 W7 W6 W5 W4", "W11 W10"],
+    )
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
