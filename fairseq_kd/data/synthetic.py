@@ -1,0 +1,420 @@
+"""Synthetic parallel corpus between two invented languages, for the teacher -> student demo.
+
+The corpus has to be learnable by a tiny Transformer on 2 CPU cores in about two minutes, yet hard
+enough that a bigger teacher beats a small student and distillation has something to transfer.
+Every source sentence has exactly one correct translation (the target is a function of the source
+string), so a perfect system scores BLEU 100.
+
+Grammar
+-------
+Source ("src", SVO, head-initial, almost no morphology)::
+
+    S        -> CLAUSE ("i" CLAUSE)? "."                  "i" = and (probability 0.2)
+    CLAUSE   -> SUBJ "ne"? VERB OBJ? PP?                  OBJ iff VERB is transitive; "ne" = not
+    SUBJ     -> PRON | NP                                 PRON in {mi, tu, nos, vos} (1sg 2sg 1pl 2pl)
+    OBJ      -> NP
+    NP       -> DET? NOUN ADJ{0,2} RC?                    DET omitted only for (bare) plurals
+    RC       -> "ki" VERB OBJ'?                           subject relative clause, "ki" = that
+    OBJ'     -> DET? NOUN ADJ{0,2}                        (no further embedding)
+    PP       -> PREP DET? NOUN ADJ{0,2}
+    NOUN     -> N | N N                                   N N: one of a few listed noun compounds
+    DET      -> la (the) | un (a, singular) | kem (some, plural) | esi (this/these)
+
+Source nouns have no gender; plural is the suffix "-s" on the (last) noun word; verbs do not inflect.
+
+Target ("tgt", SOV, head-final, rich agreement)::
+
+    S'       -> CLAUSE' ("e" CLAUSE')? "."
+    CLAUSE'  -> SUBJ' PP'? (NP' "ko")? "ma"? VERB'+agr(subject)       "ko" marks the object
+    NP'      -> RC'? DET'+agr ADJ'_k+agr ... ADJ'_1+agr NOUN'          adjectives mirrored
+    RC'      -> (NP' "ko")? VERB'+agr(head noun) "ke"                   relative clause before its head
+    PP'      -> NP' POSTP                                              postpositions
+    NOUN'    -> stem (singular) | stem + "en" (plural)
+
+Every target noun has a lexical gender m/f/n (10 nouns each; a compound takes its head's gender)
+that is not visible in either language's noun form. Determiners, adjectives and verbs end in a
+consonant-final stem followed by an all-vowel agreement suffix:
+
+    3rd person (det, adj, verb)      m.sg -o   f.sg -a   n.sg -u   m.pl -oi   f.pl -ai   n.pl -ui
+    1st/2nd person (verb only)       1sg -e    2sg -i    1pl -eo   2pl -io
+
+Determiners, adjectives and relative-clause verbs agree with their head noun; the clause-final verb
+agrees with the subject (pronoun person/number, or the subject noun's gender/number). Target
+determiner stems: d- (la), n- (un, kem), s- (esi); pronouns ja, ty, my, vy.
+
+Lexical mapping (fixed; content words are invented once from LEXICON_SEED, independent of the
+corpus seed): 30 nouns, 6 two-word source compounds that become one target word (modifier stem +
+head stem), 14 adjectives, 16 verbs (10 transitive) of which 4 become two target words
+(an uninflected noun + the inflected light verb "kav-"), 5 prepositions of which "tras" becomes
+the two-word postposition "ura lim". "un" and "kem" both become "n-"; "ko" and "ke" have no
+source counterpart. Sentences with fewer than MIN_TOKENS or more than MAX_TOKENS tokens on either
+side (counting ".") are resampled; source length averages about 9 tokens.
+
+Why it is learnable: a deterministic context-free transduction over a vocabulary of about 110
+source and 320 target types, with every construction seen thousands of times in 20k pairs.
+Why it is hard for a small model: (1) reordering at several levels: verb to the end, PP in front
+of the object, adjectives mirrored in front of the noun, and relative clauses (with their own
+object) moved in front of the determiner of their head; (2) agreement that needs a memorised,
+unmarked lexical gender, and that is long-distance: the final verb agrees with the subject across
+the PP, the object and any relative clause, whose own noun sits nearer to the verb in the target;
+(3) words that do not map one to one: 2->1 compounds, 1->2 light verbs and postpositions, two
+source determiners sharing one target stem, target-only object and relative markers.
+
+Example (glossed; target "bekim" and "hulap" are masculine, "numat" neuter)::
+
+    src: un kitepa lize kem lilefos ki tebi la ponu .
+         a kitepa sees some lilefo-PL that tebi the ponu
+    tgt: no bekim du numat ko vutoi ke noi hulapen ko ravato .
+         a-M.SG kitepa [the-N.SG ponu OBJ tebi-M.PL REL] some-M.PL lilefo-PL OBJ sees-M.SG
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional, Sequence, Union
+
+GRAMMAR_VERSION = 1  # bump whenever the generated sentences change, so stale corpora are not reused
+LEXICON_SEED = 20240611
+MIN_TOKENS, MAX_TOKENS = 3, 20
+SPLITS = ("train", "valid", "test")
+MANIFEST_NAME = "corpus.json"
+
+GENDERS = ("m", "f", "n")
+AGREEMENT_SUFFIX = {("m", "sg"): "o", ("f", "sg"): "a", ("n", "sg"): "u",
+                    ("m", "pl"): "oi", ("f", "pl"): "ai", ("n", "pl"): "ui"}
+PERSON_SUFFIX = {"1sg": "e", "2sg": "i", "1pl": "eo", "2pl": "io"}
+TARGET_NOUN_PLURAL, SOURCE_NOUN_PLURAL = "en", "s"
+
+PRONOUNS = {"mi": ("ja", "1sg"), "tu": ("ty", "2sg"), "nos": ("my", "1pl"), "vos": ("vy", "2pl")}
+# source determiner -> target stem; "un" only occurs in the singular and "kem" in the plural
+DETERMINERS = {"la": "d", "un": "n", "kem": "n", "esi": "s"}
+SINGULAR_DETERMINERS = (("la", 0.5), ("un", 0.3), ("esi", 0.2))
+PLURAL_DETERMINERS = (("la", 0.4), ("kem", 0.25), ("esi", 0.15), (None, 0.2))
+PREPOSITIONS = {"en": ("ni",), "sur": ("ge",), "kon": ("pel",), "de": ("ra",), "tras": ("ura", "lim")}
+SOURCE_PARTICLES = {"and": "i", "not": "ne", "rel": "ki"}
+TARGET_PARTICLES = {"and": "e", "not": "ma", "rel": "ke", "object": "ko"}
+LIGHT_VERB_STEM = "kav"
+
+NOUN_COUNT, COMPOUND_COUNT, ADJECTIVE_COUNT = 30, 6, 14
+TRANSITIVE_VERB_COUNT, INTRANSITIVE_VERB_COUNT = 10, 6
+LIGHT_VERB_COUNT = 2  # per kind (transitive, intransitive)
+
+# Sampling probabilities (tuned for a mean source length of about 9 tokens).
+P_PRONOUN_SUBJECT, P_PLURAL, P_COMPOUND = 0.25, 0.35, 0.1
+ADJECTIVE_COUNT_WEIGHTS = ((0, 0.55), (1, 0.35), (2, 0.10))
+P_RELATIVE, P_PP, P_NEGATION, P_COORDINATION = 0.12, 0.3, 0.1, 0.2
+
+
+@dataclass(frozen=True)
+class Noun:
+    source: tuple[str, ...]  # singular source word(s)
+    target: str  # consonant-final target stem
+    gender: str
+
+    def source_form(self, plural: bool) -> list[str]:
+        return [*self.source[:-1], self.source[-1] + SOURCE_NOUN_PLURAL * plural]
+
+    def target_form(self, plural: bool) -> str:
+        return self.target + TARGET_NOUN_PLURAL * plural
+
+
+@dataclass(frozen=True)
+class Adjective:
+    source: str
+    target: str  # consonant-final stem
+
+
+@dataclass(frozen=True)
+class Verb:
+    source: str
+    target_stem: str
+    transitive: bool
+    target_prefix: tuple[str, ...] = ()  # uninflected noun of a light-verb construction
+
+    def target_form(self, suffix: str) -> list[str]:
+        return [*self.target_prefix, self.target_stem + suffix]
+
+
+@dataclass(frozen=True)
+class Lexicon:
+    nouns: tuple[Noun, ...]
+    compounds: tuple[Noun, ...]
+    adjectives: tuple[Adjective, ...]
+    verbs: tuple[Verb, ...]
+
+
+def _inventor(rng: random.Random, used: set[str], consonants: str):
+    """Return a function inventing a fresh stem none of whose inflected forms is used so far."""
+    def invent(syllables: Sequence[int], final: str, suffixes: Sequence[str]) -> str:
+        while True:
+            stem = "".join(rng.choice(consonants) + rng.choice("aeiou")
+                           for _ in range(rng.choice(syllables)))
+            stem += rng.choice(final) if final else ""
+            forms = {stem + suffix for suffix in suffixes}
+            if used.isdisjoint(forms):
+                used.update(forms)
+                return stem
+    return invent
+
+
+@functools.lru_cache(maxsize=1)
+def build_lexicon() -> Lexicon:
+    """The fixed lexicon (a pure function of LEXICON_SEED); every surface form is unique per language.
+
+    Uniqueness of the forms (function words included) is what keeps the source unambiguous, and
+    consonant-final target stems make every agreement suffix the word's trailing vowels.
+    """
+    rng = random.Random(LEXICON_SEED)
+    agreeing = tuple(AGREEMENT_SUFFIX.values())
+    conjugating = agreeing + tuple(PERSON_SUFFIX.values())
+    noun_plural, target_noun_plural = ("", SOURCE_NOUN_PLURAL), ("", TARGET_NOUN_PLURAL)
+    src_used = {*PRONOUNS, *DETERMINERS, *PREPOSITIONS, *SOURCE_PARTICLES.values(), "."}
+    tgt_used = {pronoun for pronoun, _ in PRONOUNS.values()}
+    tgt_used |= {word for words in PREPOSITIONS.values() for word in words}
+    tgt_used |= {*TARGET_PARTICLES.values(), ".", *(LIGHT_VERB_STEM + s for s in conjugating)}
+    tgt_used |= {stem + s for stem in DETERMINERS.values() for s in agreeing}
+    src_word = _inventor(rng, src_used, "bdfgklmnprstvz")
+    tgt_word = _inventor(rng, tgt_used, "bcdfghjklmnprstvz")
+    consonant_final = "bdgklmnprst"
+
+    nouns = tuple(Noun((src_word((2, 2, 3), "", noun_plural),),
+                       tgt_word((1, 2), consonant_final, target_noun_plural), GENDERS[i % len(GENDERS)])
+                  for i in range(NOUN_COUNT))
+    compounds = []
+    while len(compounds) < COMPOUND_COUNT:
+        modifier, head = rng.sample(nouns, 2)
+        forms = {modifier.target + head.target + suffix for suffix in target_noun_plural}
+        if tgt_used.isdisjoint(forms):  # else a repeated pair or a clash with a noun: redraw
+            tgt_used |= forms
+            compounds.append(Noun(modifier.source + head.source, modifier.target + head.target,
+                                  head.gender))
+    adjectives = tuple(Adjective(src_word((2,), "lnr", ("",)), tgt_word((1, 2), consonant_final, agreeing))
+                       for _ in range(ADJECTIVE_COUNT))
+    verbs = []
+    for transitive, count in ((True, TRANSITIVE_VERB_COUNT), (False, INTRANSITIVE_VERB_COUNT)):
+        for index in range(count):
+            source = src_word((2,), "", ("",))
+            if index >= count - LIGHT_VERB_COUNT:  # the last few of each kind are light verbs
+                light_noun = tgt_word((1,), consonant_final, ("",))
+                verbs.append(Verb(source, LIGHT_VERB_STEM, transitive, (light_noun,)))
+            else:
+                verbs.append(Verb(source, tgt_word((1, 2), consonant_final, conjugating), transitive))
+    return Lexicon(nouns, tuple(compounds), adjectives, tuple(verbs))
+
+
+# --------------------------------------------------------------------------- sentence structure
+
+
+@dataclass(frozen=True)
+class NounPhrase:
+    noun: Noun
+    plural: bool
+    determiner: Optional[str]  # a key of DETERMINERS, or None for a bare plural
+    adjectives: tuple[Adjective, ...]
+    relative: Optional["RelativeClause"] = None
+
+    @property
+    def agreement(self) -> str:
+        return AGREEMENT_SUFFIX[(self.noun.gender, "pl" if self.plural else "sg")]
+
+
+@dataclass(frozen=True)
+class RelativeClause:
+    verb: Verb
+    obj: Optional[NounPhrase]
+
+
+@dataclass(frozen=True)
+class Clause:
+    subject: Union[str, NounPhrase]  # a source pronoun or a noun phrase
+    negated: bool
+    verb: Verb
+    obj: Optional[NounPhrase]
+    pp: Optional[tuple[str, NounPhrase]]
+
+
+def _weighted(rng: random.Random, options):
+    values, weights = zip(*options)
+    return rng.choices(values, weights)[0]
+
+
+def _sample_np(rng: random.Random, lex: Lexicon, allow_relative: bool) -> NounPhrase:
+    noun = rng.choice(lex.compounds if rng.random() < P_COMPOUND else lex.nouns)
+    plural = rng.random() < P_PLURAL
+    determiner = _weighted(rng, PLURAL_DETERMINERS if plural else SINGULAR_DETERMINERS)
+    adjectives = tuple(rng.sample(lex.adjectives, _weighted(rng, ADJECTIVE_COUNT_WEIGHTS)))
+    relative = None
+    if allow_relative and rng.random() < P_RELATIVE:
+        verb = rng.choice(lex.verbs)
+        relative = RelativeClause(verb, _sample_np(rng, lex, False) if verb.transitive else None)
+    return NounPhrase(noun, plural, determiner, adjectives, relative)
+
+
+def _sample_clause(rng: random.Random, lex: Lexicon) -> Clause:
+    subject = (rng.choice(list(PRONOUNS)) if rng.random() < P_PRONOUN_SUBJECT
+               else _sample_np(rng, lex, True))
+    negated = rng.random() < P_NEGATION
+    verb = rng.choice(lex.verbs)
+    obj = _sample_np(rng, lex, True) if verb.transitive else None
+    pp = (rng.choice(list(PREPOSITIONS)), _sample_np(rng, lex, False)) if rng.random() < P_PP else None
+    return Clause(subject, negated, verb, obj, pp)
+
+
+def _source_np(phrase: NounPhrase) -> list[str]:
+    words = [phrase.determiner] if phrase.determiner else []
+    words += phrase.noun.source_form(phrase.plural) + [a.source for a in phrase.adjectives]
+    if phrase.relative:
+        words += [SOURCE_PARTICLES["rel"], phrase.relative.verb.source]
+        words += _source_np(phrase.relative.obj) if phrase.relative.obj else []
+    return words
+
+
+def _target_np(phrase: NounPhrase) -> list[str]:
+    words = []
+    if phrase.relative:
+        if phrase.relative.obj:
+            words += _target_np(phrase.relative.obj) + [TARGET_PARTICLES["object"]]
+        words += phrase.relative.verb.target_form(phrase.agreement) + [TARGET_PARTICLES["rel"]]
+    words += [DETERMINERS[phrase.determiner] + phrase.agreement] if phrase.determiner else []
+    words += [a.target + phrase.agreement for a in reversed(phrase.adjectives)]
+    return words + [phrase.noun.target_form(phrase.plural)]
+
+
+def _source_clause(clause: Clause) -> list[str]:
+    subject = [clause.subject] if isinstance(clause.subject, str) else _source_np(clause.subject)
+    words = subject + [SOURCE_PARTICLES["not"]] * clause.negated + [clause.verb.source]
+    words += _source_np(clause.obj) if clause.obj else []
+    return words + (([clause.pp[0]] + _source_np(clause.pp[1])) if clause.pp else [])
+
+
+def _target_clause(clause: Clause) -> list[str]:
+    if isinstance(clause.subject, str):
+        pronoun, person = PRONOUNS[clause.subject]
+        words, agreement = [pronoun], PERSON_SUFFIX[person]
+    else:
+        words, agreement = _target_np(clause.subject), clause.subject.agreement
+    words += (_target_np(clause.pp[1]) + list(PREPOSITIONS[clause.pp[0]])) if clause.pp else []
+    words += (_target_np(clause.obj) + [TARGET_PARTICLES["object"]]) if clause.obj else []
+    words += [TARGET_PARTICLES["not"]] * clause.negated
+    return words + clause.verb.target_form(agreement)
+
+
+def sample_sentence_pair(rng: random.Random, lexicon: Optional[Lexicon] = None) -> tuple[str, str]:
+    """One (source, target) pair of space-separated tokens, both MIN_TOKENS..MAX_TOKENS long."""
+    lex = lexicon or build_lexicon()
+    while True:
+        clauses = [_sample_clause(rng, lex)]
+        if rng.random() < P_COORDINATION:
+            clauses.append(_sample_clause(rng, lex))
+        source = _join(map(_source_clause, clauses), SOURCE_PARTICLES["and"])
+        target = _join(map(_target_clause, clauses), TARGET_PARTICLES["and"])
+        if all(MIN_TOKENS <= len(side) <= MAX_TOKENS for side in (source, target)):
+            return " ".join(source), " ".join(target)
+
+
+def _join(clauses, conjunction: str) -> list[str]:
+    words = []
+    for clause in clauses:
+        words += ([conjunction] if words else []) + clause
+    return words + ["."]
+
+
+# --------------------------------------------------------------------------- corpus and files
+
+
+def generate_corpus(seed: int, sizes: Mapping[str, int]) -> dict[str, list[tuple[str, str]]]:
+    """Disjoint splits of distinct source sentences, a pure function of ``seed`` and ``sizes``.
+
+    Pairs are drawn i.i.d., deduplicated by source sentence, shuffled, then cut into the splits in
+    the order of ``sizes``; shuffling after deduplication keeps the splits identically distributed
+    (otherwise the first split would collect the frequent short sentences).
+    """
+    rng, lexicon = random.Random(seed), build_lexicon()
+    total = sum(sizes.values())
+    translations: dict[str, str] = {}
+    for _ in range(20 * total + 1000):
+        if len(translations) == total:
+            break
+        source, target = sample_sentence_pair(rng, lexicon)
+        if translations.setdefault(source, target) != target:
+            raise AssertionError(f"grammar is ambiguous: {source!r} has two translations")
+    else:
+        raise ValueError(f"could not draw {total} distinct sentences; ask for a smaller corpus")
+    pairs = list(translations.items())
+    rng.shuffle(pairs)
+    splits, start = {}, 0
+    for name, size in sizes.items():
+        splits[name], start = pairs[start:start + size], start + size
+    return splits
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _existing_corpus_matches(out_dir: Path, parameters: dict) -> bool:
+    manifest_path = out_dir / MANIFEST_NAME
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if manifest.get("grammar_version") != GRAMMAR_VERSION or manifest.get("parameters") != parameters:
+        return False
+    files = manifest.get("sha256", {})
+    return bool(files) and all((out_dir / name).is_file() and _sha256(out_dir / name) == digest
+                               for name, digest in files.items())
+
+
+def write_corpus(out_dir: Union[str, Path], seed: int = 1, train_size: int = 20000,
+                 valid_size: int = 500, test_size: int = 500, source_lang: str = "src",
+                 target_lang: str = "tgt", force: bool = False) -> str:
+    """Write ``{train,valid,test}.{source_lang,target_lang}`` and ``corpus.json`` into ``out_dir``.
+
+    Returns "reused" when ``out_dir`` already holds a corpus whose manifest records the same
+    parameters and whose files still match the recorded SHA-256 checksums, else "written".
+    A non-empty ``out_dir`` holding anything else is left untouched (FileExistsError) unless
+    ``force``, in which case the corpus files and manifest are overwritten and other files kept.
+    """
+    out_dir = Path(out_dir)
+    for name, size in (("train_size", train_size), ("valid_size", valid_size), ("test_size", test_size)):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} (--{name.replace('_', '-')}) must be a positive integer, "
+                             f"got {size!r}")
+    for name, lang in (("source_lang", source_lang), ("target_lang", target_lang)):
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", lang):
+            raise ValueError(f"{name} (--{name.replace('_', '-')}) must be a non-empty file suffix of "
+                             f"letters, digits, '_' or '-', got {lang!r}")
+    if source_lang == target_lang:
+        raise ValueError(f"source_lang and target_lang (--source-lang, --target-lang) must differ, "
+                         f"both are {source_lang!r}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"output folder {out_dir} (--output-dir) exists and is not a folder")
+
+    parameters = {"seed": seed, "train_size": train_size, "valid_size": valid_size,
+                  "test_size": test_size, "source_lang": source_lang, "target_lang": target_lang}
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        if _existing_corpus_matches(out_dir, parameters):
+            return "reused"
+        if not force:
+            raise FileExistsError(
+                f"output folder {out_dir} is not empty and holds no corpus made with these parameters "
+                f"(see {MANIFEST_NAME}); choose another folder or pass --force to overwrite")
+
+    splits = generate_corpus(seed, dict(zip(SPLITS, (train_size, valid_size, test_size))))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    checksums = {}
+    for split, pairs in splits.items():
+        for side, lang in enumerate((source_lang, target_lang)):
+            path = out_dir / f"{split}.{lang}"
+            path.write_text("".join(pair[side] + "\n" for pair in pairs), encoding="utf-8")
+            checksums[path.name] = _sha256(path)
+    # the manifest is written last, so an interrupted run is never mistaken for a finished one
+    manifest = {"generator": __name__, "grammar_version": GRAMMAR_VERSION,
+                "parameters": parameters, "sha256": checksums}
+    (out_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return "written"
