@@ -18,8 +18,10 @@ setup(
         "console_scripts": [
             "fairseq-kd-score = fairseq_kd.cli.score:cli_main",
             "fairseq-kd-report = fairseq_kd.cli.report:cli_main",
+            "fairseq-kd-plot = fairseq_kd.cli.plot:cli_main",
             "fairseq-kd-export = fairseq_kd.cli.export_student:cli_main",
             "fairseq-kd-make-corpus = fairseq_kd.cli.make_corpus:cli_main",
+            "fairseq-kd-seqkd = fairseq_kd.cli.seqkd_decode:cli_main",
         ]
     },
 )

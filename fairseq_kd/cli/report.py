@@ -1,0 +1,152 @@
+"""Results table for several systems on one test set, as papers print it: BLEU with its 95%
+bootstrap interval, difference to a baseline with a paired bootstrap p-value, parameter count and
+decoding speed.
+
+Example::
+
+    fairseq-kd-report --system teacher=scores/teacher.json --system no_kd=scores/no_kd.json \\
+        --system word_kd=gen/word_kd.txt --detok-moses en --baseline no_kd \\
+        --params teacher=31500000 --speed teacher=41.2 --sidecar sizes.json \\
+        --out-prefix results/iwslt14_3layer
+
+Each ``--system`` file is a score record (``fairseq-kd-score --output-json``) or a fairseq-generate
+output (scored here with the detokenisation flags). Intervals and p-values of all systems are
+computed on one shared set of resamples. The Markdown table goes to stdout and, with
+``--out-prefix P``, to ``P.md``, ``P.csv`` and ``P.json``.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from fairseq_kd.cli.score import add_scoring_arguments, split_name_and_path
+from fairseq_kd.scoring.bleu import BleuSettings, check_n_bootstrap
+from fairseq_kd.scoring.report import (
+    TextProcessing,
+    build_report,
+    check_outputs_free,
+    load_system,
+    read_sidecar,
+    report_markdown,
+    report_paths,
+    write_report,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fairseq-kd-report",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--system",
+        action="append",
+        required=True,
+        metavar="NAME=FILE",
+        help="a system and its score record JSON or fairseq-generate output; repeat per system "
+        "(table rows keep this order)",
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="NAME",
+        default=None,
+        help="system that every other one is compared with (difference and paired p-value)",
+    )
+    parser.add_argument(
+        "--params",
+        action="append",
+        default=[],
+        metavar="NAME=N",
+        help="parameter count of a system (shipped model, without training-only modules); repeat",
+    )
+    parser.add_argument(
+        "--speed",
+        action="append",
+        default=[],
+        metavar="NAME=SENTS_PER_SEC",
+        help="decoding speed of a system in sentences per second; repeat",
+    )
+    parser.add_argument(
+        "--sidecar",
+        type=Path,
+        metavar="FILE",
+        help='JSON {"NAME": {"params": N, "sents_per_sec": X}, ...}; --params/--speed flags '
+        "override its values",
+    )
+    add_scoring_arguments(parser)
+    parser.add_argument(
+        "--out-prefix",
+        type=Path,
+        metavar="PATH",
+        help="also write PATH.md, PATH.csv and PATH.json",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace existing --out-prefix files"
+    )
+    return parser
+
+
+def parse_named_numbers(values: List[str], flag: str, convert) -> Dict:
+    parsed = {}
+    for value in values:
+        name, separator, number = value.partition("=")
+        if not separator or not name:
+            raise ValueError(f"{flag} expects NAME=NUMBER, got {value!r}")
+        try:
+            parsed[name] = convert(number)
+        except ValueError:
+            raise ValueError(f"{flag} {value!r}: {number!r} is not a number") from None
+        if parsed[name] < 0:
+            raise ValueError(f"{flag} {value!r}: must not be negative")
+    return parsed
+
+
+def parameter_count(text: str) -> int:
+    """An integer count; scientific notation (``3.15e7``) is accepted if it is whole."""
+    number = float(text)
+    if number != int(number):
+        raise ValueError(text)
+    return int(number)
+
+
+def cli_main(argv: Optional[List[str]] = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        named_paths = [split_name_and_path(value, "--system") for value in args.system]
+        for name, path in named_paths:
+            if not path.is_file():
+                raise FileNotFoundError(f"--system {name}: file {str(path)!r} does not exist")
+        check_n_bootstrap(args.bootstrap)
+        settings = BleuSettings(tokenize=args.tokenize, lowercase=args.lowercase)
+        names = [name for name, _ in named_paths]
+        # A sidecar may describe more systems than this table shows; only the shown ones count.
+        extras = read_sidecar(args.sidecar) if args.sidecar is not None else {}
+        params = {name: values["params"] for name, values in extras.items() if "params" in values and name in names}
+        speeds = {
+            name: values["sents_per_sec"]
+            for name, values in extras.items()
+            if "sents_per_sec" in values and name in names
+        }
+        params.update(parse_named_numbers(args.params, "--params", parameter_count))
+        speeds.update(parse_named_numbers(args.speed, "--speed", float))
+        if args.baseline is not None and args.baseline not in names:
+            raise ValueError(f"--baseline {args.baseline!r} is not one of the --system names {names}")
+        if args.out_prefix is not None:
+            check_outputs_free(report_paths(args.out_prefix).values(), args.overwrite, "--out-prefix")
+        processing = TextProcessing(remove_bpe=args.remove_bpe, moses_lang=args.detok_moses)
+        systems = [
+            load_system(name, path, processing, settings, 0, args.seed) for name, path in named_paths
+        ]
+        report = build_report(systems, args.baseline, params, speeds, args.bootstrap, args.seed)
+    except (argparse.ArgumentTypeError, ValueError, FileNotFoundError, FileExistsError) as error:
+        parser.error(str(error))
+    print(report_markdown(report), end="")
+    if args.out_prefix is not None:
+        write_report(report, args.out_prefix, overwrite=args.overwrite)
+
+
+if __name__ == "__main__":
+    cli_main()

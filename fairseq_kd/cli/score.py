@@ -1,0 +1,242 @@
+"""Score one system with sacreBLEU: corpus BLEU, 95% bootstrap interval, and optionally a paired
+bootstrap test against a baseline.
+
+Examples::
+
+    # fairseq-generate output of an IWSLT'14 model (BPE + Moses, generated with --remove-bpe)
+    fairseq-kd-score --generate-output gen.txt --detok-moses en --system word_kd \\
+        --baseline no_kd=scores/no_kd.json --output-json scores/word_kd.json \\
+        --output-md scores/table.md
+
+    # plain files
+    fairseq-kd-score --hyp hyp.bpe.txt --ref test.bpe.en --remove-bpe subword_nmt
+
+The JSON score record (format in ``fairseq_kd.scoring.report``) keeps per-sentence BLEU statistics,
+so later runs and ``fairseq-kd-report`` can run paired tests without the text.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import List, Optional
+
+from sacrebleu.metrics.bleu import BLEU
+
+from fairseq_kd.scoring.bleu import DEFAULT_N_BOOTSTRAP, DEFAULT_SEED, BleuSettings, check_n_bootstrap
+from fairseq_kd.scoring.detok import BPE_SCHEMES
+from fairseq_kd.scoring.report import (
+    TextProcessing,
+    append_score_row,
+    check_outputs_free,
+    check_score_table,
+    compare_with_baseline,
+    format_interval,
+    format_p_value,
+    load_system,
+    paired_record,
+    score_generate_output,
+    score_record,
+    score_text_files,
+    write_json,
+)
+
+
+def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared with fairseq-kd-report: how text is detokenised and how BLEU is computed."""
+    group = parser.add_argument_group("detokenisation and BLEU")
+    group.add_argument(
+        "--remove-bpe",
+        choices=BPE_SCHEMES,
+        default="none",
+        help="undo subword segmentation before scoring: subword_nmt joins '@@ ' pieces, "
+        "sentencepiece joins pieces at '\u2581'; 'none' if fairseq-generate already ran with "
+        "--remove-bpe/--post-process (default: none)",
+    )
+    group.add_argument(
+        "--detok-moses",
+        metavar="LANG",
+        default=None,
+        help="Moses-detokenise for target language LANG (sacremoses) after removing BPE; only for "
+        "recipes that Moses-tokenised the text (IWSLT'14), never for SentencePiece recipes",
+    )
+    group.add_argument(
+        "--tokenize",
+        choices=sorted(BLEU.TOKENIZERS),
+        default=BLEU.TOKENIZER_DEFAULT,
+        help="sacreBLEU tokenizer: 13a (default) for European languages, zh for Chinese",
+    )
+    group.add_argument(
+        "--lowercase",
+        action="store_true",
+        help="case-insensitive BLEU (sacreBLEU -lc); for corpora lowercased in preparation it "
+        "changes nothing",
+    )
+    group.add_argument(
+        "--bootstrap",
+        type=int,
+        default=DEFAULT_N_BOOTSTRAP,
+        metavar="N",
+        help=f"number of bootstrap resamples for the 95%% interval and paired test, 0 to switch "
+        f"off (default: {DEFAULT_N_BOOTSTRAP})",
+    )
+    group.add_argument(
+        "--seed",
+        type=int,
+        default=DEFAULT_SEED,
+        help=f"seed of the resampling; the default {DEFAULT_SEED} is sacreBLEU's, so intervals "
+        "match sacrebleu --confidence",
+    )
+
+
+def split_name_and_path(value: str, flag: str) -> tuple:
+    name, separator, path = value.partition("=")
+    if not separator or not name or not path:
+        raise argparse.ArgumentTypeError(f"{flag} expects NAME=FILE, got {value!r}")
+    return name, Path(path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fairseq-kd-score",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    source = parser.add_argument_group("input (either --generate-output, or --hyp with --ref)")
+    source.add_argument(
+        "--generate-output",
+        type=Path,
+        metavar="FILE",
+        help="fairseq-generate output (H-/D-/T- lines); hypotheses from D- lines when present",
+    )
+    source.add_argument("--hyp", type=Path, metavar="FILE", help="hypotheses, one per line")
+    source.add_argument("--ref", type=Path, metavar="FILE", help="references, line-parallel to --hyp")
+    source.add_argument(
+        "--ref-is-plain",
+        action="store_true",
+        help="the --ref file is already plain detokenised text: apply --remove-bpe and "
+        "--detok-moses to the hypotheses only",
+    )
+    add_scoring_arguments(parser)
+    parser.add_argument(
+        "--system",
+        default=None,
+        help="system name for the outputs (default: the input file name without extension)",
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="NAME=FILE",
+        default=None,
+        help="baseline for a paired bootstrap test: a score record JSON from an earlier run, or a "
+        "fairseq-generate output (scored with the same flags)",
+    )
+    parser.add_argument(
+        "--output-json", type=Path, metavar="FILE", help="write the score record (JSON) here"
+    )
+    parser.add_argument(
+        "--output-md",
+        type=Path,
+        metavar="FILE",
+        help="append a row to this Markdown table (header written if the file is new)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --output-json file"
+    )
+    return parser
+
+
+def validate_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """All checks that need no scoring, so that bad input fails before any work."""
+    if args.generate_output is not None and (args.hyp is not None or args.ref is not None):
+        parser.error("give either --generate-output, or --hyp and --ref, not both")
+    if args.generate_output is None and (args.hyp is None or args.ref is None):
+        parser.error("give --generate-output FILE, or both --hyp FILE and --ref FILE")
+    if args.ref_is_plain and args.generate_output is not None:
+        parser.error("--ref-is-plain applies to --ref only; fairseq-generate T- lines are "
+                     "processed like the hypotheses")
+    inputs = (
+        [("--generate-output", args.generate_output)]
+        if args.generate_output is not None
+        else [("--hyp", args.hyp), ("--ref", args.ref)]
+    )
+    if args.baseline is not None:
+        try:
+            args.baseline_name, args.baseline_path = split_name_and_path(args.baseline, "--baseline")
+        except argparse.ArgumentTypeError as error:
+            parser.error(str(error))
+        inputs.append(("--baseline", args.baseline_path))
+        if args.bootstrap == 0:
+            parser.error("--baseline needs resampling for the paired test; drop --bootstrap 0")
+    for flag, path in inputs:
+        if not path.is_file():
+            parser.error(f"{flag}: file {str(path)!r} does not exist")
+    try:
+        check_n_bootstrap(args.bootstrap)
+        args.settings = BleuSettings(tokenize=args.tokenize, lowercase=args.lowercase)
+        if args.output_json is not None:
+            check_outputs_free([args.output_json], args.overwrite, "--output-json")
+        if args.output_md is not None:
+            check_score_table(args.output_md)
+    except (ValueError, FileExistsError) as error:
+        parser.error(str(error))
+    if args.system is None:
+        args.system = (args.generate_output or args.hyp).stem
+
+
+def cli_main(argv: Optional[List[str]] = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    validate_arguments(parser, args)
+    processing = TextProcessing(remove_bpe=args.remove_bpe, moses_lang=args.detok_moses)
+    try:
+        # The baseline first: a bad record then fails before the (longer) scoring of the system.
+        baseline = None
+        if args.baseline is not None:
+            baseline = load_system(
+                args.baseline_name, args.baseline_path, processing, args.settings, 0, args.seed
+            )
+        if args.generate_output is not None:
+            system = score_generate_output(
+                args.system, args.generate_output, processing, args.settings, args.bootstrap, args.seed
+            )
+        else:
+            system = score_text_files(
+                args.system,
+                args.hyp,
+                args.ref,
+                processing,
+                args.settings,
+                args.bootstrap,
+                args.seed,
+                ref_is_plain=args.ref_is_plain,
+            )
+        paired = None
+        if baseline is not None:
+            paired = paired_record(args.baseline_name, compare_with_baseline(system, baseline))
+    except (ValueError, FileNotFoundError) as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    record = score_record(system, paired)
+
+    result = system.result
+    line = f"{system.name}: BLEU = {result.score:.2f}"
+    if result.n_bootstrap:
+        line += f" (95% CI {format_interval(result.ci_low, result.ci_high)}, {result.n_bootstrap} resamples)"
+    print(line)
+    print(f"  {result.verbose}")
+    print(f"  signature: {result.signature}")
+    if paired is not None:
+        print(
+            f"  vs {paired['baseline']} ({paired['baseline_bleu']:.2f}): "
+            f"{paired['difference']:+.2f} BLEU, 95% CI of the difference "
+            f"{format_interval(paired['difference_ci_low'], paired['difference_ci_high'])}, "
+            f"p = {format_p_value(paired['p_value'], paired['n_bootstrap'])} (paired bootstrap)"
+        )
+    if args.output_json is not None:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        write_json(args.output_json, record)
+    if args.output_md is not None:
+        args.output_md.parent.mkdir(parents=True, exist_ok=True)
+        append_score_row(args.output_md, record)
+
+
+if __name__ == "__main__":
+    cli_main()

@@ -1,0 +1,6 @@
+"""Scoring and reporting: detokenisation, sacreBLEU with bootstrap intervals and paired
+significance, paper-style result tables, and plots.
+
+Deliberately free of torch and fairseq imports so that scoring runs fast and on machines without
+the training stack; import the submodules (``fairseq_kd.scoring.bleu`` and so on) directly.
+"""

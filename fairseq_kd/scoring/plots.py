@@ -1,0 +1,353 @@
+"""Figures for the distillation experiments, drawn with matplotlib's object-oriented API (a
+``matplotlib.figure.Figure`` rendered by the Agg canvas: no pyplot, no display, no global backend
+switch), each function returning the Figure so that callers and tests can inspect its axes.
+
+- :func:`plot_alignment_heatmaps`: the learned weights of Align-to-Distill's Attention Alignment
+  Modules (Jin et al. 2024, Eq. 9; the paper's Figure 2), student maps x teacher maps per
+  attention kind.
+- :func:`plot_alp_weights`: ALP-KD's attention of each student layer over teacher layers
+  (Passban et al. 2021, Eq. 5-6, the ``alpha_jk``).
+- :func:`plot_training_curves`: every loss term of a fairseq training log against the update
+  number (:func:`parse_fairseq_log` reads both ``--log-format json`` and ``simple``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import numpy as np
+from matplotlib.figure import Figure
+
+ATTENTION_KIND_TITLES = {
+    "encoder_self": "Encoder self-attention",
+    "decoder_self": "Decoder self-attention",
+    "decoder_cross": "Decoder cross-attention",
+}
+
+
+def save_figure(figure: Figure, path: Path, dpi: int = 150) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=dpi, bbox_inches="tight")
+    return path
+
+
+def load_json(path: Path, what: str):
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} file {str(path)!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{what} file {path}: not valid JSON ({error})") from None
+
+
+def _finite_matrix(values, what: str) -> np.ndarray:
+    try:
+        matrix = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: expected a rectangular list of lists of numbers") from None
+    if matrix.ndim != 2 or matrix.size == 0:
+        raise ValueError(f"{what}: expected a non-empty 2-D list of numbers, got shape {matrix.shape}")
+    if not np.all(np.isfinite(matrix)):
+        raise ValueError(f"{what}: contains NaN or infinite values")
+    return matrix
+
+
+def _map_labels(layers: int, heads: int) -> List[str]:
+    """``layer.head`` (1-based) for each attention map, in layer-major order."""
+    return [f"{layer}.{head}" for layer in range(1, layers + 1) for head in range(1, heads + 1)]
+
+
+def _positive_int(entry: Dict, key: str, kind: str) -> int:
+    value = entry.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"alignment weights, kind {kind!r}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def plot_alignment_heatmaps(alignments: Dict[str, Dict]) -> Figure:
+    """One heatmap per attention kind of Align-to-Distill's alignment weights.
+
+    ``alignments[kind]`` holds ``weights`` of shape ``(student_layers * student_heads,
+    teacher_layers * teacher_heads)`` (row = student map, column = teacher map, both layer-major:
+    map ``(l, k)`` at index ``(l - 1) * heads + k - 1``) and the four sizes. For the layer-wise
+    variant (maps averaged per layer) give heads = 1. Weights can be negative (a 1x1 convolution),
+    so signed data get a diverging colour scale centred on 0. Lines mark layer boundaries.
+    """
+    if not isinstance(alignments, dict) or not alignments:
+        raise ValueError(
+            'alignment weights: expected {"encoder_self": {"weights": [[...]], "student_layers": m, '
+            '"student_heads": hs, "teacher_layers": n, "teacher_heads": ht}, ...}'
+        )
+    kinds = list(alignments)
+    checked = {}
+    for kind in kinds:
+        entry = alignments[kind]
+        if not isinstance(entry, dict) or "weights" not in entry:
+            raise ValueError(f"alignment weights, kind {kind!r}: expected an object with 'weights'")
+        sizes = {
+            key: _positive_int(entry, key, kind)
+            for key in ("student_layers", "student_heads", "teacher_layers", "teacher_heads")
+        }
+        weights = _finite_matrix(entry["weights"], f"alignment weights, kind {kind!r}")
+        expected = (
+            sizes["student_layers"] * sizes["student_heads"],
+            sizes["teacher_layers"] * sizes["teacher_heads"],
+        )
+        if weights.shape != expected:
+            hint = " (transposed? rows must be student maps)" if weights.shape == expected[::-1] else ""
+            raise ValueError(
+                f"alignment weights, kind {kind!r}: shape {weights.shape} but the sizes give "
+                f"{expected} = (student_layers*student_heads, teacher_layers*teacher_heads){hint}"
+            )
+        checked[kind] = (weights, sizes)
+
+    figure = Figure(figsize=(5.2 * len(kinds), 4.6), layout="constrained")
+    for index, kind in enumerate(kinds):
+        weights, sizes = checked[kind]
+        axes = figure.add_subplot(1, len(kinds), index + 1)
+        if weights.min() < 0 < weights.max():
+            limit = float(np.abs(weights).max())
+            image = axes.imshow(weights, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
+        else:
+            image = axes.imshow(weights, cmap="viridis", aspect="auto", interpolation="nearest")
+        figure.colorbar(image, ax=axes, shrink=0.85)
+        for boundary in range(1, sizes["student_layers"]):
+            axes.axhline(boundary * sizes["student_heads"] - 0.5, color="black", linewidth=0.8)
+        for boundary in range(1, sizes["teacher_layers"]):
+            axes.axvline(boundary * sizes["teacher_heads"] - 0.5, color="black", linewidth=0.8)
+        student_labels = _map_labels(sizes["student_layers"], sizes["student_heads"])
+        teacher_labels = _map_labels(sizes["teacher_layers"], sizes["teacher_heads"])
+        font = max(4, min(8, int(160 / max(len(student_labels), len(teacher_labels)))))
+        axes.set_yticks(range(len(student_labels)), student_labels, fontsize=font)
+        axes.set_xticks(range(len(teacher_labels)), teacher_labels, fontsize=font, rotation=90)
+        axes.set_ylabel("student map (layer.head)")
+        axes.set_xlabel("teacher map (layer.head)")
+        axes.set_title(ATTENTION_KIND_TITLES.get(kind, kind.replace("_", " ")))
+    return figure
+
+
+def plot_alp_weights(weights_by_side: Dict[str, Sequence[Sequence[float]]]) -> Figure:
+    """ALP-KD attention weights, one panel per side (``encoder``, ``decoder``).
+
+    Row ``j`` holds student layer ``j``'s weights ``alpha_jk`` over teacher layers ``k``
+    (zeros outside its bucket for the NO/PO variants); rows should sum to 1 (softmax), which is
+    not enforced because averaged or partially logged weights are plotted as well. Cell values
+    are written in the cells when the grid is small enough to read them.
+    """
+    if not isinstance(weights_by_side, dict) or not weights_by_side:
+        raise ValueError(
+            'ALP-KD weights: expected {"encoder": [[weights over teacher layers] per student '
+            'layer], "decoder": ...}'
+        )
+    matrices = {
+        side: _finite_matrix(values, f"ALP-KD weights, side {side!r}")
+        for side, values in weights_by_side.items()
+    }
+    figure = Figure(figsize=(4.8 * len(matrices), 3.8), layout="constrained")
+    for index, (side, matrix) in enumerate(matrices.items()):
+        axes = figure.add_subplot(1, len(matrices), index + 1)
+        image = axes.imshow(matrix, cmap="Blues", vmin=0.0, vmax=max(1.0, float(matrix.max())), aspect="auto", interpolation="nearest")
+        figure.colorbar(image, ax=axes, shrink=0.85)
+        student_layers, teacher_layers = matrix.shape
+        axes.set_yticks(range(student_layers), [str(j) for j in range(1, student_layers + 1)])
+        axes.set_xticks(range(teacher_layers), [str(k) for k in range(1, teacher_layers + 1)])
+        axes.set_ylabel("student layer")
+        axes.set_xlabel("teacher layer")
+        axes.set_title(f"ALP-KD weights: {side}")
+        if matrix.size <= 144:
+            for row in range(student_layers):
+                for column in range(teacher_layers):
+                    value = matrix[row, column]
+                    axes.text(
+                        column, row, f"{value:.2f}", ha="center", va="center", fontsize=7,
+                        color="white" if value > 0.6 else "black",
+                    )
+    return figure
+
+
+# --------------------------------------------------------------------------- training logs
+
+
+@dataclass
+class LogRecord:
+    """One statistics line of a fairseq training log.
+
+    ``split``: ``train_inner`` (every ``--log-interval`` updates), ``train`` (end of epoch) or the
+    validation subset's name (``valid``). ``values``: numeric statistics with fairseq's
+    ``<subset>_`` key prefix removed; ``num_updates`` is the x coordinate of the curves.
+    """
+
+    split: str
+    epoch: Optional[int]
+    num_updates: Optional[float]
+    values: Dict[str, float] = field(default_factory=dict)
+
+
+# fairseq_cli/train.py's logging format: "%(asctime)s | %(levelname)s | %(name)s | %(message)s";
+# the progress bar renames its logger to the tag (train_inner, train, valid) while it logs.
+# Lines written through --log-file carry the bare message.
+_LOGGING_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \| [A-Z]+ \| [^|]+? \| (?P<message>.*)$")
+# SimpleProgressBar.log: "{prefix}:  {i:5d} / {size:d} {key=value, ...}"
+_SIMPLE_INNER = re.compile(r"^epoch (?P<epoch>\d+):\s+\d+ / \d+ (?P<stats>.*)$")
+# SimpleProgressBar.print: "{prefix} | {key value | ...}", prefix "epoch 001[ | valid on 'x' subset]"
+_SIMPLE_EPOCH = re.compile(r"^epoch (?P<epoch>\d+) \| (?P<stats>.*)$")
+_VALID_PREFIX = re.compile(r"^valid on '(?P<subset>[^']+)' subset$")
+
+
+def _number(value) -> Optional[float]:
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _json_record(message: str) -> Optional[LogRecord]:
+    """JsonProgressBar lines: train_inner stats unprefixed (with "update" = fractional epoch);
+    end-of-epoch and validation stats prefixed with "<tag>_" (JsonProgressBar.print)."""
+    try:
+        stats = json.loads(message)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(stats, dict):
+        return None
+    epoch = stats.get("epoch")
+    if "num_updates" in stats:
+        split, prefix = "train_inner", ""
+    else:
+        prefixed = [key for key in stats if key.endswith("_num_updates")]
+        if not prefixed:
+            return None
+        prefix = prefixed[0][: -len("num_updates")]
+        split = prefix[:-1]
+    values = {}
+    for key, value in stats.items():
+        if key in ("epoch", "update") or not key.startswith(prefix):
+            continue
+        number = _number(value)
+        if number is not None:
+            values[key[len(prefix):]] = number
+    return LogRecord(split, epoch if isinstance(epoch, int) else None, values.pop("num_updates", None), values)
+
+
+def _simple_record(message: str) -> Optional[LogRecord]:
+    match = _SIMPLE_INNER.match(message)
+    if match:
+        pairs = [item.split("=", 1) for item in match.group("stats").split(", ")]
+        split = "train_inner"
+    else:
+        match = _SIMPLE_EPOCH.match(message)
+        if not match:
+            return None
+        segments = match.group("stats").split(" | ")
+        split = "train"
+        subset = _VALID_PREFIX.match(segments[0])
+        if subset:
+            split = subset.group("subset")
+            segments = segments[1:]
+        pairs = [segment.split(" ", 1) for segment in segments]
+    values = {}
+    for pair in pairs:
+        if len(pair) == 2:
+            number = _number(pair[1].strip())
+            if number is not None:
+                values[pair[0].strip()] = number
+    if not values:
+        return None
+    return LogRecord(split, int(match.group("epoch")), values.pop("num_updates", None), values)
+
+
+def parse_fairseq_log(lines: Iterable[str]) -> List[LogRecord]:
+    """Statistics lines of a fairseq-train log in ``json`` or ``simple`` format (or a mix), in
+    file order; every other line is skipped."""
+    records = []
+    for line in lines:
+        line = line.rstrip("\r\n")
+        prefix = _LOGGING_PREFIX.match(line)
+        message = (prefix.group("message") if prefix else line).strip()
+        record = _json_record(message) if message.startswith("{") else _simple_record(message)
+        if record is not None:
+            records.append(record)
+    return records
+
+
+def read_fairseq_log(path: Path) -> List[LogRecord]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"training log {str(path)!r} does not exist")
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        records = parse_fairseq_log(handle)
+    if not records:
+        raise ValueError(
+            f"{path}: no fairseq statistics lines found (expected fairseq-train output with "
+            "--log-format json or simple)"
+        )
+    return records
+
+
+def curve_keys(records: Sequence[LogRecord], extra_keys: Sequence[str] = ()) -> List[str]:
+    """Every numeric statistic whose name ends in ``loss`` (without ``best_loss``, the running
+    minimum of the validation loss, not a loss term), then ``extra_keys`` in the order given."""
+    keys = []
+    for record in records:
+        for key in record.values:
+            if key.endswith("loss") and not key.startswith("best_") and key not in keys:
+                keys.append(key)
+    keys.sort()
+    for key in extra_keys:
+        if key not in keys:
+            keys.append(key)
+    return keys
+
+
+SPLIT_STYLES = {
+    "train_inner": {"linewidth": 1.0, "alpha": 0.8},
+    "train": {"marker": "o", "markersize": 3, "linewidth": 1.2},
+}
+
+
+def plot_training_curves(
+    records: Sequence[LogRecord], extra_keys: Sequence[str] = (), columns: int = 3
+) -> Figure:
+    """One panel per statistic (:func:`curve_keys`), each with a curve per split, against the
+    update number. Raises if an ``extra_keys`` entry never occurs, or if nothing is plottable."""
+    records = [record for record in records if record.num_updates is not None]
+    present = {key for record in records for key in record.values}
+    missing = [key for key in extra_keys if key not in present]
+    if missing:
+        raise ValueError(
+            f"--keys {', '.join(missing)}: not in the log; it has {', '.join(sorted(present)) or 'no statistics'}"
+        )
+    keys = curve_keys(records, extra_keys)
+    if not keys:
+        raise ValueError("the log has no statistic ending in 'loss'; name some with --keys")
+    splits = list(dict.fromkeys(record.split for record in records))
+    columns = max(1, min(columns, len(keys)))
+    rows = math.ceil(len(keys) / columns)
+    figure = Figure(figsize=(4.4 * columns, 3.2 * rows), layout="constrained")
+    for index, key in enumerate(keys):
+        axes = figure.add_subplot(rows, columns, index + 1)
+        for split in splits:
+            points = [
+                (record.num_updates, record.values[key])
+                for record in records
+                if record.split == split and key in record.values
+            ]
+            if points:
+                x, y = zip(*points)
+                style = SPLIT_STYLES.get(split, {"marker": "s", "markersize": 3, "linewidth": 1.2})
+                axes.plot(x, y, label=split, **style)
+        axes.set_title(key)
+        axes.set_xlabel("update")
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=7)
+    return figure

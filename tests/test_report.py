@@ -1,0 +1,318 @@
+"""fairseq-kd-score and fairseq-kd-report end to end on fairseq-generate files written in the test:
+every number is compared with sacreBLEU called directly on the plain text the files were made
+from (whole corpus, sacreBLEU's own --confidence bootstrap, or explicit resamples)."""
+import csv
+import json
+import random
+
+import numpy as np
+import pytest
+import sacrebleu
+from sacrebleu.metrics.bleu import BLEU
+from sacremoses import MosesTokenizer
+
+from fairseq_kd.cli import report as report_cli
+from fairseq_kd.cli import score as score_cli
+
+WORDS = (
+    "the a cat dog bird sat ran flew on under over mat house garden tree big small red blue "
+    "quickly slowly today yesterday he she it's isn't was is and but"
+).split()
+
+
+def plain_references(n_sentences, seed):
+    rnd = random.Random(seed)
+    sentences = []
+    for _ in range(n_sentences):
+        words = [rnd.choice(WORDS) for _ in range(rnd.randint(4, 14))]
+        words.insert(rnd.randint(1, len(words) - 1), words.pop(0) + ",")
+        sentences.append(" ".join(words).capitalize() + rnd.choice([".", "?", "!"]))
+    return sentences
+
+
+def plain_hypotheses(references, error_rate, seed):
+    rnd = random.Random(seed)
+    hypotheses = []
+    for reference in references:
+        words = reference.split()
+        words = [word if rnd.random() > error_rate else rnd.choice(WORDS) for word in words[:-1]] + words[-1:]
+        hypotheses.append(" ".join(words))
+    return hypotheses
+
+
+def tokenise_like_iwslt14(line):
+    """What the IWSLT'14 recipe feeds the model: Moses tokens, then BPE pieces ("@@ ")."""
+    tokens = MosesTokenizer(lang="en").tokenize(line, escape=True)
+    pieces = []
+    for token in tokens:
+        pieces.append(token[:3] + "@@ " + token[3:] if len(token) >= 5 else token)
+    return " ".join(pieces)
+
+
+def write_generate_output(path, hypotheses, references, seed):
+    """A fairseq-generate file (no --remove-bpe) with sentences in shuffled batch order."""
+    order = list(range(len(references)))
+    random.Random(seed).shuffle(order)
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write("2024-05-01 10:00:00 | INFO | fairseq_cli.generate | loading model(s)\n")
+        for i in order:
+            hypothesis = tokenise_like_iwslt14(hypotheses[i])
+            handle.write(f"S-{i}\tquelle\nT-{i}\t{tokenise_like_iwslt14(references[i])}\n")
+            handle.write(f"H-{i}\t-0.52\t{hypothesis}\nD-{i}\t-0.52\t{hypothesis}\nP-{i}\t-0.1 -0.2\n")
+        handle.write("Generate test with beam=5: BLEU4 = 10.00\n")
+    return path
+
+
+DETOK = ["--remove-bpe", "subword_nmt", "--detok-moses", "en"]
+
+
+@pytest.fixture(scope="module")
+def test_set(tmp_path_factory):
+    """Plain references and three systems of different quality, as generate files."""
+    folder = tmp_path_factory.mktemp("generate")
+    references = plain_references(120, seed=0)
+    systems = {
+        "teacher": plain_hypotheses(references, 0.12, seed=1),
+        "no_kd": plain_hypotheses(references, 0.30, seed=2),
+        "word_kd": plain_hypotheses(references, 0.27, seed=3),
+    }
+    files = {
+        name: write_generate_output(folder / f"{name}.txt", hypotheses, references, seed=index)
+        for index, (name, hypotheses) in enumerate(systems.items())
+    }
+    return references, systems, files
+
+
+def run_score(*argv):
+    score_cli.cli_main([str(a) for a in argv])
+
+
+def sacrebleu_on_rows(hypotheses, references, rows):
+    return np.array(
+        [sacrebleu.corpus_bleu([hypotheses[i] for i in row], [[references[i] for i in row]]).score for row in rows]
+    )
+
+
+# --------------------------------------------------------------------------- fairseq-kd-score
+
+
+def test_score_generate_output_equals_sacrebleu_on_plain_text(test_set, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SACREBLEU_SEED", raising=False)  # sacreBLEU's default seed, as ours
+    references, systems, files = test_set
+    output = tmp_path / "word_kd.json"
+    run_score("--generate-output", files["word_kd"], *DETOK, "--system", "word_kd", "--output-json", output)
+    record = json.loads(output.read_text())
+    expected = BLEU()
+    expected_score = expected.corpus_score(systems["word_kd"], [references], n_bootstrap=1000)
+    assert record["bleu"] == sacrebleu.corpus_bleu(systems["word_kd"], [references]).score
+    assert record["signature"] == expected.get_signature().format()
+    assert (record["ci_high"] - record["ci_low"]) / 2 == pytest.approx(expected_score._ci, rel=1e-5)
+    assert record["ci_low"] < record["bleu"] < record["ci_high"]
+    assert record["system"] == "word_kd" and record["n_sentences"] == 120 and record["n_bootstrap"] == 1000
+    assert record["inputs"]["hypothesis_lines"] == "D-"
+    assert len(record["sentence_stats"]["rows"]) == 120
+    assert record["paired"] is None
+    printed = capsys.readouterr().out
+    assert f"word_kd: BLEU = {record['bleu']:.2f}" in printed and record["signature"] in printed
+
+
+def test_score_hyp_and_ref_files(test_set, tmp_path):
+    references, systems, _ = test_set
+    hyp = tmp_path / "hyp.txt"
+    hyp.write_text("".join(tokenise_like_iwslt14(h) + "\n" for h in systems["no_kd"]), encoding="utf-8")
+    plain_ref = tmp_path / "ref.txt"
+    plain_ref.write_text("".join(r + "\n" for r in references), encoding="utf-8")
+    output = tmp_path / "out.json"
+    run_score("--hyp", hyp, "--ref", plain_ref, "--ref-is-plain", *DETOK, "--bootstrap", "0", "--output-json", output)
+    record = json.loads(output.read_text())
+    assert record["bleu"] == sacrebleu.corpus_bleu(systems["no_kd"], [references]).score
+    assert record["system"] == "hyp" and record["ci_low"] is None and record["n_bootstrap"] == 0
+    # The same reference, tokenised: now it is detokenised too, with the same result.
+    tokenised_ref = tmp_path / "ref.tok.txt"
+    tokenised_ref.write_text("".join(tokenise_like_iwslt14(r) + "\n" for r in references), encoding="utf-8")
+    run_score("--hyp", hyp, "--ref", tokenised_ref, *DETOK, "--bootstrap", "0",
+              "--output-json", output, "--overwrite")
+    assert json.loads(output.read_text())["bleu"] == record["bleu"]
+
+
+def test_paired_test_equals_slow_loop_and_baseline_kinds_agree(test_set, tmp_path):
+    references, systems, files = test_set
+    baseline_json = tmp_path / "no_kd.json"
+    run_score("--generate-output", files["no_kd"], *DETOK, "--system", "no_kd", "--output-json", baseline_json)
+    outputs = {}
+    for kind, baseline in (("json", baseline_json), ("generate", files["no_kd"])):
+        outputs[kind] = tmp_path / f"word_kd_{kind}.json"
+        run_score("--generate-output", files["word_kd"], *DETOK, "--system", "word_kd", "--bootstrap", "50",
+                  "--seed", "5", "--baseline", f"no_kd={baseline}", "--output-json", outputs[kind])
+    paired = json.loads(outputs["json"].read_text())["paired"]
+    assert paired == json.loads(outputs["generate"].read_text())["paired"]
+
+    rows = np.random.default_rng(5).choice(120, size=(50, 120), replace=True)
+    differences = sacrebleu_on_rows(systems["word_kd"], references, rows) - sacrebleu_on_rows(
+        systems["no_kd"], references, rows
+    )
+    full = (
+        sacrebleu.corpus_bleu(systems["word_kd"], [references]).score
+        - sacrebleu.corpus_bleu(systems["no_kd"], [references]).score
+    )
+    assert paired["baseline"] == "no_kd"
+    assert paired["difference"] == pytest.approx(full, abs=1e-12)
+    assert paired["p_value"] == (np.mean(differences <= 0) if full > 0 else np.mean(differences >= 0))
+    assert 0 < paired["p_value"] < 1  # a close call, so the comparison is not trivially 0 or 1
+    ordered = np.sort(differences)
+    assert paired["difference_ci_low"] == pytest.approx(ordered[1], abs=1e-9)  # 50 // 40 = 1
+    assert paired["difference_ci_high"] == pytest.approx(ordered[-2], abs=1e-9)
+
+
+def test_markdown_table_gets_one_header_and_a_row_per_run(test_set, tmp_path):
+    _, _, files = test_set
+    table = tmp_path / "scores.md"
+    run_score("--generate-output", files["no_kd"], *DETOK, "--system", "no_kd", "--bootstrap", "0", "--output-md", table)
+    run_score("--generate-output", files["teacher"], *DETOK, "--system", "teacher", "--bootstrap", "0", "--output-md", table)
+    lines = table.read_text().splitlines()
+    assert len(lines) == 4 and lines[0].startswith("| System | BLEU |")
+    assert lines[2].startswith("| no_kd | ") and lines[3].startswith("| teacher | ")
+    # every row has as many cells as the header, despite the '|' inside the signature
+    cells = [len(line.replace("\\|", "").split("|")) for line in lines]
+    assert len(set(cells)) == 1
+
+
+def expect_error(capsys, argv, *fragments, runner=run_score):
+    with pytest.raises(SystemExit) as raised:
+        runner(*argv)
+    assert raised.value.code == 2
+    message = capsys.readouterr().err
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def test_score_errors_name_the_flag_and_file(test_set, tmp_path, capsys):
+    _, _, files = test_set
+    missing = tmp_path / "missing.txt"
+    expect_error(capsys, ["--generate-output", missing], "--generate-output", str(missing), "does not exist")
+    hyp, ref, empty = tmp_path / "h.txt", tmp_path / "r.txt", tmp_path / "empty.txt"
+    hyp.write_text("a b\nc d\ne f\n")
+    ref.write_text("a b\nc d\n")
+    empty.write_text("")
+    expect_error(capsys, ["--hyp", hyp, "--ref", ref], str(hyp), "3 lines", str(ref), "has 2")
+    expect_error(capsys, ["--hyp", empty, "--ref", ref], str(empty), "is empty")
+    expect_error(capsys, ["--generate-output", files["no_kd"], "--hyp", hyp, "--ref", ref], "not both")
+    expect_error(capsys, ["--hyp", hyp], "--generate-output FILE, or both")
+    expect_error(capsys, ["--generate-output", files["no_kd"], "--bootstrap", "5"], "at least 40")
+    existing = tmp_path / "exists.json"
+    existing.write_text("{}")
+    expect_error(capsys, ["--generate-output", files["no_kd"], "--output-json", existing], "--overwrite")
+    unrelated = tmp_path / "notes.md"
+    unrelated.write_text("# my notes\n")
+    expect_error(capsys, ["--generate-output", files["no_kd"], "--output-md", unrelated], "not a score table")
+    assert unrelated.read_text() == "# my notes\n"
+    expect_error(capsys, ["--generate-output", files["no_kd"], "--baseline", "no_kd"], "NAME=FILE")
+
+
+def test_score_rejects_baseline_on_another_test_set_or_tampered(test_set, tmp_path, capsys):
+    references, systems, files = test_set
+    other = write_generate_output(tmp_path / "other.txt", systems["no_kd"][:100], references[:100], seed=9)
+    expect_error(capsys, ["--generate-output", files["word_kd"], *DETOK, "--baseline", f"other={other}"],
+                 "not the same test set")
+    record_path = tmp_path / "no_kd.json"
+    run_score("--generate-output", files["no_kd"], *DETOK, "--bootstrap", "0", "--output-json", record_path)
+    record = json.loads(record_path.read_text())
+    record["bleu"] += 1.0
+    record_path.write_text(json.dumps(record))
+    expect_error(capsys, ["--generate-output", files["word_kd"], *DETOK, "--baseline", f"no_kd={record_path}"],
+                 "does not match its sentence statistics")
+    # scored with another tokenizer: not comparable
+    zh_path = tmp_path / "zh.json"
+    run_score("--generate-output", files["no_kd"], *DETOK, "--tokenize", "zh", "--bootstrap", "0", "--output-json", zh_path)
+    expect_error(capsys, ["--generate-output", files["word_kd"], *DETOK, "--baseline", f"no_kd={zh_path}"],
+                 "different sacreBLEU settings")
+
+
+# --------------------------------------------------------------------------- fairseq-kd-report
+
+
+def run_report(*argv):
+    report_cli.cli_main([str(a) for a in argv])
+
+
+def test_report_numbers_equal_sacrebleu(test_set, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SACREBLEU_SEED", raising=False)  # sacreBLEU's default seed, as ours
+    references, systems, files = test_set
+    no_kd_json = tmp_path / "no_kd.json"
+    run_score("--generate-output", files["no_kd"], *DETOK, "--system", "no_kd", "--output-json", no_kd_json)
+    sidecar = tmp_path / "sizes.json"
+    sidecar.write_text(json.dumps({
+        "teacher": {"params": 31_500_000, "sents_per_sec": 40.0},
+        "no_kd": {"params": 12_000_000},
+        "unrelated": {"params": 5},  # other systems in a shared sidecar are ignored
+    }))
+    capsys.readouterr()
+    prefix = tmp_path / "out" / "table"
+    run_report(
+        "--system", f"teacher={files['teacher']}", "--system", f"no_kd={no_kd_json}",
+        "--system", f"word_kd={files['word_kd']}", *DETOK, "--baseline", "no_kd",
+        "--sidecar", sidecar, "--speed", "teacher=42.5", "--params", "word_kd=1.2e7",
+        "--out-prefix", prefix,
+    )
+    printed = capsys.readouterr().out
+    markdown = (tmp_path / "out" / "table.md").read_text()
+    assert printed == markdown
+    with open(tmp_path / "out" / "table.csv", newline="") as handle:
+        rows = {row["system"]: row for row in csv.DictReader(handle)}
+    report = json.loads((tmp_path / "out" / "table.json").read_text())
+    assert [s["system"] for s in report["systems"]] == ["teacher", "no_kd", "word_kd"]
+
+    for name in ("teacher", "no_kd", "word_kd"):
+        metric = BLEU()
+        expected = metric.corpus_score(systems[name], [references], n_bootstrap=1000)
+        assert report["signature"] == metric.get_signature().format()
+        row = rows[name]
+        assert float(row["bleu"]) == sacrebleu.corpus_bleu(systems[name], [references]).score
+        assert (float(row["ci_high"]) - float(row["ci_low"])) / 2 == pytest.approx(expected._ci, rel=1e-5)
+        assert f"| {name}" in markdown and f"{float(row['bleu']):.2f}" in markdown
+    assert rows["no_kd"]["is_baseline"] == "True" and rows["no_kd"]["p_value"] == ""
+    assert float(rows["teacher"]["difference"]) == pytest.approx(
+        sacrebleu.corpus_bleu(systems["teacher"], [references]).score
+        - sacrebleu.corpus_bleu(systems["no_kd"], [references]).score, abs=1e-12)
+    assert float(rows["teacher"]["p_value"]) < 0.01  # a much better system
+    assert rows["teacher"]["params"] == "31500000" and float(rows["teacher"]["sents_per_sec"]) == 42.5
+    assert rows["word_kd"]["params"] == "12000000" and rows["word_kd"]["sents_per_sec"] == ""
+    assert "31.50M" in markdown and "42.5" in markdown and "no_kd (baseline)" in markdown
+
+
+def test_report_p_values_and_intervals_equal_slow_loop(test_set, tmp_path, capsys):
+    """With 50 shared resamples: every interval bound and p-value by sacreBLEU on each resample."""
+    references, systems, files = test_set
+    prefix = tmp_path / "small"
+    run_report("--system", f"no_kd={files['no_kd']}", "--system", f"word_kd={files['word_kd']}", *DETOK,
+               "--baseline", "no_kd", "--bootstrap", "50", "--seed", "21", "--out-prefix", prefix)
+    report = json.loads((tmp_path / "small.json").read_text())
+    rows = np.random.default_rng(21).choice(120, size=(50, 120), replace=True)
+    scores = {name: sacrebleu_on_rows(systems[name], references, rows) for name in ("no_kd", "word_kd")}
+    for entry in report["systems"]:
+        ordered = np.sort(scores[entry["system"]])
+        assert entry["ci_low"] == pytest.approx(ordered[1], abs=1e-9)
+        assert entry["ci_high"] == pytest.approx(ordered[-2], abs=1e-9)
+    word_kd = report["systems"][1]
+    differences = scores["word_kd"] - scores["no_kd"]
+    expected_p = np.mean(differences <= 0) if word_kd["difference"] > 0 else np.mean(differences >= 0)
+    assert word_kd["p_value"] == expected_p
+    assert report["signature"].startswith("nrefs:1|bs:50|seed:21|")
+
+
+def test_report_errors(test_set, tmp_path, capsys):
+    references, systems, files = test_set
+    both = ["--system", f"a={files['no_kd']}", "--system", f"b={files['word_kd']}", *DETOK]
+    expect_error(capsys, both + ["--baseline", "c"], "--baseline 'c'", runner=run_report)
+    expect_error(capsys, ["--system", f"a={files['no_kd']}", "--system", f"a={files['word_kd']}"],
+                 "repeated: a", runner=run_report)
+    expect_error(capsys, both + ["--params", "a=many"], "--params", "not a number", runner=run_report)
+    expect_error(capsys, both + ["--speed", "zzz=3"], "unknown systems", runner=run_report)
+    expect_error(capsys, ["--system", f"a={tmp_path / 'nope.txt'}"], "nope.txt", "does not exist", runner=run_report)
+    other = write_generate_output(tmp_path / "other.txt", systems["no_kd"][:100], references[:100], seed=9)
+    expect_error(capsys, both + ["--system", f"c={other}"], "not the same test set", runner=run_report)
+    prefix = tmp_path / "t"
+    (tmp_path / "t.csv").write_text("keep me")
+    expect_error(capsys, both + ["--out-prefix", prefix], "t.csv", "--overwrite", runner=run_report)
+    assert (tmp_path / "t.csv").read_text() == "keep me"
