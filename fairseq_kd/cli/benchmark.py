@@ -1,0 +1,304 @@
+"""Speed and memory of every distillation method relative to plain student training.
+
+    python -m fairseq_kd.cli.benchmark --configs tiny small --output-dir benchmark_output
+
+For each configuration (teacher/student architecture pair, batch size) the benchmark makes a
+synthetic corpus, writes an (untrained) teacher checkpoint, and then, for each method of
+``METHODS``, runs fairseq's own ``Trainer.train_step`` in a fresh child process on the same
+batches: the student, the optimiser and the criterion exactly as ``fairseq-train`` builds them
+from the same flags. It reports per method
+
+* the median training step time and its ratio to ``plain`` (label-smoothed CE, no teacher);
+* the peak memory of the training steps and its ratio to ``plain``: on CUDA
+  ``torch.cuda.max_memory_allocated``; on CPU the growth of the process's peak resident set size
+  over its size before the first step (the shared Python/torch baseline is excluded so the ratio
+  reflects what training costs);
+
+and, per configuration, the student's beam-search decoding speed relative to the teacher's, with
+both forced to the same output length (``min_len = max_len``) so the comparison measures model
+cost rather than output lengths of untrained models.
+
+Ratios are taken within one run on one machine; absolute numbers are only comparable within a run.
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+# Flags added to the common training flags for each method; the student and teacher come from
+# the configuration. A method appears in the table under its key.
+METHODS: Dict[str, List[str]] = {
+    "plain": ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"],
+    "word_kd": ["--criterion", "word_kd"],
+}
+
+CONFIGS = {
+    "tiny": {
+        "teacher_arch": "transformer_kd_tiny_teacher",
+        "student_arch": "transformer_kd_tiny_student",
+        "max_tokens": 1024,
+        "corpus_train": 3000,
+    },
+    "small": {
+        "teacher_arch": "transformer_kd_iwslt_teacher",
+        "student_arch": "transformer_kd_iwslt_student_3l",
+        "max_tokens": 2048,
+        "corpus_train": 3000,
+    },
+}
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).parent / name)
+
+
+def _quiet_env() -> dict:
+    return {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+
+def prepare_config(name: str, workdir: Path) -> Dict[str, str]:
+    """Corpus, binarised data and an untrained teacher checkpoint for one configuration."""
+    from fairseq_kd.data.synthetic import write_corpus
+
+    config = CONFIGS[name]
+    root = workdir / name
+    raw, data_bin, teacher_dir = root / "raw", root / "data-bin", root / "teacher"
+    if not (raw / "corpus.json").exists():
+        write_corpus(raw, seed=7, train_size=config["corpus_train"], valid_size=100, test_size=200)
+    if not (data_bin / "dict.src.txt").exists():
+        subprocess.run(
+            [_bin("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
+             "--trainpref", raw / "train", "--validpref", raw / "valid", "--testpref", raw / "test",
+             "--destdir", data_bin, "--joined-dictionary", "--workers", "1"],
+            check=True, capture_output=True, env=_quiet_env(),
+        )
+    teacher = teacher_dir / "checkpoint_last.pt"
+    if not teacher.exists():
+        # One update is enough: timing does not depend on the teacher's quality.
+        subprocess.run(
+            [_bin("fairseq-train"), data_bin, "--user-dir", _user_dir(), "--task", "translation",
+             "--arch", config["teacher_arch"], "--share-all-embeddings", "--optimizer", "adam",
+             "--lr", "1e-4", "--max-tokens", str(config["max_tokens"]), "--max-update", "1",
+             "--save-dir", teacher_dir, "--no-epoch-checkpoints", "--disable-validation",
+             "--criterion", "label_smoothed_cross_entropy", "--no-progress-bar"],
+            check=True, capture_output=True, env=_quiet_env(),
+        )
+    return {"data": str(data_bin), "teacher": str(teacher)}
+
+
+def _user_dir() -> str:
+    return str(Path(__file__).resolve().parents[1])
+
+
+def training_flags(config_name: str, paths: Dict[str, str], method: str) -> List[str]:
+    config = CONFIGS[config_name]
+    return [
+        paths["data"], "--user-dir", _user_dir(), "--task", "translation_kd",
+        "--teacher-checkpoint", paths["teacher"], "--arch", config["student_arch"],
+        "--share-all-embeddings", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
+        "--lr", "5e-4", "--max-tokens", str(config["max_tokens"]), "--seed", "1",
+        "--dropout", "0.3", "--num-workers", "0", "--required-batch-size-multiple", "1",
+        *METHODS[method],
+    ]
+
+
+def measure_training(flags: List[str], steps: int, warmup: int) -> dict:
+    """Run in a child process: build what fairseq-train builds and time ``train_step``."""
+    import torch
+    from fairseq import options, tasks, utils
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.trainer import Trainer
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, flags)
+    cfg = convert_namespace_to_omegaconf(args)
+    utils.import_user_module(cfg.common)
+    torch.manual_seed(cfg.common.seed)
+    task = tasks.setup_task(cfg.task)
+    task.load_dataset(cfg.dataset.train_subset, combine=False, epoch=1)
+    model = task.build_model(cfg.model)
+    criterion = task.build_criterion(cfg.criterion)
+    trainer = Trainer(cfg, task, model, criterion)
+    trainer.begin_epoch(1)
+    batches = task.get_batch_iterator(
+        dataset=task.dataset(cfg.dataset.train_subset), max_tokens=cfg.dataset.max_tokens,
+        max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
+        seed=1, required_batch_size_multiple=1,
+    ).next_epoch_itr(shuffle=False)
+    cuda = torch.cuda.is_available() and not cfg.common.cpu
+    times, rss_before = [], _peak_rss_mb()
+    for step, sample in enumerate(batches):
+        if step >= warmup + steps:
+            break
+        if cuda and step == warmup:
+            torch.cuda.reset_peak_memory_stats()
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        trainer.train_step([sample])
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    if len(times) < steps:
+        raise SystemExit(f"only {len(times)} timed steps: the corpus has too few batches")
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _peak_rss_mb() - rss_before
+    return {"step_ms": 1000 * statistics.median(times), "peak_mb": peak,
+            "memory_measure": "cuda_max_allocated" if cuda else "cpu_peak_rss_growth"}
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def measure_decoding(paths: Dict[str, str], student_arch: str, sentences: int, length: int) -> dict:
+    """Beam-5 decoding speed (sentences/s) of an untrained student vs the teacher."""
+    import torch
+    from fairseq import checkpoint_utils
+
+    from fairseq import options, tasks, utils
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    parser = options.get_generation_parser()
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(
+        parser, [paths["data"], "--user-dir", _user_dir(), "--task", "translation_kd"]))
+    utils.import_user_module(cfg.common)
+    task = tasks.setup_task(cfg.task)
+    task.load_dataset("test")
+    teacher, _cfg = checkpoint_utils.load_model_ensemble([paths["teacher"]], task=task)
+    args = argparse.Namespace(arch=student_arch, _name="transformer", share_all_embeddings=True)
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    ARCH_CONFIG_REGISTRY[student_arch](args)
+    student = task.build_model(args)
+    results = {}
+    for name, model in (("teacher", teacher[0]), ("student", student)):
+        model.eval()
+        generator = task.build_generator(
+            [model], argparse.Namespace(beam=5, max_len_a=0, max_len_b=length, min_len=length)
+        )
+        itr = task.get_batch_iterator(dataset=task.dataset("test"), max_sentences=50, seed=1).next_epoch_itr(shuffle=False)
+        done, start = 0, time.perf_counter()
+        with torch.no_grad():
+            for sample in itr:
+                task.inference_step(generator, [model], sample)
+                done += sample["nsentences"]
+                if done >= sentences:
+                    break
+        results[name] = done / (time.perf_counter() - start)
+    results["student_speedup"] = results["student"] / results["teacher"]
+    return results
+
+
+def _train_in_child(flags: List[str], steps: int, warmup: int) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fairseq_kd.cli.benchmark", "--child-train", json.dumps(flags),
+         "--steps", str(steps), "--warmup", str(warmup)],
+        capture_output=True, text=True, env=_quiet_env(),
+    )
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        return {"error": lines[-1] if lines else f"exit code {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats: int,
+        workdir: Path) -> dict:
+    """Methods run interleaved in ``repeats`` rounds; each keeps its fastest round, which filters
+    out interference from other processes on a shared machine."""
+    report = {}
+    for config_name in configs:
+        paths = prepare_config(config_name, workdir)
+        rows: Dict[str, dict] = {}
+        for round_index in range(repeats):
+            for method in methods:
+                if "error" in rows.get(method, {}):
+                    continue
+                result = _train_in_child(training_flags(config_name, paths, method), steps, warmup)
+                if "error" in result:
+                    rows[method] = result
+                    print(f"[{config_name}] {method}: FAILED: {result['error']}", flush=True)
+                    continue
+                best = rows.get(method)
+                if best is None or result["step_ms"] < best["step_ms"]:
+                    rows[method] = {**result, "peak_mb": min(result["peak_mb"], (best or result)["peak_mb"])}
+                print(f"[{config_name}] round {round_index + 1}: {method}: {result['step_ms']:.1f} ms/step",
+                      flush=True)
+        base = rows.get("plain", {})
+        for method, row in rows.items():
+            if "error" not in row and base and "error" not in base:
+                row["time_ratio"] = row["step_ms"] / base["step_ms"]
+                row["memory_ratio"] = row["peak_mb"] / base["peak_mb"] if base["peak_mb"] > 0 else float("nan")
+        decoding = measure_decoding(paths, CONFIGS[config_name]["student_arch"], sentences=200, length=20)
+        report[config_name] = {"config": CONFIGS[config_name], "methods": rows, "decoding": decoding}
+    return report
+
+
+def to_markdown(report: dict) -> str:
+    lines = []
+    for config_name, result in report.items():
+        cfg = result["config"]
+        lines.append(f"### {config_name}: teacher `{cfg['teacher_arch']}`, student `{cfg['student_arch']}`, "
+                     f"max-tokens {cfg['max_tokens']}")
+        lines.append("")
+        lines.append("| method | step (ms) | time vs plain | peak mem (MB) | memory vs plain |")
+        lines.append("|---|---:|---:|---:|---:|")
+        for method, row in result["methods"].items():
+            if "error" in row:
+                lines.append(f"| {method} | failed: {row['error']} | | | |")
+                continue
+            lines.append(
+                f"| {method} | {row['step_ms']:.1f} | {row.get('time_ratio', float('nan')):.2f}x | "
+                f"{row['peak_mb']:.1f} | {row.get('memory_ratio', float('nan')):.2f}x |"
+            )
+        dec = result["decoding"]
+        lines.append("")
+        lines.append(f"Decoding (beam 5, equal output length): teacher {dec['teacher']:.1f} sent/s, "
+                     f"student {dec['student']:.1f} sent/s, student speed-up {dec['student_speedup']:.2f}x")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def cli_main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=["tiny", "small"], choices=sorted(CONFIGS),
+                        help="configurations to measure")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help=f"methods to measure (default: all: {', '.join(METHODS)}); 'plain' is always added")
+    parser.add_argument("--steps", type=int, default=10, help="timed training steps per method")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="interleaved rounds over all methods; each method keeps its fastest")
+    parser.add_argument("--workdir", type=Path, default=Path("benchmark_output/work"),
+                        help="where corpora and teacher checkpoints are made (reused across runs)")
+    parser.add_argument("--output-dir", type=Path, default=Path("benchmark_output"),
+                        help="writes benchmark.json and benchmark.md here")
+    parser.add_argument("--child-train", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child_train:
+        result = measure_training(json.loads(args.child_train), args.steps, args.warmup)
+        print(json.dumps(result))
+        return
+    methods = args.methods or list(METHODS)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}; known: {sorted(METHODS)}")
+    if "plain" not in methods:
+        methods = ["plain", *methods]
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    report = run(args.configs, methods, args.steps, args.warmup, args.repeats, args.workdir)
+    (args.output_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
+    markdown = to_markdown(report)
+    (args.output_dir / "benchmark.md").write_text(markdown)
+    print(markdown)
+
+
+if __name__ == "__main__":
+    cli_main()
