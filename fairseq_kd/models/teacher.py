@@ -43,6 +43,10 @@ class FrozenTeacher:
         from fairseq import checkpoint_utils, models
         from fairseq.models.transformer import TransformerModelBase
 
+        from ..checkpoint_safety import install_checkpoint_allow_list
+
+        install_checkpoint_allow_list()
+
         if not path or not os.path.isfile(path):
             raise TeacherCheckpointError(
                 f"{FLAG} {path!r}: no such file. Pass the path of a trained fairseq translation "

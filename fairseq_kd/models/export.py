@@ -1,0 +1,117 @@
+"""Export a distilled student as a plain fairseq ``transformer`` checkpoint.
+
+The result is what stock fairseq would have saved for ``--arch transformer --task translation``
+with the student's sizes written out explicitly, minus everything that only served training:
+
+* no teacher, criterion (projections, alignment modules), optimizer or data-loader state;
+* no distillation options in the config (task ``translation``, criterion
+  ``label_smoothed_cross_entropy``);
+* the config stored as plain containers, never as ``argparse.Namespace``, so stock fairseq on
+  PyTorch >= 2.6 loads it with ``weights_only=True`` without this plugin (``fairseq-generate``
+  without ``--user-dir``).
+"""
+import argparse
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ..checkpoint_safety import safe_load
+
+# Config groups a stock fairseq loader reads; the rest of the training config is dropped.
+_KEPT_GROUPS = ("common", "common_eval", "distributed_training", "dataset", "optimization",
+                "checkpoint", "bmuf", "generation", "eval_lm", "interactive", "ema")
+
+
+class ExportError(ValueError):
+    """The input is not a student checkpoint that can be exported."""
+
+
+def _plain(node):
+    """A config node as plain dicts/lists/scalars (Namespaces included, recursively)."""
+    if isinstance(node, argparse.Namespace):
+        return {k: _plain(v) for k, v in vars(node).items()}
+    if isinstance(node, DictConfig):
+        return _plain(OmegaConf.to_container(node, resolve=True, enum_to_str=True))
+    if isinstance(node, dict):
+        return {k: _plain(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return [_plain(v) for v in node]
+    return node
+
+
+def export_student(checkpoint: str, output: str, overwrite: bool = False) -> dict:
+    """Write ``output`` from the training checkpoint ``checkpoint``; return a summary."""
+    if not os.path.isfile(checkpoint):
+        raise ExportError(f"checkpoint {checkpoint!r}: no such file")
+    if os.path.exists(output) and not overwrite:
+        raise ExportError(f"output {output!r} already exists; choose another path or pass --overwrite")
+    if os.path.abspath(output) == os.path.abspath(checkpoint):
+        raise ExportError("the output path must differ from the input checkpoint")
+    from fairseq import checkpoint_utils  # the wrapped, allow-listed loader
+
+    state = checkpoint_utils.load_checkpoint_to_cpu(checkpoint)
+    cfg = state.get("cfg")
+    if cfg is None or "model" not in state:
+        raise ExportError(f"{checkpoint!r} is not a fairseq training checkpoint (no cfg/model)")
+    model_cfg = _plain(cfg.model)
+    if not isinstance(model_cfg, dict):
+        raise ExportError(f"{checkpoint!r}: unexpected model config of type {type(cfg.model).__name__}")
+    from fairseq.models import ARCH_MODEL_REGISTRY
+    from fairseq.models.transformer import TransformerModelBase
+
+    arch = model_cfg.get("arch") or model_cfg.get("_name")
+    model_class = ARCH_MODEL_REGISTRY.get(arch)
+    if model_class is None or not issubclass(model_class, TransformerModelBase):
+        raise ExportError(f"{checkpoint!r} holds a {arch!r} model; only Transformer students can be exported")
+    # Apply the (possibly plugin-registered) architecture so every size is explicit, then name
+    # the stock architecture, whose defaults then change nothing.
+    resolved = argparse.Namespace(**model_cfg)
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    ARCH_CONFIG_REGISTRY[arch](resolved)
+    model_cfg = {k: _plain(v) for k, v in vars(resolved).items()}
+    model_cfg.update(arch="transformer", _name="transformer")
+
+    task_cfg = _plain(cfg.task)
+    task_cfg.pop("teacher_checkpoint", None)
+    task_cfg["_name"] = "translation"
+    plain_cfg = {group: _plain(cfg[group]) for group in _KEPT_GROUPS if group in cfg and cfg[group] is not None}
+    plain_cfg.update(
+        model=model_cfg,
+        task=task_cfg,
+        criterion={"_name": "label_smoothed_cross_entropy", "label_smoothing": 0.1,
+                   "report_accuracy": False, "ignore_prefix_size": 0, "sentence_avg": False},
+    )
+    history = state.get("optimizer_history") or [{}]
+    num_updates = history[-1].get("num_updates", 0)
+    weights = {name: tensor for name, tensor in state["model"].items()}
+    exported = {
+        "cfg": plain_cfg,
+        "args": None,
+        "model": weights,
+        "optimizer_history": [{
+            "criterion_name": "LabelSmoothedCrossEntropyCriterion",
+            "optimizer_name": history[-1].get("optimizer_name", "FairseqAdam"),
+            "lr_scheduler_state": {"best": None},
+            "num_updates": num_updates,
+        }],
+        "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": 0}},
+        "last_optimizer_state": None,
+    }
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{output}.tmp"
+    torch.save(exported, tmp)
+    safe_load(tmp)  # refuse to leave behind anything stock fairseq could not load safely
+    os.replace(tmp, output)
+    parameters = sum(t.numel() for t in weights.values() if torch.is_floating_point(t))
+    return {
+        "output": output,
+        "parameters": parameters,
+        "num_updates": num_updates,
+        "encoder_layers": model_cfg.get("encoder_layers"),
+        "decoder_layers": model_cfg.get("decoder_layers"),
+        "sha256": hashlib.sha256(Path(output).read_bytes()).hexdigest(),
+    }
