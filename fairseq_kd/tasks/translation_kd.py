@@ -14,7 +14,7 @@ from typing import Optional
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-from ..models.feature_capture import NotATransformerError, unwrap_model
+from ..models.feature_capture import NotATransformerError
 from ..models.shape import TransformerShape
 from ..models.teacher import FrozenTeacher
 
@@ -39,6 +39,7 @@ class TranslationKDTask(TranslationTask):
         super().__init__(cfg, src_dict, tgt_dict)
         self.teacher: Optional[FrozenTeacher] = None
         self.student_shape: Optional[TransformerShape] = None
+        self.student_shape_error: Optional[str] = None
         self.kd_criterion = None
         if cfg.teacher_checkpoint:
             self.teacher = FrozenTeacher.load(cfg.teacher_checkpoint, self)
@@ -47,9 +48,11 @@ class TranslationKDTask(TranslationTask):
         model = super().build_model(cfg, from_checkpoint)
         try:
             self.student_shape = TransformerShape.from_model(model)
-        except NotATransformerError:
+            self.student_shape_error = None
+        except NotATransformerError as err:
             # Only feature-based criterions need the shape; they say so when they are built.
             self.student_shape = None
+            self.student_shape_error = str(err)
         return model
 
     def build_criterion(self, cfg):
@@ -65,6 +68,19 @@ class TranslationKDTask(TranslationTask):
         if self.kd_criterion is not None:
             self.kd_criterion.begin_epoch(epoch)
 
+    # fairseq persists this dict in the checkpoint's extra_state under the task's class name and
+    # hands it back on resume (checkpoint_utils.save_checkpoint / load_checkpoint). Criterion state
+    # that is not a parameter (e.g. selective KD's queue) travels this way, because the trainer
+    # saves the criterion's state_dict only when the criterion has parameters.
+    def get_checkpoint_dict(self):
+        if self.kd_criterion is None:
+            return {}
+        return {type(self).__name__: {"criterion": self.kd_criterion.checkpoint_state()}}
+
+    def set_checkpoint_dict(self, state):
+        if self.kd_criterion is not None and "criterion" in state:
+            self.kd_criterion.load_checkpoint_state(state["criterion"])
+
     def require_teacher(self, criterion_name: str) -> FrozenTeacher:
         if self.teacher is None:
             raise ValueError(
@@ -75,13 +91,11 @@ class TranslationKDTask(TranslationTask):
 
     def require_student_shape(self, criterion_name: str) -> TransformerShape:
         if self.student_shape is None:
+            reason = f" ({self.student_shape_error})" if self.student_shape_error else ""
             raise ValueError(
                 f"criterion {criterion_name!r} needs an encoder-decoder Transformer student "
-                "(a --arch of fairseq's transformer family); the model built has another layout."
+                "(a --arch of fairseq's transformer family with at least one encoder and one decoder "
+                f"layer, see --encoder-layers / --decoder-layers); the model built has another layout{reason}."
             )
         return self.student_shape
 
-
-def student_of(model):
-    """The student module itself, whatever wrappers the trainer put around it."""
-    return unwrap_model(model)
