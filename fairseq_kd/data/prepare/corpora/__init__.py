@@ -1,0 +1,1 @@
+"""Per-corpus preparation recipes (one module per corpus)."""

@@ -1,0 +1,65 @@
+"""Line-oriented text files as the preparation steps read and write them.
+
+Lines are split on ``\\n`` only.  Python's default universal-newline mode would also split on a
+lone ``\\r``, which some crawled corpora contain inside sentences, and shift one side of a
+parallel corpus against the other; the Moses scripts and fairseq's shell recipes split on
+``\\n`` only, and so do we.  Written files never contain ``\\r``: fairseq-preprocess reads in
+universal-newline mode and would split such a line in two.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Iterator
+
+
+def iter_lines(path: Path) -> Iterator[str]:
+    """Yield the lines of a UTF-8 file without their ``\\n``."""
+    with open(path, encoding="utf-8", newline="\n") as handle:
+        for line in handle:
+            yield line[:-1] if line.endswith("\n") else line
+
+
+def read_lines(path: Path) -> list[str]:
+    """All lines of a UTF-8 file, without their ``\\n``."""
+    return list(iter_lines(path))
+
+
+def normalize_whitespace(line: str) -> str:
+    """Collapse every run of (Unicode) whitespace, ``\\r`` and tabs included, to one space."""
+    return " ".join(line.split())
+
+
+def write_lines(path: Path, lines: Iterable[str]) -> int:
+    """Write ``lines`` one per line, atomically (a temporary file renamed into place).
+
+    Returns the number of lines.  A line holding ``\\n`` or ``\\r`` is a bug upstream (it would
+    misalign a parallel corpus), so it raises ``ValueError`` naming the file and line.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    count = 0
+    try:
+        with open(temporary, "w", encoding="utf-8", newline="\n") as handle:
+            for count, line in enumerate(lines, start=1):
+                if "\n" in line or "\r" in line:
+                    raise ValueError(f"line {count} for {path} contains a line break: {line!r}")
+                handle.write(line)
+                handle.write("\n")
+        os.replace(temporary, path)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+    return count
+
+
+def count_lines(path: Path) -> int:
+    """Number of ``\\n``-terminated lines (plus a final unterminated one, if any)."""
+    count = 0
+    last = b"\n"
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            count += block.count(b"\n")
+            last = block[-1:]
+    return count + (last != b"\n")
