@@ -1,0 +1,69 @@
+"""Start-up checks shared by the attention-distillation criterions (a2d_kd, tinybert, minilm).
+
+They run when a criterion is built, before any data is read, so that a teacher whose attention
+cannot be captured or a student whose heads cannot be compared fails with a message naming the
+flag to change, never with a shape error in the middle of training.
+"""
+from typing import Sequence, Tuple
+
+from ..models.feature_capture import (
+    DECODER_CROSS,
+    DECODER_SELF,
+    ENCODER_SELF,
+    CaptureRequest,
+    FeatureCapture,
+    NotATransformerError,
+)
+from ..models.shape import TransformerShape
+
+#: the fairseq flag that sets the head count of each attention kind (cross-attention is built
+#: with the decoder's head count)
+HEADS_FLAG = {ENCODER_SELF: "--encoder-attention-heads", DECODER_SELF: "--decoder-attention-heads",
+              DECODER_CROSS: "--decoder-attention-heads"}
+
+
+def kind_size(shape: TransformerShape, kind: str) -> Tuple[int, int]:
+    """``(layers, heads)`` of one attention kind of a model."""
+    if kind == ENCODER_SELF:
+        return shape.encoder_layers, shape.encoder_heads
+    if kind == DECODER_SELF:
+        return shape.decoder_layers, shape.decoder_heads
+    if kind == DECODER_CROSS:
+        return shape.decoder_layers, shape.cross_heads
+    raise ValueError(f"unknown attention kind {kind!r}")
+
+
+def check_capturable(teacher, request: CaptureRequest, criterion_name: str) -> None:
+    """Fail at start-up if the teacher's attention of the requested kinds cannot be captured.
+
+    Entering a capture installs (and on exit removes) exactly the hooks training will use, which
+    validates every attention module of those kinds without running the model.
+    """
+    try:
+        with FeatureCapture(teacher.model, request):
+            pass
+    except NotATransformerError as err:
+        raise ValueError(
+            f"criterion {criterion_name!r}: the attention maps of --teacher-checkpoint "
+            f"{teacher.path!r} cannot be captured: {err}"
+        ) from err
+
+
+def check_equal_heads(teacher: TransformerShape, student: TransformerShape, kinds: Sequence[str],
+                      criterion_name: str) -> None:
+    """One clear error listing every attention kind whose student and teacher head counts differ."""
+    problems = []
+    for kind in kinds:
+        student_heads, teacher_heads = kind_size(student, kind)[1], kind_size(teacher, kind)[1]
+        if student_heads != teacher_heads:
+            problems.append(
+                f"{kind.replace('_', ' ')} attention: student {student_heads} heads, teacher "
+                f"{teacher_heads} ({HEADS_FLAG[kind]})"
+            )
+    if problems:
+        raise ValueError(
+            f"criterion {criterion_name!r} compares attention head by head, so the student needs the "
+            f"teacher's head counts: {'; '.join(problems)}. Set {HEADS_FLAG[ENCODER_SELF]} / "
+            f"{HEADS_FLAG[DECODER_SELF]} to the teacher's, or use --criterion a2d_kd, which aligns "
+            "any number of heads."
+        )

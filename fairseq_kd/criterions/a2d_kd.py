@@ -1,0 +1,246 @@
+"""Align-to-Distill, A2D (Jin et al., LREC-COLING 2024; ``../shared/papers/004_*``).
+
+    fairseq-train DATA --user-dir fairseq_kd --task translation_kd --teacher-checkpoint T.pt \\
+        --criterion a2d_kd [--a2d-preset low_resource|wmt] ...
+
+For each attention kind in use (encoder self, decoder self, decoder cross) all student maps go
+through that kind's Attention Alignment Module (:mod:`fairseq_kd.modules.attention_alignment`,
+Eq. 9), which makes one intermediate map ``H^I_c`` per teacher map ``A_T^c``. Then
+
+    L_kind = sum_c KL(A_T^c || H^I_c)                                   (Eq. 10)
+    L_att  = L_enc-self + (L_dec-self + L_dec-cross) / 2                 (Eq. 11)
+    L      = L_CE + lambda_e * L_att + mu * L_KD                         (Eq. 12)
+
+with ``L_KD`` word-level KD (:func:`~fairseq_kd.criterions.losses.word_level_kd`) and
+``lambda_e = lambda_0 * decay^(e - 1)`` at epoch ``e`` (Sec. 5.2: lambda decays exponentially, by a
+factor 0.9 per epoch), a pure function of the epoch so a resumed run continues the schedule.
+The modules are sized from the actual teacher and student when the criterion is built; no head,
+layer or width parity is needed.
+
+Choices the paper leaves open, documented here:
+
+* **Making ``H^I`` a distribution** (``--a2d-normalization``). ``H^I`` is a signed linear
+  combination, not a distribution. ``row`` (default): a log-softmax over the keys each query may
+  attend to (padded keys and, in decoder self-attention, future keys excluded), in float32, with
+  excluded keys filled with the most negative finite float32 rather than ``-inf`` so that no
+  ``inf - inf`` can appear; the teacher's own probabilities are the target. This keeps Eq. 10 a
+  KL between attention distributions, one per query, exactly like the teacher's maps. ``flat``:
+  the reference code's choice (per ``../shared/docs/methods.md``): a log-softmax over each
+  flattened map (all attendable query/key entries of a sentence), applied to the teacher's
+  probabilities and to ``H^I`` alike; one distribution per map and sentence.
+* **Safe KL.** ``sum p_T (log p_T - log q)`` with ``xlogy(p_T, p_T)`` (``0 log 0 = 0``) and
+  excluded entries removed by selection, never by multiplying an infinite log by zero; all in
+  float32 even when the model runs in fp16/bf16.
+* **Normalisation.** Eq. 10 sums over the teacher maps ``c``; we follow the paper (no average over
+  maps). Each KL is summed over real query positions (``row``) or sentences (``flat``), and the
+  criterion base divides by fairseq's ``sample_size`` as it does for CE. The terms are logged
+  unweighted per kind as ``enc_self_att_loss``, ``dec_self_att_loss``, ``dec_cross_att_loss``,
+  next to ``word_kd_loss``; with ``all`` kinds, ``L_att = enc + (dec_self + dec_cross) / 2``.
+* **Which kinds** (``--a2d-attention-kinds``, Table 4): ``all`` (weights 1, 1/2, 1/2),
+  ``enc_self`` (1), ``dec_all`` (1/2, 1/2), ``dec_self`` (1) and ``dec_cross`` (1): a single decoder
+  kind takes weight 1 so that its loss has the scale of Dec-All's (Table 4 caption). Only the
+  kinds in use are captured.
+* **Head-wise or layer-wise maps** (``--a2d-granularity``, Table 6): ``head`` (default) aligns
+  every head's map; ``layer`` averages each layer's heads first, for teacher and student, and
+  aligns the per-layer maps.
+* **Presets** (``--a2d-preset``, Sec. 5.2): ``low_resource`` (default; IWSLT, WMT'22 De-Dsb):
+  ``lambda_0 = 1``, decay 0.9 per epoch, ``mu = 1``. ``wmt`` (WMT'14 En-De, many more maps):
+  ``lambda_0 = 0.1``; the paper states no other change for this setting, so the decay stays 0.9. ``--a2d-lambda`` and
+  ``--a2d-lambda-decay`` override the preset; ``--a2d-mu 0`` is Table 2's "A2D w/o L_KD".
+
+The alignment weights can be drawn as the paper's Figure 2: ``python -m
+fairseq_kd.cli.export_alignment --checkpoint CKPT --output aam.json`` then ``fairseq-kd-plot
+alignment --input aam.json --output aam.png``.
+"""
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+from fairseq.criterions import register_criterion
+from fairseq.dataclass import ChoiceEnum
+from torch import Tensor, nn
+
+from ..models.feature_capture import DECODER_CROSS, DECODER_SELF, ENCODER_SELF, AttentionMaps, CaptureRequest
+from ..modules.attention_alignment import AttentionAlignment
+from ._attention import check_capturable, kind_size
+from .base import KDCriterionBase, KDCriterionConfig
+from .losses import word_level_kd
+
+#: ``--a2d-attention-kinds`` -> weight of each kind's loss inside L_att (Eq. 11, Table 4).
+KIND_WEIGHTS = {
+    "all": {ENCODER_SELF: 1.0, DECODER_SELF: 0.5, DECODER_CROSS: 0.5},
+    "enc_self": {ENCODER_SELF: 1.0},
+    "dec_all": {DECODER_SELF: 0.5, DECODER_CROSS: 0.5},
+    "dec_self": {DECODER_SELF: 1.0},
+    "dec_cross": {DECODER_CROSS: 1.0},
+}
+#: the logged term of each attention kind
+KIND_TERMS = {ENCODER_SELF: "enc_self_att", DECODER_SELF: "dec_self_att", DECODER_CROSS: "dec_cross_att"}
+#: ``--a2d-preset`` -> (lambda_0, per-epoch decay of lambda), Sec. 5.2
+PRESETS = {"low_resource": (1.0, 0.9), "wmt": (0.1, 0.9)}
+
+
+@dataclass
+class A2DConfig(KDCriterionConfig):
+    a2d_preset: ChoiceEnum(list(PRESETS)) = field(
+        default="low_resource",
+        metadata={"help": "paper settings for lambda (Sec. 5.2): low_resource = lambda 1 decayed "
+                  "x0.9 per epoch; wmt = lambda 0.1 decayed x0.9 per epoch"},
+    )
+    a2d_lambda: Optional[float] = field(
+        default=None,
+        metadata={"help": "initial weight lambda_0 of the attention loss L_att (Eq. 12); overrides "
+                  "--a2d-preset; 0 disables attention distillation"},
+    )
+    a2d_lambda_decay: Optional[float] = field(
+        default=None,
+        metadata={"help": "lambda at epoch e is lambda_0 * decay^(e-1); in (0, 1], 1 = constant; "
+                  "overrides --a2d-preset (whose value is 0.9)"},
+    )
+    a2d_mu: float = field(
+        default=1.0,
+        metadata={"help": "weight mu of word-level KD (Eq. 12); 0 = 'A2D w/o L_KD' (Table 2)"},
+    )
+    kd_temperature: float = field(
+        default=1.0, metadata={"help": "softmax temperature of word-level KD (loss scaled by tau^2)"}
+    )
+    a2d_attention_kinds: ChoiceEnum(list(KIND_WEIGHTS)) = field(
+        default="all",
+        metadata={"help": "attention distilled (Table 4): all = enc-self + (dec-self + dec-cross)/2; "
+                  "enc_self; dec_all = (dec-self + dec-cross)/2; dec_self or dec_cross alone with "
+                  "weight 1"},
+    )
+    a2d_granularity: ChoiceEnum(["head", "layer"]) = field(
+        default="head",
+        metadata={"help": "head: align every head's map (the paper's A2D); layer: average each "
+                  "layer's heads first (layer-wise A2D, Table 6)"},
+    )
+    a2d_normalization: ChoiceEnum(["row", "flat"]) = field(
+        default="row",
+        metadata={"help": "how intermediate maps become distributions: row = log-softmax over each "
+                  "query's attendable keys, teacher probabilities as targets; flat = log-softmax over "
+                  "each whole map, teacher and intermediate alike (the reference code)"},
+    )
+
+
+@register_criterion("a2d_kd", dataclass=A2DConfig)
+class AlignToDistillCriterion(KDCriterionBase):
+    TERM_NAMES = ("enc_self_att", "dec_self_att", "dec_cross_att", "word_kd")
+
+    def __init__(self, task, sentence_avg, label_smoothing, a2d_preset, a2d_lambda, a2d_lambda_decay,
+                 a2d_mu, kd_temperature, a2d_attention_kinds, a2d_granularity, a2d_normalization,
+                 ignore_prefix_size=0, report_accuracy=False):
+        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
+        preset_lambda, preset_decay = PRESETS[str(a2d_preset)]
+        self.lambda_0 = preset_lambda if a2d_lambda is None else float(a2d_lambda)
+        self.lambda_decay = preset_decay if a2d_lambda_decay is None else float(a2d_lambda_decay)
+        self.mu = float(a2d_mu)
+        self.kd_temperature = float(kd_temperature)
+        self.layerwise = str(a2d_granularity) == "layer"
+        self.normalization = str(a2d_normalization)
+        self.kind_weights = KIND_WEIGHTS[str(a2d_attention_kinds)]
+        self._check_options()
+
+        teacher_shape = self.teacher.shape
+        student_shape = task.require_student_shape(self.criterion_name())
+        # With lambda_0 = 0 no module is built: the criterion then has no parameters and is exactly
+        # CE + mu * KD (no unused parameters in the optimizer or under DDP).
+        self.alignments = nn.ModuleDict()
+        for kind in self.kind_weights if self.lambda_0 != 0 else ():
+            student_layers, student_heads = kind_size(student_shape, kind)
+            teacher_layers, teacher_heads = kind_size(teacher_shape, kind)
+            if self.layerwise:
+                student_heads = teacher_heads = 1
+            self.alignments[kind] = AttentionAlignment(student_layers, student_heads, teacher_layers, teacher_heads)
+
+        # Instance-level requests: only the kinds in use are captured, and nothing when lambda_0 = 0.
+        kinds = tuple(self.kind_weights) if self.lambda_0 != 0 else ()
+        self.student_request = CaptureRequest(attention_kinds=kinds)
+        self.teacher_request = CaptureRequest(attention_kinds=kinds)
+        check_capturable(self.teacher, self.teacher_request, self.criterion_name())
+
+    def _check_options(self) -> None:
+        if self.lambda_0 < 0:
+            raise ValueError(f"--a2d-lambda must be >= 0 (0 disables attention distillation), got {self.lambda_0}")
+        if not 0 < self.lambda_decay <= 1:
+            raise ValueError(
+                f"--a2d-lambda-decay must be in (0, 1] (lambda_e = lambda_0 * decay^(e-1); 1 keeps it "
+                f"constant), got {self.lambda_decay}"
+            )
+        if self.mu < 0:
+            raise ValueError(f"--a2d-mu must be >= 0 (0 disables word-level KD), got {self.mu}")
+        if self.kd_temperature <= 0:
+            raise ValueError(f"--kd-temperature must be > 0, got {self.kd_temperature}")
+
+    # ------------------------------------------------------------ weights
+    def attention_weight(self, epoch: Optional[int] = None) -> float:
+        """``lambda_e = lambda_0 * decay^(e - 1)`` (epochs count from 1)."""
+        epoch = self.epoch if epoch is None else epoch
+        return self.lambda_0 * self.lambda_decay ** (max(epoch, 1) - 1)
+
+    def loss_weights(self) -> Dict[str, float]:
+        lam = self.attention_weight()
+        weights = {"ce": 1.0, "word_kd": self.mu}
+        for kind, term in KIND_TERMS.items():
+            weights[term] = lam * self.kind_weights.get(kind, 0.0)
+        return weights
+
+    # -------------------------------------------------------------- terms
+    def distillation_terms(self, batch) -> Dict[str, Tensor]:
+        weights = self.loss_weights()
+        terms = {}
+        for kind in self.kind_weights:
+            if weights[KIND_TERMS[kind]] != 0:
+                terms[KIND_TERMS[kind]] = self.attention_term(
+                    kind, batch.student.attention[kind], batch.teacher.attention[kind]
+                )
+        if self.mu != 0:
+            terms["word_kd"] = word_level_kd(
+                batch.student_logits, batch.teacher_logits, batch.target_mask, self.kd_temperature
+            )
+        return terms
+
+    def attention_term(self, kind: str, student: AttentionMaps, teacher: AttentionMaps) -> Tensor:
+        """Eq. 10 for one kind: AAM of the student maps, then the KL to every teacher map."""
+        student_probs, teacher_probs = student.probs, teacher.probs
+        if self.layerwise:
+            student_probs = student_probs.mean(dim=2, keepdim=True)
+            teacher_probs = teacher_probs.mean(dim=2, keepdim=True)
+        intermediate = self.alignments[kind](student_probs)
+        # (n, B, H_T, Tq, Tk) -> (n * H_T, B, Tq, Tk), layer-major like the AAM's output.
+        teacher_maps = teacher_probs.transpose(1, 2).flatten(0, 1)
+        return alignment_kl(intermediate, teacher_maps, student.attendable[:, 0], self.normalization)
+
+    # -------------------------------------------------------------- export
+    def alignment_weights(self) -> dict:
+        """The AAM weights as ``fairseq-kd-plot alignment`` reads them (one entry per kind)."""
+        return {kind: module.heatmap_entry() for kind, module in self.alignments.items()}
+
+
+def alignment_kl(intermediate: Tensor, teacher_maps: Tensor, attendable: Tensor, normalization: str = "row") -> Tensor:
+    """``sum_c KL(A_T^c || softmax(H^I_c))`` over the attendable entries (Eq. 10), float32.
+
+    intermediate: ``(C, B, Tq, Tk)`` AAM output (any real values); teacher_maps: ``(C, B, Tq, Tk)``
+    teacher probabilities, rows summing to 1 over attendable keys (any float dtype);
+    attendable: ``(B, Tq, Tk)`` bool, True where the query is real and may attend to the key.
+
+    ``row``: one distribution per (map, sentence, real query) over its attendable keys; the
+    teacher's probabilities are the target. ``flat``: one distribution per (map, sentence) over all
+    its attendable entries, both sides log-softmaxed. Returns the sum of all KLs (unnormalised).
+    """
+    mask = attendable.unsqueeze(0)  # broadcast over maps
+    fill = torch.finfo(torch.float32).min
+    if normalization == "row":
+        log_q = torch.log_softmax(intermediate.float().masked_fill(~mask, fill), dim=-1)
+        p = torch.where(mask, teacher_maps.float(), 0.0)
+        log_q = torch.where(mask, log_q, 0.0)
+        return (torch.xlogy(p, p) - p * log_q).sum()
+    if normalization == "flat":
+        flat_mask = mask.flatten(-2)
+        log_q = torch.log_softmax(intermediate.float().flatten(-2).masked_fill(~flat_mask, fill), dim=-1)
+        log_p = torch.log_softmax(teacher_maps.float().flatten(-2).masked_fill(~flat_mask, fill), dim=-1)
+        log_q = torch.where(flat_mask, log_q, 0.0)
+        log_p = torch.where(flat_mask, log_p, 0.0)
+        p = torch.where(flat_mask, log_p.exp(), 0.0)
+        return (p * (log_p - log_q)).sum()
+    raise ValueError(f"--a2d-normalization must be 'row' or 'flat', got {normalization!r}")

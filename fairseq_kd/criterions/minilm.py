@@ -1,0 +1,151 @@
+"""MiniLM (Wang et al., 2020) for encoder-decoder NMT, as Align-to-Distill's baseline.
+
+    fairseq-train DATA --user-dir fairseq_kd --task translation_kd --teacher-checkpoint T.pt \\
+        --criterion minilm ...
+
+Only the *last* layer is distilled, which sidesteps any layer mapping (MiniLM Sec. 3):
+
+* self-attention distribution transfer (Eq. 6): ``KL(A_T^a || A_S^a)`` per head ``a`` and query;
+* value-relation transfer (Eq. 7-8): ``KL(VR_T^a || VR_S^a)`` with
+  ``VR^a = softmax(V^a V^a^T / sqrt(d_head))``; the head sizes may differ, the head counts may not.
+
+Both are averaged over heads (MiniLM's ``1 / A_h``) and summed over real query positions, the
+criterion base's per-token unit; log-probabilities come from log-softmax of the masked logits in
+float32 (never ``log`` of a probability that may have underflowed to 0). Keys a query may not
+attend to are excluded, and the value relation uses the same mask as the attention it belongs to
+(so the decoder's relation is causal, like its attention; a design choice for the decoder, where
+MiniLM, defined on a bidirectional encoder, is silent). As Align-to-Distill does for its MiniLM
+baseline (Sec. 5.3), CE and word-level KD are added:
+``L = L_CE + a L_AT + v L_VR + mu L_KD``, all weights 1 by default.
+
+``--minilm-attention-kinds self`` (default) distils the last layer's encoder and decoder
+self-attention; ``all`` adds the decoder's cross-attention (whose value relation is over the
+source positions the cross-attention's values come from).
+"""
+from dataclasses import dataclass, field
+from typing import Dict
+
+import torch
+from fairseq.criterions import register_criterion
+from fairseq.dataclass import ChoiceEnum
+from torch import Tensor
+
+from ..models.feature_capture import DECODER_CROSS, DECODER_SELF, ENCODER_SELF, AttentionMaps, CaptureRequest
+from ._attention import check_capturable, check_equal_heads
+from .base import KDCriterionBase, KDCriterionConfig
+from .losses import word_level_kd
+
+MINILM_KINDS = {"self": (ENCODER_SELF, DECODER_SELF), "all": (ENCODER_SELF, DECODER_SELF, DECODER_CROSS)}
+
+
+@dataclass
+class MiniLMConfig(KDCriterionConfig):
+    minilm_att_weight: float = field(
+        default=1.0, metadata={"help": "weight of the last layer's attention KL (MiniLM Eq. 6)"}
+    )
+    minilm_vr_weight: float = field(
+        default=1.0, metadata={"help": "weight of the last layer's value-relation KL (MiniLM Eq. 8)"}
+    )
+    minilm_kd_weight: float = field(
+        default=1.0, metadata={"help": "weight mu of word-level KD added as in Align-to-Distill's baseline"}
+    )
+    kd_temperature: float = field(
+        default=1.0, metadata={"help": "softmax temperature of word-level KD (loss scaled by tau^2)"}
+    )
+    minilm_attention_kinds: ChoiceEnum(list(MINILM_KINDS)) = field(
+        default="self",
+        metadata={"help": "self: encoder and decoder self-attention of the last layer; all: also the "
+                  "decoder's cross-attention"},
+    )
+
+
+@register_criterion("minilm", dataclass=MiniLMConfig)
+class MiniLMCriterion(KDCriterionBase):
+    TERM_NAMES = ("attention_kl", "value_relation", "word_kd")
+
+    def __init__(self, task, sentence_avg, label_smoothing, minilm_att_weight, minilm_vr_weight,
+                 minilm_kd_weight, kd_temperature, minilm_attention_kinds,
+                 ignore_prefix_size=0, report_accuracy=False):
+        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
+        self.weights = {"ce": 1.0, "attention_kl": float(minilm_att_weight),
+                        "value_relation": float(minilm_vr_weight), "word_kd": float(minilm_kd_weight)}
+        for name, flag in (("attention_kl", "--minilm-att-weight"), ("value_relation", "--minilm-vr-weight"),
+                           ("word_kd", "--minilm-kd-weight")):
+            if self.weights[name] < 0:
+                raise ValueError(f"{flag} must be >= 0, got {self.weights[name]}")
+        if kd_temperature <= 0:
+            raise ValueError(f"--kd-temperature must be > 0, got {kd_temperature}")
+        self.kd_temperature = float(kd_temperature)
+        self.kinds = MINILM_KINDS[str(minilm_attention_kinds)]
+        check_equal_heads(self.teacher.shape, task.require_student_shape(self.criterion_name()),
+                          self.kinds, self.criterion_name())
+        needs_attention = self.weights["attention_kl"] != 0 or self.weights["value_relation"] != 0
+        self.student_request = self.teacher_request = CaptureRequest(
+            attention_kinds=self.kinds if needs_attention else (),
+            attention_scores=self.weights["attention_kl"] != 0,
+            attention_values=self.weights["value_relation"] != 0,
+        )
+        check_capturable(self.teacher, self.teacher_request, self.criterion_name())
+
+    def loss_weights(self) -> Dict[str, float]:
+        return dict(self.weights)
+
+    def distillation_terms(self, batch) -> Dict[str, Tensor]:
+        terms = {}
+        if self.weights["attention_kl"] != 0:
+            terms["attention_kl"] = sum(
+                last_layer_attention_kl(batch.student.attention[kind], batch.teacher.attention[kind])
+                for kind in self.kinds
+            )
+        if self.weights["value_relation"] != 0:
+            terms["value_relation"] = sum(
+                last_layer_value_relation_kl(batch.student.attention[kind], batch.teacher.attention[kind], kind)
+                for kind in self.kinds
+            )
+        if self.weights["word_kd"] != 0:
+            terms["word_kd"] = word_level_kd(
+                batch.student_logits, batch.teacher_logits, batch.target_mask, self.kd_temperature
+            )
+        return terms
+
+
+def head_mean_row_kl(teacher_logits: Tensor, student_logits: Tensor, mask: Tensor) -> Tensor:
+    """``sum_rows mean_heads KL(softmax(t) || softmax(s))`` over the True entries of ``mask``.
+
+    logits: ``(B, H, R, K)``; mask: ``(B, 1, R, K)``, True where a row's key counts; rows with no
+    True entry (padded positions) contribute 0. float32, ``-inf``-free masking.
+    """
+    fill = torch.finfo(torch.float32).min
+    log_p = torch.where(mask, torch.log_softmax(teacher_logits.float().masked_fill(~mask, fill), -1), 0.0)
+    log_q = torch.where(mask, torch.log_softmax(student_logits.float().masked_fill(~mask, fill), -1), 0.0)
+    p = torch.where(mask, log_p.exp(), 0.0)
+    return (p * (log_p - log_q)).sum(-1).mean(1).sum()
+
+
+def last_layer_attention_kl(student: AttentionMaps, teacher: AttentionMaps) -> Tensor:
+    """MiniLM Eq. 6 on the last layer of one kind, from the pre-softmax scores."""
+    return head_mean_row_kl(teacher.scores[-1], student.scores[-1], student.attendable)
+
+
+def value_relation_logits(values: Tensor) -> Tensor:
+    """``V V^T / sqrt(d_head)`` per head: values ``(B, H, T, d_head)`` -> ``(B, H, T, T)``."""
+    values = values.float()
+    return torch.matmul(values, values.transpose(-1, -2)) * values.size(-1) ** -0.5
+
+
+def value_relation_mask(maps: AttentionMaps, kind: str) -> Tensor:
+    """Where a value relation entry counts, ``(B, 1, T, T)``: for self-attention the attention's own
+    mask (real queries, attendable keys: causal in the decoder); for cross-attention, whose values
+    sit at source positions, every pair of real source positions."""
+    if kind == DECODER_CROSS:
+        real = ~maps.key_padding_mask
+        return (real[:, :, None] & real[:, None, :]).unsqueeze(1)
+    return maps.attendable
+
+
+def last_layer_value_relation_kl(student: AttentionMaps, teacher: AttentionMaps, kind: str) -> Tensor:
+    """MiniLM Eq. 7-8 on the last layer of one kind."""
+    return head_mean_row_kl(
+        value_relation_logits(teacher.values[-1]), value_relation_logits(student.values[-1]),
+        value_relation_mask(student, kind),
+    )

@@ -1,0 +1,180 @@
+"""TinyBERT (Jiao et al., 2020) adapted to encoder-decoder NMT, as Align-to-Distill's baseline.
+
+    fairseq-train DATA --user-dir fairseq_kd --task translation_kd --teacher-checkpoint T.pt \\
+        --criterion tinybert ...
+
+Student layer ``j`` learns from teacher layer ``g(j) = j * n / m`` on each side (the uniform
+mapping, :func:`fairseq_kd.modules.layer_mapping.uniform_mapping`; Align-to-Distill Sec. 5.3 "every
+other layer" for 6 -> 3), and the embedding output from the teacher's (``g(0) = 0``):
+
+* attention loss (TinyBERT Eq. 7): MSE between the student's and the teacher's attention *scores*
+  (pre-softmax ``Q K^T / sqrt(d_head)``) head by head, for encoder self-, decoder self- and
+  decoder cross-attention of every mapped layer pair. Entries a query may not attend to (padded
+  keys, future keys) and padded queries are excluded, which is what TinyBERT's code achieves by
+  zeroing masked scores on both sides;
+* hidden-state loss (Eq. 8): ``MSE(h_S^j W_h, h_T^{g(j)})`` with one learnable ``W_h`` per side
+  (identity when the widths agree);
+* embedding loss (Eq. 9): ``MSE(h_S^0 W_e, h_T^0)`` with its own ``W_e`` per side;
+* prediction loss (Eq. 10): word-level KD (:func:`~fairseq_kd.criterions.losses.word_level_kd`).
+
+Units, following the criterion base's convention (a sum over real tokens, divided by fairseq's
+``sample_size``): every MSE is a mean over its inner axes per real position (over heads and the
+query's attendable keys for scores, over the feature dimension for states), summed over real
+positions and over mapped layers (TinyBERT sums the layer losses). The total is
+``L_CE + a L_att + h L_hidden + e L_emb + p L_pred`` with all weights 1 by default (TinyBERT's
+layer weights are all 1; CE is kept, as in the paper's single-stage NMT baseline).
+
+Head-by-head comparison needs equal head counts per kind; a mismatch is an error at start-up that
+names ``--encoder-attention-heads`` / ``--decoder-attention-heads`` (use ``a2d_kd`` otherwise). The
+uniform mapping needs a teacher at least as deep as the student on each side.
+"""
+from dataclasses import dataclass, field
+from typing import Dict, Sequence
+
+import torch
+from fairseq.criterions import register_criterion
+from torch import Tensor, nn
+
+from ..models.feature_capture import ATTENTION_KINDS, DECODER_CROSS, DECODER_SELF, ENCODER_SELF, CaptureRequest
+from ..modules.layer_mapping import LayerMappingError, uniform_mapping
+from ..modules.projection import width_projection
+from ._attention import check_capturable, check_equal_heads
+from .base import KDCriterionBase, KDCriterionConfig
+from .losses import word_level_kd
+
+#: the side whose layer mapping each attention kind follows
+KIND_SIDE = {ENCODER_SELF: "encoder", DECODER_SELF: "decoder", DECODER_CROSS: "decoder"}
+SIDES = ("encoder", "decoder")
+
+
+@dataclass
+class TinyBERTConfig(KDCriterionConfig):
+    tinybert_att_weight: float = field(
+        default=1.0, metadata={"help": "weight of the attention-score MSE (TinyBERT Eq. 7)"}
+    )
+    tinybert_hidden_weight: float = field(
+        default=1.0, metadata={"help": "weight of the hidden-state MSE through W_h (Eq. 8)"}
+    )
+    tinybert_emb_weight: float = field(
+        default=1.0, metadata={"help": "weight of the embedding-output MSE through W_e (Eq. 9)"}
+    )
+    tinybert_pred_weight: float = field(
+        default=1.0, metadata={"help": "weight of the prediction loss, word-level KD (Eq. 10)"}
+    )
+    kd_temperature: float = field(
+        default=1.0, metadata={"help": "softmax temperature of the prediction loss (scaled by tau^2)"}
+    )
+
+
+@register_criterion("tinybert", dataclass=TinyBERTConfig)
+class TinyBERTCriterion(KDCriterionBase):
+    TERM_NAMES = ("att_score", "hidden", "embedding", "word_kd")
+
+    def __init__(self, task, sentence_avg, label_smoothing, tinybert_att_weight, tinybert_hidden_weight,
+                 tinybert_emb_weight, tinybert_pred_weight, kd_temperature,
+                 ignore_prefix_size=0, report_accuracy=False):
+        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
+        self.weights = {"ce": 1.0, "att_score": float(tinybert_att_weight),
+                        "hidden": float(tinybert_hidden_weight), "embedding": float(tinybert_emb_weight),
+                        "word_kd": float(tinybert_pred_weight)}
+        for name, flag in (("att_score", "--tinybert-att-weight"), ("hidden", "--tinybert-hidden-weight"),
+                           ("embedding", "--tinybert-emb-weight"), ("word_kd", "--tinybert-pred-weight")):
+            if self.weights[name] < 0:
+                raise ValueError(f"{flag} must be >= 0, got {self.weights[name]}")
+        if kd_temperature <= 0:
+            raise ValueError(f"--kd-temperature must be > 0, got {kd_temperature}")
+        self.kd_temperature = float(kd_temperature)
+
+        teacher, student = self.teacher.shape, task.require_student_shape(self.criterion_name())
+        check_equal_heads(teacher, student, ATTENTION_KINDS, self.criterion_name())
+        # Teacher layer (1-based) of every student layer (1-based), per side.
+        self.mapping = {}
+        for side in SIDES:
+            try:
+                self.mapping[side] = tuple(g for (g,) in uniform_mapping(teacher.layers(side), student.layers(side)))
+            except LayerMappingError as err:
+                raise ValueError(
+                    f"criterion 'tinybert' maps student {side} layer j to teacher layer j*n/m: {err}; "
+                    f"use a student with --{side}-layers <= {teacher.layers(side)}"
+                ) from err
+        # W_h and W_e exist only for terms in use, so no parameter goes unused (DDP refuses those).
+        self.hidden_projections = nn.ModuleDict(
+            {side: width_projection(student.embed_dim(side), teacher.embed_dim(side))
+             for side in SIDES if self.weights["hidden"] != 0}
+        )
+        self.embedding_projections = nn.ModuleDict(
+            {side: width_projection(student.embed_dim(side), teacher.embed_dim(side))
+             for side in SIDES if self.weights["embedding"] != 0}
+        )
+        attention = self.weights["att_score"] != 0
+        hidden = self.weights["hidden"] != 0 or self.weights["embedding"] != 0
+        self.student_request = self.teacher_request = CaptureRequest(
+            encoder_hidden=hidden, decoder_hidden=hidden,
+            attention_kinds=ATTENTION_KINDS if attention else (), attention_scores=attention,
+        )
+        check_capturable(self.teacher, self.teacher_request, self.criterion_name())
+
+    def loss_weights(self) -> Dict[str, float]:
+        return dict(self.weights)
+
+    def distillation_terms(self, batch) -> Dict[str, Tensor]:
+        terms = {}
+        if self.weights["att_score"] != 0:
+            terms["att_score"] = sum(
+                attention_score_mse(
+                    batch.student.attention[kind].scores, batch.teacher.attention[kind].scores,
+                    batch.student.attention[kind].attendable, self.mapping[KIND_SIDE[kind]],
+                )
+                for kind in ATTENTION_KINDS
+            )
+        if self.weights["hidden"] != 0:
+            terms["hidden"] = sum(
+                hidden_mse(
+                    self.hidden_projections[side](batch.student.hidden(side)[1:]),
+                    batch.teacher.hidden(side), batch.student.padding_mask(side), self.mapping[side],
+                )
+                for side in SIDES
+            )
+        if self.weights["embedding"] != 0:
+            terms["embedding"] = sum(
+                hidden_mse(
+                    self.embedding_projections[side](batch.student.hidden(side)[:1]),
+                    batch.teacher.hidden(side), batch.student.padding_mask(side), (0,),
+                )
+                for side in SIDES
+            )
+        if self.weights["word_kd"] != 0:
+            terms["word_kd"] = word_level_kd(
+                batch.student_logits, batch.teacher_logits, batch.target_mask, self.kd_temperature
+            )
+        return terms
+
+
+def attention_score_mse(student_scores: Tensor, teacher_scores: Tensor, attendable: Tensor,
+                        mapping: Sequence[int]) -> Tensor:
+    """TinyBERT's attention loss over the mapped layer pairs, float32.
+
+    student_scores: ``(m, B, H, Tq, Tk)``; teacher_scores: ``(n, B, H, Tq, Tk)`` (pre-softmax);
+    attendable: ``(B, 1, Tq, Tk)``; mapping: teacher layer (1-based) of each student layer.
+    Per real query: the mean of ``(s - t)^2`` over heads and the keys it may attend to; summed
+    over queries, sentences and layer pairs.
+    """
+    teacher_mapped = teacher_scores[[layer - 1 for layer in mapping]].float()
+    squared = (student_scores.float() - teacher_mapped).pow(2)
+    mask = attendable.unsqueeze(0)  # (1, B, 1, Tq, Tk)
+    per_row = torch.where(mask, squared, 0.0).sum(-1)  # (m, B, H, Tq)
+    keys = attendable.sum(-1).clamp_min(1).unsqueeze(0)  # (1, B, 1, Tq); 0 only on padded queries
+    return (per_row / keys).mean(dim=2).sum()
+
+
+def hidden_mse(student_states: Tensor, teacher_states: Tensor, padding_mask: Tensor,
+               mapping: Sequence[int]) -> Tensor:
+    """``sum_j sum_t mean_d (h_S^j - h_T^{g(j)})^2`` over real positions ``t``, float32.
+
+    student_states: ``(m, B, T, d_T)`` already projected to the teacher's width, one entry per
+    ``mapping`` element; teacher_states: ``(n + 1, B, T, d_T)`` with index 0 the embedding output;
+    mapping: teacher index of each student entry; padding_mask: ``(B, T)`` True at padding.
+    """
+    teacher_mapped = teacher_states[list(mapping)].float()
+    per_position = (student_states.float() - teacher_mapped).pow(2).mean(-1)  # (m, B, T)
+    return torch.where(padding_mask.unsqueeze(0), 0.0, per_position).sum()

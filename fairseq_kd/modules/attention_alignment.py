@@ -1,0 +1,152 @@
+"""Align-to-Distill's Attention Alignment Module, AAM (Jin et al., 2024, Sec. 4.2.1, Eq. 9).
+
+For one attention kind the student has ``m`` layers of ``H_S`` heads and the teacher ``n`` layers
+of ``H_T`` heads. The AAM is a 1x1 ("pointwise") convolution over the map axis: every one of the
+``C = n * H_T`` intermediate maps is a weighted sum of all ``m * H_S`` student maps plus a bias,
+
+    H^I_c = sum_{l,k} w_{c,(l,k)} A_S^{l,k} + b_c        (Eq. 9)
+
+so any student can learn from any teacher (3x8 student maps from 6x4 teacher maps, 12 from 4, ...).
+It is applied as one ``einsum`` over the stacked ``(layers, batch, heads, Tq, Tk)`` maps.
+
+Map order is layer-major everywhere: map ``(l, k)`` (1-based) has index ``(l - 1) * heads + k - 1``,
+for the student's inputs, the teacher's maps and the exported heatmap
+(:func:`fairseq_kd.scoring.plots.plot_alignment_heatmaps`).
+
+Initialisation: ``w = 1 / (m * H_S)`` and ``b = 0``, so every intermediate map starts as the mean of
+the student maps. That mean is itself an attention distribution over exactly the keys the query
+may attend to, so the first losses are meaningful KL values instead of the arbitrary numbers a
+random (signed) convolution initialisation gives, and no student map is favoured before training
+says which teacher map it resembles. The rows of ``w`` separate from the first update because each
+intermediate map is pulled towards a different teacher map.
+
+The module is a training-only parameter set: it lives in the criterion, so the trainer optimises
+and checkpoints it (the checkpoint's ``criterion`` entry), and the student model never contains
+it. Its sizes travel with its state dict (``get_extra_state``) so that weights read back from a
+checkpoint can be drawn without the models, and a resume with a differently shaped teacher or
+student fails with a clear message rather than a shape error.
+"""
+from __future__ import annotations
+
+from typing import Dict, Mapping
+
+import torch
+from torch import Tensor, nn
+
+SIZE_KEYS = ("student_layers", "student_heads", "teacher_layers", "teacher_heads")
+
+
+class AlignmentShapeError(ValueError):
+    """Maps or saved weights whose sizes do not fit an Attention Alignment Module."""
+
+
+class AttentionAlignment(nn.Module):
+    """Eq. 9 for one attention kind: ``(m, B, H_S, Tq, Tk)`` student maps -> ``(n*H_T, B, Tq, Tk)``.
+
+    ``weight``: ``(n * H_T, m * H_S)`` (teacher map x student map, the layout of a 1x1 convolution's
+    kernel); ``bias``: ``(n * H_T,)``. For Align-to-Distill's layer-wise variant (Table 6) the
+    maps are averaged per layer first and the module is built with one "head" per layer.
+    """
+
+    def __init__(self, student_layers: int, student_heads: int, teacher_layers: int, teacher_heads: int):
+        super().__init__()
+        sizes = dict(zip(SIZE_KEYS, (student_layers, student_heads, teacher_layers, teacher_heads)))
+        bad = {key: value for key, value in sizes.items() if int(value) < 1}
+        if bad:
+            raise AlignmentShapeError(f"an attention alignment module needs positive sizes, got {bad}")
+        self.student_layers, self.student_heads = int(student_layers), int(student_heads)
+        self.teacher_layers, self.teacher_heads = int(teacher_layers), int(teacher_heads)
+        student_maps = self.student_layers * self.student_heads
+        teacher_maps = self.teacher_layers * self.teacher_heads
+        self.weight = nn.Parameter(torch.full((teacher_maps, student_maps), 1.0 / student_maps))
+        self.bias = nn.Parameter(torch.zeros(teacher_maps))
+
+    @property
+    def student_maps(self) -> int:
+        return self.student_layers * self.student_heads
+
+    @property
+    def teacher_maps(self) -> int:
+        return self.teacher_layers * self.teacher_heads
+
+    def sizes(self) -> Dict[str, int]:
+        return {key: getattr(self, key) for key in SIZE_KEYS}
+
+    def forward(self, student_maps: Tensor) -> Tensor:
+        """Intermediate maps ``H^I`` in float32, ``(n * H_T, batch, Tq, Tk)``.
+
+        Computed in float32 whatever the dtype of the maps and of the (possibly fp16) parameters:
+        the result feeds a log-softmax, where half precision loses the small differences between
+        attention probabilities.
+        """
+        layers, _, heads = student_maps.shape[:3]
+        if (layers, heads) != (self.student_layers, self.student_heads):
+            raise AlignmentShapeError(
+                f"the alignment module was built for {self.student_layers} student layers x "
+                f"{self.student_heads} heads but got maps of {layers} layers x {heads} heads"
+            )
+        kernel = self.weight.float().view(self.teacher_maps, self.student_layers, self.student_heads)
+        intermediate = torch.einsum("clh,lbhqk->cbqk", kernel, student_maps.float())
+        return intermediate + self.bias.float().view(-1, 1, 1, 1)
+
+    def heatmap_entry(self) -> dict:
+        """This module's weights for :func:`fairseq_kd.scoring.plots.plot_alignment_heatmaps`:
+        ``weights`` as rows = student maps, columns = teacher maps, plus the four sizes."""
+        return heatmap_entry(self.weight.detach(), self.sizes())
+
+    # Sizes are kept in the state dict (torch's extra-state protocol: plain ints, safe to load
+    # with weights_only=True).
+    def get_extra_state(self) -> dict:
+        return self.sizes()
+
+    def set_extra_state(self, state: Mapping) -> None:
+        saved = {key: int(state[key]) for key in SIZE_KEYS if key in state}
+        if saved != self.sizes():
+            raise AlignmentShapeError(
+                f"the checkpoint's attention alignment module was trained for {describe(saved)}, but "
+                f"this run's student and teacher give {describe(self.sizes())}; resume with the "
+                "same student architecture and --teacher-checkpoint, or start a new --save-dir"
+            )
+
+    def extra_repr(self) -> str:
+        return describe(self.sizes())
+
+
+def describe(sizes: Mapping) -> str:
+    return (
+        f"student {sizes.get('student_layers')} layers x {sizes.get('student_heads')} heads -> "
+        f"teacher {sizes.get('teacher_layers')} layers x {sizes.get('teacher_heads')} heads"
+    )
+
+
+def heatmap_entry(weight: Tensor, sizes: Mapping) -> dict:
+    """JSON-ready entry: ``weight`` ``(teacher maps, student maps)`` transposed to student rows."""
+    expected = (sizes["teacher_layers"] * sizes["teacher_heads"], sizes["student_layers"] * sizes["student_heads"])
+    if tuple(weight.shape) != expected:
+        raise AlignmentShapeError(
+            f"alignment weight of shape {tuple(weight.shape)} does not fit {describe(sizes)} "
+            f"(expected {expected})"
+        )
+    return {"weights": weight.float().t().cpu().tolist(), **{key: int(sizes[key]) for key in SIZE_KEYS}}
+
+
+def alignment_weights_from_state(criterion_state: Mapping[str, object], prefix: str = "alignments.") -> dict:
+    """Heatmap JSON (``{kind: entry}``) from a criterion ``state_dict``, e.g. the ``criterion``
+    entry of a fairseq checkpoint trained with ``--criterion a2d_kd``."""
+    found = {}
+    for key, value in criterion_state.items():
+        if key.startswith(prefix) and key.endswith(".weight"):
+            kind = key[len(prefix): -len(".weight")]
+            sizes = criterion_state.get(f"{prefix}{kind}._extra_state")
+            if not isinstance(sizes, Mapping) or any(k not in sizes for k in SIZE_KEYS):
+                raise AlignmentShapeError(
+                    f"criterion state has {key} but no sizes ({prefix}{kind}._extra_state); it was not "
+                    "written by this version of fairseq-kd's a2d_kd criterion"
+                )
+            found[kind] = heatmap_entry(value, sizes)
+    if not found:
+        raise AlignmentShapeError(
+            "the criterion state holds no attention alignment module (keys "
+            f"{sorted(criterion_state)[:8]}...); was the checkpoint trained with --criterion a2d_kd?"
+        )
+    return found
