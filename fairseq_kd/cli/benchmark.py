@@ -36,18 +36,30 @@ from typing import Dict, List
 METHODS: Dict[str, List[str]] = {
     "plain": ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"],
     "word_kd": ["--criterion", "word_kd"],
+    "selective_kd": ["--criterion", "selective_kd", "--selection", "batch"],
+    # global selection adds the FIFO queue of recent CE values (Wang et al. 2021: 30k tokens)
+    "selective_kd_global": ["--criterion", "selective_kd", "--selection", "global"],
+    "a2d_kd": ["--criterion", "a2d_kd"],
+    "a2d_kd_layerwise": ["--criterion", "a2d_kd", "--a2d-granularity", "layer"],
+    # TinyBERT and MiniLM compare heads one to one: every configuration's student has the
+    # teacher's head count, so all methods (plain included) train the same student.
+    "tinybert": ["--criterion", "tinybert"],
+    "minilm": ["--criterion", "minilm"],
 }
 
 CONFIGS = {
     "tiny": {
         "teacher_arch": "transformer_kd_tiny_teacher",
         "student_arch": "transformer_kd_tiny_student",
+        # the teacher's 4 heads (the architecture's default is 2), so head-matched methods can run
+        "student_args": ["--encoder-attention-heads", "4", "--decoder-attention-heads", "4"],
         "max_tokens": 1024,
         "corpus_train": 3000,
     },
     "small": {
         "teacher_arch": "transformer_kd_iwslt_teacher",
         "student_arch": "transformer_kd_iwslt_student_3l",
+        "student_args": [],
         "max_tokens": 2048,
         "corpus_train": 3000,
     },
@@ -104,7 +116,7 @@ def training_flags(config_name: str, paths: Dict[str, str], method: str) -> List
         "--share-all-embeddings", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
         "--lr", "5e-4", "--max-tokens", str(config["max_tokens"]), "--seed", "1",
         "--dropout", "0.3", "--num-workers", "0", "--required-batch-size-multiple", "1",
-        *METHODS[method],
+        *config["student_args"], *METHODS[method],
     ]
 
 
@@ -115,6 +127,11 @@ def measure_training(flags: List[str], steps: int, warmup: int) -> dict:
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.trainer import Trainer
 
+    import fairseq_kd
+
+    # This module imported fairseq_kd before fairseq, so --user-dir would find it already
+    # imported and not register anything.
+    fairseq_kd.register()
     parser = options.get_training_parser()
     args = options.parse_args_and_arch(parser, flags)
     cfg = convert_namespace_to_omegaconf(args)
@@ -157,7 +174,8 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def measure_decoding(paths: Dict[str, str], student_arch: str, sentences: int, length: int) -> dict:
+def measure_decoding(paths: Dict[str, str], student_arch: str, student_args: List[str], sentences: int,
+                     length: int) -> dict:
     """Beam-5 decoding speed (sentences/s) of an untrained student vs the teacher."""
     import torch
     from fairseq import checkpoint_utils
@@ -165,6 +183,9 @@ def measure_decoding(paths: Dict[str, str], student_arch: str, sentences: int, l
     from fairseq import options, tasks, utils
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
+    import fairseq_kd
+
+    fairseq_kd.register()
     parser = options.get_generation_parser()
     cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(
         parser, [paths["data"], "--user-dir", _user_dir(), "--task", "translation_kd"]))
@@ -173,6 +194,8 @@ def measure_decoding(paths: Dict[str, str], student_arch: str, sentences: int, l
     task.load_dataset("test")
     teacher, _cfg = checkpoint_utils.load_model_ensemble([paths["teacher"]], task=task)
     args = argparse.Namespace(arch=student_arch, _name="transformer", share_all_embeddings=True)
+    for flag, value in zip(student_args[::2], student_args[1::2]):
+        setattr(args, flag.lstrip("-").replace("-", "_"), int(value))
     from fairseq.models import ARCH_CONFIG_REGISTRY
 
     ARCH_CONFIG_REGISTRY[student_arch](args)
@@ -235,7 +258,8 @@ def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats
             if "error" not in row and base and "error" not in base:
                 row["time_ratio"] = row["step_ms"] / base["step_ms"]
                 row["memory_ratio"] = row["peak_mb"] / base["peak_mb"] if base["peak_mb"] > 0 else float("nan")
-        decoding = measure_decoding(paths, CONFIGS[config_name]["student_arch"], sentences=200, length=20)
+        decoding = measure_decoding(paths, CONFIGS[config_name]["student_arch"],
+                                    CONFIGS[config_name]["student_args"], sentences=200, length=20)
         report[config_name] = {"config": CONFIGS[config_name], "methods": rows, "decoding": decoding}
     return report
 
