@@ -80,6 +80,9 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
             )
         self.teacher = require_teacher(self.criterion_name())
         self.epoch = 1
+        # True while fairseq trains on a dummy batch (a data-parallel worker out of data, whose
+        # loss is zeroed): stateful methods must not learn from it. Set by the task.
+        self.is_dummy_batch = False
 
     @classmethod
     def criterion_name(cls) -> str:

@@ -125,11 +125,18 @@ def check_dictionaries(path: str, state: dict, src_dict: Dictionary, tgt_dict: D
                 f"{side} dictionary has {len(dictionary)}. {how_to_fix}"
             )
     teacher_data = getattr(cfg.task, "data", None) if cfg.get("task") is not None else None
-    src_lang = getattr(cfg.task, "source_lang", None) if teacher_data else None
-    tgt_lang = getattr(cfg.task, "target_lang", None) if teacher_data else None
-    if not teacher_data or not src_lang or not tgt_lang:
+    if not teacher_data:
         return
     first_dir = str(teacher_data).split(os.pathsep)[0]
+    src_lang = getattr(cfg.task, "source_lang", None)
+    tgt_lang = getattr(cfg.task, "target_lang", None)
+    if (not src_lang or not tgt_lang) and os.path.isdir(first_dir):
+        # trained without --source-lang/--target-lang: fairseq inferred them from the file names
+        from fairseq.data.data_utils import infer_language_pair
+
+        src_lang, tgt_lang = infer_language_pair(first_dir)
+    if not src_lang or not tgt_lang:
+        return
     for side, lang, dictionary in (("source", src_lang, src_dict), ("target", tgt_lang, tgt_dict)):
         dict_file = Path(first_dir) / f"dict.{lang}.txt"
         if not dict_file.is_file():

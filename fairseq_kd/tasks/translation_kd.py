@@ -63,6 +63,15 @@ class TranslationKDTask(TranslationTask):
             self.kd_criterion = criterion
         return criterion
 
+    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
+        if self.kd_criterion is not None:
+            self.kd_criterion.is_dummy_batch = ignore_grad
+        try:
+            return super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
+        finally:
+            if self.kd_criterion is not None:
+                self.kd_criterion.is_dummy_batch = False
+
     def begin_epoch(self, epoch, model):
         super().begin_epoch(epoch, model)
         if self.kd_criterion is not None:
