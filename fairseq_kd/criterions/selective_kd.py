@@ -1,0 +1,239 @@
+"""Selective knowledge distillation (Wang et al., 2021, "Selective Knowledge Distillation for Neural
+Machine Translation", ACL-IJCNLP).
+
+Word-level KD (:func:`.losses.word_level_kd`) is applied only to the hardest fraction ``r`` (the
+"word rate", ``--word-rate``, 0.5 in Align-to-Distill) of the real target tokens, ranked by the
+student's own cross-entropy on the reference token, ``-log p_S(y_t)`` (unsmoothed, temperature 1,
+detached: the ranking steers where KD applies and receives no gradient). CE still applies to every
+token: ``loss = (1 - a) * L_CE + a * L_KD(selected tokens)`` with ``a`` = ``--kd-weight``, exactly
+as :mod:`.word_kd` weighs its terms, so ``--word-rate 1`` is word-level KD.
+
+Selection (``--selection``):
+
+* ``batch`` (batch-level selection, BLS): the ``k = ceil(r * N)`` tokens with the highest CE among
+  the ``N`` real target tokens of the worker's batch. Ties are broken deterministically by
+  position (row-major order: earlier sentence of the batch, then earlier position, first), so
+  exactly ``k`` tokens are chosen.
+* ``global`` (global-level selection, GLS): a first-in-first-out queue holds the CE values of the
+  most recent ``--queue-size`` real target tokens seen in training (30,000 by default). At every
+  training forward pass the batch's values are appended (the oldest dropped), then the threshold
+  is the ``(1 - r)`` quantile of the queue taken as an order statistic without interpolation: the
+  ``k``-th largest value, ``k = ceil(r * |Q|)`` (``torch.kthvalue``). A token is selected when its
+  CE is ``>=`` the threshold, so values tied with the threshold are all selected and the selected
+  fraction of a batch is not fixed (that is the point of GLS: easy batches get less KD).
+
+  - Data parallel: every worker all-gathers the batch CE values of all workers (in rank order,
+    fairseq's data-parallel group) before appending them, so all workers hold the same queue and
+    apply the same threshold. Without ``torch.distributed`` (one worker) nothing is gathered.
+  - Warm-up: the current batch is appended before the threshold is taken, so while the queue is
+    not yet full the threshold is the quantile of everything seen so far; on the very first batch
+    it is the batch's own quantile, i.e. batch-level selection with tie-inclusive thresholding.
+  - Validation (criterion in eval mode) leaves the queue untouched: its threshold comes from the
+    queue with the batch appended on a copy, local to the worker.
+  - Resume: the queue is returned by :meth:`checkpoint_state`, which the ``translation_kd`` task
+    stores in the checkpoint (see ``fairseq_kd/tasks/translation_kd.py``); it is restored before
+    training continues. A changed ``--queue-size`` keeps the most recent values that fit.
+  - Dummy batches: when a data-parallel worker runs out of batches before the others, fairseq
+    feeds it a "dummy" batch whose loss it zeroes (``ignore_grad``). The task marks such batches
+    (``is_dummy_batch``); the worker still takes part in the gather, so no collective call is
+    skipped, but contributes no values to the queue.
+
+``--word-rate`` must lie in ``(0, 1]``.
+"""
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from fairseq import utils
+from fairseq.criterions import register_criterion
+from fairseq.dataclass import ChoiceEnum
+from fairseq.distributed import utils as distributed_utils
+from fairseq.logging import metrics
+from torch import Tensor
+
+from .losses import word_level_kd
+from .word_kd import WordKDConfig, WordKDCriterion
+
+logger = logging.getLogger(__name__)
+
+SELECTION_CHOICES = ChoiceEnum(["batch", "global"])
+
+
+@dataclass
+class SelectiveKDConfig(WordKDConfig):
+    word_rate: float = field(
+        default=0.5,
+        metadata={"help": "fraction r in (0, 1] of target tokens, the hardest by the student's CE, "
+                  "that receive word-level KD (Align-to-Distill: 0.5); 1 is word_kd"},
+    )
+    selection: SELECTION_CHOICES = field(
+        default="batch",
+        metadata={"help": "'batch': the top r of each batch's tokens; 'global': tokens whose CE "
+                  "reaches the (1-r) quantile of a FIFO queue of recent CE values (Wang et al. 2021)"},
+    )
+    queue_size: int = field(
+        default=30000,
+        metadata={"help": "number of recent token CE values kept by --selection global, summed over "
+                  "all data-parallel workers (Wang et al. 2021: 30,000)"},
+    )
+
+
+# ------------------------------------------------------------------ selection (pure functions)
+def token_cross_entropy(student_logits: Tensor, target: Tensor) -> Tensor:
+    """``-log p_S(y_t)`` per position, ``(batch, tgt_len)``, float32, detached (ranking only)."""
+    with torch.no_grad():
+        log_probs = F.log_softmax(student_logits.detach().float(), dim=-1)
+        return -log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+
+
+def selection_count(word_rate: float, total: int) -> int:
+    """``ceil(r * total)``; the product is rounded to 9 decimals first so that e.g. 0.3 * 10 counts
+    as 3, not 4, despite binary floating point."""
+    return min(total, math.ceil(round(word_rate * total, 9)))
+
+
+def select_batch_level(token_ce: Tensor, target_mask: Tensor, word_rate: float) -> Tensor:
+    """Mask of the ``ceil(r * N)`` real tokens with the highest CE; ties go to the earlier token in
+    row-major order (stable sort), so the count is exact."""
+    values = token_ce[target_mask]
+    chosen = torch.zeros_like(values, dtype=torch.bool)
+    k = selection_count(word_rate, values.numel())
+    if k > 0:
+        order = torch.sort(values, descending=True, stable=True).indices
+        chosen[order[:k]] = True
+    selected = torch.zeros_like(target_mask)
+    selected[target_mask] = chosen
+    return selected
+
+
+def push_to_queue(queue: Tensor, values: Tensor, queue_size: int) -> Tensor:
+    """Append ``values`` (oldest first) to the FIFO ``queue`` and keep the newest ``queue_size``."""
+    return torch.cat([queue.to(values.device), values.float()])[-queue_size:]
+
+
+def queue_threshold(queue: Tensor, word_rate: float) -> Tensor:
+    """The ``k``-th largest queue value, ``k = ceil(r * |Q|)``: the (1 - r) quantile as an order
+    statistic (no interpolation). ``+inf`` for an empty queue (nothing selected)."""
+    size = queue.numel()
+    if size == 0:
+        return torch.tensor(float("inf"), device=queue.device)
+    k = selection_count(word_rate, size)
+    return torch.kthvalue(queue, size - k + 1).values
+
+
+def select_global_level(token_ce: Tensor, target_mask: Tensor, threshold: Tensor) -> Tensor:
+    """Real tokens whose CE reaches the threshold (ties with it included)."""
+    return target_mask & (token_ce >= threshold)
+
+
+def gather_from_workers(values: Tensor) -> Tensor:
+    """Concatenation, in rank order, of every data-parallel worker's 1-D ``values``.
+
+    Workers hold different numbers of tokens and ``all_gather`` needs equal shapes, so the counts
+    are gathered first and the values padded to the largest count. Returns ``values`` unchanged
+    when ``torch.distributed`` is not initialised or there is one worker.
+    """
+    group = distributed_utils.get_data_parallel_group()
+    if distributed_utils.get_world_size(group) <= 1:
+        return values
+    count = torch.tensor([values.numel()], dtype=torch.long, device=values.device)
+    counts = [int(c.item()) for c in distributed_utils.all_gather(count, group)]
+    longest = max(counts)
+    if longest == 0:
+        return values
+    padded = values.new_zeros(longest)
+    padded[: values.numel()] = values
+    gathered = distributed_utils.all_gather(padded, group)
+    return torch.cat([part[:n] for part, n in zip(gathered, counts)])
+
+
+# ------------------------------------------------------------------------------- criterion
+@register_criterion("selective_kd", dataclass=SelectiveKDConfig)
+class SelectiveKDCriterion(WordKDCriterion):
+    """Word-level KD restricted to the hardest tokens; see the module docstring."""
+
+    TERM_NAMES = ("selective_kd",)
+
+    def __init__(self, task, sentence_avg, label_smoothing, kd_weight, kd_temperature, word_rate,
+                 selection, queue_size, ignore_prefix_size=0, report_accuracy=False):
+        if not 0.0 < word_rate <= 1.0:
+            raise ValueError(f"--word-rate must be in (0, 1] (the fraction of tokens distilled), got {word_rate}")
+        if selection not in ("batch", "global"):
+            raise ValueError(f"--selection must be 'batch' or 'global', got {selection!r}")
+        if selection == "global" and queue_size < 1:
+            raise ValueError(f"--queue-size must be a positive number of tokens, got {queue_size}")
+        super().__init__(task, sentence_avg, label_smoothing, kd_weight, kd_temperature,
+                         ignore_prefix_size, report_accuracy)
+        self.word_rate = word_rate
+        self.selection = str(selection)
+        self.queue_size = queue_size
+        self.queue = torch.zeros(0)
+        self._selected_tokens = 0
+
+    def loss_weights(self):
+        return {"ce": 1.0 - self.kd_weight, "selective_kd": self.kd_weight}
+
+    def select(self, token_ce: Tensor, target_mask: Tensor) -> Tensor:
+        """Which real target tokens receive KD in this batch (updates the queue in training)."""
+        if self.selection == "batch":
+            return select_batch_level(token_ce, target_mask, self.word_rate)
+        local_values = token_ce[target_mask]
+        if self.is_dummy_batch:
+            local_values = local_values[:0]
+        if self.training:
+            self.queue = push_to_queue(self.queue, gather_from_workers(local_values), self.queue_size)
+            queue = self.queue
+        else:
+            queue = push_to_queue(self.queue, local_values, self.queue_size)
+        return select_global_level(token_ce, target_mask, queue_threshold(queue, self.word_rate))
+
+    def distillation_terms(self, batch):
+        token_ce = token_cross_entropy(batch.student_logits, batch.sample["target"])
+        selected = self.select(token_ce, batch.target_mask)
+        self._selected_tokens = selected.sum().data
+        return {
+            "selective_kd": word_level_kd(
+                batch.student_logits, batch.teacher_logits, selected, self.kd_temperature
+            )
+        }
+
+    def forward(self, model, sample, reduce=True):
+        self._selected_tokens = 0
+        loss, sample_size, logging_output = super().forward(model, sample, reduce)
+        logging_output["kd_selected_tokens"] = self._selected_tokens
+        return loss, sample_size, logging_output
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        tokens = sum(log.get("ntokens", 0) for log in logging_outputs)
+        if tokens > 0:
+            selected = utils.item(sum(log.get("kd_selected_tokens", 0) for log in logging_outputs))
+            # the fraction of target tokens that received KD (== word rate for batch selection)
+            metrics.log_scalar("kd_selected_rate", selected / tokens, tokens, round=3)
+
+    # ----------------------------------------------------------------- checkpointing
+    def checkpoint_state(self) -> dict:
+        if self.selection != "global":
+            return {}
+        return {"selective_kd_queue": self.queue.detach().cpu().clone()}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        if self.selection != "global":
+            return
+        saved = state.get("selective_kd_queue")
+        if saved is None:
+            logger.warning("selective_kd: the checkpoint holds no CE queue; global selection starts empty")
+            return
+        if saved.numel() > self.queue_size:
+            logger.warning(
+                f"selective_kd: the checkpoint's queue holds {saved.numel()} values but --queue-size is "
+                f"{self.queue_size}; keeping the most recent {self.queue_size}"
+            )
+        self.queue = saved.float()[-self.queue_size:].clone()
+        logger.info(
+            f"selective_kd: restored the global CE queue: {self.queue.numel()} values, "
+            f"sum {self.queue.double().sum().item():.6f}"
+        )

@@ -1,0 +1,505 @@
+"""Sequence-level knowledge distillation data (Kim & Rush, 2016, "Sequence-Level Knowledge
+Distillation", EMNLP): the teacher beam-decodes every training source sentence and the student
+is trained on (source, teacher hypothesis) pairs with any criterion.
+
+:func:`run` reads a fairseq-binarised split (``--data``, normally ``train``), decodes it with
+fairseq's ``SequenceGenerator`` (built by the translation task's ``build_generator``, beam 5 by
+default, the best hypothesis kept), and writes a new binarised folder that ``fairseq-train``
+accepts as it is:
+
+* ``<split>.<src>-<tgt>.<src>.{bin,idx}``: the original source token ids, unchanged;
+* ``<split>.<src>-<tgt>.<tgt>.{bin,idx}``: the teacher's hypotheses (token ids straight from the
+  generator, ending in ``</s>`` like fairseq-preprocess output; no detokenisation or
+  re-tokenisation), sentence ``i`` for source sentence ``i``;
+* the other splits' binaries (valid, test, ...) and ``dict.<lang>.txt`` copied from ``--data``;
+* ``seqkd.json``, the manifest: what was decoded, from what, with which teacher and settings.
+
+Decoding is resumable. The split is cut into shards of ``shard_size`` consecutive sentence ids;
+each finished shard is written to ``<output>/seqkd_work/`` atomically (temporary file, then
+rename) and skipped by a re-run with the same parameters, so an interrupted run continues where it
+stopped and never decodes a sentence twice. Within a shard, sentences are batched like
+``fairseq-generate`` does (sorted by length, ``batch_by_size``). Once every shard exists the
+binaries are written (again via temporary names), the manifest is marked complete and the shards
+are deleted; a re-run with the same parameters is then a no-op.
+
+What identifies the output (a re-run with other values is refused unless ``force``): the source
+data (split, languages, and SHA-256 of the split's binaries and of the dictionaries), the teacher
+checkpoint's SHA-256, beam, length limits, length penalty, fp16 and shard size; contents, not paths,
+so moved folders still resume (the paths are recorded in the manifest too). Batch size, max tokens
+and the device are not part of it: they change the hypotheses only through
+floating-point rounding and through fairseq's length limit, which ``SequenceGenerator`` derives from
+the longest (padded) source of a batch (``max_len_a * src_len + max_len_b``), as in fairseq-generate.
+
+Every check (flags, data folder and split, dictionaries, output folder, teacher checkpoint and its
+dictionaries, source lengths) happens before decoding starts.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+MANIFEST_NAME = "seqkd.json"
+WORK_DIR_NAME = "seqkd_work"
+FORMAT_VERSION = 1
+#: seed of the tie-breaking shuffle in ``ordered_indices`` (fairseq-generate's default --seed)
+ORDER_SEED = 1
+
+
+class SeqKDError(ValueError):
+    """Bad input for sequence-level KD decoding, detected before any decoding."""
+
+
+@dataclass(frozen=True)
+class SeqKDConfig:
+    """Inputs of :func:`run`; field names equal the command-line flags (``fairseq-kd-seqkd``)."""
+
+    data: str
+    teacher_checkpoint: str
+    output: str
+    source_lang: Optional[str] = None
+    target_lang: Optional[str] = None
+    split: str = "train"
+    beam: int = 5
+    max_len_a: float = 0.0
+    max_len_b: int = 200
+    lenpen: float = 1.0
+    max_tokens: Optional[int] = 4096
+    batch_size: Optional[int] = None
+    shard_size: int = 10000
+    fp16: bool = False
+    cpu: bool = False
+    force: bool = False
+    #: decode at most this many not-yet-written shards, then stop without binarising (``None``: all)
+    max_shards: Optional[int] = None
+
+
+@dataclass
+class SeqKDResult:
+    status: str  # "complete", "up_to_date" (nothing to do) or "partial" (stopped by max_shards)
+    output: Path
+    sentences: int  # sentences in the split
+    decoded_now: int  # sentences decoded by this call
+    decode_seconds: float  # time spent in the generator loop by this call
+    shards_done: int
+    shards_total: int
+
+    @property
+    def sentences_per_second(self) -> float:
+        return self.decoded_now / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+# ----------------------------------------------------------------------------- helpers
+def sha256_of_files(paths: List[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_json_atomic(path: Path, content: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _split_files(data: Path, split: str, src: str, tgt: str) -> List[Path]:
+    """Binary files of ``split`` and its fairseq continuation parts ``split1``, ``split2``, ...
+    (either language-pair naming), in the order fairseq's translation task concatenates them."""
+    files: List[Path] = []
+    for k in itertools.count():
+        name = split + (str(k) if k > 0 else "")
+        found = False
+        for pair in (f"{src}-{tgt}", f"{tgt}-{src}"):
+            stem = data / f"{name}.{pair}"
+            if (data / f"{stem.name}.{src}.idx").is_file():
+                files += sorted(p for p in data.glob(f"{stem.name}.*") if p.suffix in (".bin", ".idx"))
+                found = True
+                break
+        if not found:
+            return files
+
+
+def _is_split_part(name: str, split: str) -> bool:
+    return re.fullmatch(re.escape(split) + r"\d*", name) is not None
+
+
+def _dataset_files_of_other_splits(data: Path, split: str, src: str, tgt: str) -> List[Path]:
+    """``<name>.<src>-<tgt>.<lang>.{bin,idx}`` (either pair naming) of every split but ``split``."""
+    pairs = {f"{src}-{tgt}", f"{tgt}-{src}"}
+    found = []
+    for path in sorted(data.iterdir()):
+        parts = path.name.split(".")
+        if (len(parts) == 4 and parts[1] in pairs and parts[2] in (src, tgt) and parts[3] in ("bin", "idx")
+                and not _is_split_part(parts[0], split)):
+            found.append(path)
+    return found
+
+
+def _binarised_files(folder: Path) -> List[Path]:
+    """Files in ``folder`` that fairseq would read as (part of) a binarised dataset."""
+    return [p for p in folder.iterdir() if p.is_file() and (
+        p.suffix in (".bin", ".idx") or re.fullmatch(r"dict\..+\.txt", p.name))]
+
+
+# ------------------------------------------------------------------------------ planning
+@dataclass
+class _Plan:
+    config: SeqKDConfig
+    data: Path
+    output: Path
+    src: str
+    tgt: str
+    parameters: dict
+    manifest: Optional[dict]
+
+    @property
+    def work(self) -> Path:
+        return self.output / WORK_DIR_NAME
+
+    def shard_path(self, index: int) -> Path:
+        return self.work / f"shard{index:06d}.pt"
+
+    def output_prefix(self, lang: str) -> Path:
+        return self.output / f"{self.config.split}.{self.src}-{self.tgt}.{lang}"
+
+
+def _check_flags(config: SeqKDConfig) -> None:
+    if config.beam < 1:
+        raise SeqKDError(f"--beam must be >= 1, got {config.beam}")
+    if config.shard_size < 1:
+        raise SeqKDError(f"--shard-size must be >= 1 sentence, got {config.shard_size}")
+    if config.max_len_a < 0 or config.max_len_b < 1:
+        raise SeqKDError(f"--max-len-a must be >= 0 and --max-len-b >= 1, got {config.max_len_a} and "
+                         f"{config.max_len_b}")
+    if config.max_tokens is None and config.batch_size is None:
+        raise SeqKDError("give --max-tokens or --batch-size (or both) to size the decoding batches")
+    if (config.max_tokens is not None and config.max_tokens < 1) or (
+            config.batch_size is not None and config.batch_size < 1):
+        raise SeqKDError(f"--max-tokens and --batch-size must be positive, got {config.max_tokens} and "
+                         f"{config.batch_size}")
+    if config.max_shards is not None and config.max_shards < 1:
+        raise SeqKDError(f"--max-shards must be >= 1, got {config.max_shards}")
+    if config.fp16 and (config.cpu or not torch.cuda.is_available()):
+        raise SeqKDError("--fp16 needs a CUDA device (and no --cpu)")
+
+
+def _resolve_languages(config: SeqKDConfig, data: Path):
+    from fairseq.data import data_utils
+
+    src, tgt = config.source_lang, config.target_lang
+    if src is None or tgt is None:
+        # fairseq's own rule (TranslationTask.setup_task): the first <split>.<a>-<b>.* file found
+        src, tgt = data_utils.infer_language_pair(str(data))
+        if src is None or tgt is None:
+            raise SeqKDError(f"--data {data}: cannot infer the language pair (no <split>.<src>-<tgt>.* "
+                             "files); pass --source-lang and --target-lang")
+    return src, tgt
+
+
+def plan(config: SeqKDConfig) -> _Plan:
+    """Every check that needs no model: flags, data, split, output folder. Raises SeqKDError."""
+    _check_flags(config)
+    if os.pathsep in config.data:
+        raise SeqKDError(f"--data {config.data!r}: give one binarised folder, not a {os.pathsep!r}-separated list")
+    data = Path(config.data).resolve()
+    if not data.is_dir():
+        raise SeqKDError(f"--data {config.data}: no such folder (a fairseq-preprocess --destdir is expected)")
+    src, tgt = _resolve_languages(config, data)
+    for lang, flag in ((src, "--source-lang"), (tgt, "--target-lang")):
+        if not (data / f"dict.{lang}.txt").is_file():
+            raise SeqKDError(f"--data {data}: no dict.{lang}.txt; is {flag} {lang} right?")
+    split_files = _split_files(data, config.split, src, tgt)
+    if not any(p.name.endswith(f".{src}.idx") for p in split_files):
+        raise SeqKDError(f"--split {config.split}: no binarised {config.split}.{src}-{tgt}.{src} in {data}; "
+                         "binarise it with fairseq-preprocess or pick another split")
+    source_bins = [p for p in split_files if p.name.endswith(f".{src}.bin")]
+    if sum(p.stat().st_size for p in source_bins) == 0:  # every sentence holds at least </s>
+        raise SeqKDError(f"--split {config.split}: the split in {data} has no sentences "
+                         f"({', '.join(p.name for p in source_bins) or 'no .bin file'})")
+    if not config.teacher_checkpoint or not Path(config.teacher_checkpoint).is_file():
+        raise SeqKDError(f"--teacher-checkpoint {config.teacher_checkpoint!r}: no such file")
+    output = Path(config.output).resolve()
+    if output == data:
+        raise SeqKDError(f"--output {config.output} is the --data folder; the input split would be "
+                         "overwritten while it is read. Choose another folder.")
+    if output.exists() and not output.is_dir():
+        raise SeqKDError(f"--output {config.output} exists and is not a folder")
+
+    # what the output is a function of: contents, not paths (a moved folder still resumes)
+    parameters = {
+        "format_version": FORMAT_VERSION,
+        "split": config.split,
+        "source_lang": src,
+        "target_lang": tgt,
+        "split_sha256": sha256_of_files(split_files),
+        "dictionaries_sha256": sha256_of_files([data / f"dict.{src}.txt", data / f"dict.{tgt}.txt"]),
+        "teacher_sha256": sha256_of_files([Path(config.teacher_checkpoint)]),
+        "beam": config.beam,
+        "max_len_a": config.max_len_a,
+        "max_len_b": config.max_len_b,
+        "lenpen": config.lenpen,
+        "fp16": config.fp16,
+        "shard_size": config.shard_size,
+    }
+    manifest = _check_output_folder(output, parameters, config.force)
+    return _Plan(config, data, output, src, tgt, parameters, manifest)
+
+
+def _check_output_folder(output: Path, parameters: dict, force: bool) -> Optional[dict]:
+    """The manifest to resume from (None: start afresh); refuses a folder holding other data."""
+    if not output.exists() or not any(output.iterdir()):
+        return None
+    manifest_path = output / MANIFEST_NAME
+    manifest = None
+    if manifest_path.is_file():
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError:
+            manifest = None
+    if manifest is not None and manifest.get("parameters") == parameters:
+        return manifest
+    if force:
+        return None
+    if manifest is None:
+        listing = ", ".join(sorted(p.name for p in output.iterdir())[:5])
+        raise SeqKDError(
+            f"--output {output} is not empty and was not written by this command with these settings "
+            f"(no readable {MANIFEST_NAME}; it holds {listing}, ...). Choose an empty or new folder, or "
+            "pass --force to replace the binarised dataset in it.")
+    old = manifest.get("parameters", {})
+    differing = sorted(k for k in set(old) | set(parameters) if old.get(k) != parameters.get(k))
+    raise SeqKDError(
+        f"--output {output} holds a sequence-KD dataset made with other settings (differing: "
+        f"{', '.join(differing)}; see {manifest_path}). Choose another folder, or pass --force to "
+        "discard it and decode anew.")
+
+
+def _clear_for_force(plan_: _Plan) -> None:
+    """Before a fresh start (an empty output, or --force): remove previous seq-KD work and every
+    binarised dataset file, so that no stale split (e.g. a left-over ``train1``) is read together
+    with the new one. Other files stay."""
+    if plan_.work.exists():
+        shutil.rmtree(plan_.work)
+    for path in _binarised_files(plan_.output) + [plan_.output / MANIFEST_NAME]:
+        if path.exists():
+            path.unlink()
+
+
+# ------------------------------------------------------------------------------ decoding
+def _load(plan_: _Plan):
+    """Task with the split loaded, the frozen teacher (dictionary checks) and the device."""
+    import fairseq_kd
+
+    fairseq_kd.register()  # the teacher may use one of the plugin's named architectures
+    from fairseq.tasks.translation import TranslationConfig, TranslationTask
+
+    from ..models.teacher import FrozenTeacher
+
+    cfg = TranslationConfig(data=str(plan_.data), source_lang=plan_.src, target_lang=plan_.tgt,
+                            train_subset=plan_.config.split, dataset_impl=None,
+                            required_seq_len_multiple=1)  # dataset_impl None: inferred per file
+    task = TranslationTask.setup_task(cfg)
+    task.load_dataset(plan_.config.split, combine=True)
+    dataset = task.dataset(plan_.config.split)
+    if len(dataset) == 0:
+        raise SeqKDError(f"--split {plan_.config.split}: the split in {plan_.data} has no sentences")
+    teacher = FrozenTeacher.load(plan_.config.teacher_checkpoint, task)
+    max_source = teacher.model.max_positions()[0]
+    too_long = (dataset.src_sizes > max_source).nonzero()[0]
+    if len(too_long):
+        raise SeqKDError(
+            f"{len(too_long)} source sentences of --split {plan_.config.split} are longer than the "
+            f"teacher's {max_source} source positions (first: sentence {int(too_long[0])}, "
+            f"{int(dataset.src_sizes[too_long[0]])} tokens); filter them out of the data first.")
+    use_cuda = torch.cuda.is_available() and not plan_.config.cpu
+    device = torch.device("cuda" if use_cuda else "cpu")
+    model = teacher.model.to(device)
+    if plan_.config.fp16:
+        model = model.half()
+    return task, dataset, model, device
+
+
+def _decode_shard(plan_: _Plan, task, dataset, generator, model, device, ordered, index: int) -> int:
+    """Decode sentences ``[index * shard_size, (index + 1) * shard_size)`` and write the shard."""
+    from fairseq import utils
+
+    first = index * plan_.config.shard_size
+    last = min(len(dataset), first + plan_.config.shard_size)
+    indices = ordered[(ordered >= first) & (ordered < last)]
+    batches = dataset.batch_by_size(indices, max_tokens=plan_.config.max_tokens,
+                                    max_sentences=plan_.config.batch_size, required_batch_size_multiple=1)
+    hypotheses: Dict[int, torch.Tensor] = {}
+    for batch in batches:
+        sample = dataset.collater([dataset[int(i)] for i in batch])
+        sample = utils.move_to_cuda(sample, device=device) if device.type == "cuda" else sample
+        outputs = task.inference_step(generator, [model], sample)
+        for sentence_id, nbest in zip(sample["id"].tolist(), outputs):
+            hypotheses[sentence_id] = nbest[0]["tokens"].int().cpu()
+    ids = list(range(first, last))
+    if sorted(hypotheses) != ids:
+        raise RuntimeError(f"shard {index}: decoded sentence ids do not cover {first}..{last - 1}")
+    tokens = [hypotheses[i] for i in ids]
+    shard = {
+        "first_id": first,
+        "count": len(ids),
+        "lengths": torch.tensor([len(t) for t in tokens], dtype=torch.long),
+        "tokens": torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.int32),
+    }
+    path = plan_.shard_path(index)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(shard, tmp)
+    os.replace(tmp, path)
+    return len(ids)
+
+
+def _read_shard(plan_: _Plan, index: int, sentences: int) -> Optional[List[torch.Tensor]]:
+    """Hypotheses of a finished shard, or None when it is missing or not a valid shard."""
+    path = plan_.shard_path(index)
+    if not path.is_file():
+        return None
+    try:
+        shard = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - an unreadable shard is decoded again
+        return None
+    first = index * plan_.config.shard_size
+    expected = min(sentences, first + plan_.config.shard_size) - first
+    if (not isinstance(shard, dict) or shard.get("first_id") != first or shard.get("count") != expected
+            or int(shard["lengths"].sum()) != shard["tokens"].numel()):
+        return None
+    return list(torch.split(shard["tokens"], shard["lengths"].tolist()))
+
+
+def _binarize(plan_: _Plan, dataset, task, shard_count: int) -> Dict[str, int]:
+    """Write the new split (source copied token for token, target = hypotheses), in id order."""
+    from fairseq.data import indexed_dataset
+
+    staging = plan_.work / "binarised"
+    staging.mkdir(parents=True, exist_ok=True)
+    stats = {"source_tokens": 0, "target_tokens": 0, "empty_hypotheses": 0}
+    writers = {}
+    for lang, dictionary in ((plan_.src, task.source_dictionary), (plan_.tgt, task.target_dictionary)):
+        prefix = staging / plan_.output_prefix(lang).name
+        writers[lang] = (prefix, indexed_dataset.make_builder(str(prefix) + ".bin", "mmap",
+                                                               vocab_size=len(dictionary)))
+    eos = task.target_dictionary.eos()
+    sentence_id = 0
+    for index in range(shard_count):
+        hypotheses = _read_shard(plan_, index, len(dataset))
+        if hypotheses is None:
+            raise RuntimeError(f"shard {plan_.shard_path(index)} vanished or is corrupt; re-run to decode it")
+        for hypothesis in hypotheses:
+            source = dataset.src[sentence_id]
+            writers[plan_.src][1].add_item(source)
+            writers[plan_.tgt][1].add_item(hypothesis.long())
+            stats["source_tokens"] += len(source)
+            stats["target_tokens"] += len(hypothesis)
+            stats["empty_hypotheses"] += int(len(hypothesis) == 1 and hypothesis[0] == eos)
+            sentence_id += 1
+    if sentence_id != len(dataset):
+        raise RuntimeError(f"the shards hold {sentence_id} hypotheses for {len(dataset)} sentences")
+    for prefix, builder in writers.values():
+        builder.finalize(str(prefix) + ".idx")
+    for lang in (plan_.src, plan_.tgt):
+        for suffix in (".bin", ".idx"):
+            os.replace(str(staging / plan_.output_prefix(lang).name) + suffix, str(plan_.output_prefix(lang)) + suffix)
+    return stats
+
+
+def _copy_other_splits(plan_: _Plan) -> List[str]:
+    copied = []
+    for path in ([plan_.data / f"dict.{plan_.src}.txt", plan_.data / f"dict.{plan_.tgt}.txt"]
+                 + _dataset_files_of_other_splits(plan_.data, plan_.config.split, plan_.src, plan_.tgt)):
+        if path.name in copied:
+            continue  # --source-lang equal to --target-lang: one dictionary file
+        tmp = plan_.output / (path.name + ".tmp")
+        shutil.copyfile(path, tmp)
+        os.replace(tmp, plan_.output / path.name)
+        copied.append(path.name)
+    return copied
+
+
+def _complete_output_ok(plan_: _Plan) -> bool:
+    files = (plan_.manifest or {}).get("files", {})
+    return bool(files) and all(
+        (plan_.output / name).is_file() and (plan_.output / name).stat().st_size == size
+        for name, size in files.items())
+
+
+def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
+    """Decode, resume or confirm the sequence-KD dataset described by ``config``."""
+    plan_ = plan(config)
+    if plan_.manifest is not None and plan_.manifest.get("status") == "complete":
+        if not _complete_output_ok(plan_):
+            raise SeqKDError(f"--output {plan_.output}: {MANIFEST_NAME} says complete but output files are "
+                             "missing or changed; pass --force to decode anew")
+        sentences = plan_.manifest["sentences"]
+        shards = math.ceil(sentences / config.shard_size)
+        log(f"{plan_.output} already holds this sequence-KD dataset ({sentences} sentences); nothing to do")
+        return SeqKDResult("up_to_date", plan_.output, sentences, 0, 0.0, shards, shards)
+
+    task, dataset, model, device = _load(plan_)  # teacher and length checks: still before any work
+    from fairseq.data import data_utils
+    from fairseq.dataclass.configs import GenerationConfig
+
+    if plan_.manifest is None and plan_.output.exists():
+        # a fresh start in an existing folder: it is empty, or plan() allowed it with --force
+        _clear_for_force(plan_)
+    plan_.work.mkdir(parents=True, exist_ok=True)
+    for stale in plan_.work.glob("*.tmp"):
+        stale.unlink()  # a shard being written when a previous run was interrupted
+    sentences = len(dataset)
+    shard_count = math.ceil(sentences / config.shard_size)
+    manifest = {"parameters": plan_.parameters, "status": "decoding", "sentences": sentences,
+                "shards": shard_count, "data": str(plan_.data),
+                "teacher_checkpoint": str(Path(config.teacher_checkpoint).resolve())}
+    _write_json_atomic(plan_.output / MANIFEST_NAME, manifest)
+
+    generator = task.build_generator([model], GenerationConfig(
+        beam=config.beam, nbest=1, max_len_a=config.max_len_a, max_len_b=config.max_len_b,
+        lenpen=config.lenpen))
+    with data_utils.numpy_seed(ORDER_SEED):  # ties in length are shuffled: make it reproducible
+        ordered = dataset.ordered_indices()
+    pending = [i for i in range(shard_count) if _read_shard(plan_, i, sentences) is None]
+    if len(pending) < shard_count:
+        log(f"resuming: {shard_count - len(pending)} of {shard_count} shards already decoded")
+    decoded_now, seconds, budget = 0, 0.0, config.max_shards
+    for index in pending:
+        if budget is not None and budget == 0:
+            break
+        start = time.perf_counter()
+        count = _decode_shard(plan_, task, dataset, generator, model, device, ordered, index)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        seconds += elapsed
+        decoded_now += count
+        budget = None if budget is None else budget - 1
+        log(f"shard {index + 1}/{shard_count}: {count} sentences in {elapsed:.1f} s")
+    done = sum(_read_shard(plan_, i, sentences) is not None for i in range(shard_count))
+    if done < shard_count:
+        return SeqKDResult("partial", plan_.output, sentences, decoded_now, seconds, done, shard_count)
+
+    stats = _binarize(plan_, dataset, task, shard_count)
+    copied = _copy_other_splits(plan_)
+    written = [p.name for lang in (plan_.src, plan_.tgt) for p in
+               (Path(str(plan_.output_prefix(lang)) + ".bin"), Path(str(plan_.output_prefix(lang)) + ".idx"))]
+    manifest.update(status="complete", **stats, copied=copied,
+                    files={name: (plan_.output / name).stat().st_size for name in written + copied},
+                    device=str(device), decoding=asdict(config) | {"output": str(plan_.output)})
+    _write_json_atomic(plan_.output / MANIFEST_NAME, manifest)
+    shutil.rmtree(plan_.work)
+    return SeqKDResult("complete", plan_.output, sentences, decoded_now, seconds, shard_count, shard_count)
