@@ -45,6 +45,20 @@ METHODS: Dict[str, List[str]] = {
     # teacher's head count, so all methods (plain included) train the same student.
     "tinybert": ["--criterion", "tinybert"],
     "minilm": ["--criterion", "minilm"],
+    # Hidden-state methods, encoder side (their default). PKD-skip; CKD with the regular and the
+    # largest (overlap) combination; ALP-KD over all teacher layers and in no-overlap buckets;
+    # RAIL-KD in both variants; internal KD with every pair at once (its most expensive epochs)
+    # and with its default stacked schedule (first epochs: one pair).
+    "pkd": ["--criterion", "pkd"],
+    "ckd": ["--criterion", "ckd", "--ckd-mapping", "rc"],
+    "ckd_oc": ["--criterion", "ckd", "--ckd-mapping", "oc"],
+    "ckd_decoder_too": ["--criterion", "ckd", "--ckd-mapping", "rc", "--layer-sides", "both"],
+    "alp_kd": ["--criterion", "alp_kd"],
+    "alp_kd_no": ["--criterion", "alp_kd", "--alp-buckets", "no"],
+    "rail_kd": ["--criterion", "rail_kd", "--rail-variant", "layerwise"],
+    "rail_kd_concat": ["--criterion", "rail_kd", "--rail-variant", "concatenated"],
+    "internal_kd_all": ["--criterion", "internal_kd", "--internal-schedule", "all"],
+    "internal_kd_sid": ["--criterion", "internal_kd", "--internal-schedule", "sid"],
 }
 
 CONFIGS = {
