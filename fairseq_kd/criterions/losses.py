@@ -29,3 +29,50 @@ def word_level_kd(
 def masked_sum(values: Tensor, mask: Tensor) -> Tensor:
     """Sum of ``values`` where ``mask`` (broadcastable) is True, in float32."""
     return values.float().masked_fill(~mask, 0.0).sum()
+
+
+# ----------------------------------------------------------------------------------------------
+# Hidden-state losses (PKD, CKD, ALP-KD, RAIL-KD, internal KD). States are ``(..., batch, len, dim)``
+# with any leading (layer) dimensions; ``padding_mask`` is ``(batch, len)``, True at padding.
+
+
+def masked_mean_pool(states: Tensor, padding_mask: Tensor) -> Tensor:
+    """Sentence vectors: the mean of ``states`` over each sentence's real positions.
+
+    states ``(..., batch, len, dim)`` -> ``(..., batch, dim)`` in float32 (RAIL-KD Eq. 1, the
+    mean-pooled sentence representation; padded positions take no part).
+    """
+    real = (~padding_mask).to(torch.float32).unsqueeze(-1)  # (batch, len, 1)
+    counts = real.sum(-2).clamp_min(1.0)  # (batch, 1)
+    return (states.float() * real).sum(-2) / counts
+
+
+def normalized_squared_distance(a: Tensor, b: Tensor) -> Tensor:
+    """``|| a/||a|| - b/||b|| ||^2`` over the last dimension (PKD, Sun et al. 2019, Eq. 3 as cited by
+    ALP-KD; RAIL-KD Eq. 2-3), in float32; the result drops the last dimension."""
+    return (F.normalize(a.float(), dim=-1) - F.normalize(b.float(), dim=-1)).pow(2).sum(-1)
+
+
+def masked_mse_sum(a: Tensor, b: Tensor, padding_mask: Tensor) -> Tensor:
+    """``sum over real positions of MSE(a_t, b_t)`` where the MSE of two vectors is the mean of the
+    squared differences over their ``dim`` features (CKD Eq. 3, ALP-KD Eq. 7).
+
+    a, b: ``(..., batch, len, dim)``; the sum also runs over the leading (layer) dimensions.
+    """
+    per_position = (a.float() - b.float()).pow(2).mean(-1)  # (..., batch, len)
+    return per_position.masked_fill(padding_mask, 0.0).sum()
+
+
+def attention_kl(teacher_probs: Tensor, student_log_probs: Tensor, attendable: Tensor) -> Tensor:
+    """Row-wise ``KL(A_T || A_S)`` of attention maps, averaged over heads, summed over real queries.
+
+    teacher_probs, student_log_probs: ``(layers, batch, heads, q_len, k_len)`` (the student's as
+    log-probabilities, so no probability is ever clamped); attendable: ``(batch, 1, q_len, k_len)``,
+    True where the query is real and may attend to the key (Aguilar et al. 2020, Eq. 2: the KL of
+    each row, i.e. each query's distribution over keys). Entries outside ``attendable`` contribute
+    nothing; padded query rows contribute nothing.
+    """
+    p = teacher_probs.float().masked_fill(~attendable, 0.0)
+    log_q = student_log_probs.float().masked_fill(~attendable, 0.0)
+    per_row = (torch.xlogy(p, p) - p * log_q).sum(-1)  # (layers, batch, heads, q_len)
+    return per_row.mean(2).sum()

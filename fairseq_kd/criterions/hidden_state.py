@@ -1,0 +1,149 @@
+"""What the hidden-state distillation criterions share (PKD, CKD, ALP-KD, RAIL-KD, internal KD).
+
+Each method's mathematics reads top to bottom in its own module; this one holds only the glue
+common to all of them, so that it is defined (and validated) once:
+
+* the three-way weighting of CKD (Wu et al. 2020, Sec. 4) and ALP-KD (Passban et al. 2021,
+  Eq. 7), ``loss = beta * L_CE + eta * L_KD + lambda * L_layer`` with ``beta = 1 - eta - lambda``,
+  where ``L_KD`` is word-level KD (:func:`~fairseq_kd.criterions.losses.word_level_kd`) and
+  ``L_layer`` the method's layer term; the papers' ``eta = 0.1``, ``lambda = 0.7`` are the defaults
+  (RAIL-KD overrides them with its 1/3, 1/3, 1/3);
+* which stack is distilled (``--layer-sides``: encoder by default, as CKD found any decoder KD to
+  hurt translation; decoder or both on request), what is captured for it, and the shapes the
+  learnable modules are sized from;
+* running a learnable module in its parameters' dtype (the trainer halves criterion parameters
+  under ``--fp16``) while every loss itself is computed in float32.
+
+Every layer term is a sum over real (unpadded) positions, or over sentences for sentence-vector
+losses, so the base's division by ``sample_size`` is its only normalisation.
+"""
+from dataclasses import dataclass, field
+from typing import Dict, Tuple
+
+import torch
+from fairseq.dataclass import ChoiceEnum
+from torch import Tensor, nn
+
+from ..models.feature_capture import CaptureRequest
+from .base import DistillationBatch, KDCriterionBase, KDCriterionConfig
+from .losses import word_level_kd
+
+LAYER_SIDES = ChoiceEnum(["encoder", "decoder", "both"])
+SIDES_OF = {"encoder": ("encoder",), "decoder": ("decoder",), "both": ("encoder", "decoder")}
+
+
+@dataclass
+class HiddenStateKDConfig(KDCriterionConfig):
+    kd_weight: float = field(
+        default=0.1,
+        metadata={"help": "eta: weight of the word-level KD term; the CE weight is beta = 1 - eta - "
+                  "lambda (CKD and ALP-KD papers: eta = 0.1)"},
+    )
+    kd_temperature: float = field(
+        default=1.0, metadata={"help": "softmax temperature of the word-level KD term (loss scaled by tau^2)"}
+    )
+    layer_weight: float = field(
+        default=0.7,
+        metadata={"help": "lambda: weight of the method's intermediate-layer term (CKD and ALP-KD "
+                  "papers: 0.7); 0 together with --kd-weight 0 is plain label-smoothed CE"},
+    )
+    layer_sides: LAYER_SIDES = field(
+        default="encoder",
+        metadata={"help": "which stack's layers are distilled: encoder (default; the CKD paper found "
+                  "decoder-side KD to hurt translation), decoder, or both"},
+    )
+
+
+class HiddenStateKDCriterion(KDCriterionBase):
+    """Base of the hidden-state methods: weights, sides, capture request and shapes.
+
+    A subclass sets ``LAYER_TERM`` (its term's name, logged as ``<name>_loss``) and implements
+    :meth:`layer_loss` for one side; the sum over the distilled sides is the layer term.
+    """
+
+    LAYER_TERM: str = ""
+
+    def __init__(self, task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
+                 layer_sides, ignore_prefix_size=0, report_accuracy=False):
+        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
+        self.check_weights(kd_weight, layer_weight)
+        if kd_temperature <= 0:
+            raise ValueError(f"--kd-temperature must be > 0, got {kd_temperature}")
+        layer_sides = str(layer_sides)
+        if layer_sides not in SIDES_OF:
+            raise ValueError(f"--layer-sides {layer_sides!r}: choose one of {sorted(SIDES_OF)}")
+        self.kd_weight = float(kd_weight)
+        self.kd_temperature = float(kd_temperature)
+        self.layer_weight = float(layer_weight)
+        self.sides: Tuple[str, ...] = SIDES_OF[layer_sides]
+        self.teacher_shape = self.teacher.shape
+        self.student_shape = task.require_student_shape(self.criterion_name())
+        request = self.capture_request() if self.layer_weight != 0 else CaptureRequest()
+        self.student_request = request
+        self.teacher_request = request
+
+    @classmethod
+    def check_weights(cls, kd_weight: float, layer_weight: float) -> None:
+        if kd_weight < 0 or layer_weight < 0 or kd_weight + layer_weight > 1.0 + 1e-9:
+            raise ValueError(
+                f"--kd-weight ({kd_weight}) and --layer-weight ({layer_weight}) must be >= 0 with a sum "
+                "of at most 1, since the CE weight is 1 - kd_weight - layer_weight"
+            )
+
+    # ------------------------------------------------------------------ method API
+    def capture_request(self) -> CaptureRequest:
+        """Hidden states of the distilled sides (no attention maps)."""
+        return CaptureRequest(encoder_hidden="encoder" in self.sides, decoder_hidden="decoder" in self.sides)
+
+    def layer_loss(self, side: str, student_states: Tensor, teacher_states: Tensor,
+                   padding_mask: Tensor) -> Tensor:
+        """The layer term of one side, unnormalised.
+
+        student_states ``(m + 1, batch, len, d_S)``, teacher_states ``(n + 1, batch, len, d_T)``
+        (index 0 = embedding output), padding_mask ``(batch, len)`` True at padding.
+        """
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- criterion
+    def loss_weights(self) -> Dict[str, float]:
+        return {
+            "ce": 1.0 - self.kd_weight - self.layer_weight,
+            "word_kd": self.kd_weight,
+            self.LAYER_TERM: self.layer_weight,
+        }
+
+    def distillation_terms(self, batch: DistillationBatch) -> Dict[str, Tensor]:
+        weights = self.loss_weights()
+        terms: Dict[str, Tensor] = {}
+        if weights["word_kd"] != 0:
+            terms["word_kd"] = self.word_kd_term(batch)
+        if weights[self.LAYER_TERM] != 0:
+            terms[self.LAYER_TERM] = sum(
+                self.layer_loss(
+                    side, batch.student.hidden(side), batch.teacher.hidden(side),
+                    batch.student.padding_mask(side),
+                )
+                for side in self.sides
+            )
+        return terms
+
+    def word_kd_term(self, batch: DistillationBatch) -> Tensor:
+        return word_level_kd(batch.student_logits, batch.teacher_logits, batch.target_mask, self.kd_temperature)
+
+    # ------------------------------------------------------------------ helpers
+    def register_layer_index(self, name: str, layers) -> None:
+        """Keep 1-based layer numbers as a device-following index into ``(layers + 1, ...)`` stacks
+        (index 0 there is the embedding output, so layer ``l`` sits at index ``l``)."""
+        self.register_buffer(name, torch.tensor(list(layers), dtype=torch.long), persistent=False)
+
+
+def in_param_dtype(module: nn.Module, inputs: Tensor) -> Tensor:
+    """``module(inputs)`` computed in the module's parameter dtype, returned in float32.
+
+    The trainer converts criterion parameters to fp16/bf16 with the model; the losses stay in
+    float32. Parameter-free modules (``nn.Identity``) just pass float32 through.
+    """
+    parameter = next(module.parameters(), None)
+    if parameter is None:
+        return module(inputs.float())
+    return module(inputs.to(parameter.dtype)).float()

@@ -1,0 +1,365 @@
+"""Knowledge distillation from internal representations (Aguilar et al. 2020, paper 001).
+
+Matched pairs: student layer ``j`` with the top teacher layer of its group of ``n/m`` layers,
+``floor(j n / m)`` (the paper's 12-to-6 pairs 2, 4, ..., 12). Per pair two terms:
+
+* ``internal_kl``: ``KL(A_T || A_S)`` of every query's self-attention distribution (Eq. 2), per head
+  when teacher and student have the same number of heads, else between the head-averaged maps;
+  averaged over heads and summed over real query positions (unit: real tokens);
+* ``internal_cos``: ``1 - cos(P v_S, v_T)`` between sentence vectors (Eq. 3). The paper uses BERT's
+  ``[CLS]`` vector; a translation encoder has none, so ``v`` is the mean over the sentence's real
+  positions. ``P`` is a learnable ``d_S -> d_T`` map (one per side) when the widths differ, the
+  identity otherwise (the paper matches equal widths as-is). Summed over sentences (unit:
+  sentences).
+
+Both are summed over the active pairs and weighted by ``--layer-weight``. ``--layer-sides``
+selects encoder self-attention (default), decoder self-attention (causal; future keys take no
+part), or both, moved through the schedule in lockstep (stage ``s`` is pair ``s`` of each side).
+
+Schedules (Sec. "How to distill the internal knowledge?", Algorithm 1):
+
+* ``all``: every pair in every epoch, with soft labels (the paper's "soft + kl + cos");
+* ``pid`` (progressive): one pair at a time, bottom-up;
+* ``sid`` (stacked): like PID, but the pairs already passed stay in the loss.
+
+PID and SID move to the next pair after ``--internal-epochs-per-layer`` epochs on the current one,
+or earlier when the epoch's mean cosine loss of the current pair falls below
+``--internal-cos-threshold``, "whatever happens first". After the last pair only soft labels
+(word-level KD, ``--kd-weight``) remain; ``--internal-soft-labels-throughout`` adds them during the
+internal phase as well (the paper's Exp3.5), and ``--hard-label-weight`` adds the label-smoothed
+CE on the references in every phase (Exp3.6; 0 by default, as in the paper's other runs).
+The paper gives no values for the epoch budget and the threshold; the defaults (5 epochs, 0.05)
+are ours. Once the schedule has ended the width projections receive no gradient, so a PID/SID run
+on several GPUs with ``d_S != d_T`` needs fairseq's ``--find-unused-parameters``.
+
+The schedule is resumable and the same on every worker. The stage at epoch ``e`` is a pure
+function of ``e`` and the epochs at which the threshold was crossed (:func:`schedule_stage`);
+only that list of crossings is state, saved through ``checkpoint_state``. The threshold is
+compared with the epoch's aggregated cosine loss: during training each step reports the current
+pair's summed ``1 - cos`` and its sentence count in the logging output (zeros for a dummy batch,
+which a worker out of data trains on with a zeroed loss), fairseq sums those over
+all workers before calling ``reduce_metrics`` on every worker, and ``reduce_metrics`` adds them to
+a private metrics aggregator that only this criterion reads and resets; at the next
+``begin_epoch`` every worker divides the same two sums. The sums of an unfinished epoch are saved
+with the checkpoint, so a stop-and-resume decides exactly as an uninterrupted run.
+"""
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+import torch.nn.functional as F
+from fairseq import utils
+from fairseq.criterions import register_criterion
+from fairseq.dataclass import ChoiceEnum
+from fairseq.logging import metrics
+from torch import Tensor, nn
+
+from ..models.feature_capture import DECODER_SELF, ENCODER_SELF, CaptureRequest
+from ..modules.layer_mapping import uniform_mapping, validate_mapping
+from ..modules.projection import width_projection
+from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion, in_param_dtype
+from .losses import attention_kl, masked_mean_pool
+
+logger = logging.getLogger(__name__)
+
+SCHEDULE_CHOICES = ChoiceEnum(["all", "pid", "sid"])
+SELF_ATTENTION = {"encoder": ENCODER_SELF, "decoder": DECODER_SELF}
+#: fairseq metrics aggregator holding the current epoch's cosine sums (read by begin_epoch)
+SCHEDULE_AGGREGATOR = "internal_kd_schedule"
+
+
+@dataclass
+class InternalKDConfig(HiddenStateKDConfig):
+    kd_weight: float = field(
+        default=1.0,
+        metadata={"help": "weight of the soft labels (word-level KD) once the internal phase is over, "
+                  "throughout with --internal-schedule all or --internal-soft-labels-throughout"},
+    )
+    layer_weight: float = field(
+        default=1.0,
+        metadata={"help": "weight of each internal term (attention KL and cosine) while layers are "
+                  "distilled"},
+    )
+    hard_label_weight: float = field(
+        default=0.0,
+        metadata={"help": "weight of the label-smoothed CE on the references, in every phase (the "
+                  "paper's 'hard labels'; 0 = soft labels only)"},
+    )
+    internal_schedule: SCHEDULE_CHOICES = field(
+        default="sid",
+        metadata={"help": "all: every pair every epoch; pid: one pair at a time bottom-up; sid: "
+                  "pairs stack up bottom-up (Algorithm 1); pid/sid end with soft labels only"},
+    )
+    internal_epochs_per_layer: int = field(
+        default=5,
+        metadata={"help": "pid/sid: epochs spent on a pair before moving to the next one at the latest"},
+    )
+    internal_cos_threshold: float = field(
+        default=0.05,
+        metadata={"help": "pid/sid: move to the next pair after an epoch whose mean cosine loss (1 - cos, "
+                  "over all workers' sentences) of the current pair is below this; 0 disables"},
+    )
+    internal_soft_labels_throughout: bool = field(
+        default=False,
+        metadata={"help": "pid/sid: also train on the soft labels during the internal phase"},
+    )
+
+
+def schedule_stage(epoch: int, num_stages: int, epochs_per_stage: int, crossings: Iterable[int]) -> int:
+    """Index of the pair distilled in ``epoch`` (``num_stages`` once all are done) under PID/SID.
+
+    Each finished epoch counts towards the current pair; the schedule moves on after
+    ``epochs_per_stage`` of them, or after an epoch listed in ``crossings`` (its cosine loss fell
+    below the threshold), whichever comes first.
+    """
+    crossings = set(crossings)
+    stage = spent = 0
+    for finished in range(1, epoch):
+        if stage >= num_stages:
+            break
+        spent += 1
+        if spent >= epochs_per_stage or finished in crossings:
+            stage, spent = stage + 1, 0
+    return stage
+
+
+@register_criterion("internal_kd", dataclass=InternalKDConfig)
+class InternalKDCriterion(HiddenStateKDCriterion):
+    TERM_NAMES = ("word_kd", "internal_kl", "internal_cos")
+
+    def __init__(self, task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
+                 layer_sides, hard_label_weight, internal_schedule, internal_epochs_per_layer,
+                 internal_cos_threshold, internal_soft_labels_throughout, ignore_prefix_size=0,
+                 report_accuracy=False):
+        super().__init__(task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
+                         layer_sides, ignore_prefix_size, report_accuracy)
+        if hard_label_weight < 0:
+            raise ValueError(f"--hard-label-weight must be >= 0, got {hard_label_weight}")
+        self.schedule = str(internal_schedule)
+        if self.schedule not in ("all", "pid", "sid"):
+            raise ValueError(f"--internal-schedule {self.schedule!r}: choose all, pid or sid")
+        if internal_epochs_per_layer < 1:
+            raise ValueError(f"--internal-epochs-per-layer must be >= 1, got {internal_epochs_per_layer}")
+        if internal_cos_threshold < 0:
+            raise ValueError(f"--internal-cos-threshold must be >= 0, got {internal_cos_threshold}")
+        self.hard_label_weight = float(hard_label_weight)
+        self.epochs_per_layer = int(internal_epochs_per_layer)
+        self.cos_threshold = float(internal_cos_threshold)
+        self.soft_labels_throughout = bool(internal_soft_labels_throughout)
+
+        self.pairs: Dict[str, Tuple[Tuple[int, int], ...]] = {}
+        self.projections = nn.ModuleDict()
+        for side in self.sides:
+            n, m = self.teacher_shape.layers(side), self.student_shape.layers(side)
+            flag = f"--criterion internal_kd [{side}]"
+            mapping = validate_mapping(uniform_mapping(n, m, flag), n, m, flag)
+            self.pairs[side] = tuple((j, group[0]) for j, group in enumerate(mapping, start=1))
+            self.register_layer_index(f"{side}_pair_teacher_layers", [group[0] for group in mapping])
+            self.register_layer_index(f"{side}_active_slots", [])
+            self.projections[side] = width_projection(
+                self.student_shape.embed_dim(side), self.teacher_shape.embed_dim(side)
+            )
+        self.num_stages = max(len(pairs) for pairs in self.pairs.values())
+        self.crossings: List[int] = []
+        self._accumulating_epoch = self.epoch
+        self._schedule_stats = None
+        self._announced_stage = None
+        metrics.reset_meters(SCHEDULE_AGGREGATOR)
+        self._enter_stage(self.stage_at(self.epoch))
+
+    @classmethod
+    def check_weights(cls, kd_weight, layer_weight):
+        if kd_weight < 0 or layer_weight < 0:
+            raise ValueError(f"--kd-weight ({kd_weight}) and --layer-weight ({layer_weight}) must be >= 0")
+
+    # ---------------------------------------------------------------- schedule
+    def stage_at(self, epoch: int) -> int:
+        if self.schedule == "all":
+            return 0
+        return schedule_stage(epoch, self.num_stages, self.epochs_per_layer, self.crossings)
+
+    @property
+    def internal_phase(self) -> bool:
+        return self.schedule == "all" or self.stage < self.num_stages
+
+    def active_slots(self, stage: int) -> List[int]:
+        """0-based student layer slots distilled at ``stage``."""
+        if self.schedule == "all":
+            return list(range(self.num_stages))
+        if stage >= self.num_stages:
+            return []
+        return [stage] if self.schedule == "pid" else list(range(stage + 1))
+
+    def _enter_stage(self, stage: int) -> None:
+        self.stage = stage
+        slots = self.active_slots(stage)
+        self.slots: Dict[str, List[int]] = {}
+        for side in self.sides:
+            self.slots[side] = [slot for slot in slots if slot < len(self.pairs[side])]
+            name = f"{side}_active_slots"
+            device = getattr(self, name).device
+            self.register_buffer(name, torch.tensor(self.slots[side], dtype=torch.long, device=device),
+                                 persistent=False)
+        distilling = self.internal_phase and self.layer_weight != 0
+        kinds = tuple(SELF_ATTENTION[side] for side in self.sides) if distilling else ()
+        hidden = dict(encoder_hidden=distilling and "encoder" in self.sides,
+                      decoder_hidden=distilling and "decoder" in self.sides)
+        self.teacher_request = CaptureRequest(attention_kinds=kinds, **hidden)
+        # The student's pre-softmax scores give exact log-probabilities for the KL.
+        self.student_request = CaptureRequest(attention_kinds=kinds, attention_scores=bool(kinds), **hidden)
+
+    def begin_epoch(self, epoch: int) -> None:
+        super().begin_epoch(epoch)
+        if epoch > self._accumulating_epoch:
+            self._close_epoch(self._accumulating_epoch)
+            metrics.reset_meters(SCHEDULE_AGGREGATOR)
+        elif epoch < self._accumulating_epoch:
+            # Training restarted at an earlier epoch (e.g. --reset-dataloader): later crossings
+            # belong to a history that is being replaced.
+            self.crossings = [e for e in self.crossings if e < epoch]
+            metrics.reset_meters(SCHEDULE_AGGREGATOR)
+        # epoch == accumulating epoch: a resume in the middle of that epoch; keep its sums.
+        self._accumulating_epoch = epoch
+        self._enter_stage(self.stage_at(epoch))
+        if self.schedule != "all" and self.stage != self._announced_stage:
+            logger.info("internal_kd epoch %d: %s", epoch, self.describe_stage())
+            self._announced_stage = self.stage
+
+    def _close_epoch(self, epoch: int) -> None:
+        """Record a threshold crossing if ``epoch`` distilled a pair whose mean cosine loss, over
+        every worker's sentences, fell below the threshold."""
+        if self.schedule == "all" or self.stage_at(epoch) >= self.num_stages:
+            return
+        total, sentences = self.epoch_cosine_sums()
+        if sentences > 0 and total / sentences < self.cos_threshold and epoch not in self.crossings:
+            self.crossings.append(epoch)
+            logger.info(
+                "internal_kd: epoch %d mean cosine loss %.4f < threshold %.4f, moving to the next pair",
+                epoch, total / sentences, self.cos_threshold,
+            )
+
+    @staticmethod
+    def epoch_cosine_sums() -> Tuple[float, float]:
+        """(sum of 1 - cos, sentences) of the current pair so far in this epoch, all workers."""
+        total = metrics.get_meter(SCHEDULE_AGGREGATOR, "cos")
+        sentences = metrics.get_meter(SCHEDULE_AGGREGATOR, "sentences")
+        return (float(total.sum) if total is not None else 0.0,
+                float(sentences.sum) if sentences is not None else 0.0)
+
+    def describe_stage(self) -> str:
+        if not self.internal_phase:
+            return "all pairs done, soft labels only"
+        parts = []
+        for side in self.sides:
+            pairs = [self.pairs[side][slot] for slot in self.slots[side]]
+            if pairs:  # a side with fewer layers may have finished already
+                parts.append(f"{side} " + ", ".join(f"S{j}<-T{t}" for j, t in pairs))
+        return f"stage {self.stage + 1}/{self.num_stages}: " + "; ".join(parts)
+
+    def checkpoint_state(self) -> dict:
+        total, sentences = self.epoch_cosine_sums()
+        return {"crossings": list(self.crossings), "accumulating_epoch": self._accumulating_epoch,
+                "epoch_cos": total, "epoch_sentences": sentences}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self.crossings = [int(e) for e in state.get("crossings", [])]
+        self._accumulating_epoch = int(state.get("accumulating_epoch", self._accumulating_epoch))
+        metrics.reset_meters(SCHEDULE_AGGREGATOR)
+        self._log_schedule_sums(state.get("epoch_cos", 0.0), state.get("epoch_sentences", 0.0))
+        self._enter_stage(self.stage_at(self._accumulating_epoch))
+
+    @staticmethod
+    def _log_schedule_sums(total: float, sentences: float) -> None:
+        if sentences > 0:
+            with metrics.aggregate(SCHEDULE_AGGREGATOR, new_root=True):
+                metrics.log_scalar_sum("cos", total)
+                metrics.log_scalar_sum("sentences", sentences)
+
+    # ---------------------------------------------------------------- weights
+    def loss_weights(self) -> Dict[str, float]:
+        internal = self.layer_weight if self.internal_phase else 0.0
+        soft = self.schedule == "all" or not self.internal_phase or self.soft_labels_throughout
+        return {
+            "ce": self.hard_label_weight,
+            "word_kd": self.kd_weight if soft else 0.0,
+            "internal_kl": internal,
+            "internal_cos": internal,
+        }
+
+    # ------------------------------------------------------------------- terms
+    def distillation_terms(self, batch):
+        weights = self.loss_weights()
+        terms: Dict[str, Tensor] = {}
+        if weights["word_kd"] != 0:
+            terms["word_kd"] = self.word_kd_term(batch)
+        self._schedule_stats = None
+        if weights["internal_kl"] == 0:
+            return terms
+        kl_terms, cos_terms, current_cos, current_sentences = [], [], [], 0
+        for side in self.sides:
+            slots = getattr(self, f"{side}_active_slots")
+            if slots.numel() == 0:
+                continue
+            teacher_layers = getattr(self, f"{side}_pair_teacher_layers").index_select(0, slots)
+            kl_terms.append(self.attention_term(side, batch, slots, teacher_layers))
+            per_sentence = self.cosine_losses(side, batch, slots, teacher_layers)  # (pairs, B)
+            cos_terms.append(per_sentence.sum())
+            if self.schedule != "all" and self.stage in self.slots[side]:
+                # The threshold watches the newest pair: the last active slot.
+                current_cos.append(per_sentence[-1].detach().sum())
+                current_sentences += per_sentence.size(1)
+        terms["internal_kl"] = sum(kl_terms)
+        terms["internal_cos"] = sum(cos_terms)
+        if self.training and current_cos:
+            if self.is_dummy_batch:
+                # Zeros rather than nothing: every worker must report the same logging keys.
+                self._schedule_stats = (torch.zeros_like(current_cos[0]), 0)
+            else:
+                self._schedule_stats = (sum(current_cos), current_sentences)
+        return terms
+
+    def attention_term(self, side: str, batch, slots: Tensor, teacher_layers: Tensor) -> Tensor:
+        """Summed KL of the active pairs' self-attention rows (see the module docstring)."""
+        kind = SELF_ATTENTION[side]
+        student_maps, teacher_maps = batch.student.attention[kind], batch.teacher.attention[kind]
+        teacher_probs = teacher_maps.probs.index_select(0, teacher_layers - 1)  # layer l at index l-1
+        student_scores = student_maps.scores.index_select(0, slots).float()
+        # Padded query rows stay unmasked so that they remain finite; attention_kl ignores them.
+        allowed = student_maps.attendable | student_maps.query_padding_mask[:, None, :, None]
+        student_log_probs = torch.log_softmax(student_scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        # Blocked keys: a finite placeholder keeps the head average's gradient finite.
+        student_log_probs = student_log_probs.masked_fill(~allowed, 0.0)
+        if student_maps.num_heads != teacher_maps.num_heads:
+            teacher_probs = teacher_probs.float().mean(2, keepdim=True)
+            student_log_probs = (
+                torch.logsumexp(student_log_probs, dim=2, keepdim=True) - math.log(student_maps.num_heads)
+            )
+        return attention_kl(teacher_probs, student_log_probs, student_maps.attendable)
+
+    def cosine_losses(self, side: str, batch, slots: Tensor, teacher_layers: Tensor) -> Tensor:
+        """``1 - cos(P v_S, v_T)`` per active pair and sentence: ``(pairs, batch)``."""
+        padding_mask = batch.student.padding_mask(side)
+        student = masked_mean_pool(batch.student.hidden(side).index_select(0, slots + 1), padding_mask)
+        teacher = masked_mean_pool(batch.teacher.hidden(side).index_select(0, teacher_layers), padding_mask)
+        student = in_param_dtype(self.projections[side], student)
+        return 1.0 - F.cosine_similarity(student, teacher, dim=-1)
+
+    # ----------------------------------------------------------------- logging
+    def forward(self, model, sample, reduce=True):
+        loss, sample_size, logging_output = super().forward(model, sample, reduce)
+        if self._schedule_stats is not None:
+            total, sentences = self._schedule_stats
+            logging_output["internal_schedule_cos"] = total.data
+            logging_output["internal_schedule_sentences"] = sentences
+            self._schedule_stats = None
+        return loss, sample_size, logging_output
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        sentences = sum(log.get("internal_schedule_sentences", 0) for log in logging_outputs)
+        if sentences:
+            total = sum(utils.item(log.get("internal_schedule_cos", 0)) for log in logging_outputs)
+            cls._log_schedule_sums(float(total), float(utils.item(sentences)))

@@ -1,0 +1,170 @@
+"""RAIL-KD: random intermediate layer mapping (Haidar et al. 2022, paper 002).
+
+Every epoch, ``k`` of the teacher's intermediate layers are drawn uniformly without replacement,
+sorted, and paired in order with the student's ``k`` intermediate layers. Each layer is reduced to
+a sentence vector by the mean over the sentence's real positions (Eq. 1). Two variants:
+
+* layer-wise (Eq. 2): pair ``i``'s teacher vector goes through a learnable ``d_T -> u`` map and the
+  student's through a ``d_S -> u`` map (one pair of maps per student layer ``i``, so each map always
+  sees the same student layer), both are L2-normalised, and the squared distances are summed over
+  the pairs (the paper's ``alpha_i = 1``);
+* concatenated (Eq. 3): the ``k`` vectors of each model are concatenated, mapped by ``k d_T -> u``
+  and ``k d_S -> u``, normalised, and compared once.
+
+``u = 128`` as in the paper. The term is a sum over sentences (unit of ``rail_loss``: sentences,
+while the base divides by ``sample_size``, tokens by default, like every other term). Total
+``L = l1 L_CE + l2 L_KD + l3 L_RAIL`` (Eq. 4) with the paper's ``l1 = l2 = l3 = 1/3``.
+
+"Intermediate" follows the paper: teacher layers ``1..n-1`` and student layers ``1..m-1`` (BERT-12
+to DistilBERT-6: 5 of layers 1-11 into student layers 1-5), the top layers being left to the
+output-level terms. ``--rail-include-top-layers`` uses ``1..n`` and ``1..m`` instead.
+
+The draw is :func:`fairseq_kd.modules.layer_mapping.draw_layers`, a pure function of fairseq's
+``--seed``, the epoch and the side: all data-parallel workers, and a run resumed from a
+checkpoint, use the same layers in the same epoch, with no state to save.
+"""
+import logging
+from dataclasses import dataclass, field
+from typing import Dict, Tuple
+
+import torch
+from fairseq.criterions import register_criterion
+from fairseq.dataclass import ChoiceEnum
+from omegaconf import II
+from torch import nn
+
+from ..modules.layer_mapping import LayerMappingError, draw_layers
+from ..modules.projection import StackedLinear
+from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion, in_param_dtype
+from .losses import masked_mean_pool, normalized_squared_distance
+
+logger = logging.getLogger(__name__)
+
+RAIL_VARIANT_CHOICES = ChoiceEnum(["layerwise", "concatenated"])
+
+
+@dataclass
+class RailKDConfig(HiddenStateKDConfig):
+    kd_weight: float = field(
+        default=1.0 / 3.0,
+        metadata={"help": "lambda_2: weight of the word-level KD term; the CE weight is 1 - kd_weight "
+                  "- layer_weight (RAIL-KD paper: 1/3 each)"},
+    )
+    layer_weight: float = field(
+        default=1.0 / 3.0,
+        metadata={"help": "lambda_3: weight of the RAIL-KD term (paper: 1/3); 0 together with "
+                  "--kd-weight 0 is plain label-smoothed CE"},
+    )
+    rail_variant: RAIL_VARIANT_CHOICES = field(
+        default="layerwise",
+        metadata={"help": "layerwise (Eq. 2: per-layer projections, distances summed) or "
+                  "concatenated (Eq. 3: the layers' sentence vectors concatenated, one projection)"},
+    )
+    rail_projection_dim: int = field(
+        default=128, metadata={"help": "u: width of the common space both models are projected to (paper: 128)"}
+    )
+    rail_include_top_layers: bool = field(
+        default=False,
+        metadata={"help": "draw from teacher layers 1..n and distil student layers 1..m instead of the "
+                  "paper's intermediate layers 1..n-1 and 1..m-1"},
+    )
+    seed: int = II("common.seed")
+
+
+@register_criterion("rail_kd", dataclass=RailKDConfig)
+class RailKDCriterion(HiddenStateKDCriterion):
+    LAYER_TERM = "rail"
+    TERM_NAMES = ("word_kd", "rail")
+
+    def __init__(self, task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
+                 layer_sides, rail_variant, rail_projection_dim, rail_include_top_layers, seed,
+                 ignore_prefix_size=0, report_accuracy=False):
+        super().__init__(task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
+                         layer_sides, ignore_prefix_size, report_accuracy)
+        self.rail_variant = str(rail_variant)
+        if self.rail_variant not in ("layerwise", "concatenated"):
+            raise ValueError(f"--rail-variant {self.rail_variant!r}: choose layerwise or concatenated")
+        if rail_projection_dim < 1:
+            raise ValueError(f"--rail-projection-dim must be >= 1, got {rail_projection_dim}")
+        self.seed = int(seed)
+        self.include_top = bool(rail_include_top_layers)
+        self.teacher_candidates: Dict[str, int] = {}
+        self.drawn: Dict[str, Tuple[int, ...]] = {}
+        self.teacher_projections = nn.ModuleDict()
+        self.student_projections = nn.ModuleDict()
+        for side in self.sides:
+            n, m = self.teacher_shape.layers(side), self.student_shape.layers(side)
+            candidates, distilled = (n, m) if self.include_top else (n - 1, m - 1)
+            self._check_depths(side, n, m, candidates, distilled)
+            self.teacher_candidates[side] = candidates
+            self.register_layer_index(f"{side}_student_layers", range(1, distilled + 1))
+            self.register_layer_index(f"{side}_teacher_layers", range(1, distilled + 1))
+            d_t, d_s = self.teacher_shape.embed_dim(side), self.student_shape.embed_dim(side)
+            if self.rail_variant == "layerwise":
+                self.teacher_projections[side] = StackedLinear(distilled, d_t, rail_projection_dim)
+                self.student_projections[side] = StackedLinear(distilled, d_s, rail_projection_dim)
+            else:
+                self.teacher_projections[side] = nn.Linear(distilled * d_t, rail_projection_dim)
+                self.student_projections[side] = nn.Linear(distilled * d_s, rail_projection_dim)
+        self.draw(self.epoch)
+
+    def _check_depths(self, side, n, m, candidates, distilled) -> None:
+        """The student needs 1..n layers (2..n for intermediate layers only): one distinct teacher
+        layer per distilled student layer, and at least one layer to distil."""
+        lowest = 1 if self.include_top else 2
+        if lowest <= m <= n:
+            return
+        if n < lowest:
+            raise LayerMappingError(
+                f"--criterion rail_kd [{side}]: the {n}-layer teacher has no intermediate layer to draw "
+                "from; pass --rail-include-top-layers to use its top layer"
+            )
+        if distilled < 1:
+            reason = "its only layer is its top layer, which intermediate-layer RAIL-KD leaves out"
+        else:
+            reason = (f"its {distilled} distilled layers each need a distinct teacher layer, drawn from "
+                      f"only {candidates} (teacher layers 1..{candidates})")
+        raise LayerMappingError(
+            f"--criterion rail_kd [{side}]: with a {n}-layer teacher the student's {side} must have "
+            f"{lowest}..{n} layers, but it has {m}: {reason}"
+            + ("" if self.include_top else "; --rail-include-top-layers also uses the top layers")
+        )
+
+    # ------------------------------------------------------------------ the draw
+    def draw(self, epoch: int) -> Dict[str, Tuple[int, ...]]:
+        """Set (and return) the teacher layers paired with the student's layers for ``epoch``."""
+        drawn = {}
+        for side in self.sides:
+            index = getattr(self, f"{side}_teacher_layers")
+            drawn[side] = draw_layers(self.seed, epoch, self.teacher_candidates[side], index.numel(), stream=side)
+            index.copy_(torch.tensor(drawn[side], dtype=torch.long))
+        self.drawn = drawn
+        return dict(drawn)
+
+    def begin_epoch(self, epoch: int) -> None:
+        super().begin_epoch(epoch)
+        self.draw(epoch)
+        logger.info("rail_kd epoch %d: %s", epoch, self.describe_draw())
+
+    def describe_draw(self) -> str:
+        return "; ".join(
+            f"{side} student layers {getattr(self, f'{side}_student_layers').tolist()} <- teacher layers "
+            f"{list(self.drawn[side])}"
+            for side in self.sides
+        )
+
+    # ------------------------------------------------------------------ the loss
+    def layer_loss(self, side, student_states, teacher_states, padding_mask):
+        student = masked_mean_pool(
+            student_states.index_select(0, getattr(self, f"{side}_student_layers")), padding_mask
+        )  # (k, B, d_S)
+        teacher = masked_mean_pool(
+            teacher_states.index_select(0, getattr(self, f"{side}_teacher_layers")), padding_mask
+        )  # (k, B, d_T)
+        if self.rail_variant == "concatenated":
+            # (k, B, d) -> (B, k*d), layer 1's features first, as [h_1, ..., h_k] in Eq. 3.
+            student = student.transpose(0, 1).flatten(1)
+            teacher = teacher.transpose(0, 1).flatten(1)
+        student = in_param_dtype(self.student_projections[side], student)
+        teacher = in_param_dtype(self.teacher_projections[side], teacher)
+        return normalized_squared_distance(student, teacher).sum()

@@ -1,0 +1,96 @@
+"""Test helpers shared by the hidden-state criterion tests (pkd, ckd, alp_kd, rail_kd, internal_kd).
+
+Not a test module: it builds what a criterion's ``distillation_terms`` receives, a student that is
+an exact copy of the tiny teacher, and fairseq's own label-smoothed CE for the weight-0 checks.
+"""
+import copy
+
+import torch
+from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
+
+from conftest import build_tiny_student
+from fairseq_kd.criterions.base import DistillationBatch
+from fairseq_kd.models.feature_capture import FeatureCapture
+
+COMMON = dict(sentence_avg=False, label_smoothing=0.1, kd_temperature=1.0)
+
+
+def distillation_batch(criterion, student, sample) -> DistillationBatch:
+    """The features ``criterion`` asked for, from one student and one teacher forward pass."""
+    criterion.teacher.follow(next(student.parameters()))  # as the criterion does
+    with FeatureCapture(student, criterion.student_request) as capture:
+        net_output = student(**sample["net_input"])
+    teacher_output, teacher_features = criterion.teacher.forward(sample["net_input"], criterion.teacher_request)
+    return DistillationBatch(
+        sample=sample, student_output=net_output, teacher_output=teacher_output,
+        student=capture.features(), teacher=teacher_features, target_mask=criterion.target_mask(sample),
+    )
+
+
+def teacher_copy(task):
+    """A student with the teacher's architecture and weights (eval mode)."""
+    student = build_tiny_student(
+        task, encoder_layers=3, decoder_layers=3, encoder_embed_dim=32, decoder_embed_dim=32,
+        encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64, encoder_attention_heads=4,
+        decoder_attention_heads=4,
+    )
+    student.load_state_dict(task.teacher.model.state_dict())
+    student.eval()
+    return student
+
+
+def real_positions(padding_mask):
+    """(sentence, position) of every real token of a ``(batch, len)`` padding mask."""
+    return [(b, t) for b in range(padding_mask.size(0)) for t in range(padding_mask.size(1))
+            if not bool(padding_mask[b, t])]
+
+
+def scramble_padding(states, padding_mask, generator_seed=0):
+    """``states`` ``(..., batch, len, dim)`` with every padded position replaced by large noise."""
+    generator = torch.Generator().manual_seed(generator_seed)
+    noise = 100 * torch.randn(states.shape, generator=generator, dtype=states.dtype)
+    return torch.where(padding_mask[..., None], noise, states)
+
+
+def assert_reduces_to_label_smoothed_ce(criterion, student, sample):
+    """With every distillation weight 0 the criterion is fairseq's label_smoothed_cross_entropy:
+    same loss, same sample size, and the teacher is never run."""
+    calls = []
+    original = criterion.teacher.forward
+    criterion.teacher.forward = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    try:
+        loss, sample_size, log = criterion(student, sample)
+    finally:
+        criterion.teacher.forward = original
+    reference = LabelSmoothedCrossEntropyCriterion(criterion.task, False, 0.1)
+    ref_loss, ref_size, ref_log = reference(student, sample)
+    assert not calls, "the teacher ran although no distillation term has a weight"
+    assert sample_size == ref_size
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(log["nll_loss"], ref_log["nll_loss"], rtol=1e-6, atol=1e-6)
+
+
+def checkpoint(path):
+    import fairseq_kd
+    from fairseq import checkpoint_utils
+
+    fairseq_kd.register()  # the checkpoint allow-list for torch.load
+    return checkpoint_utils.load_checkpoint_to_cpu(str(path))
+
+
+def assert_finite_in_half_precision(criterion, task, sample, **student_overrides):
+    """The trainer converts model and criterion to fp16/bf16 (--fp16/--bf16); the loss and every
+    criterion gradient stay finite. bfloat16 is used because CPU kernels support it throughout."""
+    student = build_tiny_student(task, **student_overrides).to(torch.bfloat16)
+    criterion = criterion.to(torch.bfloat16)
+    # The teacher follows the student to bfloat16, which rounds its weights (and fairseq's cached
+    # sinusoidal positions) for good: give this criterion its own copy of the session's teacher.
+    criterion.teacher = copy.deepcopy(criterion.teacher)
+    criterion.train()
+    loss, _, log = criterion(student, sample)
+    loss.backward()
+    assert next(criterion.teacher.model.parameters()).dtype == torch.bfloat16
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(torch.as_tensor(log[f"{name}_loss"])) for name in criterion.TERM_NAMES)
+    assert all(torch.isfinite(p.grad).all() for p in criterion.parameters())
+    assert all(torch.isfinite(p.grad).all() for p in student.parameters() if p.grad is not None)

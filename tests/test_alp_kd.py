@@ -1,0 +1,197 @@
+"""ALP-KD (--criterion alp_kd): the attention over teacher layers and the loss against a slow
+reference, weights that sum to 1 over each bucket, the per-layer weight read-out for the plot,
+padding, identity, weight 0, start-up errors, and a fairseq-train run."""
+import json
+import re
+
+import pytest
+import torch
+
+from conftest import build_tiny_student, run_module, train_student
+from fairseq_kd.criterions.alp_kd import ALPKDCriterion, layer_weights_from_checkpoint
+from fairseq_kd.models.feature_capture import CaptureRequest
+from fairseq_kd.modules.layer_mapping import LayerMappingError
+from fairseq_kd.scoring.plots import plot_alp_weights
+from hidden_kd_support import (
+    COMMON,
+    assert_finite_in_half_precision,
+    assert_reduces_to_label_smoothed_ce,
+    checkpoint,
+    distillation_batch,
+    real_positions,
+    scramble_padding,
+    teacher_copy,
+)
+
+# 3 teacher layers, 2 student layers.
+TINY_BUCKETS = {"all": ((1, 2, 3), (1, 2, 3)), "no": ((1,), (2, 3)), "po": ((1, 2), (2, 3))}
+
+
+def assert_same_weights(actual, expected):
+    assert set(actual) == set(expected)
+    for side in expected:
+        torch.testing.assert_close(torch.tensor(actual[side]), torch.tensor(expected[side]))
+
+
+def make_alp(task, **overrides):
+    args = dict(COMMON, kd_weight=0.1, layer_weight=0.7, layer_sides="both", alp_buckets="all", alp_bucket_map=None)
+    args.update(overrides)
+    return ALPKDCriterion(task, **args)
+
+
+@torch.no_grad()
+def slow_alp(criterion, batch, buckets):
+    """Eq. 5-7 for every student layer j, sentence and real position, with explicit loops over the
+    bucket's teacher layers."""
+    total = 0.0
+    for side in ("encoder", "decoder"):
+        student, teacher = batch.student.hidden(side), batch.teacher.hidden(side)
+        projection = criterion.projections[side]
+        for j, bucket in enumerate(buckets, start=1):
+            for b, t in real_positions(batch.student.padding_mask(side)):
+                s = projection.weight @ student[j, b, t] + projection.bias
+                scores = [float(s @ teacher[k, b, t]) for k in bucket]
+                top = max(scores)
+                exps = [pow(2.718281828459045, x - top) for x in scores]
+                alphas = [e / sum(exps) for e in exps]
+                combined = sum(a * teacher[k, b, t] for a, k in zip(alphas, bucket))
+                total += float(((s - combined) ** 2).mean())
+    return total
+
+
+@pytest.mark.parametrize("buckets", ["all", "no", "po"])
+def test_alp_term_matches_a_slow_reference(kd_task, tiny_batch, buckets):
+    student = build_tiny_student(kd_task)
+    criterion = make_alp(kd_task, alp_buckets=buckets)
+    # Hidden states of the distilled sides, no attention maps.
+    assert criterion.student_request == criterion.teacher_request == CaptureRequest(encoder_hidden=True, decoder_hidden=True)
+    assert criterion.buckets == {"encoder": TINY_BUCKETS[buckets], "decoder": TINY_BUCKETS[buckets]}
+    batch = distillation_batch(criterion, student, tiny_batch)
+    terms = criterion.distillation_terms(batch)
+    assert terms["alp"].item() == pytest.approx(slow_alp(criterion, batch, TINY_BUCKETS[buckets]), rel=1e-5)
+    loss, _, log = criterion(student, tiny_batch)
+    expected = 0.2 * log["ce_loss"] + 0.1 * log["word_kd_loss"] + 0.7 * log["alp_loss"]
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("buckets, explicit", [("all", None), ("no", None), ("po", None), ("all", "3|1,3")])
+def test_alp_weights_sum_to_one_over_each_bucket(kd_task, tiny_batch, buckets, explicit):
+    student = build_tiny_student(kd_task)
+    criterion = make_alp(kd_task, alp_buckets=buckets, alp_bucket_map=explicit)
+    expected = ((3,), (1, 3)) if explicit else TINY_BUCKETS[buckets]
+    batch = distillation_batch(criterion, student, tiny_batch)
+    for side in ("encoder", "decoder"):
+        _, alpha = criterion.layer_attention(side, batch.student.hidden(side), batch.teacher.hidden(side))
+        assert alpha.shape == (2, 3) + batch.student.padding_mask(side).shape
+        torch.testing.assert_close(alpha.sum(1), torch.ones_like(alpha.sum(1)))
+        for j, bucket in enumerate(expected):
+            outside = [k for k in range(3) if k + 1 not in bucket]
+            assert (alpha[j, outside] == 0).all()
+            assert (alpha[j, [k - 1 for k in bucket]] > 0).all()
+
+
+def test_alp_layer_weights_are_the_mean_over_real_positions_for_the_plot(kd_task, tiny_batch, tmp_path):
+    student = build_tiny_student(kd_task)
+    criterion = make_alp(kd_task, alp_buckets="po")
+    criterion.begin_epoch(1)
+    batch = distillation_batch(criterion, student, tiny_batch)
+    criterion.eval()
+    criterion(student, tiny_batch)  # validation batches are not recorded
+    criterion.train()
+    criterion.is_dummy_batch = True
+    criterion(student, tiny_batch)  # nor a data-parallel worker's dummy batch
+    criterion.is_dummy_batch = False
+    with pytest.raises(RuntimeError, match="no layer weights yet"):
+        criterion.layer_weights()
+    criterion(student, tiny_batch)
+    criterion(student, tiny_batch)
+    weights = criterion.layer_weights()
+    assert set(weights) == {"encoder", "decoder"}
+    for side in ("encoder", "decoder"):
+        _, alpha = criterion.layer_attention(side, batch.student.hidden(side), batch.teacher.hidden(side))
+        positions = real_positions(batch.student.padding_mask(side))
+        for j in range(2):
+            for k in range(3):
+                mean = sum(float(alpha[j, k, b, t]) for b, t in positions) / len(positions)
+                assert weights[side][j][k] == pytest.approx(mean, abs=1e-6)
+            assert sum(weights[side][j]) == pytest.approx(1.0)
+        assert weights[side][0][2] == 0.0 and weights[side][1][0] == 0.0  # outside the PO buckets
+
+    path = criterion.write_layer_weights(tmp_path / "alp.json")
+    assert json.loads(path.read_text()) == weights
+    plot_alp_weights(json.loads(path.read_text()))  # the plot command's reader accepts it
+
+    state = criterion.checkpoint_state()
+    criterion.begin_epoch(1)  # the same epoch again (a mid-epoch resume) keeps the sums
+    assert criterion.layer_weights() == weights
+    resumed = make_alp(kd_task, alp_buckets="po")
+    resumed.load_checkpoint_state(state)
+    resumed.begin_epoch(1)
+    assert_same_weights(resumed.layer_weights(), weights)
+    resumed.begin_epoch(2)  # a new epoch starts a new average
+    with pytest.raises(RuntimeError):
+        resumed.layer_weights()
+
+
+def test_alp_ignores_padding(kd_task, tiny_batch):
+    student = build_tiny_student(kd_task)
+    criterion = make_alp(kd_task)
+    batch = distillation_batch(criterion, student, tiny_batch)
+    for side in ("encoder", "decoder"):
+        mask = batch.student.padding_mask(side)
+        s, t = batch.student.hidden(side), batch.teacher.hidden(side)
+        clean = criterion.layer_loss(side, s, t, mask)
+        noisy = criterion.layer_loss(side, scramble_padding(s, mask, 5), scramble_padding(t, mask, 6), mask)
+        torch.testing.assert_close(clean, noisy)
+
+
+def test_alp_is_zero_for_a_student_identical_to_its_teacher_with_one_layer_buckets(kd_task, tiny_batch):
+    student = teacher_copy(kd_task)
+    criterion = make_alp(kd_task, alp_buckets="no")  # 3 into 3: {1}, {2}, {3}
+    assert criterion.buckets["encoder"] == ((1,), (2,), (3,))
+    terms = criterion.distillation_terms(distillation_batch(criterion, student, tiny_batch))
+    assert terms["alp"].item() < 1e-8
+
+
+def test_alp_with_zero_weights_is_label_smoothed_ce(kd_task, tiny_batch):
+    student = build_tiny_student(kd_task)
+    assert_reduces_to_label_smoothed_ce(make_alp(kd_task, kd_weight=0.0, layer_weight=0.0), student, tiny_batch)
+
+
+def test_alp_is_finite_in_half_precision(kd_task, tiny_batch):
+    build_tiny_student(kd_task)
+    assert_finite_in_half_precision(make_alp(kd_task), kd_task, tiny_batch)
+
+
+def test_alp_start_up_errors(kd_task):
+    build_tiny_student(kd_task, encoder_layers=4)
+    # Attending over all layers works for any depths; buckets cannot be empty.
+    assert make_alp(kd_task, layer_sides="encoder").buckets["encoder"] == ((1, 2, 3),) * 4
+    with pytest.raises(LayerMappingError, match=r"--alp-buckets no \[encoder\].*valid student depths are 1\.\.3"):
+        make_alp(kd_task, alp_buckets="no")
+    build_tiny_student(kd_task)
+    with pytest.raises(LayerMappingError, match=r"--alp-bucket-map \[encoder\] '1\|\|2': group 2 \(student layer 2\) is empty"):
+        make_alp(kd_task, alp_bucket_map="1||2")
+    with pytest.raises(LayerMappingError, match=r"valid teacher layers are 1\.\.3"):
+        make_alp(kd_task, alp_bucket_map="1,2|3,4")
+
+
+def test_alp_trains_with_fairseq_train_and_saves_its_weights(tiny_data_bin, tiny_teacher, kd_task, tmp_path):
+    proc = train_student(tiny_data_bin, tiny_teacher, tmp_path, ["--criterion", "alp_kd", "--layer-sides", "both"], max_update=3)
+    assert re.search(r"\| train \| epoch 001 .*word_kd_loss [\d.]+ \| alp_loss [\d.]+", proc.stdout)
+    state = checkpoint(tmp_path / "checkpoint_last.pt")
+    assert set(state["criterion"]) == {f"projections.{side}.{name}" for side in ("encoder", "decoder") for name in ("weight", "bias")}
+    assert not [key for key in state["model"] if "projections" in key]
+    build_tiny_student(kd_task)
+    make_alp(kd_task).load_state_dict(state["criterion"], strict=True)
+
+    weights = layer_weights_from_checkpoint(tmp_path / "checkpoint_last.pt")
+    assert set(weights) == {"encoder", "decoder"}
+    for rows in weights.values():
+        assert len(rows) == 2 and all(len(row) == 3 and sum(row) == pytest.approx(1.0) for row in rows)
+    output = tmp_path / "alp_weights.json"
+    run_module("fairseq_kd.cli.alp_weights", "--checkpoint", tmp_path / "checkpoint_last.pt", "--output", output)
+    assert_same_weights(json.loads(output.read_text()), weights)
+    refused = run_module("fairseq_kd.cli.alp_weights", "--checkpoint", tmp_path / "checkpoint_last.pt",
+                         "--output", output, check=False)
+    assert refused.returncode != 0 and "--overwrite" in refused.stderr

@@ -1,0 +1,181 @@
+"""Combinatorial KD (--criterion ckd): fusion loss against a slow concatenate-and-multiply
+reference, the mapping strategies on the tiny models, padding, identity, weight 0, start-up
+errors, and fairseq-train runs that save, resume and restore the fusion parameters.
+
+The mapping rules themselves (the paper's 6-to-2 sets, 12-to-4, 6-to-3, every depth) are tested
+in test_layer_mapping.py."""
+import re
+
+import pytest
+import torch
+
+from conftest import build_tiny_student, run_module, train_student
+from fairseq_kd.criterions.ckd import CombinatorialKDCriterion
+from fairseq_kd.models.feature_capture import CaptureRequest
+from fairseq_kd.modules.layer_mapping import LayerMappingError
+from hidden_kd_support import (
+    COMMON,
+    assert_finite_in_half_precision,
+    assert_reduces_to_label_smoothed_ce,
+    checkpoint,
+    distillation_batch,
+    real_positions,
+    scramble_padding,
+    teacher_copy,
+)
+
+# 3 teacher layers into 2 student layers: RC boundaries floor(3j/2) = 1, 3.
+TINY_MAPPINGS = {
+    "rc": ((1,), (2, 3)),
+    "oc": ((1, 2), (1, 2, 3)),
+    "sc": ((1,), (3,)),
+    "cc": ((1,), (3,)),
+}
+
+
+def make_ckd(task, **overrides):
+    args = dict(COMMON, kd_weight=0.1, layer_weight=0.7, layer_sides="both", ckd_mapping="rc", ckd_layer_map=None)
+    args.update(overrides)
+    return CombinatorialKDCriterion(task, **args)
+
+
+def concatenated_weight(fusion, mapping, student_slot):
+    """W_i of the paper, assembled from the per-pair blocks (pairs are stored in mapping order)."""
+    first = sum(len(group) for group in mapping[:student_slot])
+    return torch.cat([fusion.blocks.weight[first + k].t() for k in range(len(mapping[student_slot]))], dim=1)
+
+
+@torch.no_grad()
+def slow_ckd(criterion, batch, mapping):
+    """Eq. 3: sum over student layers i and real positions of MSE(h_S^i, W_i [h_T^j; ...] + b_i)."""
+    total = 0.0
+    for side in ("encoder", "decoder"):
+        student, teacher = batch.student.hidden(side), batch.teacher.hidden(side)
+        fusion = criterion.fusions[side]
+        for i, group in enumerate(mapping):
+            weight = concatenated_weight(fusion, mapping, i)
+            assert weight.shape == (16, 32 * len(group))
+            for b, t in real_positions(batch.student.padding_mask(side)):
+                concatenation = torch.cat([teacher[j, b, t] for j in group])
+                fused = weight @ concatenation + fusion.bias[i]
+                total += float(((student[i + 1, b, t] - fused) ** 2).mean())
+    return total
+
+
+@pytest.mark.parametrize("strategy", sorted(TINY_MAPPINGS))
+def test_ckd_strategies_on_the_tiny_models(kd_task, strategy):
+    build_tiny_student(kd_task)
+    criterion = make_ckd(kd_task, ckd_mapping=strategy)
+    assert criterion.mappings == {"encoder": TINY_MAPPINGS[strategy], "decoder": TINY_MAPPINGS[strategy]}
+
+
+@pytest.mark.parametrize("strategy, explicit", [("oc", None), ("rc", "1,3|2,3")])
+def test_ckd_term_matches_a_slow_reference(kd_task, tiny_batch, strategy, explicit):
+    student = build_tiny_student(kd_task)
+    criterion = make_ckd(kd_task, ckd_mapping=strategy, ckd_layer_map=explicit)
+    # Hidden states of the distilled sides, no attention maps.
+    assert criterion.student_request == criterion.teacher_request == CaptureRequest(encoder_hidden=True, decoder_hidden=True)
+    mapping = ((1, 3), (2, 3)) if explicit else TINY_MAPPINGS[strategy]
+    assert criterion.mappings["encoder"] == mapping
+    for side in ("encoder", "decoder"):
+        for i in range(2):
+            torch.testing.assert_close(
+                criterion.fusions[side].concatenated_weight(i), concatenated_weight(criterion.fusions[side], mapping, i)
+            )
+    batch = distillation_batch(criterion, student, tiny_batch)
+    terms = criterion.distillation_terms(batch)
+    assert terms["ckd"].item() == pytest.approx(slow_ckd(criterion, batch, mapping), rel=1e-5)
+
+    loss, _, log = criterion(student, tiny_batch)
+    expected = 0.2 * log["ce_loss"] + 0.1 * log["word_kd_loss"] + 0.7 * log["ckd_loss"]
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-5)
+    # Every fusion parameter receives a gradient.
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in criterion.parameters())
+
+
+def test_ckd_ignores_padding(kd_task, tiny_batch):
+    student = build_tiny_student(kd_task)
+    criterion = make_ckd(kd_task, ckd_mapping="oc")
+    batch = distillation_batch(criterion, student, tiny_batch)
+    for side in ("encoder", "decoder"):
+        mask = batch.student.padding_mask(side)
+        s, t = batch.student.hidden(side), batch.teacher.hidden(side)
+        clean = criterion.layer_loss(side, s, t, mask)
+        noisy = criterion.layer_loss(side, scramble_padding(s, mask, 3), scramble_padding(t, mask, 4), mask)
+        torch.testing.assert_close(clean, noisy)
+
+
+def test_ckd_is_zero_for_a_student_identical_to_its_teacher_with_identity_fusion(kd_task, tiny_batch):
+    student = teacher_copy(kd_task)
+    criterion = make_ckd(kd_task, ckd_layer_map="1|2|3")
+    with torch.no_grad():
+        for fusion in criterion.fusions.values():
+            fusion.blocks.weight.copy_(torch.eye(32).expand(3, 32, 32))
+            fusion.bias.zero_()
+    terms = criterion.distillation_terms(distillation_batch(criterion, student, tiny_batch))
+    assert terms["ckd"].item() < 1e-8
+
+
+def test_ckd_with_zero_weights_is_label_smoothed_ce(kd_task, tiny_batch):
+    student = build_tiny_student(kd_task)
+    assert_reduces_to_label_smoothed_ce(make_ckd(kd_task, kd_weight=0.0, layer_weight=0.0), student, tiny_batch)
+
+
+def test_ckd_is_finite_in_half_precision(kd_task, tiny_batch):
+    build_tiny_student(kd_task)
+    assert_finite_in_half_precision(make_ckd(kd_task, ckd_mapping="oc"), kd_task, tiny_batch)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(ckd_layer_map="1,2|4"), r"--ckd-layer-map \[encoder\]: student layer 2 names teacher layer\(s\) \[4\]; valid teacher layers are 1\.\.3"),
+        (dict(ckd_layer_map="1,2|"), r"--ckd-layer-map \[encoder\] '1,2\|': group 2 \(student layer 2\) is empty"),
+        (dict(ckd_layer_map="1;2|3"), r"--ckd-layer-map \[encoder\] '1;2\|3': group 1 contains a non-integer"),
+        (dict(ckd_layer_map="1|2|3"), r"the mapping has 3 group\(s\) but the student has 2 layer\(s\)"),
+    ],
+)
+def test_ckd_bad_mappings_fail_at_start_up(kd_task, overrides, message):
+    build_tiny_student(kd_task)
+    with pytest.raises(LayerMappingError, match=message):
+        make_ckd(kd_task, **overrides)
+
+
+def test_ckd_student_deeper_than_teacher_fails_at_start_up(kd_task):
+    build_tiny_student(kd_task, decoder_layers=4)
+    with pytest.raises(LayerMappingError, match=r"--ckd-mapping sc \[decoder\].*valid student depths are 1\.\.3"):
+        make_ckd(kd_task, ckd_mapping="sc")
+    # Encoder-only (the default side) does not look at the decoder at all.
+    assert make_ckd(kd_task, ckd_mapping="sc", layer_sides="encoder").mappings == {"encoder": ((1,), (3,))}
+
+
+def test_ckd_fairseq_train_saves_resumes_and_restores_the_fusion(tiny_data_bin, tiny_teacher, kd_task, tmp_path):
+    flags = ["--criterion", "ckd", "--ckd-mapping", "oc", "--layer-sides", "both"]
+    first = train_student(tiny_data_bin, tiny_teacher, tmp_path, flags, max_update=3)
+    assert re.search(r"\| train \| epoch 001 .*word_kd_loss [\d.]+ \| ckd_loss [\d.]+", first.stdout)
+    saved = checkpoint(tmp_path / "checkpoint_last.pt")
+    assert set(saved["criterion"]) == {
+        f"fusions.{side}.{name}" for side in ("encoder", "decoder") for name in ("blocks.weight", "bias")
+    }
+    assert saved["criterion"]["fusions.encoder.blocks.weight"].shape == (5, 32, 16)  # pairs of {1,2},{1,2,3}
+    assert not [key for key in saved["model"] if "fusion" in key]
+
+    # Resume with a learning rate too small to move anything: the fusion must come back as saved
+    # (a re-initialised one would be far away), and training goes on.
+    second = train_student(tiny_data_bin, tiny_teacher, tmp_path, flags, max_update=4, extra=["--lr", "1e-12"])
+    assert "Loaded checkpoint" in second.stdout + second.stderr
+    assert re.search(r"num_updates=4\b", second.stdout)
+    resumed = checkpoint(tmp_path / "checkpoint_last.pt")
+    for name, value in saved["criterion"].items():
+        torch.testing.assert_close(resumed["criterion"][name], value, atol=1e-6, rtol=0)
+    build_tiny_student(kd_task)
+    fresh = make_ckd(kd_task, ckd_mapping="oc")
+    assert (fresh.state_dict()["fusions.encoder.bias"] - saved["criterion"]["fusions.encoder.bias"]).abs().max() > 1e-3
+    fresh.load_state_dict(saved["criterion"], strict=True)
+
+    # The exported student carries none of the distillation-only parameters.
+    run_module("fairseq_kd.cli.export_student", tmp_path / "checkpoint_last.pt", tmp_path / "student.pt")
+    exported = checkpoint(tmp_path / "student.pt")
+    assert "criterion" not in exported
+    assert not [key for key in exported["model"] if "fusion" in key or "blocks" in key]
