@@ -22,6 +22,7 @@ setup(
             "fairseq-kd-export = fairseq_kd.cli.export_student:cli_main",
             "fairseq-kd-make-corpus = fairseq_kd.cli.make_corpus:cli_main",
             "fairseq-kd-seqkd = fairseq_kd.cli.seqkd_decode:cli_main",
+            "fairseq-kd-recipe = fairseq_kd.cli.recipe:cli_main",
         ]
     },
 )

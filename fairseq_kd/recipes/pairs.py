@@ -1,0 +1,235 @@
+"""Per-language-pair recipe settings: preparation entry point, models, schedule, scoring.
+
+The training hyper-parameters shared by every pair are the papers' (``../shared/docs/methods.md``,
+"Settings from the papers"): Adam (0.9, 0.98), lr 5e-4, inverse_sqrt with 4,000 warm-up updates,
+dropout 0.3, weight decay 1e-4, label smoothing 0.1, max-tokens 4,096, beam 5. A pair overrides
+only what its paper states differently; every override says why.
+
+What the papers leave open is chosen here and marked "our choice":
+
+* the training length: ``--max-epoch 50`` on the IWSLT corpora (about 55K updates on IWSLT'14
+  De-En; A2D's lambda has decayed to 0.9^49 = 0.6% of its start by then), ``--max-epoch 100`` on
+  WMT'22 De-Dsb (40K pairs, about a third of the updates per epoch), and Vaswani et al.'s 100K
+  updates for WMT'14 En-De;
+* the checkpoint that is evaluated: the one with the best validation loss (fairseq's default);
+* embedding sharing: the decoder's input and output embeddings on the low-resource setup (as
+  fairseq's IWSLT'14 example), all three embeddings where the papers follow Vaswani et al. (who
+  share them); every preparation script writes one joined dictionary, which allows both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from ..data.prepare.corpora import iwslt14_de_en, iwslt_spm, wmt14_en_de, wmt22_de_dsb
+from .methods import METHODS, STUDENT_ROLES, Method
+
+#: fairseq-train flags shared by every model of every pair (methods.md, "Settings from the papers")
+PAPER_TRAINING: Mapping[str, str] = {
+    "--optimizer": "adam",
+    "--adam-betas": "(0.9, 0.98)",
+    "--lr": "5e-4",
+    "--lr-scheduler": "inverse_sqrt",
+    "--warmup-updates": "4000",
+    "--dropout": "0.3",
+    "--weight-decay": "1e-4",
+    "--clip-norm": "0.0",
+    "--max-tokens": "4096",
+}
+LABEL_SMOOTHING = "0.1"
+BEAM = 5
+
+_LOW_RESOURCE_TEACHER = ("--arch", "transformer_kd_iwslt_teacher")
+_LOW_RESOURCE_STUDENTS = {
+    "student": ("--arch", "transformer_kd_iwslt_student_3l"),
+    "student_4h": ("--arch", "transformer_kd_iwslt_student_3l"),
+    "student_8h": ("--arch", "transformer_kd_iwslt_student_3l_8h"),
+    "student_2l": ("--arch", "transformer_kd_iwslt_student_2l"),
+}
+_SHARE_DECODER_EMBEDDINGS = ("--share-decoder-input-output-embed",)
+_SHARE_ALL_EMBEDDINGS = ("--share-all-embeddings",)
+# A small corpus has too few pairs for the full-size subword models; these settings make the
+# smoke profile work on a test archive (override them with --prepare-args).
+_SMOKE_BPE = ("--bpe-merges", "200")
+_SMOKE_SPM = ("--spm-vocab-size", "200")
+
+
+@dataclass(frozen=True)
+class PairRecipe:
+    """Everything a recipe needs to know about one language pair."""
+
+    name: str
+    title: str
+    #: preparation entry point, relative to the repository root, and its fixed flags
+    prepare_script: str
+    prepare_args: tuple[str, ...]
+    smoke_prepare_args: tuple[str, ...]
+    #: the files ``--archives`` must hold (the preparation's default sets)
+    archive_files: tuple[str, ...]
+    source: str
+    target: str
+    teacher: tuple[str, ...]
+    #: student role -> architecture flags; a role a pair lacks disables the methods that use it
+    students: Mapping[str, tuple[str, ...]]
+    #: model flags added to teacher and students alike
+    model_args: tuple[str, ...]
+    #: training length of the gpu profile
+    schedule: tuple[str, ...]
+    #: target size of one update in tokens; ``--update-freq`` is derived from it and the GPU count
+    tokens_per_update: int = 4096
+    #: flags that replace PAPER_TRAINING values for this pair
+    training_overrides: Mapping[str, str] = field(default_factory=dict)
+    #: method name -> criterion flags added for this pair (its paper's values)
+    criterion_overrides: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    #: methods that would duplicate another one here (same student, same criterion)
+    excluded_methods: tuple[str, ...] = ()
+    #: scoring: how subwords are undone, Moses detokenisation language, sacreBLEU tokeniser
+    remove_bpe: str = "sentencepiece"
+    detok_moses: Optional[str] = None
+    sacrebleu_tokenize: str = "13a"
+
+    def __post_init__(self) -> None:
+        unknown_roles = sorted(set(self.students) - set(STUDENT_ROLES))
+        unknown_methods = sorted((set(self.criterion_overrides) | set(self.excluded_methods)) - set(METHODS))
+        if unknown_roles or unknown_methods:
+            raise ValueError(f"pair {self.name}: unknown student roles {unknown_roles} or methods {unknown_methods}")
+
+    def methods(self) -> list[Method]:
+        """The methods this pair can train, in table order."""
+        return [
+            method for method in METHODS.values()
+            if method.student in self.students and method.name not in self.excluded_methods
+        ]
+
+    def criterion_args(self, method: Method) -> tuple[str, ...]:
+        """The method's criterion flags with this pair's values replacing the table's."""
+        values = dict(_flag_pairs(method.criterion_args))
+        values.update(_flag_pairs(self.criterion_overrides.get(method.name, ())))
+        return tuple(item for flag_value in values.items() for item in flag_value)
+
+    def training(self) -> dict[str, str]:
+        return {**PAPER_TRAINING, **self.training_overrides}
+
+
+def _flag_pairs(flags: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``("--a", "1", "--b", "x")`` -> ``[("--a", "1"), ("--b", "x")]`` (every table flag takes a value)."""
+    pairs = list(zip(flags[::2], flags[1::2]))
+    if len(flags) % 2 or not all(flag.startswith("--") for flag, _ in pairs):
+        raise ValueError(f"criterion flags must be --flag value pairs, got {flags}")
+    return pairs
+
+
+def _low_resource(name: str, title: str, *, prepare_script: str, prepare_args=(), smoke_prepare_args,
+                  archive_files, source: str, target: str, schedule=("--max-epoch", "50"), **scoring) -> PairRecipe:
+    """Align-to-Distill's low-resource setup (Sec. 5.2): 6+6 teacher, 3+3 students (4 or 8 heads),
+    2+2 students for the CKD comparison, all 4 heads (unless 8), d = 512, FFN 1024."""
+    return PairRecipe(
+        name=name, title=title, prepare_script=prepare_script, prepare_args=tuple(prepare_args),
+        smoke_prepare_args=smoke_prepare_args, archive_files=tuple(archive_files), source=source,
+        target=target, teacher=_LOW_RESOURCE_TEACHER, students=_LOW_RESOURCE_STUDENTS,
+        model_args=_SHARE_DECODER_EMBEDDINGS, schedule=tuple(schedule), **scoring,
+    )
+
+
+def _ckd_pair(pair: str) -> PairRecipe:
+    """The CKD paper's IWSLT'14 Pt/Tr-En setup (Wu et al. 2020, Sec. 4): a 6+6 teacher and 2+2
+    students, "identical to Vaswani et al." otherwise, i.e. transformer-base widths (d = 512,
+    FFN 2048, 8 heads) and shared embeddings; word-level KD weighted eta = 0.1. Dropout stays at
+    0.3: the paper gives none, and 0.1 over-fits these 170K-pair corpora."""
+    source, target = pair.split("-")
+    corpus = iwslt_spm.CORPORA[pair]
+    base = ("--arch", "transformer")
+    two_layers = (*base, "--encoder-layers", "2", "--decoder-layers", "2")
+    return PairRecipe(
+        name=f"iwslt14_{source}_{target}",
+        title=f"IWSLT'14 {source.capitalize()}-En (CKD setup)",
+        prepare_script="examples/translation/iwslt14_pt_en_tr_en/prepare.py",
+        prepare_args=("--pair", pair),
+        smoke_prepare_args=_SMOKE_SPM,
+        archive_files=(corpus.archive.name,),
+        source=source, target=target,
+        teacher=base,
+        students={
+            "student": two_layers,
+            "student_4h": (*two_layers, "--encoder-attention-heads", "4", "--decoder-attention-heads", "4"),
+            "student_8h": two_layers,
+            "student_2l": two_layers,
+        },
+        model_args=_SHARE_ALL_EMBEDDINGS,
+        schedule=("--max-epoch", "50"),
+        criterion_overrides={"word_kd": ("--kd-weight", "0.1")},
+        # Every student here has 2 layers: these two would train the same models as no_kd / a2d_kd_8h.
+        excluded_methods=("no_kd_2l", "a2d_kd_2l"),
+        remove_bpe="sentencepiece",
+    )
+
+
+def _wmt14_en_de() -> PairRecipe:
+    """A2D's high-resource setup (Sec. 5.2): 12+12 teacher, 4+4 student, transformer-base widths
+    and settings (Vaswani et al.: dropout 0.1, shared embeddings, about 25K tokens per update),
+    lambda of L_att = 0.1. The 2+2 student is the CKD paper's En-De student."""
+    student = ("--arch", "transformer_kd_wmt_student_4l")
+    a2d_wmt = ("--a2d-preset", "wmt")
+    return PairRecipe(
+        name="wmt14_en_de",
+        title="WMT'14 En-De (Vaswani et al. data, A2D high-resource setup)",
+        prepare_script="examples/translation/wmt14_en_de/prepare.py",
+        prepare_args=(),
+        smoke_prepare_args=_SMOKE_BPE,
+        archive_files=tuple(remote.name for remote in (
+            *(archive for archive, _ in wmt14_en_de.TRAINING), wmt14_en_de.VALID[0], wmt14_en_de.TEST[0])),
+        source="en", target="de",
+        teacher=("--arch", "transformer_kd_wmt_teacher"),
+        students={
+            "student": student,
+            "student_4h": (*student, "--encoder-attention-heads", "4", "--decoder-attention-heads", "4"),
+            "student_8h": student,
+            "student_2l": (*student, "--encoder-layers", "2", "--decoder-layers", "2"),
+        },
+        model_args=_SHARE_ALL_EMBEDDINGS,
+        schedule=("--max-update", "100000"),
+        tokens_per_update=25000,
+        training_overrides={"--dropout": "0.1"},
+        criterion_overrides={"a2d_kd_4h": a2d_wmt, "a2d_kd_8h": a2d_wmt, "a2d_kd_2l": a2d_wmt},
+        remove_bpe="subword_nmt",
+        detok_moses="de",
+    )
+
+
+def _wmt22_archive_files() -> tuple[str, ...]:
+    names: list[str] = []
+    for set_name in (wmt22_de_dsb.TRAIN_SET, wmt22_de_dsb.DEFAULT_VALID_SET, wmt22_de_dsb.DEFAULT_TEST_SET):
+        for text_file in wmt22_de_dsb.SETS[set_name].values():
+            if text_file.remote.name not in names:
+                names.append(text_file.remote.name)
+    return tuple(names)
+
+
+_PAIR_LIST = (
+    _low_resource(
+        "iwslt14_de_en", "IWSLT'14 De-En (A2D low-resource setup)",
+        prepare_script="examples/translation/iwslt14_de_en/prepare.py",
+        smoke_prepare_args=_SMOKE_BPE, archive_files=(iwslt14_de_en.ARCHIVE.name,),
+        source="de", target="en",
+        # Tokenised, lowercased text with subword-nmt BPE: undo both before sacreBLEU.
+        remove_bpe="subword_nmt", detok_moses="en",
+    ),
+    _ckd_pair("pt-en"),
+    _ckd_pair("tr-en"),
+    _low_resource(
+        "iwslt17_en_zh", "IWSLT'17 En-Zh (A2D low-resource setup)",
+        prepare_script="examples/translation/iwslt17_en_zh/prepare.py",
+        smoke_prepare_args=_SMOKE_SPM, archive_files=(iwslt_spm.IWSLT17_EN_ZH.archive.name,),
+        source="en", target="zh", remove_bpe="sentencepiece", sacrebleu_tokenize="zh",
+    ),
+    _low_resource(
+        "wmt22_de_dsb", "WMT'22 De-Dsb (A2D low-resource setup)",
+        prepare_script="examples/translation/wmt22_de_dsb/prepare.py",
+        smoke_prepare_args=_SMOKE_SPM, archive_files=_wmt22_archive_files(),
+        source="de", target="dsb", schedule=("--max-epoch", "100"), remove_bpe="sentencepiece",
+    ),
+    _wmt14_en_de(),
+)
+
+#: every recipe by name (the first argument of ``fairseq-kd-recipe``)
+PAIRS: Mapping[str, PairRecipe] = {pair.name: pair for pair in _PAIR_LIST}

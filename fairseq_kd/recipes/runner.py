@@ -1,0 +1,786 @@
+"""The recipe engine: prepare a corpus, train the teacher and every student, decode, score, report.
+
+A recipe is a list of steps, each one or more command lines of the project's entry points or of
+fairseq's own (``fairseq-train``, ``fairseq-generate``)::
+
+    prepare                  examples/translation/<corpus>/prepare.py (unless --data is given)
+    train-teacher            fairseq-train --task translation, label-smoothed CE
+    export-, generate-, score-, curves-teacher
+    seqkd-data               fairseq-kd-seqkd: the teacher's beam outputs (only for seq_kd)
+    train-<method>           fairseq-train --task translation_kd --criterion <method's>
+    export-<method>          the student as a stock transformer checkpoint (what ships)
+    generate-<method>        fairseq-generate on the test set, beam 5
+    score-<method>           fairseq-kd-score: BLEU with its 95% bootstrap interval (JSON)
+    curves-<method>          fairseq-kd-plot curves: every loss term from the training log
+    figure-<method>          A2D alignment heatmap / ALP-KD layer weights (when the exporter exists)
+    systems                  parameter counts (of the exported models) and decoding speeds
+    report                   fairseq-kd-report: the table, baseline no_kd, paired bootstrap p
+
+Every step runs through :class:`~fairseq_kd.data.prepare.pipeline.StepRunner`, which stamps it
+with the fingerprints of its inputs and outputs and its settings: re-running the recipe skips
+every finished step, and a changed input re-runs exactly what depends on it.
+
+Training checkpoints are never overwritten. Before fairseq-train starts, the recipe writes the
+training settings and its inputs' sizes and modification times into the save folder; a folder
+that already holds checkpoints is used only when that record matches, which is an interrupted
+run of the same training (fairseq resumes it from ``checkpoint_last.pt``). Anything else (other
+settings, a re-prepared corpus, a retrained teacher) stops the recipe, before any step runs, with
+the folder to move away. Where a model is placed (``--fp16``, ``--cpu``, the number of GPUs and
+the ``--update-freq`` that keeps the tokens per update) is not part of the settings, so a run can
+be continued on another machine. Derived files (exports, decodings, scores, figures, the report)
+belong to the recipe's working folder and are rewritten when their inputs change.
+
+The light steps that run this project's own commands (export, score, plot, report) run inside
+the recipe's process, which saves a Python start-up per step; their output goes to the step's
+log file all the same. Training, decoding and preparation run as child processes.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import json
+import logging
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+from ..data.prepare.errors import PrepareError
+from ..data.prepare.pipeline import Step, StepRunner
+from .methods import BASELINE, METHODS, TEACHER, Method
+from .pairs import LABEL_SMOOTHING, PAIRS, PairRecipe
+from .profiles import PROFILES, Profile
+
+LOG = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+USER_DIR = Path(__file__).resolve().parents[1]
+MANIFEST_NAME = "recipe.json"
+TRAIN_RECORD_NAME = "recipe_train.json"
+MANIFEST_FORMAT = 1
+#: this project's commands that run inside the recipe's process (light, CPU-only)
+IN_PROCESS_MODULES = frozenset({
+    "fairseq_kd.cli.export_student", "fairseq_kd.cli.score", "fairseq_kd.cli.report",
+    "fairseq_kd.cli.plot", "fairseq_kd.cli.export_alignment", "fairseq_kd.cli.alp_weights",
+})
+#: module that writes a figure's weights, per figure kind of :class:`~.methods.Method`
+FIGURE_EXPORTERS = {"alignment": "fairseq_kd.cli.export_alignment", "alp": "fairseq_kd.cli.alp_weights"}
+SPEED_PATTERN = re.compile(r"Translated [\d,]+ sentences \([\d,]+ tokens\) in [\d.]+s \(([\d.]+) sentences/s")
+DEFAULT_PREPARE_WORKERS = max(1, min(4, os.cpu_count() or 1))
+
+
+class RecipeError(Exception):
+    """Bad input or a failed step; the message says what and what to do."""
+
+
+@dataclass
+class RecipeOptions:
+    """What ``fairseq-kd-recipe`` was asked to do (see its ``--help``)."""
+
+    pair: str
+    methods: Optional[Sequence[str]] = None
+    profile: str = "auto"
+    workdir: Optional[Path] = None
+    archives: Optional[Path] = None
+    data: Optional[Path] = None
+    gpus: Optional[int] = None
+    max_update: Optional[int] = None
+    prepare_args: Sequence[str] = ()
+    train_args: Sequence[str] = ()
+    workers: int = DEFAULT_PREPARE_WORKERS
+    seed: int = 1
+
+
+@dataclass
+class RecipeStep:
+    """One step: its command lines (or an in-process action), inputs, outputs and settings.
+
+    ``settings`` is what the stamp records: the commands without the placement flags
+    (``placement``). ``save_dir`` marks a training step, whose checkpoints are protected.
+    """
+
+    name: str
+    commands: list[list[str]]
+    inputs: list[Path]
+    outputs: list[Path]
+    settings: dict
+    log: Path
+    action: Optional[Callable[[], None]] = None
+    description: str = ""
+    save_dir: Optional[Path] = None
+
+
+@dataclass
+class RecipePlan:
+    pair: PairRecipe
+    profile: Profile
+    world_size: int
+    methods: list[Method]
+    workdir: Path
+    data: Path
+    steps: list[RecipeStep]
+    report_prefix: Path
+    #: runs one command line into a log file (:class:`CommandExecutor` unless a caller substitutes one)
+    execute: Callable[[Sequence[str], Path], None]
+
+    @property
+    def systems(self) -> list[str]:
+        return [TEACHER] + [method.name for method in self.methods]
+
+    def step(self, name: str) -> RecipeStep:
+        for step in self.steps:
+            if step.name == name:
+                return step
+        raise KeyError(name)
+
+
+@dataclass
+class RecipeResult:
+    executed: list[str]
+    skipped: list[str]
+    report_markdown: Path
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def console_script(name: str, module: str) -> list[str]:
+    """fairseq's console script next to the running interpreter, else ``python -m module``."""
+    script = Path(sys.executable).parent / name
+    return [str(script)] if script.is_file() else [sys.executable, "-m", module]
+
+
+def python_module(module: str) -> list[str]:
+    return [sys.executable, "-m", module]
+
+
+def in_process_module(command: Sequence[str]) -> Optional[str]:
+    """The module of a ``python -m fairseq_kd.cli.X`` command that may run in-process."""
+    if len(command) >= 3 and command[0] == sys.executable and command[1] == "-m" and command[2] in IN_PROCESS_MODULES:
+        return command[2]
+    return None
+
+
+class CommandExecutor:
+    """Runs one command line, appending its output to a log file; raises RecipeError on failure.
+
+    ``in_process`` runs :data:`IN_PROCESS_MODULES` through their ``cli_main`` in this process.
+    """
+
+    def __init__(self, in_process: bool = True) -> None:
+        self.in_process = in_process
+
+    def __call__(self, command: Sequence[str], log_path: Path) -> None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a", encoding="utf-8") as log:
+            log.write(f"$ {shlex.join(command)}\n")
+            log.flush()
+            module = in_process_module(command) if self.in_process else None
+            if module is not None:
+                status = self._run_module(module, list(command[3:]), log)
+            else:
+                status = subprocess.run(list(command), stdout=log, stderr=subprocess.STDOUT).returncode
+        if status != 0:
+            raise RecipeError(
+                f"command failed with exit status {status}: {shlex.join(command)}\n"
+                f"--- last lines of {log_path} ---\n{tail(log_path)}"
+            )
+
+    @staticmethod
+    def _run_module(module: str, argv: list[str], log) -> int:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            try:
+                status = importlib.import_module(module).cli_main(argv)
+            except SystemExit as exit_:
+                status = exit_.code
+            except Exception:  # noqa: BLE001  (reported like a failing child process)
+                traceback.print_exc(file=log)
+                status = 1
+        if status is None:
+            return 0
+        return status if isinstance(status, int) else 1
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
+# ----------------------------------------------------------------------------- checking the request
+
+
+def select_methods(pair: PairRecipe, names: Optional[Sequence[str]]) -> list[Method]:
+    """The methods named (all of the pair's when ``names`` is empty or ``["all"]``), in table order."""
+    available = {method.name: method for method in pair.methods()}
+    names = [name.strip() for name in (names or []) if name.strip()]
+    if not names or names == ["all"]:
+        return list(available.values())
+    valid = ", ".join(available)
+    unknown = [name for name in names if name not in available]
+    if unknown:
+        message = f"--methods: unknown method(s) for {pair.name}: {', '.join(unknown)}. Valid names: {valid} (or all)"
+        if TEACHER in unknown:
+            message += f". The {TEACHER} is always trained"
+        elsewhere = [name for name in unknown if name in METHODS]
+        if elsewhere:
+            message += (f". {', '.join(elsewhere)} would train the same model as another method of "
+                        f"{pair.name} or need(s) a student it does not define")
+        raise RecipeError(message)
+    chosen = set(names)
+    return [method for method in available.values() if method.name in chosen]
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def resolve_profile(name: str, gpus: Optional[int], device_count: Callable[[], int]) -> tuple[Profile, int]:
+    """The profile (``auto``: gpu when a CUDA device is visible, else cpu) and the world size."""
+    if name == "auto":
+        name = "gpu" if device_count() > 0 else "cpu"
+    if name not in PROFILES:
+        raise RecipeError(f"--profile {name}: choose one of auto, {', '.join(PROFILES)}")
+    profile = PROFILES[name]
+    if profile.device != "cuda":
+        if gpus is not None:
+            raise RecipeError(f"--gpus applies to the gpu profile only (this run uses --profile {name})")
+        return profile, 1
+    available = device_count()
+    if available == 0:
+        raise RecipeError("--profile gpu: no CUDA device is visible (torch.cuda.device_count() is 0); "
+                          "use --profile cpu, or auto")
+    if gpus is None:
+        return profile, available
+    if not 1 <= gpus <= available:
+        raise RecipeError(f"--gpus {gpus}: between 1 and the {available} visible CUDA device(s)")
+    return profile, gpus
+
+
+def check_archives(pair: PairRecipe, archives: Optional[Path]) -> None:
+    if archives is None:
+        return
+    if not archives.is_dir():
+        raise RecipeError(f"--archives {archives}: no such folder. It must hold {', '.join(pair.archive_files)} "
+                          f"(see examples/translation/README.md), or leave --archives out to download them")
+    missing = [name for name in pair.archive_files if not (archives / name).is_file()]
+    if missing:
+        raise RecipeError(f"--archives {archives} lacks {', '.join(missing)} for {pair.name}; it must hold "
+                          f"{', '.join(pair.archive_files)} (names as in examples/translation/README.md)")
+
+
+def check_prepared_data(pair: PairRecipe, data: Path) -> None:
+    expected = [data / f"dict.{lang}.txt" for lang in (pair.source, pair.target)] + [
+        data / f"{split}.{pair.source}-{pair.target}.{lang}.bin"
+        for split in ("train", "valid", "test") for lang in (pair.source, pair.target)
+    ]
+    missing = [str(path) for path in expected if not path.is_file()]
+    if missing:
+        raise RecipeError(f"--data {data} is not a binarised {pair.source}-{pair.target} corpus: "
+                          f"{', '.join(missing)} missing (run {pair.prepare_script}, or leave --data out)")
+
+
+def check_criterions(methods: Sequence[Method]) -> None:
+    """Every criterion the methods use is registered with fairseq (the plugin imports them all)."""
+    import fairseq_kd
+
+    fairseq_kd.register()
+    from fairseq.criterions import CRITERION_REGISTRY
+
+    missing = sorted({method.criterion for method in methods if method.criterion not in CRITERION_REGISTRY})
+    if missing:
+        names = [method.name for method in methods if method.criterion in missing]
+        raise RecipeError(f"criterion(s) {', '.join(missing)} of method(s) {', '.join(names)} are not registered "
+                          "with fairseq (no module in fairseq_kd/criterions/ defines them)")
+
+
+def check_workdir(workdir: Path, pair: PairRecipe, profile: Profile) -> None:
+    """The working folder is new, empty, or an earlier run of the same pair and profile."""
+    if workdir.exists() and not workdir.is_dir():
+        raise RecipeError(f"--workdir {workdir} exists and is not a folder")
+    manifest = workdir / MANIFEST_NAME
+    if manifest.is_file():
+        recorded = json.loads(manifest.read_text(encoding="utf-8"))
+        if (recorded.get("pair"), recorded.get("profile")) != (pair.name, profile.name):
+            raise RecipeError(
+                f"--workdir {workdir} holds a recipe of pair {recorded.get('pair')} with profile "
+                f"{recorded.get('profile')}, not {pair.name} with {profile.name}; choose another --workdir"
+            )
+    elif workdir.is_dir() and any(workdir.iterdir()):
+        raise RecipeError(f"--workdir {workdir} is not empty and holds no {MANIFEST_NAME}: it is not a recipe's "
+                          "working folder. Choose a new or empty folder")
+
+
+def default_workdir(pair: PairRecipe, profile: Profile) -> Path:
+    return Path("work_dirs") / "recipes" / pair.name / profile.name
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+class _Planner:
+    """Builds the steps of one recipe run (pure: touches no file)."""
+
+    def __init__(self, options: RecipeOptions, pair: PairRecipe, profile: Profile, world_size: int,
+                 methods: list[Method], workdir: Path, executor: Callable[[Sequence[str], Path], None]):
+        self.options, self.pair, self.profile, self.world_size = options, pair, profile, world_size
+        self.methods, self.workdir, self.execute = methods, workdir, executor
+        self.data = options.data.resolve() if options.data is not None else workdir / "data-bin"
+        self.seqkd_data = workdir / "data-seqkd"
+        self.steps: list[RecipeStep] = []
+        self.scoring = ["--remove-bpe", pair.remove_bpe, "--tokenize", pair.sacrebleu_tokenize]
+        if pair.detok_moses:
+            self.scoring += ["--detok-moses", pair.detok_moses]
+
+    # paths
+    def save_dir(self, system: str) -> Path:
+        return self.workdir / "train" / system
+
+    def checkpoint(self, system: str) -> Path:
+        return self.save_dir(system) / "checkpoint_best.pt"
+
+    def model(self, system: str) -> Path:
+        return self.workdir / "models" / f"{system}.pt"
+
+    def generate_output(self, system: str) -> Path:
+        return self.workdir / "generate" / system / "generate-test.txt"
+
+    def score(self, system: str) -> Path:
+        return self.workdir / "scores" / f"{system}.json"
+
+    def log(self, step: str) -> Path:
+        return self.workdir / "logs" / f"{step}.log"
+
+    # steps
+    def add(self, name: str, commands: Sequence[tuple[list[str], list[str]]], inputs, outputs, *,
+            description: str = "", save_dir: Optional[Path] = None, action=None, settings=None) -> None:
+        """``commands``: (arguments, placement arguments) pairs; the stamp records the former only."""
+        self.steps.append(RecipeStep(
+            name=name, commands=[args + placement for args, placement in commands],
+            inputs=[Path(p) for p in inputs], outputs=[Path(p) for p in outputs],
+            settings=settings if settings is not None else {"commands": [args for args, _ in commands]},
+            log=self.log(name), action=action, description=description, save_dir=save_dir,
+        ))
+
+    def plan(self) -> list[RecipeStep]:
+        if self.options.data is None:
+            self.add_prepare()
+        self.add_teacher()
+        self.add_evaluation(TEACHER, data=self.data)
+        if any(method.data == "seqkd" for method in self.methods):
+            self.add_seqkd()
+        for method in self.methods:
+            self.add_student(method)
+            self.add_evaluation(method.name, data=self.data)
+            self.add_figure(method)
+        self.add_systems()
+        self.add_report()
+        return self.steps
+
+    def add_prepare(self) -> None:
+        args = [*self.pair.prepare_args]
+        if self.profile.use_smoke_prepare_args:
+            args += self.pair.smoke_prepare_args
+        args += self.options.prepare_args
+        command = [sys.executable, str(REPO_ROOT / self.pair.prepare_script), *args,
+                   "--workdir", str(self.workdir / "prepare"), "--dest", str(self.data)]
+        # Where the archives lie and how many processes work are no settings of the corpus:
+        # changing them does not re-run the preparation.
+        placement = ["--workers", str(self.options.workers)]
+        if self.options.archives is not None:
+            placement += ["--archives", str(self.options.archives.resolve())]
+        self.add("prepare", [(command, placement)], [], [self.data],
+                 description=f"prepare {self.pair.title} into {self.data}")
+
+    # training
+    def training_values(self) -> dict[str, str]:
+        """The papers' fairseq-train values, with the pair's and then the profile's replacements."""
+        return {**self.pair.training(), **self.profile.training_overrides}
+
+    def training_flags(self) -> list[str]:
+        flags = [item for flag_value in self.training_values().items() for item in flag_value]
+        if self.options.max_update is not None:
+            schedule = ["--max-update", str(self.options.max_update)]
+        else:
+            schedule = list(self.profile.schedule or self.pair.schedule)
+        return flags + schedule
+
+    def placement_flags(self, distils: bool) -> list[str]:
+        if self.profile.device == "cuda":
+            flags = ["--fp16", "--distributed-world-size", str(self.world_size)]
+            if self.world_size > 1 and distils:
+                # A criterion may leave its learnable modules out of some steps (internal KD's
+                # projections once its schedule has moved on to soft labels only); DDP must not
+                # wait for their gradients.
+                flags.append("--find-unused-parameters")
+        else:
+            flags = ["--cpu"]
+        if self.profile.match_tokens_per_update:
+            max_tokens = int(self.training_values()["--max-tokens"])
+            update_freq = math.ceil(self.pair.tokens_per_update / (max_tokens * self.world_size))
+            if update_freq > 1:
+                flags += ["--update-freq", str(update_freq)]
+        return flags
+
+    def architecture(self, role: str) -> list[str]:
+        if self.profile.architectures is not None:
+            return list(self.profile.architectures[role])
+        return list(self.pair.teacher if role == TEACHER else self.pair.students[role])
+
+    def train_command(self, system: str, data: Path, task_args: list[str], role: str,
+                      criterion: str, criterion_args: Sequence[str]) -> list[str]:
+        """fairseq-train's arguments, without the placement flags."""
+        save_dir = self.save_dir(system)
+        return [
+            *console_script("fairseq-train", "fairseq_cli.train"), str(data),
+            "--user-dir", str(USER_DIR), *task_args,
+            *self.architecture(role), *self.pair.model_args,
+            "--criterion", criterion, "--label-smoothing", LABEL_SMOOTHING, *criterion_args,
+            *self.training_flags(), "--seed", str(self.options.seed),
+            "--save-dir", str(save_dir), "--no-epoch-checkpoints",
+            "--log-format", "json", "--log-interval", str(self.profile.log_interval),
+            "--log-file", str(save_dir / "train.log"),
+            *self.options.train_args,
+        ]
+
+    def add_training(self, system: str, args: list[str], inputs: list[Path], placement: list[str],
+                     description: str) -> None:
+        save_dir = self.save_dir(system)
+        step_name = f"train-{system}"
+        settings = {"commands": [args]}
+        log = self.log(step_name)
+        execute = self.execute
+
+        def action() -> None:
+            record = training_record(settings, inputs)
+            check_checkpoint_folder(save_dir, record)
+            save_dir.mkdir(parents=True, exist_ok=True)
+            (save_dir / TRAIN_RECORD_NAME).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n",
+                                                      encoding="utf-8")
+            execute(args + placement, log)
+
+        self.add(step_name, [(args, placement)], inputs, [self.checkpoint(system), save_dir / "train.log"],
+                 description=description, save_dir=save_dir, action=action, settings=settings)
+
+    def add_teacher(self) -> None:
+        args = self.train_command(TEACHER, self.data, ["--task", "translation"], TEACHER,
+                                  "label_smoothed_cross_entropy", ())
+        self.add_training(TEACHER, args, [self.data], self.placement_flags(distils=False), "train the teacher")
+
+    def add_student(self, method: Method) -> None:
+        data = self.seqkd_data if method.data == "seqkd" else self.data
+        task_args = ["--task", "translation_kd"]
+        inputs = [data]
+        if method.uses_teacher:
+            task_args += ["--teacher-checkpoint", str(self.checkpoint(TEACHER))]
+            inputs.append(self.checkpoint(TEACHER))
+        args = self.train_command(method.name, data, task_args, method.student, method.criterion,
+                                  self.pair.criterion_args(method))
+        self.add_training(method.name, args, inputs, self.placement_flags(distils=method.uses_teacher),
+                          method.description)
+
+    def add_seqkd(self) -> None:
+        placement = ["--fp16"] if self.profile.device == "cuda" else ["--cpu"]
+        command = [*python_module("fairseq_kd.cli.seqkd_decode"), "--data", str(self.data),
+                   "--teacher-checkpoint", str(self.checkpoint(TEACHER)), "--output", str(self.seqkd_data),
+                   "--beam", str(self.profile.beam), *self.seqkd_length_args()]
+        self.add("seqkd-data", [(command, placement)], [self.data, self.checkpoint(TEACHER)], [self.seqkd_data],
+                 description="decode the training set with the teacher (sequence-level KD)")
+
+    def seqkd_length_args(self) -> list[str]:
+        """The profile's output length limits, in fairseq-kd-seqkd's spelling (as fairseq-generate's)."""
+        return list(self.profile.generate_args)
+
+    # evaluation
+    def add_evaluation(self, system: str, data: Path) -> None:
+        model = self.model(system)
+        self.add(f"export-{system}",
+                 [([*python_module("fairseq_kd.cli.export_student"), str(self.checkpoint(system)), str(model),
+                    "--overwrite"], [])],
+                 [self.checkpoint(system)], [model], description="export the model as a stock checkpoint")
+        placement = ["--fp16"] if self.profile.device == "cuda" else ["--cpu"]
+        generate = [
+            *console_script("fairseq-generate", "fairseq_cli.generate"), str(data),
+            "--user-dir", str(USER_DIR), "--task", "translation", "--gen-subset", "test",
+            "--path", str(model), "--beam", str(self.profile.beam),
+            "--max-tokens", self.training_values()["--max-tokens"],
+            # fairseq's batching drops sentences that do not fill a multiple of 8 (a batch of one
+            # very long sentence, the last partial batch): every test sentence must be decoded.
+            "--required-batch-size-multiple", "1",
+            *self.profile.generate_args, "--seed", str(self.options.seed),
+            "--results-path", str(self.generate_output(system).parent),
+        ]
+        self.add(f"generate-{system}", [(generate, placement)], [data, model], [self.generate_output(system)],
+                 description=f"decode the test set, beam {self.profile.beam}")
+        self.add(f"score-{system}",
+                 [([*python_module("fairseq_kd.cli.score"), "--generate-output", str(self.generate_output(system)),
+                    "--system", system, *self.scoring, "--output-json", str(self.score(system)), "--overwrite"], [])],
+                 [self.generate_output(system)], [self.score(system)], description="sacreBLEU with 95% CI")
+        log = self.save_dir(system) / "train.log"
+        curves = self.workdir / "plots" / f"{system}-curves.png"
+        self.add(f"curves-{system}",
+                 [([*python_module("fairseq_kd.cli.plot"), "curves", "--log", str(log), "--output", str(curves),
+                    "--overwrite"], [])],
+                 [log], [curves], description="training curves of every loss term")
+
+    def add_figure(self, method: Method) -> None:
+        if method.figure is None:
+            return
+        exporter = FIGURE_EXPORTERS[method.figure]
+        if importlib.util.find_spec(exporter) is None:
+            LOG.warning("%s: no %s module, so no %s figure", method.name, exporter, method.figure)
+            return
+        weights = self.workdir / "plots" / f"{method.name}-{method.figure}.json"
+        figure = weights.with_suffix(".png")
+        self.add(
+            f"figure-{method.name}",
+            [([*python_module(exporter), "--checkpoint", str(self.checkpoint(method.name)), "--output",
+               str(weights), "--overwrite"], []),
+             ([*python_module("fairseq_kd.cli.plot"), method.figure, "--input", str(weights), "--output",
+               str(figure), "--overwrite"], [])],
+            [self.checkpoint(method.name)], [weights, figure], description=f"{method.figure} weights figure",
+        )
+
+    def add_systems(self) -> None:
+        systems = [TEACHER] + [method.name for method in self.methods]
+        decodings = {system: SystemDecoding(self.model(system), self.generate_output(system),
+                                            self.log(f"generate-{system}")) for system in systems}
+        sidecar = self.workdir / "report" / "systems.json"
+        data, test_prefix = self.data, f"test.{self.pair.source}-{self.pair.target}.{self.pair.target}"
+        self.add("systems", [], [path for d in decodings.values() for path in (d.model, d.output)], [sidecar],
+                 action=lambda: write_systems_sidecar(decodings, data, test_prefix, sidecar),
+                 settings={"systems": systems},
+                 description="parameter counts of the exported models, decoding speeds")
+
+    def add_report(self) -> None:
+        systems = [TEACHER] + [method.name for method in self.methods]
+        prefix = self.workdir / "report" / "results"
+        sidecar = self.workdir / "report" / "systems.json"
+        command = [*python_module("fairseq_kd.cli.report")]
+        for system in systems:
+            command += ["--system", f"{system}={self.score(system)}"]
+        if BASELINE in systems:
+            command += ["--baseline", BASELINE]
+        command += ["--sidecar", str(sidecar), *self.scoring, "--out-prefix", str(prefix), "--overwrite"]
+        self.add("report", [(command, [])], [self.score(system) for system in systems] + [sidecar],
+                 [prefix.with_name(prefix.name + suffix) for suffix in (".md", ".csv", ".json")],
+                 description="results table")
+
+
+
+def build_plan(options: RecipeOptions, executor: Optional[Callable[[Sequence[str], Path], None]] = None,
+               device_count: Callable[[], int] = cuda_device_count) -> RecipePlan:
+    """Check the request and lay out the steps; raises RecipeError before anything is written."""
+    if options.pair not in PAIRS:
+        raise RecipeError(f"unknown pair {options.pair!r}; choose one of {', '.join(PAIRS)}")
+    pair = PAIRS[options.pair]
+    methods = select_methods(pair, options.methods)
+    profile, world_size = resolve_profile(options.profile, options.gpus, device_count)
+    if options.max_update is not None and options.max_update < 1:
+        raise RecipeError(f"--max-update must be >= 1, got {options.max_update}")
+    if options.workers < 1:
+        raise RecipeError(f"--workers must be >= 1, got {options.workers}")
+    if options.data is not None:
+        if options.archives is not None:
+            raise RecipeError("--data uses an already prepared corpus: --archives would not be read; give one of them")
+        check_prepared_data(pair, options.data)
+    check_archives(pair, options.archives)
+    check_criterions(methods)
+    workdir = (options.workdir or default_workdir(pair, profile)).resolve()
+    check_workdir(workdir, pair, profile)
+    execute = executor or CommandExecutor()
+    planner = _Planner(options, pair, profile, world_size, methods, workdir, execute)
+    steps = planner.plan()
+    return RecipePlan(pair=pair, profile=profile, world_size=world_size, methods=methods, workdir=workdir,
+                      data=planner.data, steps=steps, report_prefix=workdir / "report" / "results",
+                      execute=execute)
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _signature(path: Path):
+    """Size and modification time of a file, or of every file in a folder (None if absent)."""
+    if path.is_dir():
+        return {child.relative_to(path).as_posix(): _signature(child)
+                for child in sorted(path.rglob("*")) if child.is_file()}
+    if path.is_file():
+        stat = path.stat()
+        return [stat.st_size, stat.st_mtime_ns]
+    return None
+
+
+def training_record(settings: Mapping, inputs: Sequence[Path]) -> dict:
+    """What identifies one training run: its settings and the state of its inputs."""
+    return {"settings": dict(settings), "inputs": {str(path): _signature(Path(path)) for path in inputs}}
+
+
+def check_checkpoint_folder(save_dir: Path, record: Mapping) -> None:
+    """Refuse a save folder whose checkpoints come from another training run (see the module doc)."""
+    checkpoints = sorted(path.name for path in save_dir.glob("checkpoint*.pt")) if save_dir.is_dir() else []
+    if not checkpoints:
+        return
+    record_path = save_dir / TRAIN_RECORD_NAME
+    try:
+        previous = json.loads(record_path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        previous = None
+    if previous == json.loads(json.dumps(record)):
+        return  # an interrupted run of this very training: fairseq resumes it
+    why = ("no record of how they were trained" if previous is None else
+           "they were trained with other settings" if previous.get("settings") != record["settings"] else
+           "their inputs (corpus or teacher) have changed since")
+    raise RecipeError(
+        f"{save_dir} holds checkpoints ({', '.join(checkpoints)}) that this recipe would have to replace: {why}. "
+        "The recipe never overwrites a checkpoint: move or delete that folder (and the steps that used it "
+        "re-run), or choose another --workdir"
+    )
+
+
+@dataclass(frozen=True)
+class SystemDecoding:
+    """A system's exported model, its fairseq-generate output and the log of that step."""
+
+    model: Path
+    output: Path
+    log: Path
+
+
+def decoding_speed(*paths: Path) -> float:
+    """Sentences per second from fairseq-generate's closing "Translated ..." line: the last one in
+    the first of ``paths`` that has one (fairseq logs it to the results file or to stderr, depending
+    on how logging was configured when it started)."""
+    for path in paths:
+        if not path.is_file():
+            continue
+        matches = SPEED_PATTERN.findall(path.read_text(encoding="utf-8", errors="replace"))
+        if matches:
+            return float(matches[-1])
+    raise RecipeError(f"no 'Translated ... sentences/s' line of fairseq-generate in {', '.join(map(str, paths))}")
+
+
+def decoded_sentences(generate_output: Path) -> int:
+    """Number of distinct sentence ids with a hypothesis (H- line) in a fairseq-generate output."""
+    ids = set()
+    with open(generate_output, encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            kind, _, rest = line.partition("-")
+            number = rest.split("\t", 1)[0]
+            if kind == "H" and number.isdigit():
+                ids.add(int(number))
+    return len(ids)
+
+
+def count_parameters(checkpoint: Path, data: Path) -> int:
+    """Parameters of the model in ``checkpoint`` as stock fairseq builds it (shared weights once)."""
+    import fairseq_kd
+
+    fairseq_kd.register()
+    from fairseq import checkpoint_utils
+
+    models, _ = checkpoint_utils.load_model_ensemble([str(checkpoint)], arg_overrides={"data": str(data)})
+    return sum(parameter.numel() for parameter in models[0].parameters())
+
+
+def split_size(data: Path, prefix: str) -> int:
+    """Sentences of a binarised split (``prefix`` like ``test.de-en.en``)."""
+    from fairseq.data import data_utils
+
+    dataset = data_utils.load_indexed_dataset(str(data / prefix), None)
+    if dataset is None:
+        raise RecipeError(f"{data / prefix}.bin/.idx: no binarised test split")
+    return len(dataset)
+
+
+def write_systems_sidecar(decodings: Mapping[str, SystemDecoding], data: Path, test_prefix: str, sidecar: Path) -> None:
+    """``{"system": {"params": N, "sents_per_sec": X}}`` for fairseq-kd-report's --sidecar, after
+    checking that every system translated the whole test set."""
+    info = {}
+    expected = None
+    for system, decoding in decodings.items():
+        params = count_parameters(decoding.model, data)  # imports fairseq, which split_size needs
+        expected = expected if expected is not None else split_size(data, test_prefix)
+        decoded = decoded_sentences(decoding.output)
+        if decoded != expected:
+            raise RecipeError(f"{decoding.output}: {decoded} of the {expected} test sentences were translated; "
+                              f"see {decoding.log}")
+        info[system] = {"params": params, "sents_per_sec": decoding_speed(decoding.output, decoding.log)}
+    sidecar.parent.mkdir(parents=True, exist_ok=True)
+    sidecar.write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
+
+
+def _as_step(step: RecipeStep, execute: Callable[[Sequence[str], Path], None]) -> Step:
+    def run_commands() -> None:
+        for command in step.commands:
+            execute(command, step.log)
+
+    return Step(step.name, step.action or run_commands, inputs=step.inputs, outputs=step.outputs,
+                params=step.settings)
+
+
+def stamp_runner(plan: RecipePlan) -> StepRunner:
+    return StepRunner(plan.workdir / "stamps")
+
+
+def step_status(plan: RecipePlan) -> list[tuple[RecipeStep, bool]]:
+    """(step, done) for every step, without running anything."""
+    runner = stamp_runner(plan)
+    return [(step, runner.is_done(_as_step(step, lambda *_: None))) for step in plan.steps]
+
+
+def describe_plan(plan: RecipePlan) -> str:
+    """The steps with their state and command lines (what ``--dry-run`` prints)."""
+    lines = [f"recipe {plan.pair.name} ({plan.pair.title}), profile {plan.profile.name}"
+             + (f", {plan.world_size} GPU(s)" if plan.profile.device == "cuda" else ""),
+             f"working folder {plan.workdir}", ""]
+    for step, done in step_status(plan):
+        lines.append(f"[{'done' if done else 'to run'}] {step.name}: {step.description}")
+        for command in step.commands:
+            lines.append(f"    {shlex.join(command)}")
+        if not step.commands:
+            lines.append("    (in-process)")
+    return "\n".join(lines) + "\n"
+
+
+def preflight(plan: RecipePlan) -> None:
+    """Refuse, before any step runs, a training step that would have to replace checkpoints."""
+    runner = stamp_runner(plan)
+    for step in plan.steps:
+        if step.save_dir is None or runner.is_done(_as_step(step, lambda *_: None)):
+            continue
+        check_checkpoint_folder(step.save_dir, training_record(step.settings, step.inputs))
+
+
+def write_manifest(plan: RecipePlan) -> None:
+    plan.workdir.mkdir(parents=True, exist_ok=True)
+    manifest = plan.workdir / MANIFEST_NAME
+    if not manifest.exists():
+        manifest.write_text(json.dumps({"format": MANIFEST_FORMAT, "pair": plan.pair.name,
+                                        "profile": plan.profile.name}, indent=1) + "\n", encoding="utf-8")
+
+
+def run_plan(plan: RecipePlan) -> RecipeResult:
+    """Run every step that is not done; return which ran and which were skipped."""
+    preflight(plan)
+    write_manifest(plan)
+    runner = stamp_runner(plan)
+    for step in plan.steps:
+        try:
+            runner.run(_as_step(step, plan.execute))
+        except PrepareError as error:  # the step runner's own checks (missing inputs or outputs)
+            raise RecipeError(f"step {step.name}: {error} (log: {step.log})") from None
+        except RecipeError as error:
+            raise RecipeError(f"step {step.name} failed: {error}") from None
+    return RecipeResult(executed=list(runner.executed), skipped=list(runner.skipped),
+                        report_markdown=plan.report_prefix.with_name(plan.report_prefix.name + ".md"))

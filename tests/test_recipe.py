@@ -1,0 +1,349 @@
+"""Recipes (fairseq_kd/recipes, fairseq-kd-recipe): the method table resolves to command lines
+fairseq itself accepts, bad requests fail before anything runs, training checkpoints are never
+replaced, and the IWSLT'14 recipe runs end to end on a small archive in the release's layout
+(prepare, tiny teacher, tiny students, decode, score, report, plots), then skips every step when
+run again.
+
+The end-to-end test builds ``de-en.tgz`` from real IWSLT'14 segments in ../shared/data when it is
+there, and from synthetic sentences otherwise (as tests/test_prepare_iwslt.py does): the recipe's
+pipeline does not depend on which.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from fairseq_kd.cli import recipe as recipe_cli
+from fairseq_kd.data.prepare.corpora import iwslt14_de_en
+from fairseq_kd.data.prepare.iwslt import read_segments
+from fairseq_kd.recipes.methods import BASELINE, TEACHER
+from fairseq_kd.recipes.pairs import PAIRS
+from fairseq_kd.recipes.profiles import PROFILES
+from fairseq_kd.recipes.runner import (
+    TRAIN_RECORD_NAME,
+    RecipeError,
+    RecipeOptions,
+    build_plan,
+    check_checkpoint_folder,
+    describe_plan,
+    run_plan,
+    training_record,
+)
+from prepare_fixtures import IWSLT14_DATA, build_wit3_archive, synthetic_parallel, truncated_xml, xml_set_text
+
+
+def two_gpus() -> int:
+    return 2
+
+
+def plan_for(tmp_path, pair, profile="gpu", methods=("all",), **options):
+    return build_plan(RecipeOptions(pair=pair, methods=list(methods), profile=profile, workdir=tmp_path / pair,
+                                    **options), device_count=two_gpus)
+
+
+def options_parser(kind):
+    from fairseq import options
+
+    return options.get_training_parser() if kind == "training" else options.get_generation_parser()
+
+
+def parse_command(parser, command):
+    """fairseq's own parsing of a command line (architecture defaults applied)."""
+    from fairseq import options
+
+    arguments = command[3:] if command[1] == "-m" else command[1:]  # without the program
+    return options.parse_args_and_arch(parser, input_args=arguments)
+
+
+def parse_training_command(command):
+    return parse_command(options_parser("training"), command)
+
+
+def flag_values(flags):
+    """``--a-b 1 --c d`` -> {"a_b": "1", "c": "d"} (every criterion flag of the table takes a value)."""
+    assert len(flags) % 2 == 0, flags
+    return {flags[i][2:].replace("-", "_"): flags[i + 1] for i in range(0, len(flags), 2)}
+
+
+# ----------------------------------------------------------------------------- the method table
+
+
+@pytest.mark.parametrize("pair_name", list(PAIRS))
+def test_every_method_is_a_valid_fairseq_train_command(tmp_path, pair_name):
+    import fairseq_kd
+
+    fairseq_kd.register()
+    from fairseq.criterions import CRITERION_DATACLASS_REGISTRY, CRITERION_REGISTRY
+
+    pair = PAIRS[pair_name]
+    plan = plan_for(tmp_path, pair_name)
+    assert [m.name for m in plan.methods] == [m.name for m in pair.methods()]
+    assert plan.world_size == 2
+    teacher = parse_training_command(plan.step(f"train-{TEACHER}").commands[0])
+    assert teacher.task == "translation" and teacher.criterion == "label_smoothed_cross_entropy"
+    # methods.md, "Settings from the papers"; WMT'14 follows Vaswani et al. (dropout 0.1, about
+    # 25K tokens per update: 4 updates of 4,096 tokens on each of the 2 GPUs make 32K).
+    wmt14 = pair_name == "wmt14_en_de"
+    dropout, update_freq = (0.1, 4) if wmt14 else (0.3, 1)
+    generate = parse_command(options_parser("generation"), plan.step(f"generate-{TEACHER}").commands[0])
+    assert generate.beam == 5 and generate.fp16 and generate.required_batch_size_multiple == 1
+
+    for method in plan.methods:
+        command = plan.step(f"train-{method.name}").commands[0]
+        flags = [arg for arg in command if arg.startswith("--")]
+        assert len(flags) == len(set(flags)), f"{method.name}: a flag is given twice"
+        args = parse_training_command(command)
+        # The criterion is registered and every flag of the table is a field of its config.
+        assert args.criterion == method.criterion and method.criterion in CRITERION_REGISTRY
+        fields = {f.name for f in dataclasses.fields(CRITERION_DATACLASS_REGISTRY[method.criterion])}
+        for name, value in flag_values(pair.criterion_args(method)).items():
+            assert name in fields, f"{method.name}: --{name} is not a flag of criterion {method.criterion}"
+            assert str(getattr(args, name)) == value
+        assert args.label_smoothing == 0.1
+        # The papers' training values, fp16 data-parallel over the 2 GPUs of the plan.
+        assert args.optimizer == "adam" and ast.literal_eval(args.adam_betas) == (0.9, 0.98)
+        assert args.lr == [5e-4] and args.lr_scheduler == "inverse_sqrt" and args.warmup_updates == 4000
+        assert args.weight_decay == 1e-4 and args.dropout == dropout and args.max_tokens == 4096
+        assert args.fp16 and args.distributed_world_size == 2 and args.update_freq == [update_freq]
+        # Data and teacher.
+        assert args.task == "translation_kd"
+        assert args.data.endswith("data-seqkd" if method.data == "seqkd" else "data-bin")
+        if method.uses_teacher:
+            assert args.teacher_checkpoint == str(plan.workdir / "train" / TEACHER / "checkpoint_best.pt")
+        else:
+            assert args.teacher_checkpoint is None
+        # The student the method's name promises, smaller than the teacher.
+        assert args.encoder_layers < teacher.encoder_layers and args.decoder_layers < teacher.decoder_layers
+        if method.student == "student_2l":
+            assert args.encoder_layers == args.decoder_layers == 2
+        if method.student in ("student_4h", "student_8h"):
+            heads = 4 if method.student == "student_4h" else 8
+            assert args.encoder_attention_heads == args.decoder_attention_heads == heads
+        if method.criterion in ("tinybert", "minilm"):  # both need the teacher's head count
+            assert args.encoder_attention_heads == teacher.encoder_attention_heads
+            assert args.decoder_attention_heads == teacher.decoder_attention_heads
+
+
+def test_paper_specific_settings(tmp_path):
+    from fairseq_kd.criterions.a2d_kd import PRESETS
+
+    def train_args(pair, method):
+        plan = plan_for(tmp_path, pair, methods=[method])
+        return parse_training_command(plan.step(f"train-{method}").commands[0])
+
+    # A2D (Sec. 5.2): lambda of L_att starts at 1 on the low-resource pairs, 0.1 on WMT'14.
+    assert PRESETS[str(train_args("iwslt14_de_en", "a2d_kd_4h").a2d_preset)][0] == 1.0
+    assert PRESETS[str(train_args("wmt14_en_de", "a2d_kd_8h").a2d_preset)][0] == 0.1
+    # Word-level KD weight: 0.5 as A2D's code, eta = 0.1 on the CKD paper's pairs.
+    assert train_args("iwslt14_de_en", "word_kd").kd_weight == 0.5
+    assert train_args("iwslt14_tr_en", "word_kd").kd_weight == 0.1
+    # CKD's 6+6 teacher and 2+2 students at transformer-base widths.
+    ckd_plan = plan_for(tmp_path, "iwslt14_pt_en", methods=["ckd_sc"])
+    for step, layers in (("train-teacher", 6), ("train-ckd_sc", 2)):
+        model = parse_training_command(ckd_plan.step(step).commands[0])
+        assert model.encoder_layers == model.decoder_layers == layers
+        assert (model.encoder_embed_dim, model.encoder_ffn_embed_dim, model.encoder_attention_heads) == (512, 2048, 8)
+
+    # Scoring: Chinese with sacreBLEU's zh tokeniser, SentencePiece decoded; IWSLT'14 BPE removed
+    # and Moses-detokenised.
+    def score_flags(pair):
+        command = plan_for(tmp_path, pair, methods=["no_kd"]).step("score-no_kd").commands[0]
+        return {command[i]: command[i + 1] for i in range(len(command) - 1) if command[i].startswith("--")}
+
+    assert score_flags("iwslt17_en_zh")["--tokenize"] == "zh"
+    assert score_flags("iwslt17_en_zh")["--remove-bpe"] == "sentencepiece"
+    assert "--detok-moses" not in score_flags("iwslt17_en_zh")
+    assert score_flags("iwslt14_de_en")["--remove-bpe"] == "subword_nmt"
+    assert score_flags("iwslt14_de_en")["--detok-moses"] == "en" and score_flags("wmt14_en_de")["--detok-moses"] == "de"
+
+
+def test_smoke_and_cpu_profiles_resolve(tmp_path):
+    plan = plan_for(tmp_path, "iwslt14_de_en", profile="smoke", methods=["a2d_kd_8h", "ckd_sc"])
+    a2d = parse_training_command(plan.step("train-a2d_kd_8h").commands[0])
+    ckd = parse_training_command(plan.step("train-ckd_sc").commands[0])
+    teacher = parse_training_command(plan.step("train-teacher").commands[0])
+    assert a2d.cpu and not a2d.fp16 and a2d.max_update == 30 and a2d.encoder_attention_heads == 8
+    assert ckd.encoder_layers < a2d.encoder_layers < teacher.encoder_layers
+    assert "--bpe-merges" in plan.step("prepare").commands[0]
+    generate = plan.step("generate-a2d_kd_8h").commands[0]
+    assert generate[generate.index("--beam") + 1] == str(PROFILES["smoke"].beam)
+    cpu = plan_for(tmp_path, "iwslt14_de_en", profile="cpu", methods=["no_kd"], max_update=123)
+    args = parse_training_command(cpu.step("train-no_kd").commands[0])
+    assert args.cpu and args.max_update == 123 and args.arch == "transformer_kd_iwslt_student_3l"
+
+
+# ----------------------------------------------------------------------------- bad requests
+
+
+def test_bad_requests_fail_before_anything_runs(tmp_path, capsys):
+    workdir = tmp_path / "work"
+    common = ["--workdir", str(workdir), "--profile", "cpu"]
+    assert recipe_cli.cli_main(["iwslt14_de_en", "--methods", "word_kd,bogus_kd", *common]) == 2
+    error = capsys.readouterr().err
+    assert "bogus_kd" in error and all(name in error for name in ("no_kd", "a2d_kd_4h", "a2d_kd_8h", "ckd_cc"))
+    assert recipe_cli.cli_main(["iwslt14_pt_en", "--methods", "no_kd_2l", *common]) == 2
+    assert "no_kd_2l" in capsys.readouterr().err
+
+    assert recipe_cli.cli_main(["iwslt14_de_en", "--archives", str(tmp_path / "nowhere"), *common]) == 2
+    error = capsys.readouterr().err
+    assert str(tmp_path / "nowhere") in error and "de-en.tgz" in error
+    (tmp_path / "archives").mkdir()
+    assert recipe_cli.cli_main(["wmt14_en_de", "--archives", str(tmp_path / "archives"), *common]) == 2
+    assert "lacks training-parallel-europarl-v7.tgz" in capsys.readouterr().err
+    assert not workdir.exists()
+
+    with pytest.raises(RecipeError, match="no CUDA device"):
+        build_plan(RecipeOptions(pair="iwslt14_de_en", profile="gpu", workdir=workdir), device_count=lambda: 0)
+    with pytest.raises(RecipeError, match="--gpus 3"):
+        build_plan(RecipeOptions(pair="iwslt14_de_en", profile="gpu", gpus=3, workdir=workdir), device_count=two_gpus)
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(RecipeError, match="not a recipe's working folder"):
+        build_plan(RecipeOptions(pair="iwslt14_de_en", profile="cpu", workdir=foreign))
+    with pytest.raises(SystemExit):
+        recipe_cli.cli_main(["iwslt99_xx_yy"])
+
+
+def test_checkpoint_folder_is_used_only_by_the_same_training(tmp_path):
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"corpus")
+    save_dir = tmp_path / "train" / "teacher"
+    settings = {"commands": [["fairseq-train", "--lr", "5e-4"]]}
+    record = training_record(settings, [data])
+    check_checkpoint_folder(save_dir, record)  # no folder yet
+    save_dir.mkdir(parents=True)
+    (save_dir / "train.log").write_text("")
+    check_checkpoint_folder(save_dir, record)  # no checkpoint yet
+    (save_dir / "checkpoint_last.pt").write_bytes(b"weights")
+    with pytest.raises(RecipeError, match="no record of how they were trained"):
+        check_checkpoint_folder(save_dir, record)
+    (save_dir / TRAIN_RECORD_NAME).write_text(json.dumps(record))
+    check_checkpoint_folder(save_dir, record)  # an interrupted run of the same training resumes
+    other = training_record({"commands": [["fairseq-train", "--lr", "1e-3"]]}, [data])
+    with pytest.raises(RecipeError, match="other settings"):
+        check_checkpoint_folder(save_dir, other)
+    data.write_bytes(b"another corpus")
+    with pytest.raises(RecipeError, match="inputs .* have changed"):
+        check_checkpoint_folder(save_dir, training_record(settings, [data]))
+    assert (save_dir / "checkpoint_last.pt").read_bytes() == b"weights"
+
+
+# ----------------------------------------------------------------------------- end to end
+
+SEGMENTS_PER_SET = 30
+TRAIN_SEGMENTS = 400
+
+
+def build_de_en_archive(folder: Path) -> tuple[Path, bool]:
+    """``de-en.tgz`` in the WIT3 layout: train.tags from the last 400 segments of TED.tst2012 and
+    the five test sets cut to their first 30 segments (real data), or synthetic text."""
+    folder.mkdir(parents=True, exist_ok=True)
+    orig = IWSLT14_DATA / "orig"
+    real = orig.is_dir()
+    if real:
+        train = tuple(read_segments(orig / f"IWSLT14.TED.tst2012.de-en.{lang}.xml", False)[-TRAIN_SEGMENTS:]
+                      for lang in ("de", "en"))
+        sets = {name: tuple(truncated_xml(orig / f"IWSLT14.{name}.de-en.{lang}.xml", SEGMENTS_PER_SET)
+                            for lang in ("de", "en")) for name in iwslt14_de_en.TEST_SETS}
+    else:
+        train = synthetic_parallel(TRAIN_SEGMENTS, "de", "en", seed=1)
+        sets = {}
+        for index, name in enumerate(iwslt14_de_en.TEST_SETS):
+            source, target = synthetic_parallel(SEGMENTS_PER_SET, "de", "en", seed=10 + index)
+            sets[name] = (xml_set_text(source, name, "srcset", "german"), xml_set_text(target, name, "refset", "english"))
+    return build_wit3_archive(folder / "de-en.tgz", "de-en", "IWSLT14", train, sets), real
+
+
+def smoke_methods() -> list[str]:
+    return ["no_kd", "word_kd", "a2d_kd_4h"]
+
+
+def reference_bleu(generate_output: Path):
+    """sacreBLEU on the H-/T- lines, BPE removed and Moses-detokenised here independently."""
+    import sacrebleu
+    from sacremoses import MosesDetokenizer
+
+    hypotheses, references = {}, {}
+    for line in generate_output.read_text(encoding="utf-8").splitlines():
+        kind, _, rest = line.partition("-")
+        if kind in ("H", "T") and rest.split("\t")[0].isdigit():
+            fields = rest.split("\t")
+            text = fields[-1]
+            (hypotheses if kind == "H" else references)[int(fields[0])] = text
+    detok = MosesDetokenizer(lang="en")
+    plain = lambda text: detok.detokenize((text + " ").replace("@@ ", "").split())  # noqa: E731
+    ids = sorted(references)
+    return sacrebleu.corpus_bleu([plain(hypotheses[i]) for i in ids], [[plain(references[i]) for i in ids]])
+
+
+def test_iwslt14_recipe_end_to_end_then_skips_everything(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the machine is shared: one thread per child
+    monkeypatch.setenv("PYTHONWARNINGS", "ignore")
+    archive, real = build_de_en_archive(tmp_path / "archives")
+    workdir = tmp_path / "recipe"
+    methods = smoke_methods()
+    argv = ["iwslt14_de_en", "--profile", "smoke", "--methods", ",".join(methods), "--archives", str(archive.parent),
+            "--workdir", str(workdir), "--workers", "1"]
+    status = recipe_cli.cli_main(argv)
+    captured = capsys.readouterr()
+    assert status == 0, captured.err[-3000:]
+    systems = [TEACHER] + methods
+
+    # The report: every system with BLEU inside its 95% interval, compared with no_kd.
+    report = json.loads((workdir / "report" / "results.json").read_text())
+    rows = {row["system"]: row for row in report["systems"]}
+    assert list(rows) == systems and report["baseline"] == BASELINE and report["n_sentences"] == 5 * SEGMENTS_PER_SET
+    for name, row in rows.items():
+        assert row["ci_low"] <= row["bleu"] <= row["ci_high"]
+        assert (row["p_value"] is None) == (name == BASELINE)
+    markdown = (workdir / "report" / "results.md").read_text()
+    assert all(re.search(rf"^\| {name}( \(baseline\))? \| \d+\.\d\d \| \[", markdown, re.M) for name in systems)
+    assert markdown in captured.out
+    # BLEU as sacreBLEU computes it on the decoded test set (30 updates teach the tiny models next
+    # to nothing, so the lengths after detokenisation are compared as well as the score).
+    teacher_output = workdir / "generate" / TEACHER / "generate-test.txt"
+    expected = reference_bleu(teacher_output)
+    record = json.loads((workdir / "scores" / f"{TEACHER}.json").read_text())
+    assert rows[TEACHER]["bleu"] == pytest.approx(expected.score, abs=1e-6)
+    assert f"hyp_len = {expected.sys_len} ref_len = {expected.ref_len}" in record["verbose"]
+    # Parameters of the shipped models: the alignment modules of A2D do not ship, so every student
+    # (same architecture) has the same count, below the teacher's.
+    assert rows["no_kd"]["params"] == rows["word_kd"]["params"] == rows["a2d_kd_4h"]["params"] < rows[TEACHER]["params"]
+    # Every test sentence decoded once; decoding speed: fairseq-generate's own figure.
+    assert len(re.findall(r"^H-\d+\t", teacher_output.read_text(), re.M)) == 5 * SEGMENTS_PER_SET
+    generate_text = teacher_output.read_text() + (workdir / "logs" / "generate-teacher.log").read_text()
+    speed = re.findall(r"\(([\d.]+) sentences/s", generate_text)[-1]
+    assert rows[TEACHER]["sents_per_sec"] == float(speed)
+
+    # Training logs in JSON with each loss term, and their curves; the A2D alignment heatmap.
+    log_lines = [json.loads(line) for line in (workdir / "train" / "a2d_kd_4h" / "train.log").read_text().splitlines()
+                 if line.startswith("{\"")]
+    assert any("enc_self_att_loss" in line and "word_kd_loss" in line for line in log_lines)
+    figures = [workdir / "plots" / f"{name}-curves.png" for name in systems] + [workdir / "plots" / "a2d_kd_4h-alignment.png"]
+    for figure in figures:
+        assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", figure
+
+    # Re-running: every step is skipped and nothing is rewritten.
+    outputs = {path: path.stat().st_mtime_ns for path in workdir.rglob("*") if path.is_file() and "logs" not in path.parts}
+    options = RecipeOptions(pair="iwslt14_de_en", methods=methods, profile="smoke", archives=archive.parent,
+                            workdir=workdir, workers=1)
+    plan = build_plan(options)
+    assert all(line.startswith("[done]") for line in describe_plan(plan).splitlines() if line.startswith("["))
+    result = run_plan(plan)
+    assert result.executed == [] and result.skipped == [step.name for step in plan.steps]
+    assert {path: path.stat().st_mtime_ns for path in outputs} == outputs
+
+    # Other training settings in the same folder: refused before any step, checkpoints untouched.
+    assert recipe_cli.cli_main(argv + ["--max-update", "7"]) == 2
+    error = capsys.readouterr().err
+    assert str(workdir / "train" / TEACHER) in error and "never overwrites a checkpoint" in error
+    assert {path: path.stat().st_mtime_ns for path in outputs} == outputs
+    print(f"end-to-end recipe on {'real' if real else 'synthetic'} segments: "
+          + ", ".join(f"{name} {rows[name]['bleu']:.2f}" for name in systems))
