@@ -49,7 +49,7 @@ def test_teacher_is_not_in_checkpoint_or_optimizer(word_kd_run, kd_task):
     assert "criterion" not in state or not state["criterion"]  # word_kd has no parameters
 
 
-def test_generate_with_user_dir_and_exported_student_without(word_kd_run, tiny_data_bin, tmp_path):
+def test_generate_with_user_dir_and_exported_student_without(word_kd_run, tiny_data_bin, kd_task, tmp_path):
     save, _ = word_kd_run
     with_plugin = run_cli("fairseq-generate", tiny_data_bin, "--user-dir", USER_DIR, "--task", "translation_kd",
                           "--path", save / "checkpoint_last.pt", "--beam", "2", "--batch-size", "16", "--gen-subset", "test")
@@ -58,7 +58,10 @@ def test_generate_with_user_dir_and_exported_student_without(word_kd_run, tiny_d
 
     exported = tmp_path / "student.pt"
     summary = json.loads(run_module("fairseq_kd.cli.export_student", save / "checkpoint_last.pt", exported).stdout)
-    assert summary["encoder_layers"] == 2 and summary["parameters"] > 0
+    from conftest import build_tiny_student
+
+    assert summary["encoder_layers"] == 2
+    assert summary["parameters"] == sum(p.numel() for p in build_tiny_student(kd_task).parameters())
     raw = torch.load(exported, weights_only=True)  # plain data only: no Namespace, no plugin class
     assert raw["cfg"]["model"]["arch"] == "transformer" and raw["cfg"]["task"]["_name"] == "translation"
     assert "teacher_checkpoint" not in raw["cfg"]["task"]

@@ -42,6 +42,20 @@ def _plain(node):
     return node
 
 
+def count_parameters(state_dict: dict) -> int:
+    """Parameters of a model state, each tensor storage counted once (tied embeddings and output
+    projections share one)."""
+    seen, total = set(), 0
+    for tensor in state_dict.values():
+        if not torch.is_floating_point(tensor):
+            continue
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            total += tensor.numel()
+    return total
+
+
 def export_student(checkpoint: str, output: str, overwrite: bool = False) -> dict:
     """Write ``output`` from the training checkpoint ``checkpoint``; return a summary."""
     if not os.path.isfile(checkpoint):
@@ -106,7 +120,7 @@ def export_student(checkpoint: str, output: str, overwrite: bool = False) -> dic
     torch.save(exported, tmp)
     safe_load(tmp)  # refuse to leave behind anything stock fairseq could not load safely
     os.replace(tmp, output)
-    parameters = sum(t.numel() for t in weights.values() if torch.is_floating_point(t))
+    parameters = count_parameters(weights)
     return {
         "output": output,
         "parameters": parameters,
