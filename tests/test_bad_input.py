@@ -43,10 +43,13 @@ def test_teacher_with_other_dictionaries(tiny_teacher, tmp_path):
 
 def test_teacher_that_is_not_a_transformer(tiny_data_bin, tmp_path):
     lstm = tmp_path / "lstm"
-    run_cli("fairseq-train", tiny_data_bin, "--task", "translation", "--arch", "lstm", "--encoder-embed-dim", "8",
-            "--decoder-embed-dim", "8", "--encoder-hidden-size", "8", "--decoder-hidden-size", "8",
-            "--decoder-out-embed-dim", "8", "--criterion", "cross_entropy", *COMMON_TRAIN_ARGS,
-            "--max-update", "1", "--save-dir", lstm, "--user-dir", USER_DIR)
+    made = run_cli("fairseq-train", tiny_data_bin, "--task", "translation", "--arch", "lstm", "--encoder-embed-dim", "8",
+                   "--decoder-embed-dim", "8", "--encoder-hidden-size", "8", "--decoder-hidden-size", "8",
+                   "--decoder-out-embed-dim", "8", "--criterion", "cross_entropy", *COMMON_TRAIN_ARGS,
+                   "--max-update", "1", "--save-dir", lstm, "--user-dir", USER_DIR, check=False)
+    # fairseq's LSTM sometimes aborts at interpreter exit ("terminate called without an active
+    # exception") after saving; only the saved checkpoint matters here.
+    assert (lstm / "checkpoint_last.pt").exists(), made.stderr[-3000:]
     proc = train_student(tiny_data_bin, lstm / "checkpoint_last.pt", tmp_path / "s", ["--criterion", "word_kd"], check=False)
     _fails_before_work(proc, tmp_path / "s", "not an encoder-decoder Transformer")
 

@@ -107,3 +107,54 @@ def test_resume_continues_from_the_same_state(tiny_data_bin, tiny_teacher, tmp_p
     state = safe_load(tmp_path / "resumed" / "checkpoint_last.pt")
     assert state["optimizer_history"][-1]["num_updates"] == 6
     assert all(int(s["step"]) == 6 for s in state["last_optimizer_state"]["state"].values())
+
+
+def test_fairseq_hydra_train_with_a_yaml_config(tiny_data_bin, tiny_teacher, tmp_path):
+    """The criterion and task configs are FairseqDataclasses, so a YAML file works like flags."""
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "word_kd.yaml").write_text(f"""
+common:
+  user_dir: {USER_DIR}
+  seed: 1
+  log_format: simple
+  log_interval: 1
+  no_progress_bar: true
+task:
+  _name: translation_kd
+  data: {tiny_data_bin}
+  teacher_checkpoint: {tiny_teacher}
+model:
+  _name: transformer
+  encoder_layers: 2
+  decoder_layers: 2
+  encoder_embed_dim: 16
+  decoder_embed_dim: 16
+  encoder_ffn_embed_dim: 32
+  decoder_ffn_embed_dim: 32
+  encoder_attention_heads: 2
+  decoder_attention_heads: 2
+criterion:
+  _name: word_kd
+  kd_weight: 0.25
+  kd_temperature: 2.0
+optimizer:
+  _name: adam
+lr_scheduler:
+  _name: fixed
+optimization:
+  lr: [0.003]
+  max_update: 2
+dataset:
+  max_tokens: 1500
+  num_workers: 0
+  disable_validation: true
+checkpoint:
+  save_dir: {tmp_path / "save"}
+  no_epoch_checkpoints: true
+""")
+    proc = run_cli("fairseq-hydra-train", "--config-dir", config, "--config-name", "word_kd",
+                   f"hydra.run.dir={tmp_path / 'hydra'}")
+    log = proc.stdout + proc.stderr
+    assert re.search(r"'criterion': \{'_name': 'word_kd'.*'kd_weight': 0\.25, 'kd_temperature': 2\.0", log)
+    assert "word_kd_loss" in log and (tmp_path / "save" / "checkpoint_last.pt").exists()

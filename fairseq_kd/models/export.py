@@ -42,12 +42,16 @@ def _plain(node):
     return node
 
 
+# Buffers fairseq Transformers keep in their state dicts next to the parameters.
+_FAIRSEQ_BUFFER_SUFFIXES = (".version", "._float_tensor")
+
+
 def count_parameters(state_dict: dict) -> int:
     """Parameters of a model state, each tensor storage counted once (tied embeddings and output
-    projections share one)."""
+    projections share one), fairseq's bookkeeping buffers excluded."""
     seen, total = set(), 0
-    for tensor in state_dict.values():
-        if not torch.is_floating_point(tensor):
+    for name, tensor in state_dict.items():
+        if not torch.is_floating_point(tensor) or name.endswith(_FAIRSEQ_BUFFER_SUFFIXES):
             continue
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
         if key not in seen:
