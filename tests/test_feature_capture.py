@@ -161,3 +161,16 @@ def test_capture_sees_through_a_ddp_style_wrapper(kd_task, tiny_batch):
 def test_unknown_attention_kind_is_rejected():
     with pytest.raises(ValueError, match="unknown attention kind"):
         CaptureRequest(attention_kinds=("encoder_cross",))
+
+
+def test_last_layer_only_equals_the_top_layer_of_a_full_capture(kd_task, tiny_batch):
+    model = kd_task.teacher.model
+    _, full = _capture(model, tiny_batch)
+    top_only = CaptureRequest(attention_kinds=ATTENTION_KINDS, attention_scores=True, attention_values=True,
+                              last_layer_attention_only=True)
+    _, top = _capture(model, tiny_batch, top_only)
+    for kind in ATTENTION_KINDS:
+        assert top.attention[kind].num_layers == 1
+        for field in ("probs", "scores", "values"):
+            assert torch.allclose(getattr(top.attention[kind], field)[0], getattr(full.attention[kind], field)[-1],
+                                  atol=1e-6), (kind, field)

@@ -84,6 +84,7 @@ class MiniLMCriterion(KDCriterionBase):
             attention_kinds=self.kinds if needs_attention else (),
             attention_scores=self.weights["attention_kl"] != 0,
             attention_values=self.weights["value_relation"] != 0,
+            last_layer_attention_only=True,  # MiniLM distils the top layer only
         )
         check_capturable(self.teacher, self.teacher_request, self.criterion_name())
 

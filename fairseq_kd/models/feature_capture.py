@@ -46,6 +46,8 @@ class CaptureRequest:
     ``attention_kinds`` names the kinds from ``ATTENTION_KINDS`` whose per-head probability maps
     are wanted; ``attention_scores`` adds the pre-softmax logits (TinyBERT) and
     ``attention_values`` the per-head value vectors (MiniLM) for those kinds.
+    ``last_layer_attention_only`` computes the maps of the top layer of each kind only (MiniLM),
+    so the returned tensors have a layer axis of size 1.
     """
 
     encoder_hidden: bool = False
@@ -53,6 +55,7 @@ class CaptureRequest:
     attention_kinds: Tuple[str, ...] = ()
     attention_scores: bool = False
     attention_values: bool = False
+    last_layer_attention_only: bool = False
 
     def __post_init__(self):
         unknown = set(self.attention_kinds) - set(ATTENTION_KINDS)
@@ -74,6 +77,7 @@ class CaptureRequest:
             attention_kinds=tuple(set(self.attention_kinds) | set(other.attention_kinds)),
             attention_scores=self.attention_scores or other.attention_scores,
             attention_values=self.attention_values or other.attention_values,
+            last_layer_attention_only=self.last_layer_attention_only and other.last_layer_attention_only,
         )
 
 
@@ -272,6 +276,8 @@ class FeatureCapture:
                 raise RuntimeError("the decoder returned no inner_states although they were requested")
             features.decoder_hidden = torch.stack(self._decoder_inner_states, 0).transpose(1, 2)
         for kind, records in self._attention_inputs.items():
+            if self.request.last_layer_attention_only:
+                records = records[-1:]
             features.attention[kind] = self._attention_maps(kind, records, features)
         return features
 
