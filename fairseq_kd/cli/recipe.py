@@ -19,12 +19,12 @@ See ``fairseq_kd/recipes/runner.py`` for the steps and ``examples/translation/RE
 from __future__ import annotations
 
 import argparse
-import logging
 import shlex
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from fairseq_kd.progress import progress_to_stderr
 from fairseq_kd.recipes.methods import TEACHER
 from fairseq_kd.recipes.pairs import PAIRS
 from fairseq_kd.recipes.profiles import PROFILES
@@ -106,28 +106,16 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         archives=args.archives, data=args.data, gpus=args.gpus, max_update=args.max_update,
         prepare_args=args.prepare_args, train_args=args.train_args, workers=args.workers, seed=args.seed,
     )
-    # Progress of the steps on stderr, once (importing fairseq configures the root logger too);
-    # the package's logger is restored afterwards.
-    logger = logging.getLogger("fairseq_kd")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s | %(message)s"))
-    previous = (logger.level, logger.propagate)
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    try:
-        plan = build_plan(options)
-        if args.dry_run:
-            sys.stdout.write(describe_plan(plan))
-            return 0
-        result = run_plan(plan)
-    except RecipeError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(previous[0])
-        logger.propagate = previous[1]
+    with progress_to_stderr("fairseq_kd"):
+        try:
+            plan = build_plan(options)
+            if args.dry_run:
+                sys.stdout.write(describe_plan(plan))
+                return 0
+            result = run_plan(plan)
+        except RecipeError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     print(f"ran {len(result.executed)} step(s), {len(result.skipped)} already done; results in {plan.workdir}")
     sys.stdout.write(result.report_markdown.read_text(encoding="utf-8"))
     return 0

@@ -26,11 +26,6 @@ def word_level_kd(
     return (temperature**2) * per_position.masked_select(target_mask).sum()
 
 
-def masked_sum(values: Tensor, mask: Tensor) -> Tensor:
-    """Sum of ``values`` where ``mask`` (broadcastable) is True, in float32."""
-    return values.float().masked_fill(~mask, 0.0).sum()
-
-
 # ----------------------------------------------------------------------------------------------
 # Hidden-state losses (PKD, CKD, ALP-KD, RAIL-KD, internal KD). States are ``(..., batch, len, dim)``
 # with any leading (layer) dimensions; ``padding_mask`` is ``(batch, len)``, True at padding.

@@ -70,16 +70,6 @@ class CaptureRequest:
     def is_empty(self) -> bool:
         return not (self.encoder_hidden or self.decoder_hidden or self.attention_kinds)
 
-    def union(self, other: "CaptureRequest") -> "CaptureRequest":
-        return CaptureRequest(
-            encoder_hidden=self.encoder_hidden or other.encoder_hidden,
-            decoder_hidden=self.decoder_hidden or other.decoder_hidden,
-            attention_kinds=tuple(set(self.attention_kinds) | set(other.attention_kinds)),
-            attention_scores=self.attention_scores or other.attention_scores,
-            attention_values=self.attention_values or other.attention_values,
-            last_layer_attention_only=self.last_layer_attention_only and other.last_layer_attention_only,
-        )
-
 
 @dataclass
 class AttentionMaps:

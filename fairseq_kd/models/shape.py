@@ -56,10 +56,3 @@ class TransformerShape:
 
     def embed_dim(self, side: str) -> int:
         return {"encoder": self.encoder_embed_dim, "decoder": self.decoder_embed_dim}[side]
-
-    def describe(self) -> str:
-        return (
-            f"{self.encoder_layers}+{self.decoder_layers} layers, heads "
-            f"{self.encoder_heads}/{self.decoder_heads}/{self.cross_heads} (enc/dec/cross), "
-            f"width {self.encoder_embed_dim}/{self.decoder_embed_dim}"
-        )

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ...progress import progress_to_stderr
 from .corpora.common import PrepareContext
 from .download import Fetcher, load_pinned_checksums
 from .errors import PrepareError
@@ -96,24 +96,12 @@ def context_from_args(args: argparse.Namespace) -> PrepareContext:
 def run_entry_point(main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> int:
     """Run ``main(argv)`` with progress logged to stderr; a PrepareError becomes a one-line
     message and exit status 2."""
-    # Only this package's logger is configured (and restored afterwards), so that importing
-    # fairseq, which configures the root logger, neither duplicates nor swallows the messages.
-    logger = logging.getLogger("fairseq_kd.data.prepare")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(message)s"))
-    previous = (logger.level, logger.propagate)
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    try:
-        main(argv)
-    except PrepareError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(previous[0])
-        logger.propagate = previous[1]
+    with progress_to_stderr("fairseq_kd.data.prepare", "%(asctime)s | %(levelname)s | %(message)s"):
+        try:
+            main(argv)
+        except PrepareError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     return 0
 
 
