@@ -34,11 +34,12 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         sys.exit(f"error: --checkpoint {args.checkpoint}: no such file")
     if args.output.exists() and not args.overwrite:
         sys.exit(f"error: --output {args.output} exists; pass --overwrite to replace it")
+    from fairseq_kd.checkpoint_safety import UnsafeCheckpointError
     from fairseq_kd.criterions.alp_kd import layer_weights_from_checkpoint
 
     try:
         weights = layer_weights_from_checkpoint(args.checkpoint)
-    except ValueError as error:
+    except (ValueError, UnsafeCheckpointError) as error:
         sys.exit(f"error: --checkpoint {error}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(weights, indent=1) + "\n")

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import List, Optional
 
-from fairseq_kd.checkpoint_safety import safe_load
+from fairseq_kd.checkpoint_safety import UnsafeCheckpointError, safe_load
 from fairseq_kd.modules.attention_alignment import AlignmentShapeError, alignment_weights_from_state
 
 
@@ -60,7 +60,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         parser.error(f"--output {str(args.output)!r} exists; pass --overwrite to replace it")
     try:
         weights = export_alignment(args.checkpoint)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, UnsafeCheckpointError) as err:
         parser.error(str(err))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     with open(args.output, "w", encoding="utf-8") as handle:

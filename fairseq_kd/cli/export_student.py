@@ -20,11 +20,12 @@ def cli_main(argv=None):
     import fairseq_kd
 
     fairseq_kd.register()
+    from fairseq_kd.checkpoint_safety import UnsafeCheckpointError
     from fairseq_kd.models.export import ExportError, export_student
 
     try:
         summary = export_student(args.checkpoint, args.output, overwrite=args.overwrite)
-    except ExportError as err:
+    except (ExportError, UnsafeCheckpointError) as err:
         parser.error(str(err))
     json.dump(summary, sys.stdout, indent=2)
     print()

@@ -75,12 +75,13 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
+    from fairseq_kd.checkpoint_safety import UnsafeCheckpointError
     from fairseq_kd.models.teacher import TeacherCheckpointError
 
     config = seqkd.SeqKDConfig(**vars(args))
     try:
         result = seqkd.run(config, log=lambda line: print(line, flush=True))
-    except (seqkd.SeqKDError, TeacherCheckpointError) as error:
+    except (seqkd.SeqKDError, TeacherCheckpointError, UnsafeCheckpointError) as error:
         parser.error(str(error))
     if result.status == "partial":
         print(f"stopped after --max-shards: {result.shards_done}/{result.shards_total} shards done; "

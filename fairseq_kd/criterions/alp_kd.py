@@ -166,11 +166,11 @@ class ALPKDCriterion(HiddenStateKDCriterion):
 def layer_weights_from_checkpoint(path) -> Dict[str, List[List[float]]]:
     """The ALP-KD layer weights saved in a checkpoint of a ``--criterion alp_kd`` run."""
     import fairseq_kd
-    from fairseq import checkpoint_utils
+    from fairseq_kd.checkpoint_safety import load_fairseq_checkpoint
 
     fairseq_kd.register()  # allow-lists the classes fairseq checkpoints hold for torch.load
 
-    state = checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    state = load_fairseq_checkpoint(path)  # weights_only=True, explicitly
     saved = (state.get("extra_state") or {}).get("TranslationKDTask", {}).get("criterion", {})
     if "alpha_sum" not in saved or not saved["alpha_sum"]:
         raise ValueError(

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..checkpoint_safety import safe_load
+from ..checkpoint_safety import load_fairseq_checkpoint, safe_load
 
 # Config groups a stock fairseq loader reads; the rest of the training config is dropped.
 _KEPT_GROUPS = ("common", "common_eval", "distributed_training", "dataset", "optimization",
@@ -68,9 +68,7 @@ def export_student(checkpoint: str, output: str, overwrite: bool = False) -> dic
         raise ExportError(f"output {output!r} already exists; choose another path or pass --overwrite")
     if os.path.abspath(output) == os.path.abspath(checkpoint):
         raise ExportError("the output path must differ from the input checkpoint")
-    from fairseq import checkpoint_utils  # the wrapped, allow-listed loader
-
-    state = checkpoint_utils.load_checkpoint_to_cpu(checkpoint)
+    state = load_fairseq_checkpoint(checkpoint)  # weights_only=True, explicitly
     cfg = state.get("cfg")
     if cfg is None or "model" not in state:
         raise ExportError(f"{checkpoint!r} is not a fairseq training checkpoint (no cfg/model)")

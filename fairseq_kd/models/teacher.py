@@ -40,12 +40,10 @@ class FrozenTeacher:
     @classmethod
     def load(cls, path: str, task) -> "FrozenTeacher":
         """Load ``path`` for ``task`` (whose dictionaries the teacher must share), or fail clearly."""
-        from fairseq import checkpoint_utils, models
+        from fairseq import models
         from fairseq.models.transformer import TransformerModelBase
 
-        from ..checkpoint_safety import install_checkpoint_allow_list
-
-        install_checkpoint_allow_list()
+        from ..checkpoint_safety import UnsafeCheckpointError, load_fairseq_checkpoint
 
         if not path or not os.path.isfile(path):
             raise TeacherCheckpointError(
@@ -55,7 +53,9 @@ class FrozenTeacher:
         if not os.access(path, os.R_OK):
             raise TeacherCheckpointError(f"{FLAG} {path!r}: the file is not readable (permissions).")
         try:
-            state = checkpoint_utils.load_checkpoint_to_cpu(path)
+            state = load_fairseq_checkpoint(path)  # weights_only=True, explicitly
+        except UnsafeCheckpointError as err:
+            raise TeacherCheckpointError(f"{FLAG} {path!r}: {err}") from None
         except Exception as err:  # noqa: BLE001 - every failure here means "not a usable checkpoint"
             raise TeacherCheckpointError(
                 f"{FLAG} {path!r} is not a readable fairseq checkpoint: {type(err).__name__}: {err}"

@@ -1,0 +1,133 @@
+"""Checkpoints are never unpickled beyond plain data, even with TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1.
+
+Many fairseq users set that variable to load old checkpoints; torch then unpickles anything in
+every ``torch.load`` call that does not pass ``weights_only`` explicitly. Every checkpoint-reading
+path of the plugin (and fairseq's own loaders once the plugin is imported) passes
+``weights_only=True`` explicitly. Each test below hands a checkpoint carrying a real pickle gadget
+(``os.mkdir`` of a marker folder when unpickled) to one path, with the variable set, and checks
+that the path refused it clearly and that the marker was never created. A control test shows the
+gadget does run under the variable when ``weights_only`` is left out.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import BIN, COMMON_TRAIN_ARGS, QUIET_ENV, TINY_STUDENT_ARGS, USER_DIR
+
+UNSAFE_ENV = {**QUIET_ENV, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
+
+
+class _MakesMarkerWhenUnpickled:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+@pytest.fixture()
+def gadget(tiny_teacher, tmp_path):
+    """(checkpoint path, marker path): a real fairseq checkpoint plus a gadget in extra_state."""
+    marker = tmp_path / "gadget_ran"
+    state = torch.load(tiny_teacher, weights_only=False)  # our own test file, trusted
+    state["extra_state"]["payload"] = _MakesMarkerWhenUnpickled(marker)
+    evil = tmp_path / "evil.pt"
+    torch.save(state, evil)
+    return evil, marker
+
+
+def _run(cmd, **kwargs):
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=UNSAFE_ENV,
+                          timeout=600, **kwargs)
+
+
+def _refused(proc, marker, *fragments):
+    assert not marker.exists(), "the pickle gadget ran"
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    for fragment in ("refusing to load checkpoint", *fragments):
+        assert fragment in proc.stderr, proc.stderr[-4000:]
+
+
+def test_control_the_gadget_runs_when_weights_only_is_left_out(gadget):
+    """Proves the gadget is live: a bare torch.load under the variable executes it."""
+    evil, marker = gadget
+    proc = _run([sys.executable, "-c", f"import torch; torch.load({str(evil)!r})"])
+    assert marker.exists(), proc.stderr[-2000:]
+
+
+def test_fairseq_loader_passes_weights_only_explicitly_once_the_plugin_is_imported(gadget):
+    evil, marker = gadget
+    code = (
+        "import fairseq_kd; fairseq_kd.register()\n"
+        "from fairseq import checkpoint_utils\n"
+        "from fairseq_kd.checkpoint_safety import UnsafeCheckpointError, fairseq_loader_is_safe\n"
+        "assert fairseq_loader_is_safe()\n"
+        f"try:\n    checkpoint_utils.load_checkpoint_to_cpu({str(evil)!r})\n"
+        "except UnsafeCheckpointError as err:\n    import sys; print(err, file=sys.stderr); sys.exit(3)\n"
+    )
+    proc = _run([sys.executable, "-c", code])
+    _refused(proc, marker, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    assert proc.returncode == 3
+
+
+def test_teacher_checkpoint(gadget, tiny_data_bin, tmp_path):
+    evil, marker = gadget
+    proc = _run([BIN / "fairseq-train", tiny_data_bin, "--user-dir", USER_DIR, "--task", "translation_kd",
+                 "--teacher-checkpoint", evil, *TINY_STUDENT_ARGS, "--criterion", "word_kd", *COMMON_TRAIN_ARGS,
+                 "--max-update", "1", "--save-dir", tmp_path / "s"])
+    _refused(proc, marker, "--teacher-checkpoint")
+    assert not (tmp_path / "s" / "checkpoint_last.pt").exists()
+
+
+def test_restore_file_in_fairseq_train(gadget, tiny_data_bin, tiny_teacher, tmp_path):
+    evil, marker = gadget
+    proc = _run([BIN / "fairseq-train", tiny_data_bin, "--user-dir", USER_DIR, "--task", "translation_kd",
+                 "--teacher-checkpoint", tiny_teacher, *TINY_STUDENT_ARGS, "--criterion", "word_kd",
+                 *COMMON_TRAIN_ARGS, "--max-update", "1", "--save-dir", tmp_path / "s", "--restore-file", evil])
+    _refused(proc, marker)
+    assert not (tmp_path / "s" / "checkpoint_last.pt").exists()
+
+
+def test_fairseq_generate_path_with_user_dir(gadget, tiny_data_bin):
+    evil, marker = gadget
+    proc = _run([BIN / "fairseq-generate", tiny_data_bin, "--user-dir", USER_DIR, "--task", "translation",
+                 "--path", evil, "--gen-subset", "test", "--beam", "1", "--batch-size", "8"])
+    _refused(proc, marker)
+
+
+def test_export(gadget, tmp_path):
+    evil, marker = gadget
+    proc = _run([BIN / "fairseq-kd-export", evil, tmp_path / "out.pt"])
+    _refused(proc, marker, "error:")
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_seqkd(gadget, tiny_data_bin, tmp_path):
+    evil, marker = gadget
+    proc = _run([BIN / "fairseq-kd-seqkd", "--data", tiny_data_bin, "--teacher-checkpoint", evil,
+                 "--output", tmp_path / "out", "--cpu", "--split", "valid"])
+    _refused(proc, marker, "error:", "--teacher-checkpoint")
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("module", ["fairseq_kd.cli.alp_weights", "fairseq_kd.cli.export_alignment"])
+def test_weight_exporters(gadget, tmp_path, module):
+    evil, marker = gadget
+    proc = _run([sys.executable, "-m", module, "--checkpoint", evil, "--output", tmp_path / "w.json"])
+    _refused(proc, marker, "error:")
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "w.json").exists()
+
+
+def test_safe_load_ignores_the_variable_in_process(gadget, monkeypatch):
+    from fairseq_kd.checkpoint_safety import UnsafeCheckpointError, safe_load
+
+    evil, marker = gadget
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(UnsafeCheckpointError, match="mkdir"):
+        safe_load(evil)
+    assert not marker.exists()
