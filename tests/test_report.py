@@ -316,3 +316,94 @@ def test_report_errors(test_set, tmp_path, capsys):
     (tmp_path / "t.csv").write_text("keep me")
     expect_error(capsys, both + ["--out-prefix", prefix], "t.csv", "--overwrite", runner=run_report)
     assert (tmp_path / "t.csv").read_text() == "keep me"
+
+
+# --------------------------------------------------------------------------- complete outputs or none
+
+
+def truncated_copy(source, destination, keep_sentences):
+    """The first ``keep_sentences`` sentences of a generate file (in its printed order), the next
+    line cut in the middle, no summary line: a run killed while writing."""
+    lines = source.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept, seen = [], []
+    for line in lines:
+        if line[:2] in ("S-", "T-", "H-", "D-", "P-"):
+            sentence = line.split("\t")[0].split("-")[1]
+            if sentence not in seen:
+                seen.append(sentence)
+            if len(seen) > keep_sentences:
+                kept.append(line[: len(line) // 2])
+                break
+        kept.append(line)
+    destination.write_text("".join(kept), encoding="utf-8")
+    return destination
+
+
+def test_score_and_report_refuse_a_truncated_output(test_set, tmp_path, capsys):
+    references, _, files = test_set
+    cut = truncated_copy(files["word_kd"], tmp_path / "cut.txt", 96)
+    message = expect_error(capsys, ["--generate-output", cut, *DETOK], "incomplete fairseq-generate output",
+                           "summary line", "--allow-partial")
+    assert "9" in message  # the count of sentences found is named
+    refs = tmp_path / "test.ref"
+    refs.write_text("".join(r + "\n" for r in references))
+    expect_error(capsys, ["--generate-output", cut, *DETOK, "--expected-from", refs],
+                 f"the test set has {len(references)} sentences")
+    expect_error(capsys, ["--system", f"a={files['no_kd']}", "--system", f"b={cut}", *DETOK],
+                 "incomplete fairseq-generate output", runner=run_report)
+    # the complete files pass with the expected count
+    run_score("--generate-output", files["word_kd"], *DETOK, "--bootstrap", "0", "--expected-from", refs)
+    expect_error(capsys, ["--generate-output", files["word_kd"], *DETOK, "--expected-sentences", "121"],
+                 "the test set has 121 sentences", "1 sentence ids of 0..120 have no hypothesis")
+
+
+def test_partial_score_only_behind_the_flag_and_says_so(test_set, tmp_path, capsys):
+    references, _, files = test_set
+    cut = truncated_copy(files["word_kd"], tmp_path / "cut.txt", 96)
+    record_path = tmp_path / "partial.json"
+    run_score("--generate-output", cut, *DETOK, "--bootstrap", "0", "--allow-partial",
+              "--expected-sentences", len(references), "--output-json", record_path, "--output-md", tmp_path / "t.md")
+    out = capsys.readouterr().out
+    record = json.loads(record_path.read_text())
+    assert record["partial"]["n_expected"] == len(references)
+    assert record["partial"]["n_sentences"] == record["n_sentences"] < len(references)
+    assert f"of {len(references)} expected sentences" in out and "PARTIAL" in out
+    assert f"of {len(references)} (partial)" in (tmp_path / "t.md").read_text()
+    complete = tmp_path / "complete.json"
+    run_score("--generate-output", files["word_kd"], *DETOK, "--bootstrap", "0", "--output-json", complete)
+    assert json.loads(complete.read_text())["partial"] is None
+    # a partial record is refused by the report unless the flag is given again; then it is named
+    expect_error(capsys, ["--system", f"p={record_path}"], "partial score", "--allow-partial", runner=run_report)
+    run_report("--system", f"p={record_path}", "--bootstrap", "0", "--allow-partial", "--out-prefix", tmp_path / "r")
+    captured = capsys.readouterr()
+    assert "PARTIAL: p was scored on" in captured.out and "PARTIAL" in captured.err
+    assert json.loads((tmp_path / "r.json").read_text())["partial"]["p"]["n_expected"] == len(references)
+    assert "PARTIAL" in (tmp_path / "r.md").read_text()
+    # a complete record of another size than expected is refused too
+    expect_error(capsys, ["--system", f"c={complete}", "--expected-sentences", "500"], "500 are expected",
+                 runner=run_report)
+
+
+def test_outputs_never_overwrite_inputs(test_set, tmp_path, capsys):
+    references, _, files = test_set
+    generate = tmp_path / "gen.txt"
+    generate.write_bytes(files["no_kd"].read_bytes())
+    before = generate.read_bytes()
+    expect_error(capsys, ["--generate-output", generate, "--output-json", generate, "--overwrite"],
+                 "--output-json", "is the --generate-output input file")
+    expect_error(capsys, ["--generate-output", generate, "--output-md", tmp_path / "." / "gen.txt"],
+                 "--output-md", "input file")
+    record = tmp_path / "base.json"
+    run_score("--generate-output", files["word_kd"], *DETOK, "--bootstrap", "0", "--output-json", record)
+    record_before = record.read_bytes()
+    expect_error(capsys, ["--generate-output", generate, *DETOK, "--baseline", f"b={record}",
+                          "--output-json", record, "--overwrite"], "is the --baseline input file")
+    hyp, ref = tmp_path / "h.txt", tmp_path / "r.txt"
+    hyp.write_text("a b\n")
+    ref.write_text("a b\n")
+    expect_error(capsys, ["--hyp", hyp, "--ref", ref, "--output-json", ref, "--overwrite"], "is the --ref input file")
+    # the report: an --out-prefix file that is a --system input
+    expect_error(capsys, ["--system", f"b={record}", "--out-prefix", tmp_path / "base", "--overwrite"],
+                 "--out-prefix", "is the --system b input file", runner=run_report)
+    assert generate.read_bytes() == before and record.read_bytes() == record_before
+    assert ref.read_text() == "a b\n"

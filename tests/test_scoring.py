@@ -329,7 +329,8 @@ D-10\t-1.50\t
 T-1\tone
 H-1\t-0.30\tone
 D-1\t-0.30\tone
-2024-05-01 10:00:05 | INFO | fairseq_cli.generate | Translated 4 sentences
+""" + "".join(f"T-{i}\tw{i}\nH-{i}\t-0.1\tw{i}\nD-{i}\t-0.1\tw{i}\n" for i in range(3, 10)) + """\
+2024-05-01 10:00:05 | INFO | fairseq_cli.generate | Translated 11 sentences (90 tokens) in 0.1s (9.00 sentences/s)
 Generate test with beam=5: BLEU4 = 12.34, 50.0/20.0/10.0/5.0 (BP=1.000, ratio=1.000)
 """
 
@@ -338,9 +339,11 @@ def test_read_generate_output_sorts_ids_and_prefers_d_lines(tmp_path):
     path = tmp_path / "gen.out"
     path.write_text(GENERATE_OUTPUT, encoding="utf-8")
     generated = read_generate_output(path)
-    assert generated.ids == [0, 1, 2, 10]  # numeric order, not text order ("10" < "2")
-    assert generated.hypotheses == ["zero", "one", "three", ""]  # first of the n-best; empty kept
-    assert generated.references == ["zero", "one", "three", "ten"]
+    assert generated.ids == list(range(11))  # numeric order, not text order ("10" < "2")
+    assert generated.complete and generated.n_expected == 11
+    # first of the n-best; empty kept
+    assert generated.hypotheses[:3] + generated.hypotheses[10:] == ["zero", "one", "three", ""]
+    assert generated.references[:3] + generated.references[10:] == ["zero", "one", "three", "ten"]
     assert generated.hypothesis_source == "D"
 
 
@@ -349,7 +352,7 @@ def test_read_generate_output_falls_back_to_h_lines(tmp_path):
     path.write_text("".join(l + "\n" for l in GENERATE_OUTPUT.splitlines() if not l.startswith("D-")))
     generated = read_generate_output(path)
     assert generated.hypothesis_source == "H"
-    assert generated.hypotheses == ["zero", "one", "thr@@ ee", ""]
+    assert generated.hypotheses[:3] + generated.hypotheses[10:] == ["zero", "one", "thr@@ ee", ""]
 
 
 @pytest.mark.parametrize(
@@ -371,6 +374,88 @@ def test_read_generate_output_errors(tmp_path, text, message):
 def test_read_generate_output_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         read_generate_output(tmp_path / "absent.txt")
+
+
+def _complete_output(n, order_seed=0):
+    order = list(range(n))
+    random.Random(order_seed).shuffle(order)  # fairseq prints sentences in batch order
+    body = "".join(f"S-{i}\ts{i}\nT-{i}\tr{i}\nH-{i}\t-0.1\th{i}\nD-{i}\t-0.1\th{i}\n" for i in order)
+    return (body + f"2024-05-01 10:00:05 | INFO | fairseq_cli.generate | Translated {n} sentences (1 tokens)\n"
+            "Generate test with beam=5: BLEU4 = 1.00, 1/1/1/1 (BP=1.000, ratio=1.000)\n")
+
+
+def _drop_sentences(text, ids):
+    return "".join(l for l in text.splitlines(keepends=True) if l.split("\t")[0].split("-")[-1] not in map(str, ids)
+                   or not l[:2] in ("S-", "T-", "H-", "D-"))
+
+
+def test_complete_output_passes_with_and_without_expected_count(tmp_path):
+    path = tmp_path / "gen.out"
+    path.write_text(_complete_output(30))
+    assert read_generate_output(path).ids == list(range(30))
+    assert read_generate_output(path, expected_sentences=30).complete
+
+
+def test_truncated_output_is_refused_with_counts(tmp_path):
+    """The issue's probe: 24 of 30 sentences and the last line cut mid-way."""
+    from fairseq_kd.scoring.detok import IncompleteGenerateOutputError
+
+    full = _complete_output(30)
+    sentence_lines = [l for l in full.splitlines(keepends=True) if l[:2] in ("S-", "T-", "H-", "D-")]
+    cut = "".join(sentence_lines[:24 * 4 + 2]) + "D-" + sentence_lines[24 * 4 + 2][2:6]  # a cut D- line
+    path = tmp_path / "gen.out"
+    path.write_text(cut)
+    with pytest.raises(IncompleteGenerateOutputError, match="summary line") as raised:
+        read_generate_output(path, expected_sentences=30)
+    assert "30 sentences" in str(raised.value) and "--allow-partial" in str(raised.value)
+    # even without the expected count: the missing summary line betrays the cut
+    with pytest.raises(IncompleteGenerateOutputError, match="summary line"):
+        read_generate_output(path)
+    partial = read_generate_output(path, expected_sentences=30, allow_partial=True)
+    assert not partial.complete
+    assert partial.completeness()["n_expected"] == 30 and partial.completeness()["n_sentences"] == len(partial.ids)
+
+
+def test_missing_sentences_in_the_middle_are_refused(tmp_path):
+    from fairseq_kd.scoring.detok import IncompleteGenerateOutputError
+
+    path = tmp_path / "gen.out"
+    path.write_text(_drop_sentences(_complete_output(30), [3, 17]).replace("Translated 30", "Translated 28"))
+    with pytest.raises(IncompleteGenerateOutputError, match=r"2 sentence ids of 0..29 have no hypothesis \(first: 3, 17\)"):
+        read_generate_output(path)
+    assert read_generate_output(path, allow_partial=True).ids == [i for i in range(30) if i not in (3, 17)]
+
+
+def test_missing_sentences_at_the_end_need_the_expected_count(tmp_path):
+    """A run that finished but skipped the last sentences: only the test set's size shows it."""
+    from fairseq_kd.scoring.detok import IncompleteGenerateOutputError
+
+    path = tmp_path / "gen.out"
+    path.write_text(_drop_sentences(_complete_output(30), [28, 29]).replace("Translated 30", "Translated 28"))
+    assert read_generate_output(path).complete  # nothing in the file alone says sentences are missing
+    with pytest.raises(IncompleteGenerateOutputError, match=r"28 sentences, the test set has 30"):
+        read_generate_output(path, expected_sentences=30)
+    with pytest.raises(IncompleteGenerateOutputError, match="beyond the 20 expected"):
+        read_generate_output(path, expected_sentences=20)
+
+
+def test_translated_count_and_duplicated_runs_are_refused(tmp_path):
+    from fairseq_kd.scoring.detok import IncompleteGenerateOutputError
+
+    path = tmp_path / "gen.out"
+    path.write_text(_complete_output(30).replace("Translated 30", "Translated 31"))
+    with pytest.raises(IncompleteGenerateOutputError, match="Translated 31 sentences' but the file holds 30"):
+        read_generate_output(path)
+    path.write_text(_complete_output(30) + _complete_output(30, order_seed=1))
+    with pytest.raises(IncompleteGenerateOutputError, match="30 sentence ids appear more than once"):
+        read_generate_output(path, allow_partial=True)  # never scorable, not even partially
+    path.write_text(_complete_output(30) + "H-31\t-0.1\tlate\n")
+    with pytest.raises(IncompleteGenerateOutputError, match="sentence lines follow the summary line"):
+        read_generate_output(path)
+    two_runs = _drop_sentences(_complete_output(30), range(15, 30)) + _drop_sentences(_complete_output(30), range(15))
+    path.write_text(two_runs.replace("Translated 30", "Translated 15"))
+    with pytest.raises(IncompleteGenerateOutputError, match="2 summary lines"):
+        read_generate_output(path)
 
 
 # --------------------------------------------------------------------------- import isolation

@@ -17,10 +17,12 @@ computed on one shared set of resamples. The Markdown table goes to stdout and, 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from fairseq_kd.cli.score import add_scoring_arguments, split_name_and_path
+from fairseq_kd.cli.score import (add_completeness_arguments, add_scoring_arguments, check_outputs_are_not_inputs,
+                                  expected_sentence_count, split_name_and_path)
 from fairseq_kd.scoring.bleu import BleuSettings, check_n_bootstrap
 from fairseq_kd.scoring.report import (
     TextProcessing,
@@ -76,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         "override its values",
     )
     add_scoring_arguments(parser)
+    add_completeness_arguments(parser)
     parser.add_argument(
         "--out-prefix",
         type=Path,
@@ -134,15 +137,24 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         speeds.update(parse_named_numbers(args.speed, "--speed", float))
         if args.baseline is not None and args.baseline not in names:
             raise ValueError(f"--baseline {args.baseline!r} is not one of the --system names {names}")
+        expected = expected_sentence_count(args)
         if args.out_prefix is not None:
+            inputs = [(f"--system {name}", path) for name, path in named_paths]
+            inputs += [("--sidecar", args.sidecar), ("--expected-from", args.expected_from)]
+            check_outputs_are_not_inputs([("--out-prefix", path) for path in report_paths(args.out_prefix).values()],
+                                         inputs)
             check_outputs_free(report_paths(args.out_prefix).values(), args.overwrite, "--out-prefix")
         processing = TextProcessing(remove_bpe=args.remove_bpe, moses_lang=args.detok_moses)
         systems = [
-            load_system(name, path, processing, settings, 0, args.seed) for name, path in named_paths
+            load_system(name, path, processing, settings, 0, args.seed, expected, args.allow_partial)
+            for name, path in named_paths
         ]
         report = build_report(systems, args.baseline, params, speeds, args.bootstrap, args.seed)
     except (argparse.ArgumentTypeError, ValueError, FileNotFoundError, FileExistsError) as error:
         parser.error(str(error))
+    for name, info in report.partial.items():
+        print(f"warning: {name} is a PARTIAL score: {info['n_sentences']} of {info['n_expected']} "
+              "expected sentences", file=sys.stderr)
     print(report_markdown(report), end="")
     if args.out_prefix is not None:
         write_report(report, args.out_prefix, overwrite=args.overwrite)

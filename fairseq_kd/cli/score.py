@@ -17,13 +17,14 @@ so later runs and ``fairseq-kd-report`` can run paired tests without the text.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import List, Optional
 
 from sacrebleu.metrics.bleu import BLEU
 
 from fairseq_kd.scoring.bleu import DEFAULT_N_BOOTSTRAP, DEFAULT_SEED, BleuSettings, check_n_bootstrap
-from fairseq_kd.scoring.detok import BPE_SCHEMES
+from fairseq_kd.scoring.detok import BPE_SCHEMES, count_lines
 from fairseq_kd.scoring.report import (
     TextProcessing,
     append_score_row,
@@ -88,6 +89,61 @@ def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_completeness_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared with fairseq-kd-report: how many sentences a complete output has."""
+    group = parser.add_argument_group(
+        "completeness (a fairseq-generate output must end with its 'Generate ... with beam=' "
+        "summary line and hold every sentence id 0..N-1 exactly once)")
+    expected = group.add_mutually_exclusive_group()
+    expected.add_argument(
+        "--expected-from", type=Path, metavar="FILE",
+        help="the test set's source or reference text file: N is its line count (without it, N is "
+        "the largest sentence id plus one, which cannot see sentences missing at the end)",
+    )
+    expected.add_argument("--expected-sentences", type=int, metavar="N", help="the test set has N sentences")
+    group.add_argument(
+        "--allow-partial", action="store_true",
+        help="score an incomplete output anyway; the score record and the report then say it is "
+        "partial, with the number of sentences scored and expected",
+    )
+
+
+def expected_sentence_count(args: argparse.Namespace) -> Optional[int]:
+    """N from --expected-sentences or --expected-from (validated), else None."""
+    if args.expected_sentences is not None:
+        if args.expected_sentences < 1:
+            raise ValueError(f"--expected-sentences must be a positive count, got {args.expected_sentences}")
+        return args.expected_sentences
+    if args.expected_from is not None:
+        if not args.expected_from.is_file():
+            raise FileNotFoundError(f"--expected-from: file {str(args.expected_from)!r} does not exist")
+        count = count_lines(args.expected_from, "--expected-from")
+        if count == 0:
+            raise ValueError(f"--expected-from file {str(args.expected_from)!r} is empty")
+        return count
+    return None
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (symlinks and relative paths resolved)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return Path(a).resolve() == Path(b).resolve()
+
+
+def check_outputs_are_not_inputs(outputs, inputs) -> None:
+    """Refuse an output path that is one of the inputs: it would be overwritten before (or
+    instead of) being read."""
+    for out_flag, out_path in outputs:
+        for in_flag, in_path in inputs:
+            if out_path is not None and in_path is not None and same_file(out_path, in_path):
+                raise ValueError(
+                    f"{out_flag} {str(out_path)!r} is the {in_flag} input file; writing it would destroy "
+                    "the input. Choose another output path."
+                )
+
+
 def split_name_and_path(value: str, flag: str) -> tuple:
     name, separator, path = value.partition("=")
     if not separator or not name or not path:
@@ -117,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--detok-moses to the hypotheses only",
     )
     add_scoring_arguments(parser)
+    add_completeness_arguments(parser)
     parser.add_argument(
         "--system",
         default=None,
@@ -169,14 +226,18 @@ def validate_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace
     for flag, path in inputs:
         if not path.is_file():
             parser.error(f"{flag}: file {str(path)!r} does not exist")
+    if args.expected_from is not None:
+        inputs.append(("--expected-from", args.expected_from))
     try:
+        check_outputs_are_not_inputs([("--output-json", args.output_json), ("--output-md", args.output_md)], inputs)
+        args.expected = expected_sentence_count(args)
         check_n_bootstrap(args.bootstrap)
         args.settings = BleuSettings(tokenize=args.tokenize, lowercase=args.lowercase)
         if args.output_json is not None:
             check_outputs_free([args.output_json], args.overwrite, "--output-json")
         if args.output_md is not None:
             check_score_table(args.output_md)
-    except (ValueError, FileExistsError) as error:
+    except (ValueError, FileExistsError, FileNotFoundError) as error:
         parser.error(str(error))
     if args.system is None:
         args.system = (args.generate_output or args.hyp).stem
@@ -192,11 +253,13 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         baseline = None
         if args.baseline is not None:
             baseline = load_system(
-                args.baseline_name, args.baseline_path, processing, args.settings, 0, args.seed
+                args.baseline_name, args.baseline_path, processing, args.settings, 0, args.seed,
+                args.expected, args.allow_partial,
             )
         if args.generate_output is not None:
             system = score_generate_output(
-                args.system, args.generate_output, processing, args.settings, args.bootstrap, args.seed
+                args.system, args.generate_output, processing, args.settings, args.bootstrap, args.seed,
+                args.expected, args.allow_partial,
             )
         else:
             system = score_text_files(
@@ -209,6 +272,13 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
                 args.seed,
                 ref_is_plain=args.ref_is_plain,
             )
+            if args.expected is not None and system.result.n_sentences != args.expected:
+                message = (f"--hyp/--ref have {system.result.n_sentences} lines but "
+                           f"{args.expected} sentences are expected")
+                if not args.allow_partial:
+                    raise ValueError(message + "; pass --allow-partial to score them anyway")
+                system.partial = {"complete": False, "n_sentences": system.result.n_sentences,
+                                  "n_expected": args.expected, "problems": [message]}
         paired = None
         if baseline is not None:
             paired = paired_record(args.baseline_name, compare_with_baseline(system, baseline))
@@ -221,6 +291,8 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     if result.n_bootstrap:
         line += f" (95% CI {format_interval(result.ci_low, result.ci_high)}, {result.n_bootstrap} resamples)"
     print(line)
+    if system.partial_note():
+        print(f"  {system.partial_note()}")
     print(f"  {result.verbose}")
     print(f"  signature: {result.signature}")
     if paired is not None:

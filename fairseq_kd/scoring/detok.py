@@ -15,7 +15,7 @@ recipes of this project segment text in two ways, undone here in reverse order:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -77,26 +77,55 @@ def read_lines(path: Path, what: str) -> List[str]:
         return [line.rstrip("\r\n") for line in handle]
 
 
+class IncompleteGenerateOutputError(ValueError):
+    """A fairseq-generate output does not hold every sentence of the test set exactly once."""
+
+
 @dataclass
 class GenerateOutput:
     """Hypotheses and references read from a fairseq-generate output file.
 
     ``ids`` are fairseq's sentence ids (the order of the test set), ascending; ``hypotheses[i]``
     and ``references[i]`` belong to ``ids[i]``. ``hypothesis_source`` is ``"D"`` or ``"H"``: which
-    of fairseq's lines the hypotheses came from.
+    of fairseq's lines the hypotheses came from. ``n_expected`` is the number of sentences the test
+    set has (given by the caller, or ids ``0..max``); ``problems`` says why the file is not complete
+    (empty when it is; a non-empty list only reaches the caller with ``allow_partial``).
     """
 
     ids: List[int]
     hypotheses: List[str]
     references: List[str]
     hypothesis_source: str
+    n_expected: int = 0
+    problems: List[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return not self.problems
+
+    def completeness(self) -> Dict:
+        """What a score record says about how much of the test set was scored."""
+        return {"complete": self.complete, "n_sentences": len(self.ids), "n_expected": self.n_expected,
+                "problems": list(self.problems)}
 
 
 _GENERATE_LINE = re.compile(r"^([HDTS])-(\d+)\t(.*)$", re.DOTALL)
+# fairseq_cli/generate.py prints this once, after the last sentence, whenever the test set has
+# references ("Generate test with beam=5: BLEU4 = ..."): a complete output ends with it.
+_SUMMARY_LINE = re.compile(r"^Generate \S+ with beam=\d+: ")
+# ... and logs this just before it (to the same file unless logging went to stderr).
+_TRANSLATED_LINE = re.compile(r"\| Translated ([\d,]+) sentences")
 
 
-def read_generate_output(path: Path) -> GenerateOutput:
-    """Parse a fairseq-generate output file into id-sorted hypotheses and references.
+def _first(ids, count=5) -> str:
+    ids = sorted(ids)
+    return ", ".join(map(str, ids[:count])) + (", ..." if len(ids) > count else "")
+
+
+def read_generate_output(path: Path, expected_sentences: Optional[int] = None,
+                         allow_partial: bool = False) -> GenerateOutput:
+    """Parse a fairseq-generate output file into id-sorted hypotheses and references, and check
+    that it is complete.
 
     fairseq-generate prints, per sentence and in batch order (not in id order):
     ``S-<id>\\t<source>``, ``T-<id>\\t<reference>``, then for each of the n-best
@@ -106,29 +135,55 @@ def read_generate_output(path: Path) -> GenerateOutput:
     hypotheses that match the references; they are used whenever the file has any (fairseq 0.12
     always prints them), and ``H-`` lines only for files without ``D-`` lines. With ``--nbest``
     above 1 the first hypothesis printed for an id (the best one) is used. Every other line
-    (``P-``, ``A-``, logging, the final BLEU line) is ignored.
+    (``P-``, ``A-``, logging) is ignored.
+
+    Completeness: because sentences come out of id order, ids alone cannot show that the run was
+    cut short. A complete file ends with fairseq-generate's summary line (``Generate <subset> with
+    beam=<n>: ...``, after every sentence), has each id of ``0 .. N-1`` exactly once, where ``N``
+    is ``expected_sentences`` (the test set's line count, when the caller knows it) or else the
+    largest id plus one, and, when fairseq's ``Translated <n> sentences`` log line is in the file,
+    that ``n`` equals the number of ids. An incomplete file raises
+    :class:`IncompleteGenerateOutputError` with the counts, unless ``allow_partial``: then the
+    sentences that are there are returned with the problems listed. Duplicated references (two
+    runs concatenated) are refused even then.
     """
     path = Path(path)
     lines = read_lines(path, "fairseq-generate output")
     hypotheses: Dict[str, Dict[int, str]] = {"H": {}, "D": {}}
     references: Dict[int, str] = {}
+    duplicated: Dict[int, int] = {}
+    summary_lines: List[int] = []
+    last_sentence_line = 0
+    translated: Optional[int] = None
     for line_number, line in enumerate(lines, start=1):
+        if _SUMMARY_LINE.match(line):
+            summary_lines.append(line_number)
+            continue
+        translated_match = _TRANSLATED_LINE.search(line)
+        if translated_match:
+            translated = int(translated_match.group(1).replace(",", ""))
+            continue
         match = _GENERATE_LINE.match(line)
         if match is None:
             continue
+        last_sentence_line = line_number
         kind, sentence_id, rest = match.group(1), int(match.group(2)), match.group(3)
         if kind == "T":
             if sentence_id in references:
-                raise ValueError(
-                    f"{path}:{line_number}: a second T- line for sentence id {sentence_id}; "
-                    "is this the output of several fairseq-generate runs concatenated?"
-                )
+                duplicated.setdefault(sentence_id, line_number)
             references[sentence_id] = rest
         elif kind in hypotheses:
             fields = rest.split("\t", 1)
             text = fields[1] if len(fields) == 2 else ""
             # n-best lists print the best hypothesis first; keep it.
             hypotheses[kind].setdefault(sentence_id, text)
+    if duplicated:
+        first_id = min(duplicated)
+        raise IncompleteGenerateOutputError(
+            f"{path}:{duplicated[first_id]}: a second T- line for sentence id {first_id} "
+            f"({len(duplicated)} sentence ids appear more than once: {_first(duplicated)}); is this "
+            "the output of several fairseq-generate runs concatenated? Score one complete run."
+        )
     source = "D" if hypotheses["D"] else "H"
     chosen = hypotheses[source]
     if not chosen:
@@ -150,9 +205,49 @@ def read_generate_output(path: Path) -> GenerateOutput:
             f"{missing_hyps[:5]}); the file looks truncated"
         )
     ids = sorted(chosen)
+    n_expected = expected_sentences if expected_sentences is not None else ids[-1] + 1
+    problems = []
+    if not summary_lines:
+        problems.append(
+            "it does not end with fairseq-generate's summary line ('Generate <subset> with beam=N: "
+            "...'): the run was cut short or the file was truncated"
+        )
+    elif len(summary_lines) > 1:
+        problems.append(f"it holds {len(summary_lines)} summary lines (lines {_first(summary_lines)}): "
+                        "several runs concatenated?")
+    elif last_sentence_line > summary_lines[-1]:
+        problems.append(f"sentence lines follow the summary line (line {summary_lines[-1]})")
+    missing = set(range(n_expected)) - set(ids)
+    if missing:
+        problems.append(f"{len(missing)} sentence ids of 0..{n_expected - 1} have no hypothesis "
+                        f"(first: {_first(missing)})")
+    beyond = [i for i in ids if i >= n_expected]
+    if beyond:
+        problems.append(f"{len(beyond)} sentence ids are beyond the {n_expected} expected sentences "
+                        f"(first: {_first(beyond)}): another test set?")
+    if translated is not None and translated != len(ids):
+        problems.append(f"fairseq-generate logged 'Translated {translated} sentences' but the file "
+                        f"holds {len(ids)}")
+    if problems and not allow_partial:
+        how_many = (f"the test set has {n_expected} sentences" if expected_sentences is not None
+                    else f"ids 0..{n_expected - 1} imply at least {n_expected} sentences")
+        raise IncompleteGenerateOutputError(
+            f"{path}: incomplete fairseq-generate output: hypotheses for {len(ids)} sentences, "
+            f"{how_many}; " + "; ".join(problems) + ". Decode the whole test set again (fairseq-generate "
+            "--required-batch-size-multiple 1, no --skip-invalid-size-inputs-valid-test), or pass "
+            "--allow-partial to score only these sentences (the score is then marked partial, with "
+            "the counts)."
+        )
     return GenerateOutput(
         ids=ids,
         hypotheses=[chosen[i] for i in ids],
         references=[references[i] for i in ids],
         hypothesis_source=source,
+        n_expected=n_expected,
+        problems=problems,
     )
+
+
+def count_lines(path: Path, what: str) -> int:
+    """Number of lines of a text file (a final line without a line end counts)."""
+    return len(read_lines(path, what))

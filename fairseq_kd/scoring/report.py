@@ -10,6 +10,8 @@ A score record is a JSON object (format :data:`SCORE_FORMAT`)::
      "settings": {"tokenize": "13a", "lowercase": false, "smooth_method": "exp", "smooth_value": null},
      "references_sha256": "...", "inputs": {...how the text was read and detokenised...},
      "paired": null or {"baseline": "no_kd", "difference": ..., "p_value": ..., ...},
+     "partial": null, or for a score of an incomplete output (--allow-partial only)
+                {"complete": false, "n_sentences": 24, "n_expected": 30, "problems": [...]},
      "sentence_stats": {"columns": ["hyp_len", "ref_len", "matches_1", ...], "rows": [[...], ...]}}
 
 It keeps each sentence's BLEU sufficient statistics rather than the text: that is all a later
@@ -82,6 +84,14 @@ class SystemScore:
     result: BleuResult
     references_sha256: str
     inputs: Dict = field(default_factory=dict)
+    # None when every sentence of the test set was scored; else GenerateOutput.completeness()
+    partial: Optional[Dict] = None
+
+    def partial_note(self) -> Optional[str]:
+        if not self.partial:
+            return None
+        return (f"PARTIAL: {self.name} scored {self.partial['n_sentences']} of "
+                f"{self.partial['n_expected']} expected sentences ({'; '.join(self.partial['problems'])})")
 
 
 def score_texts(
@@ -98,16 +108,18 @@ def score_texts(
 
 
 def score_generate_output(
-    name: str, path: Path, processing: TextProcessing, settings: BleuSettings, n_bootstrap: int, seed: int
+    name: str, path: Path, processing: TextProcessing, settings: BleuSettings, n_bootstrap: int, seed: int,
+    expected_sentences: Optional[int] = None, allow_partial: bool = False,
 ) -> SystemScore:
-    """Score a fairseq-generate output file (see :func:`~.detok.read_generate_output`)."""
-    generated = read_generate_output(path)
+    """Score a fairseq-generate output file (see :func:`~.detok.read_generate_output`); an
+    incomplete one is refused unless ``allow_partial`` (the score then says it is partial)."""
+    generated = read_generate_output(path, expected_sentences, allow_partial)
     inputs = {
         "generate_output": str(path),
         "hypothesis_lines": generated.hypothesis_source + "-",
         **processing.to_dict(),
     }
-    return score_texts(
+    system = score_texts(
         name,
         processing.apply(generated.hypotheses),
         processing.apply(generated.references),
@@ -116,6 +128,8 @@ def score_generate_output(
         seed,
         inputs,
     )
+    system.partial = None if generated.complete else generated.completeness()
+    return system
 
 
 def score_text_files(
@@ -173,6 +187,7 @@ def score_record(system: SystemScore, paired: Optional[Dict] = None) -> Dict:
         "references_sha256": system.references_sha256,
         "inputs": system.inputs,
         "paired": paired,
+        "partial": system.partial,
         "sentence_stats": {
             "columns": list(STATISTIC_COLUMNS),
             "rows": statistics_to_rows(result.sentence_stats),
@@ -241,7 +256,8 @@ def load_score_record(path: Path, name: Optional[str] = None) -> SystemScore:
         bootstrap_mean=record.get("bootstrap_mean"),
     )
     inputs = dict(record.get("inputs") or {}, score_record=str(path))
-    return SystemScore(name or record["system"], result, record["references_sha256"], inputs)
+    return SystemScore(name or record["system"], result, record["references_sha256"], inputs,
+                       record.get("partial") or None)
 
 
 def load_system(
@@ -251,14 +267,34 @@ def load_system(
     settings: BleuSettings,
     n_bootstrap: int,
     seed: int,
+    expected_sentences: Optional[int] = None,
+    allow_partial: bool = False,
 ) -> SystemScore:
-    """A system from a score record (JSON) or a fairseq-generate output file (anything else)."""
+    """A system from a score record (JSON) or a fairseq-generate output file (anything else).
+
+    Partial scores (an incomplete generate output, or a record written with --allow-partial) and
+    records of another sentence count than ``expected_sentences`` are refused unless
+    ``allow_partial``."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"system {name!r}: file {str(path)!r} does not exist")
-    if is_score_record_file(path):
-        return load_score_record(path, name)
-    return score_generate_output(name, path, processing, settings, n_bootstrap, seed)
+    if not is_score_record_file(path):
+        return score_generate_output(name, path, processing, settings, n_bootstrap, seed,
+                                     expected_sentences, allow_partial)
+    system = load_score_record(path, name)
+    if not allow_partial:
+        if system.partial:
+            raise ValueError(
+                f"system {name!r}: score record {str(path)!r} is a partial score "
+                f"({system.partial['n_sentences']} of {system.partial['n_expected']} sentences); "
+                "score a complete output, or pass --allow-partial"
+            )
+        if expected_sentences is not None and system.result.n_sentences != expected_sentences:
+            raise ValueError(
+                f"system {name!r}: score record {str(path)!r} has {system.result.n_sentences} "
+                f"sentences but {expected_sentences} are expected; pass --allow-partial to use it anyway"
+            )
+    return system
 
 
 def check_comparable(systems: Sequence[SystemScore]) -> None:
@@ -337,6 +373,9 @@ def score_table_row(record: Dict) -> str:
         p_value = format_p_value(paired["p_value"], paired["n_bootstrap"])
     else:
         baseline = difference = p_value = "-"
+    sentences = str(record["n_sentences"])
+    if record.get("partial"):
+        sentences = f"{record['n_sentences']} of {record['partial']['n_expected']} (partial)"
     cells = [
         record["system"],
         f"{record['bleu']:.2f}",
@@ -344,7 +383,7 @@ def score_table_row(record: Dict) -> str:
         baseline,
         difference,
         p_value,
-        str(record["n_sentences"]),
+        sentences,
         f"`{record['signature']}`",
     ]
     return "| " + " | ".join(_cell(cell) for cell in cells) + " |"
@@ -409,6 +448,8 @@ class Report:
     seed: int
     n_sentences: int
     signature: str
+    # system name -> GenerateOutput.completeness() for systems scored on part of the test set
+    partial: Dict[str, Dict] = field(default_factory=dict)
 
     def to_dict(self) -> Dict:
         return {
@@ -421,6 +462,7 @@ class Report:
             "interval": "95% bootstrap percentile interval (sacreBLEU's order statistics)",
             "paired_test": PAIRED_TEST_DEFINITION,
             "systems": [vars(row) for row in self.rows],
+            "partial": self.partial,
         }
 
 
@@ -497,6 +539,7 @@ def build_report(
         seed=seed,
         n_sentences=systems[0].result.n_sentences,
         signature=bleu_signature(settings, n_bootstrap, seed),
+        partial={system.name: system.partial for system in systems if system.partial},
     )
 
 
@@ -537,6 +580,9 @@ def report_markdown(report: Report) -> str:
         )
     lines.append("")
     lines.append(f"sacreBLEU signature: `{report.signature}`; {report.n_sentences} sentences.")
+    for name, info in report.partial.items():
+        lines.append(f"PARTIAL: {name} was scored on {info['n_sentences']} of {info['n_expected']} "
+                     f"expected sentences ({'; '.join(info['problems'])}).")
     if report.n_bootstrap:
         lines.append(
             f"95% CI: bootstrap percentile interval over {report.n_bootstrap} resamples "
