@@ -8,6 +8,7 @@ student's device and dtype (fp16 and bf16 included) on the first forward pass af
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Optional, Tuple
@@ -29,8 +30,10 @@ class TeacherCheckpointError(ValueError):
 class FrozenTeacher:
     """A frozen fairseq Transformer used as the source of distillation signals."""
 
-    def __init__(self, model: nn.Module, path: str):
+    def __init__(self, model: nn.Module, path: str, sha256: Optional[str] = None):
         self.path = path
+        # content hash of the checkpoint file: what binds a student's run to this teacher
+        self.sha256 = sha256 if sha256 is not None else file_sha256(path)
         self.model = model
         self.model.eval()
         for param in self.model.parameters():
@@ -98,6 +101,14 @@ class FrozenTeacher:
             with FeatureCapture(self.model, request) as capture:
                 net_output = self.model(**net_input)
             return net_output, capture.features()
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _embedding_rows(state_dict: dict, prefix: str) -> Optional[int]:
