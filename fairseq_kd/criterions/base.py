@@ -9,6 +9,12 @@ rest, once for all methods:
   method's documented unit), so ``loss / sample_size`` is normalised exactly like fairseq's CE
   (per target token, or per sentence with ``--sentence-avg``), independent of batch size and
   worker count;
+* a term whose paper defines it per *sentence* (a distance between sentence vectors) is listed in
+  ``SENTENCE_TERMS`` and returned as a sum over sentences; the base multiplies it by
+  ``sample_size / nsentences`` so that after fairseq's division by ``sample_size`` it is the mean
+  over sentences, the paper's unit, and its weight means the paper's weight at any sentence length
+  (without this, dividing a per-sentence sum by target tokens would shrink it by the mean sentence
+  length). With several workers each worker's sentence mean enters with its share of the tokens;
 * the teacher runs only when some distillation term has a non-zero weight, without autograd, on
   the student's device and dtype; features are captured only when requested;
 * every term is logged unweighted as ``<name>_loss`` next to fairseq's ``loss`` (the weighted
@@ -40,6 +46,75 @@ class KDCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
     )
 
 
+# --------------------------------------------------------------- numeric option validation
+# Every weight, temperature and rate of every criterion is checked here, once, at start-up (the
+# task calls check_numeric_options before building the criterion): finite, and in its range.
+# (low, low_inclusive, high, high_inclusive, meaning); None = unbounded on that side.
+_RANGES = {
+    "label_smoothing": (0.0, True, 1.0, False, "the share of probability mass spread over the vocabulary"),
+    "word_rate": (0.0, False, 1.0, True, "the share of words distilled"),
+    "a2d_alpha": (0.0, True, 1.0, True, "(1 - alpha) CE + alpha KD"),
+    "a2d_lambda_decay": (0.0, False, 1.0, True, "lambda_e = lambda_0 * decay^(e-1); 1 keeps it constant"),
+    "internal_cos_threshold": (0.0, True, None, False, "a cosine-distance threshold"),
+    "internal_epochs_per_layer": (1, True, None, False, "a number of epochs"),
+    "queue_size": (1, True, None, False, "a number of tokens"),
+    "rail_projection_dim": (1, True, None, False, "a dimension"),
+    "ignore_prefix_size": (0, True, None, False, "a number of tokens"),
+}
+_TEMPERATURE = (0.0, False, None, False, "a softmax temperature")
+_WEIGHT = (0.0, True, None, False, "a loss weight (0 switches the term off)")
+
+
+def numeric_option_range(name: str):
+    """The range rule of a criterion option, by name (explicit table, then naming convention:
+    ``*temperature*`` > 0; ``*_weight``, ``*lambda*``, ``*_mu`` >= 0), or None for finiteness only."""
+    if name in _RANGES:
+        return _RANGES[name]
+    if "temperature" in name:
+        return _TEMPERATURE
+    if name.endswith("_weight") or "lambda" in name or name.endswith("_mu"):
+        return _WEIGHT
+    return None
+
+
+def _interval(low, low_inclusive, high, high_inclusive) -> str:
+    if high is None:
+        return f"{'>=' if low_inclusive else '>'} {low}"
+    return f"{'[' if low_inclusive else '('}{low}, {high}{']' if high_inclusive else ')'}"
+
+
+def check_numeric_options(cfg, criterion_name: str = "") -> None:
+    """Raise ValueError naming the flag if a numeric option of a criterion config is NaN,
+    infinite, or outside its range (see :func:`numeric_option_range`). ``None`` (unset optional
+    values) passes."""
+    import dataclasses
+
+    keys = list(cfg.keys()) if hasattr(cfg, "keys") else [f.name for f in dataclasses.fields(cfg)]
+    for name in keys:
+        try:
+            value = cfg[name] if hasattr(cfg, "keys") else getattr(cfg, name)
+        except Exception:  # noqa: BLE001 - an unresolvable interpolation is not a number to check
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        flag = "--" + name.replace("_", "-")
+        where = f" (criterion {criterion_name})" if criterion_name else ""
+        rule = numeric_option_range(name)
+        if not math.isfinite(value):
+            expected = f" in {_interval(*rule[:4])}" if rule else ""
+            raise ValueError(f"{flag} must be a finite number{expected}{where}, got {value}")
+        if rule is None:
+            continue
+        low, low_inclusive, high, high_inclusive, meaning = rule
+        below = value < low or (value == low and not low_inclusive)
+        above = high is not None and (value > high or (value == high and not high_inclusive))
+        if below or above:
+            raise ValueError(
+                f"{flag} must be in {_interval(low, low_inclusive, high, high_inclusive)} ({meaning}){where}, "
+                f"got {value}"
+            )
+
+
 @dataclass
 class DistillationBatch:
     """Everything a method needs for one batch. Hidden/attention features are only present when
@@ -66,6 +141,8 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
 
     #: names of the distillation terms this method adds (each logged as ``<name>_loss``)
     TERM_NAMES: Tuple[str, ...] = ()
+    #: the terms among ``TERM_NAMES`` that ``distillation_terms`` returns as sums over sentences
+    SENTENCE_TERMS: Tuple[str, ...] = ()
     #: what to capture from the student and from the teacher during the forward pass
     student_request: CaptureRequest = CaptureRequest()
     teacher_request: CaptureRequest = CaptureRequest()
@@ -141,12 +218,16 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
                 target_mask=self.target_mask(sample),
             )
             terms = self.distillation_terms(batch)
+        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        nsentences = sample["target"].size(0)
+        for name in self.SENTENCE_TERMS:
+            if name in terms and nsentences > 0:
+                terms[name] = terms[name] * (sample_size / nsentences)
         loss = weights["ce"] * ce_loss
         for name in self.TERM_NAMES:
             if name in terms and weights[name] != 0:
                 loss = loss + weights[name] * terms[name]
 
-        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
         logging_output = {
             "loss": loss.data,
             "ce_loss": ce_loss.data,
