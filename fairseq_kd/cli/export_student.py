@@ -13,7 +13,7 @@ import sys
 def cli_main(argv=None):
     parser = argparse.ArgumentParser(prog="fairseq-kd-export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="student checkpoint written by fairseq-train --user-dir fairseq_kd")
-    parser.add_argument("output", help="path of the exported checkpoint (.pt)")
+    parser.add_argument("output", help="path of the exported checkpoint (.pt), or an existing folder (or a path ending in /) to write a file named like CHECKPOINT into")
     parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
     args = parser.parse_args(argv)
 

@@ -61,13 +61,23 @@ def count_parameters(state_dict: dict) -> int:
 
 
 def export_student(checkpoint: str, output: str, overwrite: bool = False) -> dict:
-    """Write ``output`` from the training checkpoint ``checkpoint``; return a summary."""
+    """Write ``output`` from the training checkpoint ``checkpoint``; return a summary.
+
+    An ``output`` that is an existing folder, or ends with a path separator, receives a file named
+    like the input checkpoint inside it (``export/`` -> ``export/checkpoint_best.pt``)."""
     if not os.path.isfile(checkpoint):
         raise ExportError(f"checkpoint {checkpoint!r}: no such file")
+    output = str(output)
+    if os.path.isdir(output) or output.endswith(("/", os.sep)):
+        output = os.path.join(output, os.path.basename(checkpoint))
+    if os.path.isdir(output):
+        raise ExportError(f"output {output!r} is a folder; give a file path for the exported checkpoint")
+    if os.path.abspath(output) == os.path.abspath(checkpoint) or (
+            os.path.exists(output) and os.path.samefile(output, checkpoint)):
+        raise ExportError(f"the output path {output!r} is the input checkpoint; choose another path "
+                          "(the export never replaces its input)")
     if os.path.exists(output) and not overwrite:
         raise ExportError(f"output {output!r} already exists; choose another path or pass --overwrite")
-    if os.path.abspath(output) == os.path.abspath(checkpoint):
-        raise ExportError("the output path must differ from the input checkpoint")
     state = load_fairseq_checkpoint(checkpoint)  # weights_only=True, explicitly
     cfg = state.get("cfg")
     if cfg is None or "model" not in state:
