@@ -122,7 +122,7 @@ def test_every_default_passes_and_every_non_finite_value_is_refused():
                 with pytest.raises(ValueError, match="--" + field_name.replace("_", "-")):
                     check_numeric_options(dataclasses.replace(config, **{field_name: bad}), name)
         if "kd_temperature" in {f.name for f in dataclasses.fields(config_class)}:
-            with pytest.raises(ValueError, match=r"--kd-temperature must be in > 0"):
+            with pytest.raises(ValueError, match=r"--kd-temperature must be > 0"):
                 check_numeric_options(dataclasses.replace(config, kd_temperature=0.0), name)
 
 
@@ -134,14 +134,14 @@ def test_every_default_passes_and_every_non_finite_value_is_refused():
 def test_ranges(field_name, bad, good):
     from fairseq_kd.criterions.base import check_numeric_options
 
-    with pytest.raises(ValueError, match="--" + field_name.replace("_", "-") + " must be in"):
+    with pytest.raises(ValueError, match="--" + field_name.replace("_", "-") + " must be (in|>)"):
         check_numeric_options({field_name: bad})
     check_numeric_options({field_name: good})
 
 
 @pytest.mark.parametrize("flags, fragment", [
     (["--kd-temperature", "nan"], "--kd-temperature must be a finite number"),
-    (["--label-smoothing", "1.5"], "--label-smoothing must be in [0.0, 1.0)"),
+    (["--label-smoothing", "1.5"], "--label-smoothing must be in [0, 1)"),
 ])
 def test_bad_numbers_are_refused_at_start_up(tiny_data_bin, tiny_teacher, tmp_path, flags, fragment):
     proc = train_student(tiny_data_bin, tiny_teacher, tmp_path / "s", ["--criterion", "word_kd", *flags], check=False)

@@ -78,9 +78,10 @@ def numeric_option_range(name: str):
 
 
 def _interval(low, low_inclusive, high, high_inclusive) -> str:
+    """``>= 0``, ``> 0`` or ``in [0, 1)``: what follows "must be" in a message."""
     if high is None:
-        return f"{'>=' if low_inclusive else '>'} {low}"
-    return f"{'[' if low_inclusive else '('}{low}, {high}{']' if high_inclusive else ')'}"
+        return f"{'>=' if low_inclusive else '>'} {low:g}"
+    return f"in {'[' if low_inclusive else '('}{low:g}, {high:g}{']' if high_inclusive else ')'}"
 
 
 def check_numeric_options(cfg, criterion_name: str = "") -> None:
@@ -101,7 +102,7 @@ def check_numeric_options(cfg, criterion_name: str = "") -> None:
         where = f" (criterion {criterion_name})" if criterion_name else ""
         rule = numeric_option_range(name)
         if not math.isfinite(value):
-            expected = f" in {_interval(*rule[:4])}" if rule else ""
+            expected = f" {_interval(*rule[:4])}" if rule else ""
             raise ValueError(f"{flag} must be a finite number{expected}{where}, got {value}")
         if rule is None:
             continue
@@ -110,7 +111,7 @@ def check_numeric_options(cfg, criterion_name: str = "") -> None:
         above = high is not None and (value > high or (value == high and not high_inclusive))
         if below or above:
             raise ValueError(
-                f"{flag} must be in {_interval(low, low_inclusive, high, high_inclusive)} ({meaning}){where}, "
+                f"{flag} must be {_interval(low, low_inclusive, high, high_inclusive)} ({meaning}){where}, "
                 f"got {value}"
             )
 

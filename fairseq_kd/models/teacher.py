@@ -32,8 +32,7 @@ class FrozenTeacher:
 
     def __init__(self, model: nn.Module, path: str, sha256: Optional[str] = None):
         self.path = path
-        # content hash of the checkpoint file: what binds a student's run to this teacher
-        self.sha256 = sha256 if sha256 is not None else file_sha256(path)
+        self._sha256 = sha256
         self.model = model
         self.model.eval()
         for param in self.model.parameters():
@@ -82,9 +81,17 @@ class FrozenTeacher:
         except RuntimeError as err:
             raise TeacherCheckpointError(f"{FLAG} {path!r}: weights do not fit its own config: {err}") from err
         try:
-            return cls(model, path)
+            return cls(model, path, file_sha256(path))
         except NotATransformerError as err:
             raise TeacherCheckpointError(f"{FLAG} {path!r}: {err}") from err
+
+    @property
+    def sha256(self) -> Optional[str]:
+        """Content hash of the checkpoint file (what binds a student's run to this teacher);
+        None for a teacher built in memory without a file."""
+        if self._sha256 is None and self.path and os.path.isfile(self.path):
+            self._sha256 = file_sha256(self.path)
+        return self._sha256
 
     def follow(self, reference: torch.Tensor) -> None:
         """Move the teacher to ``reference``'s device and floating dtype if it is elsewhere."""
