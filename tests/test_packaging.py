@@ -1,0 +1,102 @@
+"""Packaging: ``pip install .`` / ``pip install -e .`` into an environment that already has torch
+and fairseq keeps both, and the package's metadata declares what the plugin imports.
+
+pip runs with ``--dry-run --report`` on a copy of the project (so neither the project's venv nor
+its checkout is touched) and the report says what pip *would* install.
+"""
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import QUIET_ENV, REPO
+
+# pip's words for "could not reach or read the package index"
+OFFLINE_MARKERS = ("Could not find a version", "No matching distribution", "NewConnectionError",
+                   "Network is unreachable", "Temporary failure in name resolution",
+                   "Max retries exceeded", "ConnectTimeout", "ReadTimeout")
+NEVER_INSTALLED = {"torch", "torchaudio", "torchvision", "fairseq", "fairseq-fixed", "numpy"}
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _copy_project(destination: Path) -> Path:
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, destination / name)
+    shutil.copytree(REPO / "fairseq_kd", destination / "fairseq_kd",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return destination
+
+
+def _dry_run(project: Path, editable: bool, report: Path) -> dict:
+    target = ["-e", str(project)] if editable else [str(project)]
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report),
+           "--no-build-isolation", *target]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=QUIET_ENV, cwd=project, timeout=600)
+    if proc.returncode != 0:
+        output = proc.stdout + proc.stderr
+        if any(marker in output for marker in OFFLINE_MARKERS):
+            pytest.skip(f"package index unreachable for pip's dry run: {output.strip().splitlines()[-1]}")
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-4000:]}")
+    return json.loads(report.read_text())
+
+
+@pytest.mark.parametrize("editable", [True, False], ids=["pip-install-e", "pip-install"])
+def test_pip_install_keeps_installed_torch_and_fairseq(tmp_path, editable):
+    pytest.importorskip("fairseq")  # the situation under test: fairseq is already installed
+    (tmp_path / "project").mkdir()
+    project = _copy_project(tmp_path / "project")
+    report = _dry_run(project, editable, tmp_path / "report.json")
+
+    installs = {_canonical(item["metadata"]["name"]): item for item in report["install"]}
+    assert "fairseq-kd" in installs, f"pip would not install the package: {sorted(installs)}"
+    replaced = sorted(NEVER_INSTALLED & set(installs))
+    assert not replaced, (f"pip would install {replaced} over the environment's own "
+                          f"(would install: {sorted(installs)})")
+
+    metadata = installs["fairseq-kd"]["metadata"]
+    requires = {_canonical(re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0]): req
+                for req in metadata.get("requires_dist", [])}
+    for needed in ("torch", "numpy", "sacrebleu", "sentencepiece", "subword-nmt", "sacremoses",
+                   "matplotlib", "tensorboardx", "tqdm"):
+        assert needed in requires, f"{needed} is not declared (declared: {sorted(requires)})"
+    # torch: a lower bound only, so any installed torch >= 2.0 satisfies it
+    assert not re.search(r"(==|<|~=)", requires["torch"]), requires["torch"]
+    # fairseq is brought by the user (stock 0.12.2 does not build on Python 3.11)
+    assert not {"fairseq", "fairseq-fixed"} & set(requires)
+    assert metadata["requires_python"] == ">=3.11"
+
+
+def test_entry_points_declared():
+    text = (REPO / "pyproject.toml").read_text()
+    for script in ("fairseq-kd-score", "fairseq-kd-report", "fairseq-kd-plot", "fairseq-kd-export",
+                   "fairseq-kd-make-corpus", "fairseq-kd-seqkd", "fairseq-kd-recipe"):
+        module = re.search(rf'^{script} = "([\w.]+):cli_main"$', text, re.MULTILINE)
+        assert module, f"{script} is not a console script in pyproject.toml"
+        assert (REPO / (module.group(1).replace(".", "/") + ".py")).is_file(), module.group(1)
+    assert not (REPO / "setup.py").exists(), "setup.py and pyproject.toml would disagree"
+
+
+def test_register_names_the_fix_when_fairseq_is_missing_or_old(tmp_path):
+    """A stub ``fairseq`` package first on sys.path stands for a missing or old install."""
+    code = ("import fairseq_kd\n"
+            "try:\n    fairseq_kd.register()\n"
+            "except fairseq_kd.FairseqMissingError as e:\n    print('REFUSED', e)\n")
+    old = tmp_path / "old"
+    (old / "fairseq").mkdir(parents=True)
+    (old / "fairseq" / "__init__.py").write_text("__version__ = '0.10.2'\n")
+    missing = tmp_path / "missing"
+    (missing / "fairseq").mkdir(parents=True)
+    (missing / "fairseq" / "__init__.py").write_text("raise ImportError('No module named fairseq')\n")
+    for stub, expected in ((old, "found 0.10.2"), (missing, "cannot be imported")):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env={**QUIET_ENV, "PYTHONPATH": str(stub)}, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "REFUSED" in proc.stdout and expected in proc.stdout, proc.stdout
+        assert "fairseq-fixed==0.12.3.1" in proc.stdout and "--no-build-isolation" in proc.stdout
