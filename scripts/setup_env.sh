@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment in .venv and install what fairseq-kd needs.
 #
-# Why by hand rather than `pip install -e .` resolving everything: stock fairseq 0.12.2 does not build
+# Why by hand rather than `pip install -e .` resolving everything (pyproject.toml declares every
+# dependency but fairseq; that path is for an environment that already has torch and fairseq, see
+# the README): stock fairseq 0.12.2 does not build
 # on Python >= 3.11, fairseq-fixed must be built without build isolation against the torch already
 # installed, and a resolver left alone would pull a second (CUDA) torch or torchaudio.
 # Idempotent: a finished environment is recognised by a stamp file and reused in about a second.
@@ -10,10 +12,30 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${FAIRSEQ_KD_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.fairseq_kd_env_v1"
+# v2 adds TensorBoard logging (tensorboardX) to a v1 environment; tqdm is in v1 already.
+STAMP_V2="$VENV/.fairseq_kd_env_v2"
+
+# Packages added after v1: installed into an existing environment without rebuilding it, each only
+# when absent, against the installed torch (constraints.txt) so nothing replaces it.
+upgrade_v1_to_v2() {
+    if ! "$VENV/bin/python" -c "import tensorboardX, tqdm" 2>/dev/null; then
+        echo "[setup_env] adding tensorboardX and tqdm to $VENV"
+        local pin=()
+        [[ -f "$VENV/constraints.txt" ]] && pin=(-c "$VENV/constraints.txt")
+        if ! "$VENV/bin/python" -m pip install -q "${pin[@]}" tensorboardX tqdm; then
+            # not fatal: everything but --tensorboard-logdir works without it; retried next time
+            echo "[setup_env] warning: could not install tensorboardX; --tensorboard-logdir will not log" >&2
+            return 0
+        fi
+    fi
+    touch "$STAMP_V2"
+}
 
 if [[ -f "$STAMP" ]]; then
+    [[ -f "$STAMP_V2" ]] || upgrade_v1_to_v2
     # Keep the editable install pointing at this checkout (a fresh clone may reuse a shared venv).
-    "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null
+    # (PYTHONWARNINGS: setuptools warns about editable installs on every run)
+    PYTHONWARNINGS=ignore "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null
     exit 0
 fi
 
@@ -48,7 +70,7 @@ echo "torch==$TORCH_VERSION" >"$CONSTRAINTS"
 "${PIP[@]}" install -q -c "$CONSTRAINTS" "cython<3.2" "numpy<2.3"
 "${PIP[@]}" install -q -c "$CONSTRAINTS" \
     "hydra-core==1.3.2" "omegaconf==2.3.0" cffi regex "sacrebleu>=2.3" tqdm bitarray \
-    scikit-learn packaging sentencepiece subword-nmt sacremoses pytest matplotlib
+    scikit-learn packaging sentencepiece subword-nmt sacremoses pytest matplotlib tensorboardX
 echo "[setup_env] building fairseq-fixed==0.12.3.1 (about 3 minutes the first time; pip caches the wheel)"
 "${PIP[@]}" install -q --no-deps --no-build-isolation "fairseq-fixed==0.12.3.1"
 "${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT"
@@ -58,7 +80,7 @@ echo "[setup_env] building fairseq-fixed==0.12.3.1 (about 3 minutes the first ti
 import importlib.util, sys, torch
 if importlib.util.find_spec("torchaudio") is not None:
     sys.exit("torchaudio is installed in the environment; it pins another torch. Remove it.")
-import fairseq, fairseq_kd  # noqa: F401
+import fairseq, fairseq_kd, tensorboardX  # noqa: F401
 print(f"[setup_env] ok: torch {torch.__version__}, fairseq {fairseq.__version__}")
 PYCHK
-touch "$STAMP"
+touch "$STAMP" "$STAMP_V2"
