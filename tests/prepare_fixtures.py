@@ -116,6 +116,7 @@ _WORDS = {  # position i of every list is (roughly) the same word
     "en": "the house is big and old we see the tree in garden today morning children play gladly outside".split(),
     "pt": "a casa é grande e velha nós vemos a árvore no jardim hoje manhã crianças brincam lá fora".split(),
     "dsb": "ten dom jo wjeliki a stary my wiźimy ten bom w zagroźe źinsa zajtša źiśi grajkaju rad wenka".split(),
+    "fr": "la maison est grande et vieille nous voyons l' arbre dans jardin aujourd'hui matin enfants jouent volontiers dehors".split(),
 }
 
 

@@ -90,6 +90,10 @@ def test_every_method_is_a_valid_fairseq_train_command(tmp_path, pair_name):
     # 25K tokens per update: 4 updates of 4,096 tokens on each of the 2 GPUs make 32K).
     wmt14 = pair_name == "wmt14_en_de"
     dropout, update_freq = (0.1, 4) if wmt14 else (0.3, 1)
+    # Multi30k: our own setup for small models (pairs.py, _multi30k_fr_en).
+    lr, warmup, max_tokens = (1.5e-3, 500, 2048) if pair_name == "multi30k_fr_en" else (5e-4, 4000, 4096)
+    if pair_name == "multi30k_fr_en":
+        dropout = 0.2
     generate = parse_command(options_parser("generation"), plan.step(f"generate-{TEACHER}").commands[0])
     assert generate.beam == 5 and generate.fp16 and generate.required_batch_size_multiple == 1
 
@@ -107,8 +111,10 @@ def test_every_method_is_a_valid_fairseq_train_command(tmp_path, pair_name):
         assert args.label_smoothing == 0.1
         # The papers' training values, fp16 data-parallel over the 2 GPUs of the plan.
         assert args.optimizer == "adam" and ast.literal_eval(args.adam_betas) == (0.9, 0.98)
-        assert args.lr == [5e-4] and args.lr_scheduler == "inverse_sqrt" and args.warmup_updates == 4000
-        assert args.weight_decay == 1e-4 and args.dropout == dropout and args.max_tokens == 4096
+        assert args.lr == [lr] and args.lr_scheduler == "inverse_sqrt" and args.warmup_updates == warmup
+        assert args.weight_decay == 1e-4 and args.dropout == dropout and args.max_tokens == max_tokens
+        # Checkpoints are chosen on the references' nll, never on a KD criterion's total loss.
+        assert args.best_checkpoint_metric == "nll_loss" and not args.maximize_best_checkpoint_metric
         assert args.fp16 and args.distributed_world_size == 2 and args.update_freq == [update_freq]
         # Data and teacher.
         assert args.task == "translation_kd"
@@ -347,3 +353,72 @@ def test_iwslt14_recipe_end_to_end_then_skips_everything(tmp_path, monkeypatch, 
     assert {path: path.stat().st_mtime_ns for path in outputs} == outputs
     print(f"end-to-end recipe on {'real' if real else 'synthetic'} segments: "
           + ", ".join(f"{name} {rows[name]['bleu']:.2f}" for name in systems))
+
+
+def test_a_given_teacher_replaces_the_teacher_training(tmp_path, capsys):
+    teacher = tmp_path / "mine" / "teacher.pt"
+    teacher.parent.mkdir()
+    teacher.write_bytes(b"a checkpoint")
+    plan = plan_for(tmp_path, "multi30k_fr_en", profile="cpu", methods=("no_kd", "word_kd", "a2d_kd_4h"),
+                    teacher=teacher)
+    names = [step.name for step in plan.steps]
+    assert f"train-{TEACHER}" not in names and f"export-{TEACHER}" in names
+    word_kd = parse_training_command(plan.step("train-word_kd").commands[0])
+    assert word_kd.teacher_checkpoint == str(teacher.resolve())
+    assert teacher.resolve() in plan.step("train-word_kd").inputs
+    # The pair's own budget on the CPU: 6 epochs, its warm-up kept over the cpu profile's.
+    assert word_kd.max_epoch == 6 and word_kd.warmup_updates == 500 and word_kd.max_update == 0
+    assert word_kd.encoder_embed_dim == 64 and word_kd.encoder_layers == 3
+    common = ["--workdir", str(tmp_path / "other"), "--profile", "cpu"]
+    assert recipe_cli.cli_main(["multi30k_fr_en", "--teacher", str(tmp_path / "absent.pt"), *common]) == 2
+    assert "--teacher" in capsys.readouterr().err and not (tmp_path / "other").exists()
+
+
+MULTI30K = Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k-fr-en"
+SMOKE_SIZES = {"train": 300, "val": 30, "test_2016_flickr": 30}
+
+
+def build_multi30k_release(folder):
+    """The Multi30k release's file names with the first lines of the real corpus (synthetic
+    French-English text when ../shared/data is absent)."""
+    import gzip
+
+    folder.mkdir(parents=True)
+    for stem, count in SMOKE_SIZES.items():
+        if (MULTI30K / f"{stem}.fr.gz").is_file():
+            sides = {}
+            for lang in ("fr", "en"):
+                with gzip.open(MULTI30K / f"{stem}.{lang}.gz", "rt", encoding="utf-8") as handle:
+                    sides[lang] = [next(handle).rstrip("\n") for _ in range(count)]
+        else:
+            french, english = synthetic_parallel(count, "fr", "en", seed=len(stem))
+            sides = {"fr": french, "en": english}
+        for lang, lines in sides.items():
+            with gzip.open(folder / f"{stem}.{lang}.gz", "wt", encoding="utf-8") as handle:
+                handle.write("\n".join(lines) + "\n")
+    return folder
+
+
+def test_quality_benchmark_command_runs_its_steps_on_tiny_data(tmp_path):
+    """scripts/quality_benchmark.sh as a user runs it (smoke profile, tiny corpus in the release's
+    layout): preparation, teacher, no-KD / word-KD / A2D students, decoding, report, copied report."""
+    import os
+    import subprocess
+
+    release = build_multi30k_release(tmp_path / "release")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MULTI30K_DIR": str(release),
+           "QUALITY_WORKDIR": str(tmp_path / "work"), "QUALITY_RESULTS_DIR": str(tmp_path / "results")}
+    script = Path(__file__).resolve().parents[1] / "scripts" / "quality_benchmark.sh"
+    command = ["bash", str(script), "--profile", "smoke", "--methods", "no_kd,word_kd,a2d_kd_4h", "--workers", "1"]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "work" / "report" / "results.json").read_text())
+    assert [row["system"] for row in report["systems"]] == [TEACHER, "no_kd", "word_kd", "a2d_kd_4h"]
+    assert report["n_sentences"] == SMOKE_SIZES["test_2016_flickr"] and report["baseline"] == BASELINE
+    prepared = json.loads((tmp_path / "work" / "data-bin" / "prepare.json").read_text())
+    assert prepared["sizes"] == {"train": 300, "valid": 30, "test": 30} and prepared["corpus"] == "multi30k.fr-en"
+    copied = (tmp_path / "results" / "multi30k_fr_en_smoke.md").read_text()
+    assert copied == (tmp_path / "work" / "report" / "results.md").read_text() and "a2d_kd_4h" in copied
+    # A second run skips every step.
+    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    assert again.returncode == 0 and re.search(r"ran 0 step\(s\)", again.stdout), again.stdout[-2000:]

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=DEFAULT_PREPARE_WORKERS, metavar="N",
                         help="worker processes of the preparation (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=1, help="seed of training and decoding (default: %(default)s)")
+    parser.add_argument("--teacher", type=Path, metavar="CKPT",
+                        help="distil from this already trained teacher checkpoint (trained on the same "
+                        "binarised --data) instead of training one; it is scored like a trained teacher")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the steps, whether each is done, and their command lines; run nothing")
     return parser
@@ -105,6 +108,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         pair=args.pair, methods=args.methods, profile=args.profile, workdir=args.workdir,
         archives=args.archives, data=args.data, gpus=args.gpus, max_update=args.max_update,
         prepare_args=args.prepare_args, train_args=args.train_args, workers=args.workers, seed=args.seed,
+        teacher=args.teacher,
     )
     with progress_to_stderr("fairseq_kd"):
         try:

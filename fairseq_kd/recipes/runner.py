@@ -96,6 +96,8 @@ class RecipeOptions:
     train_args: Sequence[str] = ()
     workers: int = DEFAULT_PREPARE_WORKERS
     seed: int = 1
+    #: an already trained teacher checkpoint to distil from (no train-teacher step)
+    teacher: Optional[Path] = None
 
 
 @dataclass
@@ -348,6 +350,8 @@ class _Planner:
         return self.workdir / "train" / system
 
     def checkpoint(self, system: str) -> Path:
+        if system == TEACHER and self.options.teacher is not None:
+            return self.options.teacher.resolve()
         return self.save_dir(system) / "checkpoint_best.pt"
 
     def model(self, system: str) -> Path:
@@ -358,6 +362,10 @@ class _Planner:
 
     def score(self, system: str) -> Path:
         return self.workdir / "scores" / f"{system}.json"
+
+    def test_reference(self) -> Path:
+        """The untouched test references the preparation keeps (one line per test sentence)."""
+        return self.data / "raw" / f"test.{self.pair.target}"
 
     def log(self, step: str) -> Path:
         return self.workdir / "logs" / f"{step}.log"
@@ -376,7 +384,8 @@ class _Planner:
     def plan(self) -> list[RecipeStep]:
         if self.options.data is None:
             self.add_prepare()
-        self.add_teacher()
+        if self.options.teacher is None:
+            self.add_teacher()
         self.add_evaluation(TEACHER, data=self.data)
         if any(method.data == "seqkd" for method in self.methods):
             self.add_seqkd()
@@ -405,16 +414,21 @@ class _Planner:
 
     # training
     def training_values(self) -> dict[str, str]:
-        """The papers' fairseq-train values, with the pair's and then the profile's replacements."""
-        return {**self.pair.training(), **self.profile.training_overrides}
+        """The papers' fairseq-train values, with the pair's and then the profile's replacements,
+        then the pair's values for this profile."""
+        return {**self.pair.training(), **self.profile.training_overrides,
+                **self.pair.profile_training.get(self.profile.name, {})}
 
     def training_flags(self) -> list[str]:
         flags = [item for flag_value in self.training_values().items() for item in flag_value]
         if self.options.max_update is not None:
             schedule = ["--max-update", str(self.options.max_update)]
         else:
-            schedule = list(self.profile.schedule or self.pair.schedule)
-        return flags + schedule
+            schedule = list(self.pair.profile_schedules.get(self.profile.name)
+                            or self.profile.schedule or self.pair.schedule)
+        # The best checkpoint is the one with the best validation nll of the references: a KD
+        # criterion's total loss changes its terms' weights per epoch (pairs.py).
+        return flags + schedule + ["--best-checkpoint-metric", "nll_loss"]
 
     def placement_flags(self, distils: bool) -> list[str]:
         if self.profile.device == "cuda":
@@ -525,9 +539,13 @@ class _Planner:
                  description=f"decode the test set, beam {self.profile.beam}")
         self.add(f"score-{system}",
                  [([*python_module("fairseq_kd.cli.score"), "--generate-output", str(self.generate_output(system)),
-                    "--system", system, *self.scoring, "--output-json", str(self.score(system)), "--overwrite"], [])],
-                 [self.generate_output(system)], [self.score(system)], description="sacreBLEU with 95% CI")
-        log = self.save_dir(system) / "train.log"
+                    "--system", system, *self.scoring, "--expected-from", str(self.test_reference()),
+                    "--output-json", str(self.score(system)), "--overwrite"], [])],
+                 [self.generate_output(system), self.test_reference()], [self.score(system)],
+                 description="sacreBLEU with 95% CI, every test sentence present")
+        log = self.checkpoint(system).parent / "train.log"
+        if system == TEACHER and self.options.teacher is not None and not log.is_file():
+            return  # a teacher trained elsewhere, without its fairseq log beside it: no curves
         curves = self.workdir / "plots" / f"{system}-curves.png"
         self.add(f"curves-{system}",
                  [([*python_module("fairseq_kd.cli.plot"), "curves", "--log", str(log), "--output", str(curves),
@@ -597,6 +615,8 @@ def build_plan(options: RecipeOptions, executor: Optional[Callable[[Sequence[str
         check_prepared_data(pair, options.data)
     check_archives(pair, options.archives)
     check_criterions(methods)
+    if options.teacher is not None and not options.teacher.is_file():
+        raise RecipeError(f"--teacher {options.teacher}: no such checkpoint file")
     workdir = (options.workdir or default_workdir(pair, profile)).resolve()
     check_workdir(workdir, pair, profile)
     execute = executor or CommandExecutor()

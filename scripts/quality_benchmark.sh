@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The real-corpus quality benchmark: Multi30k task 1 French-English (29K training pairs), a teacher
+# and 3+3 students trained without KD and with each distillation method, test_2016_flickr decoded
+# with beam 5, and the paired-bootstrap report (BLEU, 95% CI, delta and p against no KD).
+#
+#   bash scripts/quality_benchmark.sh                       # every method, gpu profile if a GPU is visible
+#   bash scripts/quality_benchmark.sh --profile cpu --methods no_kd,word_kd,a2d_kd_4h
+#   bash scripts/quality_benchmark.sh --teacher path/to/teacher.pt   # distil from a teacher you have
+#
+# Arguments go to fairseq-kd-recipe (see examples/translation/README.md, "Recipes"). The corpus is
+# read from $MULTI30K_DIR (default ../shared/data/multi30k-fr-en, the release's file names:
+# train/val/test_2016_flickr.{fr,en}.gz), or downloaded when that folder does not exist. Re-running
+# skips finished steps and resumes an interrupted training. The report is copied to
+# $QUALITY_RESULTS_DIR/multi30k_fr_en_<profile>.md (default docs/results/).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$ROOT/scripts/setup_env.sh"
+PY="${FAIRSEQ_KD_VENV:-$ROOT/.venv}/bin/python"
+cd "$ROOT"
+
+PROFILE=auto
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+    case "${args[i]}" in
+        --profile) PROFILE="${args[i + 1]:-auto}" ;;
+        --profile=*) PROFILE="${args[i]#--profile=}" ;;
+    esac
+done
+if [[ "$PROFILE" == auto ]]; then
+    PROFILE="$("$PY" -c 'import torch; print("gpu" if torch.cuda.is_available() else "cpu")')"
+fi
+
+source_args=()
+MULTI30K_DIR="${MULTI30K_DIR:-$ROOT/../shared/data/multi30k-fr-en}"
+if [[ " $* " != *" --data "* && -d "$MULTI30K_DIR" ]]; then
+    source_args=(--archives "$MULTI30K_DIR")
+fi
+WORKDIR="${QUALITY_WORKDIR:-$ROOT/work_dirs/quality/multi30k_fr_en/$PROFILE}"
+
+"$PY" -m fairseq_kd.cli.recipe multi30k_fr_en --profile "$PROFILE" --workdir "$WORKDIR" "${source_args[@]}" "$@"
+if [[ -f "$WORKDIR/report/results.md" && " $* " != *" --dry-run "* ]]; then
+    RESULTS_DIR="${QUALITY_RESULTS_DIR:-$ROOT/docs/results}"
+    mkdir -p "$RESULTS_DIR"
+    cp "$WORKDIR/report/results.md" "$RESULTS_DIR/multi30k_fr_en_${PROFILE}.md"
+    echo "report copied to $RESULTS_DIR/multi30k_fr_en_${PROFILE}.md"
+fi

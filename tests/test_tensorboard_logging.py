@@ -1,0 +1,71 @@
+"""Every KD loss term reaches TensorBoard (``--tensorboard-logdir``) and fairseq's JSON log
+(``--log-format json``, what ``fairseq-kd-plot curves`` reads), through fairseq-train itself.
+
+The event files are read here without TensorFlow or tensorboard: they are TFRecord files (length,
+masked CRC, payload, masked CRC) of ``Event`` protobufs, whose schema tensorboardX ships.
+"""
+import struct
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from conftest import train_student
+
+event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2",
+                                reason="tensorboardX is not installed (scripts/setup_env.sh installs it)")
+
+
+def read_scalars(logdir: Path):
+    """{subdirectory (fairseq's tag: train_inner, train, valid): {scalar name: [(step, value)]}}."""
+    scalars = defaultdict(lambda: defaultdict(list))
+    files = sorted(logdir.rglob("events.out.tfevents.*"))
+    assert files, f"no event files under {logdir}: {sorted(p.name for p in logdir.rglob('*'))}"
+    for path in files:
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack_from("<Q", data, offset)
+            payload = data[offset + 12: offset + 12 + length]  # skip the length and its CRC
+            assert len(payload) == length, f"{path}: truncated record at byte {offset}"
+            offset += 12 + length + 4  # payload and its CRC
+            event = event_pb2.Event()
+            event.ParseFromString(payload)
+            for value in event.summary.value:
+                scalars[path.parent.name][value.tag].append((event.step, value.simple_value))
+    return scalars
+
+
+@pytest.mark.parametrize("criterion", ["word_kd", "a2d_kd"])
+def test_every_kd_term_reaches_tensorboard_and_json_log(tiny_data_bin, tiny_teacher, tmp_path, criterion):
+    import fairseq_kd
+    from fairseq.criterions import CRITERION_REGISTRY
+
+    from fairseq_kd.scoring.plots import parse_fairseq_log
+
+    fairseq_kd.register()
+    terms = CRITERION_REGISTRY[criterion].TERM_NAMES  # what the criterion says it logs
+    assert "word_kd" in terms
+    expected = {f"{name}_loss" for name in ("ce",) + tuple(terms)} | {"loss", "nll_loss"}
+
+    logdir = tmp_path / "tb"
+    proc = train_student(tiny_data_bin, tiny_teacher, tmp_path / "ckpt", ["--criterion", criterion], max_update=3,
+                         extra=["--tensorboard-logdir", logdir, "--log-format", "json"])
+    assert "tensorboard or required dependencies not found" not in proc.stdout + proc.stderr
+
+    scalars = read_scalars(logdir)
+    for tag in ("train_inner", "train"):
+        missing = expected - set(scalars[tag])
+        assert not missing, f"TensorBoard {tag}: no scalar {sorted(missing)} (has {sorted(scalars[tag])})"
+    steps = [step for step, _ in scalars["train_inner"]["word_kd_loss"]]
+    assert steps == [1, 2, 3], steps  # --log-interval 1, x axis = updates
+
+    records = parse_fairseq_log((proc.stdout + proc.stderr).splitlines())
+    inner = [r for r in records if r.split == "train_inner"]
+    assert [r.num_updates for r in inner] == [1, 2, 3], records
+    for record in inner:
+        assert expected <= set(record.values), f"JSON log lacks {sorted(expected - set(record.values))}"
+    # TensorBoard and the JSON log carry the same numbers (fairseq rounds the JSON to 3 decimals)
+    by_step = dict(scalars["train_inner"]["word_kd_loss"])
+    for record in inner:
+        assert by_step[int(record.num_updates)] == pytest.approx(record.values["word_kd_loss"], abs=1e-3)
