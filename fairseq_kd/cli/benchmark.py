@@ -249,24 +249,31 @@ def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats
         workdir: Path) -> dict:
     """Methods run interleaved in ``repeats`` rounds; each keeps its fastest round, which filters
     out interference from other processes on a shared machine."""
+    from fairseq_kd.progress import print_above_bars, progress_bar
+
     report = {}
+    # one bar over every training child process (rate and time left; only when stderr is a terminal)
+    bar = progress_bar(total=len(configs) * repeats * len(methods), desc="benchmark", unit="run")
+    say = print_above_bars(lambda line: print(line, flush=True))
     for config_name in configs:
         paths = prepare_config(config_name, workdir)
         rows: Dict[str, dict] = {}
         for round_index in range(repeats):
             for method in methods:
+                bar.set_postfix_str(f"{config_name} {method}", refresh=False)
                 if "error" in rows.get(method, {}):
+                    bar.update()
                     continue
                 result = _train_in_child(training_flags(config_name, paths, method), steps, warmup)
+                bar.update()
                 if "error" in result:
                     rows[method] = result
-                    print(f"[{config_name}] {method}: FAILED: {result['error']}", flush=True)
+                    say(f"[{config_name}] {method}: FAILED: {result['error']}")
                     continue
                 best = rows.get(method)
                 if best is None or result["step_ms"] < best["step_ms"]:
                     rows[method] = {**result, "peak_mb": min(result["peak_mb"], (best or result)["peak_mb"])}
-                print(f"[{config_name}] round {round_index + 1}: {method}: {result['step_ms']:.1f} ms/step",
-                      flush=True)
+                say(f"[{config_name}] round {round_index + 1}: {method}: {result['step_ms']:.1f} ms/step")
         base = rows.get("plain", {})
         for method, row in rows.items():
             if "error" not in row and base and "error" not in base:
@@ -275,6 +282,7 @@ def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats
         decoding = measure_decoding(paths, CONFIGS[config_name]["student_arch"],
                                     CONFIGS[config_name]["student_args"], sentences=200, length=20)
         report[config_name] = {"config": CONFIGS[config_name], "methods": rows, "decoding": decoding}
+    bar.close()
     return report
 
 

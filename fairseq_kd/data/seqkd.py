@@ -49,6 +49,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from ..progress import print_above_bars, progress_bar
+
 MANIFEST_NAME = "seqkd.json"
 WORK_DIR_NAME = "seqkd_work"
 FORMAT_VERSION = 1
@@ -333,8 +335,14 @@ def _load(plan_: _Plan):
     return task, dataset, model, device
 
 
-def _decode_shard(plan_: _Plan, task, dataset, generator, model, device, ordered, index: int) -> int:
-    """Decode sentences ``[index * shard_size, (index + 1) * shard_size)`` and write the shard."""
+def _shard_sentences(index: int, shard_size: int, sentences: int) -> int:
+    return min(sentences, (index + 1) * shard_size) - index * shard_size
+
+
+def _decode_shard(plan_: _Plan, task, dataset, generator, model, device, ordered, index: int,
+                  on_batch: Callable[[int], None] = lambda sentences: None) -> int:
+    """Decode sentences ``[index * shard_size, (index + 1) * shard_size)`` and write the shard;
+    ``on_batch(n)`` after each batch of ``n`` sentences (the progress bar)."""
     from fairseq import utils
 
     first = index * plan_.config.shard_size
@@ -349,6 +357,7 @@ def _decode_shard(plan_: _Plan, task, dataset, generator, model, device, ordered
         outputs = task.inference_step(generator, [model], sample)
         for sentence_id, nbest in zip(sample["id"].tolist(), outputs):
             hypotheses[sentence_id] = nbest[0]["tokens"].int().cpu()
+        on_batch(len(batch))
     ids = list(range(first, last))
     if sorted(hypotheses) != ids:
         raise RuntimeError(f"shard {index}: decoded sentence ids do not cover {first}..{last - 1}")
@@ -476,19 +485,22 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
     pending = [i for i in range(shard_count) if _read_shard(plan_, i, sentences) is None]
     if len(pending) < shard_count:
         log(f"resuming: {shard_count - len(pending)} of {shard_count} shards already decoded")
-    decoded_now, seconds, budget = 0, 0.0, config.max_shards
-    for index in pending:
-        if budget is not None and budget == 0:
-            break
-        start = time.perf_counter()
-        count = _decode_shard(plan_, task, dataset, generator, model, device, ordered, index)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        seconds += elapsed
-        decoded_now += count
-        budget = None if budget is None else budget - 1
-        log(f"shard {index + 1}/{shard_count}: {count} sentences in {elapsed:.1f} s")
+    decoded_now, seconds = 0, 0.0
+    to_decode = pending if config.max_shards is None else pending[:config.max_shards]
+    # per-sentence progress with rate and time left on stderr, only when it is a terminal
+    with progress_bar(total=sum(_shard_sentences(i, config.shard_size, sentences) for i in to_decode),
+                      desc="seq-KD decoding", unit="sent") as bar:
+        log_line = print_above_bars(log) if not bar.disable else log
+        for index in to_decode:
+            start = time.perf_counter()
+            count = _decode_shard(plan_, task, dataset, generator, model, device, ordered, index,
+                                  on_batch=bar.update)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            seconds += elapsed
+            decoded_now += count
+            log_line(f"shard {index + 1}/{shard_count}: {count} sentences in {elapsed:.1f} s")
     done = sum(_read_shard(plan_, i, sentences) is not None for i in range(shard_count))
     if done < shard_count:
         return SeqKDResult("partial", plan_.output, sentences, decoded_now, seconds, done, shard_count)
