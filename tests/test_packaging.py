@@ -100,3 +100,23 @@ def test_register_names_the_fix_when_fairseq_is_missing_or_old(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "REFUSED" in proc.stdout and expected in proc.stdout, proc.stdout
         assert "fairseq-fixed==0.12.3.1" in proc.stdout and "--no-build-isolation" in proc.stdout
+
+
+def test_wheel_holds_every_module_and_the_console_scripts(tmp_path):
+    """What `pip install .` installs: a wheel built from the project (without deps or isolation)."""
+    import zipfile
+
+    (tmp_path / "project").mkdir()
+    project = _copy_project(tmp_path / "project")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+                           "--wheel-dir", str(tmp_path / "dist"), str(project)],
+                          capture_output=True, text=True, env=QUIET_ENV, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("fairseq_kd-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    modules = {str(p.relative_to(project)) for p in (project / "fairseq_kd").rglob("*.py")}
+    assert modules and not modules - names, f"missing from the wheel: {sorted(modules - names)[:10]}"
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "fairseq-kd-seqkd = fairseq_kd.cli.seqkd_decode:cli_main" in text
+    assert not any(name.startswith("tests/") for name in names)
