@@ -9,6 +9,7 @@ student's device and dtype (fp16 and bf16 included) on the first forward pass af
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from pathlib import Path
 from typing import Optional, Tuple
@@ -21,6 +22,8 @@ from .feature_capture import CapturedFeatures, CaptureRequest, FeatureCapture, N
 from .shape import TransformerShape
 
 FLAG = "--teacher-checkpoint"
+TEACHER_DATA_FLAG = "--teacher-data"
+logger = logging.getLogger(__name__)
 
 
 class TeacherCheckpointError(ValueError):
@@ -74,7 +77,15 @@ class FrozenTeacher:
                 f"{FLAG} {path!r} holds a {model_type!r} model, not an encoder-decoder Transformer "
                 "(fairseq's transformer family); distillation needs a Transformer teacher."
             )
-        check_dictionaries(path, state, task.source_dictionary, task.target_dictionary, cfg)
+        task_cfg = getattr(task, "cfg", None)
+        verified = check_dictionaries(
+            path, state, task.source_dictionary, task.target_dictionary, cfg,
+            teacher_data=getattr(task_cfg, "teacher_data", None),
+            data_langs=(getattr(task_cfg, "source_lang", None), getattr(task_cfg, "target_lang", None)),
+            # only a task with --teacher-data can be told where the dictionaries are
+            refuse_unverifiable=hasattr(task_cfg, "teacher_data"),
+        )
+        logger.info(f"{FLAG} {path}: dictionaries {verified}")
         model = models.build_model(cfg.model, task, from_checkpoint=True)
         try:
             model.load_state_dict(state["model"], strict=True, model_cfg=cfg.model)
@@ -123,12 +134,27 @@ def _embedding_rows(state_dict: dict, prefix: str) -> Optional[int]:
     return None if weight is None else weight.size(0)
 
 
-def check_dictionaries(path: str, state: dict, src_dict: Dictionary, tgt_dict: Dictionary, cfg) -> None:
+class _Unverifiable(Exception):
+    """Internal: this source cannot say which dictionaries the teacher used."""
+
+
+def check_dictionaries(path: str, state: dict, src_dict: Dictionary, tgt_dict: Dictionary, cfg,
+                       teacher_data: Optional[str] = None, data_langs: Tuple[Optional[str], Optional[str]] = (None, None),
+                       refuse_unverifiable: bool = True) -> str:
     """The teacher must use the data's source and target dictionaries, symbol for symbol.
 
-    The checkpoint stores no dictionary, so two checks are made: the embedding tables must have
-    one row per symbol of the data's dictionaries (always), and where the teacher's own data folder
-    is still on disk, its dictionary files must equal the data's exactly.
+    A fairseq checkpoint stores no dictionary, and equal sizes are no proof (a reordered
+    dictionary has the same size), so the embedding tables are checked against the data's sizes
+    (always) and then the symbols are compared with the first of these that exists:
+
+    1. ``--teacher-data DIR`` (``teacher_data``): the teacher's ``dict.SRC.txt`` / ``dict.TGT.txt``
+       in ``DIR``, named by the teacher's languages (or the data's when it recorded none);
+    2. what the checkpoint carries: a checkpoint written by a ``translation_kd`` run records its
+       dictionaries' SHA-256 (``extra_state["TranslationKDTask"]["binding"]``);
+    3. the teacher's own data folder as recorded in it (``cfg.task.data``), when it is on disk.
+
+    With none of them the teacher is refused (``refuse_unverifiable``; otherwise a warning is
+    logged), naming ``--teacher-data``. Returns how the dictionaries were verified.
     """
     how_to_fix = (
         "The teacher and the student must share dictionaries: binarise the student's data with "
@@ -142,30 +168,85 @@ def check_dictionaries(path: str, state: dict, src_dict: Dictionary, tgt_dict: D
                 f"{FLAG} {path!r}: the teacher's {side} embedding has {rows} symbols but the data's "
                 f"{side} dictionary has {len(dictionary)}. {how_to_fix}"
             )
-    teacher_data = getattr(cfg.task, "data", None) if cfg.get("task") is not None else None
-    if not teacher_data:
-        return
-    first_dir = str(teacher_data).split(os.pathsep)[0]
-    src_lang = getattr(cfg.task, "source_lang", None)
-    tgt_lang = getattr(cfg.task, "target_lang", None)
-    if (not src_lang or not tgt_lang) and os.path.isdir(first_dir):
-        # trained without --source-lang/--target-lang: fairseq inferred them from the file names
-        from fairseq.data.data_utils import infer_language_pair
+    task_cfg = cfg.get("task") if hasattr(cfg, "get") else getattr(cfg, "task", None)
+    teacher_langs = (getattr(task_cfg, "source_lang", None), getattr(task_cfg, "target_lang", None))
 
-        src_lang, tgt_lang = infer_language_pair(first_dir)
-    if not src_lang or not tgt_lang:
-        return
-    for side, lang, dictionary in (("source", src_lang, src_dict), ("target", tgt_lang, tgt_dict)):
-        dict_file = Path(first_dir) / f"dict.{lang}.txt"
-        if not dict_file.is_file():
-            continue
-        teacher_dict = Dictionary.load(str(dict_file))
-        if teacher_dict.symbols != dictionary.symbols:
+    def compare_files(folder: str, origin: str) -> str:
+        src_lang, tgt_lang = teacher_langs
+        if not src_lang or not tgt_lang:
+            src_lang, tgt_lang = data_langs
+        if (not src_lang or not tgt_lang) and os.path.isdir(folder):
+            # trained without --source-lang/--target-lang: fairseq inferred them from the file names
+            from fairseq.data.data_utils import infer_language_pair
+
+            src_lang, tgt_lang = infer_language_pair(folder)
+        if not src_lang or not tgt_lang:
+            raise _Unverifiable(f"the languages of {origin} {folder!r} are unknown")
+        files = {side: Path(folder) / f"dict.{lang}.txt" for side, lang in (("source", src_lang), ("target", tgt_lang))}
+        missing = [str(f) for f in files.values() if not f.is_file()]
+        if missing:
+            raise _Unverifiable(f"{origin} {folder!r} has no {' and no '.join(missing)}")
+        for side, dictionary in (("source", src_dict), ("target", tgt_dict)):
+            teacher_dict = Dictionary.load(str(files[side]))
+            if teacher_dict.symbols != dictionary.symbols:
+                raise TeacherCheckpointError(
+                    f"{FLAG} {path!r}: the teacher's {side} dictionary ({files[side]}, {origin}) differs "
+                    f"from the data's ({len(teacher_dict)} vs {len(dictionary)} symbols, first difference "
+                    f"at index {_first_difference(teacher_dict.symbols, dictionary.symbols)}). {how_to_fix}"
+                )
+        return f"compared symbol for symbol with {origin} {folder}"
+
+    if teacher_data:
+        if not os.path.isdir(teacher_data):
             raise TeacherCheckpointError(
-                f"{FLAG} {path!r}: the teacher's {side} dictionary ({dict_file}) differs from the "
-                f"data's ({len(teacher_dict)} vs {len(dictionary)} symbols, first difference at "
-                f"index {_first_difference(teacher_dict.symbols, dictionary.symbols)}). {how_to_fix}"
+                f"{TEACHER_DATA_FLAG} {teacher_data!r}: no such folder. Pass the folder holding the "
+                "teacher's dict.SRC.txt and dict.TGT.txt (its fairseq-preprocess --destdir)."
             )
+        try:
+            return compare_files(teacher_data, TEACHER_DATA_FLAG)
+        except _Unverifiable as err:
+            raise TeacherCheckpointError(
+                f"{TEACHER_DATA_FLAG}: {err}; pass the folder holding the teacher's dictionaries "
+                "(its fairseq-preprocess --destdir)."
+            ) from None
+
+    binding = ((state.get("extra_state") or {}).get("TranslationKDTask") or {}).get("binding") or {}
+    if binding.get("source_dictionary_sha256") and binding.get("target_dictionary_sha256"):
+        from ..tasks.translation_kd import dictionary_sha256
+
+        for side, dictionary in (("source", src_dict), ("target", tgt_dict)):
+            recorded = binding[f"{side}_dictionary_sha256"]
+            if recorded != dictionary_sha256(dictionary):
+                raise TeacherCheckpointError(
+                    f"{FLAG} {path!r}: the teacher's {side} dictionary (sha256 {recorded[:12]}, recorded in "
+                    f"the checkpoint) differs from the data's (sha256 {dictionary_sha256(dictionary)[:12]}). "
+                    f"{how_to_fix}"
+                )
+        return "compared with the dictionary hashes the checkpoint records"
+
+    teacher_data_dir = getattr(task_cfg, "data", None) if task_cfg is not None else None
+    reason = "the checkpoint records no data folder"
+    if teacher_data_dir:
+        first_dir = str(teacher_data_dir).split(os.pathsep)[0]
+        if os.path.isdir(first_dir):
+            try:
+                return compare_files(first_dir, "the teacher's data folder")
+            except _Unverifiable as err:
+                reason = str(err)
+        else:
+            reason = (f"its data folder {first_dir!r} (recorded in the checkpoint) is not on this machine "
+                      f"(working directory {os.getcwd()!r})")
+    message = (
+        f"{FLAG} {path!r}: cannot verify that the teacher uses the data's dictionaries: {reason}, and "
+        "the checkpoint carries no dictionaries (equal sizes are not proof: a reordered dictionary has "
+        f"the same size). Pass {TEACHER_DATA_FLAG} DIR, the folder holding the teacher's dict.SRC.txt "
+        "and dict.TGT.txt (its fairseq-preprocess --destdir; the student's data folder if it was "
+        "binarised with them)."
+    )
+    if refuse_unverifiable:
+        raise TeacherCheckpointError(message)
+    logger.warning(message)
+    return "not verified"
 
 
 def _first_difference(a, b) -> int:

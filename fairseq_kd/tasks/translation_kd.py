@@ -46,6 +46,15 @@ class TranslationKDConfig(TranslationConfig):
             "and the change."
         },
     )
+    teacher_data: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "folder holding the teacher's dictionaries (dict.SRC.txt, dict.TGT.txt: its "
+            "fairseq-preprocess --destdir), compared symbol for symbol with the data's. Needed when "
+            "the teacher's own data folder (recorded in its checkpoint) is not on this machine and "
+            "the checkpoint records no dictionary hashes; without either the teacher is refused."
+        },
+    )
 
 
 logger = logging.getLogger(__name__)
