@@ -18,8 +18,14 @@ from hidden_kd_support import (
     teacher_copy,
 )
 
-# Tiny teacher: 3 layers per side; tiny student: 2. Skip: floor(j*3/2); last: 3 - 2 + j.
+# Tiny teacher: 3 layers per side; tiny student: 2. Skip: floor(j*3/2); last: 3 - 2 + j. Sun et al.
+# match only the intermediate student layers (j = 1); --pkd-include-top-layer adds j = 2.
 EXPECTED_TEACHER_LAYER = {"skip": (1, 3), "last": (2, 3)}
+
+
+def expected_layers(mapping, include_top):
+    layers = EXPECTED_TEACHER_LAYER[mapping]
+    return layers if include_top else layers[:-1]
 
 
 def make_pkd(task, **overrides):
@@ -29,14 +35,14 @@ def make_pkd(task, **overrides):
 
 
 @torch.no_grad()
-def slow_pkd(criterion, batch, mapping):
+def slow_pkd(criterion, batch, mapping, include_top=False):
     """Eq. 3: per side, student layer, sentence and real position, the squared distance of the
     L2-normalised (projected) student state and the teacher state of layer A(j)."""
     total = 0.0
     for side in ("encoder", "decoder"):
         student, teacher = batch.student.hidden(side), batch.teacher.hidden(side)
         projection = criterion.projections[side]
-        for j, teacher_layer in enumerate(EXPECTED_TEACHER_LAYER[mapping], start=1):
+        for j, teacher_layer in enumerate(expected_layers(mapping, include_top), start=1):
             for b, t in real_positions(batch.student.padding_mask(side)):
                 s = projection.weight @ student[j, b, t] + projection.bias
                 h = teacher[teacher_layer, b, t]
@@ -44,16 +50,17 @@ def slow_pkd(criterion, batch, mapping):
     return total
 
 
+@pytest.mark.parametrize("include_top", [False, True])
 @pytest.mark.parametrize("mapping", ["skip", "last"])
-def test_pkd_term_matches_a_slow_reference(kd_task, tiny_batch, mapping):
+def test_pkd_term_matches_a_slow_reference(kd_task, tiny_batch, mapping, include_top):
     student = build_tiny_student(kd_task)
-    criterion = make_pkd(kd_task, pkd_mapping=mapping)
+    criterion = make_pkd(kd_task, pkd_mapping=mapping, pkd_include_top_layer=include_top)
     # Hidden states of the distilled sides, no attention maps.
     assert criterion.student_request == criterion.teacher_request == CaptureRequest(encoder_hidden=True, decoder_hidden=True)
-    assert criterion.mappings["encoder"] == tuple((layer,) for layer in EXPECTED_TEACHER_LAYER[mapping])
+    assert criterion.mappings["encoder"] == tuple((layer,) for layer in expected_layers(mapping, include_top))
     batch = distillation_batch(criterion, student, tiny_batch)
     terms = criterion.distillation_terms(batch)
-    assert terms["pkd"].item() == pytest.approx(slow_pkd(criterion, batch, mapping), rel=1e-5)
+    assert terms["pkd"].item() == pytest.approx(slow_pkd(criterion, batch, mapping, include_top), rel=1e-5)
 
     loss, sample_size, log = criterion(student, tiny_batch)
     assert sample_size == tiny_batch["ntokens"]
@@ -77,7 +84,7 @@ def test_pkd_ignores_padding(kd_task, tiny_batch):
 
 def test_pkd_is_zero_for_a_student_identical_to_its_teacher(kd_task, tiny_batch):
     student = teacher_copy(kd_task)
-    criterion = make_pkd(kd_task)
+    criterion = make_pkd(kd_task, pkd_include_top_layer=True)
     assert criterion.mappings["encoder"] == ((1,), (2,), (3,))
     assert not list(criterion.parameters())  # equal widths: no projection
     terms = criterion.distillation_terms(distillation_batch(criterion, student, tiny_batch))
@@ -99,6 +106,10 @@ def test_pkd_start_up_errors_name_the_flag(kd_task):
     build_tiny_student(kd_task, encoder_layers=4)
     with pytest.raises(LayerMappingError, match=r"--pkd-mapping skip \[encoder\].*valid student depths are 1\.\.3"):
         make_pkd(kd_task)
+    build_tiny_student(kd_task, encoder_layers=1)
+    with pytest.raises(LayerMappingError, match=r"1-layer student has no intermediate layer.*--pkd-include-top-layer"):
+        make_pkd(kd_task)
+    make_pkd(kd_task, pkd_include_top_layer=True)  # the top layer alone is a valid choice
     build_tiny_student(kd_task)
     with pytest.raises(ValueError, match=r"--kd-weight \(0\.5\) and --layer-weight \(0\.7\)"):
         make_pkd(kd_task, kd_weight=0.5)

@@ -1,7 +1,11 @@
 """Patient knowledge distillation, PKD (Sun et al. 2019), as the CKD paper applies it to NMT.
 
 Student layer ``j`` learns from one teacher layer ``A(j)``: PKD-skip takes every ``n/m``-th
-teacher layer (``A(j) = floor(j n / m)``), PKD-last the top ``m`` (``A(j) = n - m + j``). The layer
+teacher layer (``A(j) = floor(j n / m)``), PKD-last the top ones (``A(j) = n - m + j``). As in
+Sun et al. (Sec. 3.2: the top layer's output goes to the prediction, which the KD term already
+distils), only the student's intermediate layers ``j = 1 .. m-1`` are matched by default (12 to 6:
+teacher layers 2, 4, 6, 8, 10 for PKD-skip, 7-11 for PKD-last); ``--pkd-include-top-layer`` also
+matches layer ``m`` with the teacher's top layer, as the CKD paper's NMT adaptation does. The layer
 term is the squared distance between L2-normalised states (Eq. 3 of PKD as cited by ALP-KD),
 per position::
 
@@ -19,7 +23,7 @@ from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 from torch import nn
 
-from ..modules.layer_mapping import last_layers_mapping, uniform_mapping, validate_mapping
+from ..modules.layer_mapping import LayerMappingError, last_layers_mapping, uniform_mapping, validate_mapping
 from ..modules.projection import width_projection
 from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion, in_param_dtype
 from .losses import normalized_squared_distance
@@ -35,6 +39,12 @@ class PatientKDConfig(HiddenStateKDConfig):
         metadata={"help": "PKD-skip (student layer j <- teacher layer floor(j*n/m)) or PKD-last "
                   "(student layer j <- teacher layer n-m+j); both need a teacher at least as deep"},
     )
+    pkd_include_top_layer: bool = field(
+        default=False,
+        metadata={"help": "also match the student's top layer m (with teacher layer n); default: only "
+                  "the intermediate layers 1..m-1, as in Sun et al. 2019 (the top layer is left to the "
+                  "output-level KD term)"},
+    )
 
 
 @register_criterion("pkd", dataclass=PatientKDConfig)
@@ -43,19 +53,29 @@ class PatientKDCriterion(HiddenStateKDCriterion):
     TERM_NAMES = ("word_kd", "pkd")
 
     def __init__(self, task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
-                 layer_sides, pkd_mapping, ignore_prefix_size=0, report_accuracy=False):
+                 layer_sides, pkd_mapping, pkd_include_top_layer=False, ignore_prefix_size=0,
+                 report_accuracy=False):
         super().__init__(task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
                          layer_sides, ignore_prefix_size, report_accuracy)
         pkd_mapping = str(pkd_mapping)
         if pkd_mapping not in PKD_MAPPINGS:
             raise ValueError(f"--pkd-mapping {pkd_mapping!r}: choose one of {sorted(PKD_MAPPINGS)}")
         self.pkd_mapping = pkd_mapping
+        self.include_top_layer = bool(pkd_include_top_layer)
         self.mappings = {}
         self.projections = nn.ModuleDict()
         for side in self.sides:
             n, m = self.teacher_shape.layers(side), self.student_shape.layers(side)
             flag = f"--pkd-mapping {pkd_mapping} [{side}]"
             mapping = validate_mapping(PKD_MAPPINGS[pkd_mapping](n, m, flag), n, m, flag)
+            if not self.include_top_layer:
+                if m < 2:
+                    raise LayerMappingError(
+                        f"{flag}: a {m}-layer student has no intermediate layer to match (Sun et al. match "
+                        "layers 1..m-1); pass --pkd-include-top-layer to match its only layer with the "
+                        "teacher's top layer"
+                    )
+                mapping = mapping[:-1]
             self.mappings[side] = mapping
             self.register_layer_index(f"{side}_teacher_layers", [group[0] for group in mapping])
             self.projections[side] = width_projection(
@@ -63,7 +83,8 @@ class PatientKDCriterion(HiddenStateKDCriterion):
             )
 
     def layer_loss(self, side, student_states, teacher_states, padding_mask):
-        student = in_param_dtype(self.projections[side], student_states[1:])  # (m, B, T, d_T)
+        matched = student_states[1: 1 + len(self.mappings[side])]  # layers 1..m-1 (or 1..m)
+        student = in_param_dtype(self.projections[side], matched)  # (matched, B, T, d_T)
         teacher = teacher_states.index_select(0, getattr(self, f"{side}_teacher_layers"))
-        distance = normalized_squared_distance(student, teacher)  # (m, B, T)
+        distance = normalized_squared_distance(student, teacher)  # (matched, B, T)
         return distance.masked_fill(padding_mask, 0.0).sum()
