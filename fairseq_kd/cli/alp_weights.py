@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from fairseq_kd.cli.user_errors import exits_on_user_error
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -28,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@exits_on_user_error("python -m fairseq_kd.cli.alp_weights")
 def cli_main(argv: Optional[List[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     if not args.checkpoint.is_file():

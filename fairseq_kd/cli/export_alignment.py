@@ -19,6 +19,7 @@ from typing import List, Optional
 
 from fairseq_kd.checkpoint_safety import UnsafeCheckpointError, safe_load
 from fairseq_kd.modules.attention_alignment import AlignmentShapeError, alignment_weights_from_state
+from fairseq_kd.cli.user_errors import exits_on_user_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +54,7 @@ def export_alignment(checkpoint: Path) -> dict:
         raise ValueError(f"--checkpoint {str(checkpoint)!r}: {err}") from None
 
 
+@exits_on_user_error("python -m fairseq_kd.cli.export_alignment")
 def cli_main(argv: Optional[List[str]] = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)

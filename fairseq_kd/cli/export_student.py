@@ -9,7 +9,10 @@ import argparse
 import json
 import sys
 
+from fairseq_kd.cli.user_errors import exits_on_user_error
 
+
+@exits_on_user_error("fairseq-kd-export")
 def cli_main(argv=None):
     parser = argparse.ArgumentParser(prog="fairseq-kd-export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="student checkpoint written by fairseq-train --user-dir fairseq_kd")

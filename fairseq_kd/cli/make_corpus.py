@@ -10,6 +10,7 @@ import argparse
 from typing import Optional, Sequence
 
 from fairseq_kd.data import synthetic
+from fairseq_kd.cli.user_errors import exits_on_user_error
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@exits_on_user_error("fairseq-kd-make-corpus")
 def cli_main(argv: Optional[Sequence[str]] = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)

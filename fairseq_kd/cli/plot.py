@@ -19,6 +19,8 @@ import logging
 from pathlib import Path
 from typing import List, Optional
 
+from fairseq_kd.cli.user_errors import exits_on_user_error
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@exits_on_user_error("fairseq-kd-plot")
 def cli_main(argv: Optional[List[str]] = None) -> None:
     # Importing fairseq (which fairseq_kd/__init__.py does) sets the root logger to DEBUG
     # (fairseq/models/wav2vec/wav2vec2_classification.py); matplotlib's font search would then

@@ -24,6 +24,8 @@ from typing import Dict, List, Optional
 from fairseq_kd.cli.score import (add_completeness_arguments, add_scoring_arguments, check_outputs_are_not_inputs,
                                   expected_sentence_count, split_name_and_path)
 from fairseq_kd.scoring.bleu import BleuSettings, check_n_bootstrap
+from fairseq_kd.scoring.files import not_a_file
+from fairseq_kd.cli.user_errors import exits_on_user_error
 from fairseq_kd.scoring.report import (
     TextProcessing,
     build_report,
@@ -114,6 +116,7 @@ def parameter_count(text: str) -> int:
     return int(number)
 
 
+@exits_on_user_error("fairseq-kd-report")
 def cli_main(argv: Optional[List[str]] = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -121,7 +124,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         named_paths = [split_name_and_path(value, "--system") for value in args.system]
         for name, path in named_paths:
             if not path.is_file():
-                raise FileNotFoundError(f"--system {name}: file {str(path)!r} does not exist")
+                raise FileNotFoundError(f"--system {name}: file {str(path)!r} {not_a_file(path)}")
         check_n_bootstrap(args.bootstrap)
         settings = BleuSettings(tokenize=args.tokenize, lowercase=args.lowercase)
         names = [name for name, _ in named_paths]

@@ -25,6 +25,8 @@ from sacrebleu.metrics.bleu import BLEU
 
 from fairseq_kd.scoring.bleu import DEFAULT_N_BOOTSTRAP, DEFAULT_SEED, BleuSettings, check_n_bootstrap
 from fairseq_kd.scoring.detok import BPE_SCHEMES, count_lines
+from fairseq_kd.scoring.files import not_a_file
+from fairseq_kd.cli.user_errors import exits_on_user_error
 from fairseq_kd.scoring.report import (
     TextProcessing,
     append_score_row,
@@ -116,7 +118,7 @@ def expected_sentence_count(args: argparse.Namespace) -> Optional[int]:
         return args.expected_sentences
     if args.expected_from is not None:
         if not args.expected_from.is_file():
-            raise FileNotFoundError(f"--expected-from: file {str(args.expected_from)!r} does not exist")
+            raise FileNotFoundError(f"--expected-from: file {str(args.expected_from)!r} {not_a_file(args.expected_from)}")
         count = count_lines(args.expected_from, "--expected-from")
         if count == 0:
             raise ValueError(f"--expected-from file {str(args.expected_from)!r} is empty")
@@ -225,7 +227,7 @@ def validate_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace
             parser.error("--baseline needs resampling for the paired test; drop --bootstrap 0")
     for flag, path in inputs:
         if not path.is_file():
-            parser.error(f"{flag}: file {str(path)!r} does not exist")
+            parser.error(f"{flag}: file {str(path)!r} {not_a_file(path)}")
     if args.expected_from is not None:
         inputs.append(("--expected-from", args.expected_from))
     try:
@@ -243,6 +245,7 @@ def validate_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace
         args.system = (args.generate_output or args.hyp).stem
 
 
+@exits_on_user_error("fairseq-kd-score")
 def cli_main(argv: Optional[List[str]] = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from .files import naming_decode_errors, not_a_file
+
 BPE_SCHEMES = ("none", "subword_nmt", "sentencepiece")
 
 SENTENCEPIECE_WORD_BOUNDARY = "\u2581"  # "▁", SentencePiece's meta symbol for a preceding space
@@ -72,8 +74,8 @@ def read_lines(path: Path, what: str) -> List[str]:
     """Lines of a UTF-8 text file without their line ends; ``what`` names the file in errors."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{what} file {str(path)!r} does not exist")
-    with open(path, encoding="utf-8", newline="") as handle:
+        raise FileNotFoundError(f"{what} file {str(path)!r} {not_a_file(path)}")
+    with naming_decode_errors(path, f"{what} file"), open(path, encoding="utf-8", newline="") as handle:
         return [line.rstrip("\r\n") for line in handle]
 
 

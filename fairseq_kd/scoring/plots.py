@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
+from .files import naming_decode_errors, not_a_file
+
 import numpy as np
 from matplotlib.figure import Figure
 
@@ -39,9 +41,9 @@ def save_figure(figure: Figure, path: Path, dpi: int = 150) -> Path:
 def load_json(path: Path, what: str):
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{what} file {str(path)!r} does not exist")
+        raise FileNotFoundError(f"{what} file {str(path)!r} {not_a_file(path)}")
     try:
-        with open(path, encoding="utf-8") as handle:
+        with naming_decode_errors(path, what + " file"), open(path, encoding="utf-8") as handle:
             return json.load(handle)
     except json.JSONDecodeError as error:
         raise ValueError(f"{what} file {path}: not valid JSON ({error})") from None
@@ -283,7 +285,7 @@ def parse_fairseq_log(lines: Iterable[str]) -> List[LogRecord]:
 def read_fairseq_log(path: Path) -> List[LogRecord]:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"training log {str(path)!r} does not exist")
+        raise FileNotFoundError(f"training log {str(path)!r} {not_a_file(path)}")
     with open(path, encoding="utf-8", errors="replace") as handle:
         records = parse_fairseq_log(handle)
     if not records:

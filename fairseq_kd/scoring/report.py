@@ -52,6 +52,7 @@ from .bleu import (
     statistics_to_rows,
 )
 from .detok import detokenize_lines, read_generate_output, read_lines
+from .files import naming_decode_errors, not_a_file
 
 SCORE_FORMAT = "fairseq-kd-score/1"
 REPORT_FORMAT = "fairseq-kd-report/1"
@@ -197,7 +198,7 @@ def score_record(system: SystemScore, paired: Optional[Dict] = None) -> Dict:
 
 def is_score_record_file(path: Path) -> bool:
     """Whether ``path`` holds a JSON object (a score record) rather than fairseq-generate text."""
-    with open(path, encoding="utf-8") as handle:
+    with naming_decode_errors(path), open(path, encoding="utf-8", errors="ignore") as handle:
         head = handle.read(4096).lstrip()
     return head.startswith("{")
 
@@ -210,9 +211,9 @@ def load_score_record(path: Path, name: Optional[str] = None) -> SystemScore:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"score record {str(path)!r} does not exist")
+        raise FileNotFoundError(f"score record {str(path)!r} {not_a_file(path)}")
     try:
-        with open(path, encoding="utf-8") as handle:
+        with naming_decode_errors(path, "score record"), open(path, encoding="utf-8") as handle:
             record = json.load(handle)
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}: not valid JSON ({error})") from None
@@ -277,7 +278,7 @@ def load_system(
     ``allow_partial``."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"system {name!r}: file {str(path)!r} does not exist")
+        raise FileNotFoundError(f"system {name!r}: file {str(path)!r} {not_a_file(path)}")
     if not is_score_record_file(path):
         return score_generate_output(name, path, processing, settings, n_bootstrap, seed,
                                      expected_sentences, allow_partial)
@@ -646,9 +647,9 @@ def read_sidecar(path: Path) -> Dict[str, Dict]:
     """Per-system extras: ``{"name": {"params": 12345678, "sents_per_sec": 85.2}, ...}``."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--sidecar file {str(path)!r} does not exist")
+        raise FileNotFoundError(f"--sidecar file {str(path)!r} {not_a_file(path)}")
     try:
-        with open(path, encoding="utf-8") as handle:
+        with naming_decode_errors(path, "--sidecar file"), open(path, encoding="utf-8") as handle:
             data = json.load(handle)
     except json.JSONDecodeError as error:
         raise ValueError(f"--sidecar {path}: not valid JSON ({error})") from None

@@ -1,0 +1,30 @@
+"""Input files of the scoring commands: a clear message for a folder given where a file is
+expected, and the file's name in every UTF-8 decoding error."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def not_a_file(path) -> str:
+    """Why ``path`` is not a readable file, for messages: '... is a folder ...' or 'does not exist'."""
+    path = Path(path)
+    if path.is_dir():
+        return "is a folder, not a file: give the path of a file (e.g. one inside it)"
+    return "does not exist"
+
+
+class UndecodableFileError(ValueError):
+    """A text input is not valid UTF-8."""
+
+
+@contextmanager
+def naming_decode_errors(path, what: str = "file"):
+    """Re-raise a ``UnicodeDecodeError`` met while reading ``path`` with the file named."""
+    try:
+        yield
+    except UnicodeDecodeError as error:
+        raise UndecodableFileError(
+            f"{what} {str(path)!r} is not valid UTF-8 (byte 0x{error.object[error.start]:02x}); "
+            "convert it to UTF-8 first (e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8)"
+        ) from None
