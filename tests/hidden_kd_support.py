@@ -5,6 +5,7 @@ an exact copy of the tiny teacher, and fairseq's own label-smoothed CE for the w
 """
 import copy
 
+import pytest
 import torch
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 
@@ -94,3 +95,25 @@ def assert_finite_in_half_precision(criterion, task, sample, **student_overrides
     assert all(torch.isfinite(torch.as_tensor(log[f"{name}_loss"])) for name in criterion.TERM_NAMES)
     assert all(torch.isfinite(p.grad).all() for p in criterion.parameters())
     assert all(torch.isfinite(p.grad).all() for p in student.parameters() if p.grad is not None)
+
+
+def assert_sentence_term_is_a_mean_over_sentences(make_criterion, student, sample, term):
+    """A per-sentence term (``SENTENCE_TERMS``) is normalised to the mean over sentences, whether
+    fairseq normalises by target tokens or by sentences: its weight then means the paper's weight
+    at any sentence length (a per-sentence sum divided by tokens would shrink by the mean length)."""
+    import torch
+
+    nsentences, ntokens = sample["target"].size(0), sample["ntokens"]
+    assert ntokens > 2 * nsentences, "the sample must have sentences longer than two tokens"
+    per_token = make_criterion(sentence_avg=False)
+    per_sentence = make_criterion(sentence_avg=True)
+    per_sentence.load_state_dict(per_token.state_dict())  # the same (random) projections
+    assert term in per_token.SENTENCE_TERMS
+    with torch.no_grad():
+        summed = per_token.distillation_terms(distillation_batch(per_token, student, sample))[term].item()
+        _, token_size, token_log = per_token(student, sample)
+        _, sentence_size, sentence_log = per_sentence(student, sample)
+    assert (token_size, sentence_size) == (ntokens, nsentences)
+    mean = summed / nsentences
+    assert float(token_log[f"{term}_loss"]) / token_size == pytest.approx(mean, rel=1e-5)
+    assert float(sentence_log[f"{term}_loss"]) / sentence_size == pytest.approx(mean, rel=1e-5)

@@ -14,6 +14,7 @@ from fairseq_kd.criterions.internal_kd import InternalKDCriterion, schedule_stag
 from fairseq_kd.models.feature_capture import DECODER_SELF, ENCODER_SELF
 from fairseq_kd.modules.layer_mapping import LayerMappingError
 from hidden_kd_support import (
+    assert_sentence_term_is_a_mean_over_sentences,
     COMMON,
     assert_finite_in_half_precision,
     assert_reduces_to_label_smoothed_ce,
@@ -307,3 +308,9 @@ def test_internal_kd_trains_and_resumes_with_fairseq_train(tiny_data_bin, tiny_t
     # promise a bit-identical epoch 2 after a resume, only the same decisions.
     assert resumed_crossings[0] == straight_crossings[0]
     assert [epoch for epoch, _ in resumed_crossings] == [epoch for epoch, _ in straight_crossings] == ["1", "2"]
+
+
+def test_cosine_term_is_a_mean_over_sentences_at_any_length(kd_task, tiny_batch):
+    student = build_tiny_student(kd_task)
+    assert_sentence_term_is_a_mean_over_sentences(
+        lambda **overrides: make_internal(kd_task, **overrides), student, tiny_batch, "internal_cos")

@@ -11,6 +11,7 @@ from fairseq_kd.criterions.rail_kd import RailKDCriterion
 from fairseq_kd.models.feature_capture import CaptureRequest
 from fairseq_kd.modules.layer_mapping import LayerMappingError, draw_layers
 from hidden_kd_support import (
+    assert_sentence_term_is_a_mean_over_sentences,
     COMMON,
     assert_finite_in_half_precision,
     assert_reduces_to_label_smoothed_ce,
@@ -186,3 +187,9 @@ def test_rail_trains_with_fairseq_train_using_the_seed_flag(tiny_data_bin, tiny_
     assert not [key for key in state["model"] if "projections" in key]
     build_tiny_student(kd_task)
     make_rail(kd_task, rail_variant="concatenated", rail_projection_dim=128).load_state_dict(state["criterion"], strict=True)
+
+
+def test_rail_term_is_a_mean_over_sentences_at_any_length(kd_task, tiny_batch):
+    student = build_tiny_student(kd_task)
+    assert_sentence_term_is_a_mean_over_sentences(
+        lambda **overrides: make_rail(kd_task, **overrides), student, tiny_batch, "rail")

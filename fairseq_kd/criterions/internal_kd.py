@@ -9,8 +9,9 @@ Matched pairs: student layer ``j`` with the top teacher layer of its group of ``
 * ``internal_cos``: ``1 - cos(P v_S, v_T)`` between sentence vectors (Eq. 3). The paper uses BERT's
   ``[CLS]`` vector; a translation encoder has none, so ``v`` is the mean over the sentence's real
   positions. ``P`` is a learnable ``d_S -> d_T`` map (one per side) when the widths differ, the
-  identity otherwise (the paper matches equal widths as-is). Summed over sentences (unit:
-  sentences).
+  identity otherwise (the paper matches equal widths as-is). Per sentence as in Eq. 3:
+  ``internal_cos_loss`` is the mean over sentences (a ``SENTENCE_TERMS`` entry of the criterion
+  base), so ``--layer-weight`` weighs it as the paper does at any sentence length.
 
 Both are summed over the active pairs and weighted by ``--layer-weight``. ``--layer-sides``
 selects encoder self-attention (default), decoder self-attention (causal; future keys take no
@@ -128,6 +129,7 @@ def schedule_stage(epoch: int, num_stages: int, epochs_per_stage: int, crossings
 @register_criterion("internal_kd", dataclass=InternalKDConfig)
 class InternalKDCriterion(HiddenStateKDCriterion):
     TERM_NAMES = ("word_kd", "internal_kl", "internal_cos")
+    SENTENCE_TERMS = ("internal_cos",)
 
     def __init__(self, task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
                  layer_sides, hard_label_weight, internal_schedule, internal_epochs_per_layer,

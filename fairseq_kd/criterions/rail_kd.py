@@ -11,8 +11,9 @@ a sentence vector by the mean over the sentence's real positions (Eq. 1). Two va
 * concatenated (Eq. 3): the ``k`` vectors of each model are concatenated, mapped by ``k d_T -> u``
   and ``k d_S -> u``, normalised, and compared once.
 
-``u = 128`` as in the paper. The term is a sum over sentences (unit of ``rail_loss``: sentences,
-while the base divides by ``sample_size``, tokens by default, like every other term). Total
+``u = 128`` as in the paper. The term is per sentence, as Eq. 2-3 define it (``rail_loss`` is the
+mean over sentences: a ``SENTENCE_TERMS`` entry of the criterion base), so ``--layer-weight`` means
+the paper's ``lambda_3`` whatever the sentence length. Total
 ``L = l1 L_CE + l2 L_KD + l3 L_RAIL`` (Eq. 4) with the paper's ``l1 = l2 = l3 = 1/3``.
 
 "Intermediate" follows the paper: teacher layers ``1..n-1`` and student layers ``1..m-1`` (BERT-12
@@ -75,6 +76,7 @@ class RailKDConfig(HiddenStateKDConfig):
 class RailKDCriterion(HiddenStateKDCriterion):
     LAYER_TERM = "rail"
     TERM_NAMES = ("word_kd", "rail")
+    SENTENCE_TERMS = ("rail",)
 
     def __init__(self, task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
                  layer_sides, rail_variant, rail_projection_dim, rail_include_top_layers, seed,
