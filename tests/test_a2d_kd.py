@@ -37,7 +37,21 @@ def randomize_alignments(criterion, seed=3):
     with torch.no_grad():
         for module in criterion.alignments.values():
             module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * 2.0)
-            module.bias.copy_(torch.randn(module.bias.shape, generator=generator))
+            if module.bias is not None:
+                module.bias.copy_(torch.randn(module.bias.shape, generator=generator))
+
+
+def slow_coefficients(module):
+    """The AAM's (weight, bias) as plain lists; a mixture's weights softmaxed by explicit loops."""
+    weight = module.weight.tolist()
+    if module.bias is None:
+        mixed = []
+        for row in weight:
+            top = max(row)
+            exps = [math.exp(value - top) for value in row]
+            mixed.append([value / sum(exps) for value in exps])
+        return mixed, [0.0] * len(weight)
+    return weight, module.bias.tolist()
 
 
 # ------------------------------------------------------------------ slow, independent references
@@ -100,27 +114,37 @@ def slow_a2d_kind(student_maps, teacher_maps, weight, bias, may_attend, kind, la
     intermediate = slow_aam(weight, bias, student_maps, student_heads)
     batch, tq, tk = len(intermediate[0]), len(intermediate[0][0]), len(intermediate[0][0][0])
     total = 0.0
+
+    def kl_of_logits(logits_p, logits_q):
+        """KL(softmax(logits_p) || softmax(logits_q)) by loops."""
+        norm_p = math.log(sum(math.exp(v) for v in logits_p))
+        norm_q = math.log(sum(math.exp(v) for v in logits_q))
+        return sum(math.exp(lp - norm_p) * ((lp - norm_p) - (lq - norm_q)) for lp, lq in zip(logits_p, logits_q))
+
     for c in range(len(intermediate)):
         layer, head = divmod(c, teacher_heads)
+        teacher = teacher_maps[layer]
         for b in range(batch):
-            if normalization == "row":
-                for q in range(tq):
-                    keys = [k for k in range(tk) if may_attend(kind, b, q, k)]
-                    if not keys:
-                        continue
-                    log_norm = math.log(sum(math.exp(intermediate[c][b][q][k]) for k in keys))
-                    for k in keys:
-                        p = teacher_maps[layer][b][head][q][k]
-                        if p > 0:
-                            total += p * (math.log(p) - (intermediate[c][b][q][k] - log_norm))
+            if normalization == "authors":  # every entry of the map, no mask
+                entries = [(q, k) for q in range(tq) for k in range(tk)]
             else:
                 entries = [(q, k) for q in range(tq) for k in range(tk) if may_attend(kind, b, q, k)]
-                log_norm_q = math.log(sum(math.exp(intermediate[c][b][q][k]) for q, k in entries))
-                log_norm_p = math.log(sum(math.exp(teacher_maps[layer][b][head][q][k]) for q, k in entries))
-                for q, k in entries:
-                    log_p = teacher_maps[layer][b][head][q][k] - log_norm_p
-                    log_q = intermediate[c][b][q][k] - log_norm_q
-                    total += math.exp(log_p) * (log_p - log_q)
+            if normalization in ("flat", "authors"):
+                total += kl_of_logits([teacher[b][head][q][k] for q, k in entries],
+                                      [intermediate[c][b][q][k] for q, k in entries])
+                continue
+            for q in range(tq):
+                keys = [k for k in range(tk) if (q, k) in entries]
+                if not keys:
+                    continue
+                if normalization == "row":
+                    total += kl_of_logits([teacher[b][head][q][k] for k in keys],
+                                          [intermediate[c][b][q][k] for k in keys])
+                else:  # mixture: both rows are distributions already
+                    for k in keys:
+                        p = teacher[b][head][q][k]
+                        if p > 0:
+                            total += p * (math.log(p) - math.log(intermediate[c][b][q][k]))
     return total
 
 
@@ -166,7 +190,8 @@ def test_aam_rejects_maps_of_another_shape_and_checks_sizes_on_load():
         module(torch.rand(2, 1, 8, 3, 3))
     other = AttentionAlignment(2, 8, 3, 4)
     state = module.state_dict()
-    assert state["_extra_state"] == {"student_layers": 2, "student_heads": 4, "teacher_layers": 3, "teacher_heads": 4}
+    assert state["_extra_state"] == {"student_layers": 2, "student_heads": 4, "teacher_layers": 3, "teacher_heads": 4,
+                                     "combination": "signed"}
     with pytest.raises((AlignmentShapeError, RuntimeError), match="student 2 layers x 4 heads|size mismatch"):
         other.load_state_dict(state)
 
@@ -179,6 +204,10 @@ A2D_CASES = [
     pytest.param({"encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 4,
                   "decoder_attention_heads": 4}, "layer", "row", id="1-layer-layer-row"),
     pytest.param({}, "head", "flat", id="2x2-student-head-flat"),
+    pytest.param({}, "head", "mixture", id="2x2-student-head-mixture"),
+    pytest.param({"encoder_attention_heads": 8, "decoder_attention_heads": 8}, "layer", "mixture",
+                 id="8-heads-layer-mixture"),
+    pytest.param({}, "head", "authors", id="2x2-student-head-authors"),
 ]
 
 
@@ -200,14 +229,18 @@ def test_a2d_loss_matches_slow_reference(kd_task, tiny_batch, student_overrides,
         module = criterion.alignments[kind]
         expected[term] = slow_a2d_kind(
             student_features.attention[kind].probs.tolist(), teacher_features.attention[kind].probs.tolist(),
-            module.weight.tolist(), module.bias.tolist(), may_attend, kind, granularity == "layer", normalization,
+            *slow_coefficients(module), may_attend, kind, granularity == "layer", normalization,
         )
+        if normalization == "authors":  # the authors' summed KL against CE averaged over B x T positions
+            expected[term] *= tiny_batch["target"].numel()
         assert log[f"{term}_loss"].item() == pytest.approx(expected[term], rel=1e-4, abs=1e-4), term
     expected["word_kd"] = slow_word_kd(student_out[0], teacher_out[0], tiny_batch["target"], criterion.padding_idx)
     assert log["word_kd_loss"].item() == pytest.approx(expected["word_kd"], rel=1e-4)
-    # Eq. 11-12 at epoch 1: L_CE + 1 * (enc + (dec_self + dec_cross) / 2) + 1 * L_KD
-    total = (log["ce_loss"].item() + expected["enc_self_att"]
-             + 0.5 * (expected["dec_self_att"] + expected["dec_cross_att"]) + expected["word_kd"])
+    # Eq. 11-12 at epoch 1: L_CE + 1 * (enc + (dec_self + dec_cross) / 2) + 1 * L_KD; the authors'
+    # code weighs CE and KD by 1 - alpha and alpha (0.5 each).
+    ce_weight, kd_weight = (0.5, 0.5) if normalization == "authors" else (1.0, 1.0)
+    total = (ce_weight * log["ce_loss"].item() + expected["enc_self_att"]
+             + 0.5 * (expected["dec_self_att"] + expected["dec_cross_att"]) + kd_weight * expected["word_kd"])
     assert loss.item() == pytest.approx(total, rel=1e-4)
     assert sample_size == tiny_batch["ntokens"]
 
@@ -229,9 +262,64 @@ def test_gradients_reach_student_and_aam(kd_task, tiny_batch):
     loss.backward()
     for kind, module in criterion.alignments.items():
         assert module.weight.grad is not None and module.weight.grad.abs().sum() > 0, kind
-        assert module.bias.grad is not None
+        assert module.bias is None or module.bias.grad is not None
     q_proj = student.encoder.layers[0].self_attn.q_proj.weight
     assert q_proj.grad is not None and q_proj.grad.abs().sum() > 0
+
+
+# ------------------------------------------------------------------------------- the optimum
+def student_identical_to_teacher(task):
+    """A student with the teacher's shape and weights (eval mode, so no dropout)."""
+    student = build_tiny_student(task, encoder_layers=3, decoder_layers=3, encoder_embed_dim=32, decoder_embed_dim=32,
+                                 encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64,
+                                 encoder_attention_heads=4, decoder_attention_heads=4)
+    student.load_state_dict(task.teacher.model.state_dict())
+    return student.eval()
+
+
+def set_identity_alignment(criterion):
+    """Intermediate map c = student map c: identity weights and no bias (a mixture's logits put
+    all but e^-80 of the mass on the diagonal)."""
+    with torch.no_grad():
+        for module in criterion.alignments.values():
+            assert module.weight.shape[0] == module.weight.shape[1]
+            eye = torch.eye(module.weight.shape[0])
+            module.weight.copy_(eye * 80.0 if module.bias is None else eye)
+            if module.bias is not None:
+                module.bias.zero_()
+
+
+@pytest.mark.parametrize("granularity", ["head", "layer"])
+@pytest.mark.parametrize("normalization", ["mixture", "row", "flat", "authors"])
+def test_identical_student_with_identity_alignment_is_the_minimum(kd_task, normalization, granularity):
+    """Every normalisation has its minimum, 0, where the intermediate maps equal the teacher's, for
+    every kind (padded sources and targets of different lengths, causal decoder self-attention),
+    and the loss grows as the student's maps move away from the teacher's."""
+    batch = make_batch(kd_task, ["w1 w2 w3", "w4 w5 w6 w7 w8 w9 w10", "w11"],
+                       ["W3 W2 W1 W9", "W9 W8 W7 W6 W5 W4", "W11"])
+    student = student_identical_to_teacher(kd_task)
+    criterion = build_a2d(kd_task, a2d_normalization=normalization, a2d_granularity=granularity)
+    set_identity_alignment(criterion)
+    with torch.no_grad():
+        _, _, log = criterion(student, batch)
+    for term in TERM_OF_KIND.values():
+        assert abs(log[f"{term}_loss"].item()) < 1e-4, (term, log[f"{term}_loss"].item())
+    assert abs(log["word_kd_loss"].item()) < 1e-5
+
+    direction = {name: torch.randn_like(param) for name, param in student.named_parameters()
+                 if "q_proj.weight" in name or "k_proj.weight" in name}
+    previous = {term: 0.0 for term in TERM_OF_KIND.values()}
+    for scale in (0.05, 0.2, 0.8):  # near the minimum the loss grows along any ray
+        moved = student_identical_to_teacher(kd_task)
+        with torch.no_grad():
+            for name, param in moved.named_parameters():
+                if name in direction:
+                    param.add_(scale * direction[name])
+            _, _, log = criterion(moved, batch)
+        for term in TERM_OF_KIND.values():
+            value = log[f"{term}_loss"].item()
+            assert value > previous[term] + 1e-6, (term, scale, value, previous[term])
+            previous[term] = value
 
 
 # --------------------------------------------------------------------------------------- masking
@@ -246,7 +334,7 @@ def random_problem(seed=0, maps=6, batch=2, tq=4, tk=5):
     return intermediate, teacher, attendable
 
 
-@pytest.mark.parametrize("normalization", ["row", "flat"])
+@pytest.mark.parametrize("normalization", ["mixture", "row", "flat"])
 def test_masked_entries_contribute_nothing(normalization):
     intermediate, teacher, attendable = random_problem()
     reference = alignment_kl(intermediate, teacher, attendable, normalization)
@@ -339,7 +427,7 @@ def test_alignment_kl_is_finite_with_half_maps_and_extreme_teachers():
     tiny[..., 0] = 1.0 - 1e-25
     for target in (teacher, one_hot, tiny):
         for dtype in (torch.float16, torch.bfloat16):
-            for normalization in ("row", "flat"):
+            for normalization in ("mixture", "row", "flat", "authors"):
                 inter = (intermediate * 1e3).to(dtype).requires_grad_(True)  # large logits, no overflow
                 value = alignment_kl(inter, target.to(dtype), attendable, normalization)
                 value.backward()
@@ -413,7 +501,8 @@ def test_alignment_weights_export_in_the_heatmap_format(kd_task):
     entry = exported["encoder_self"]
     assert {k: entry[k] for k in ("student_layers", "student_heads", "teacher_layers", "teacher_heads")} == {
         "student_layers": 2, "student_heads": 8, "teacher_layers": 3, "teacher_heads": 4}
-    weight = criterion.alignments["encoder_self"].weight
+    weight = criterion.alignments["encoder_self"].coefficients()  # the default mixture: softmaxed weights
+    assert torch.allclose(weight.sum(1), torch.ones(12))
     # row = student map (l, k) at (l-1)*heads + k-1, column = teacher map
     assert len(entry["weights"]) == 16 and len(entry["weights"][0]) == 12
     assert entry["weights"][9][5] == pytest.approx(weight[5, 9].item())
@@ -466,7 +555,7 @@ def test_a2d_fairseq_train_with_more_student_heads_resume_and_export(tiny_data_b
     assert not [key for key in final["model"] if "align" in key]
     for kind in ATTENTION_KINDS:
         key = f"alignments.{kind}.weight"
-        init = torch.full_like(final["criterion"][key], 1 / 16)
+        init = torch.zeros_like(final["criterion"][key])  # the default mixture starts at uniform logits
         four, five = at_four["criterion"][key].float(), final["criterion"][key].float()
         assert five.shape == (12, 16)
         assert (four - init).abs().max() > 3 * LR, "the AAM did not train"
@@ -479,7 +568,9 @@ def test_a2d_fairseq_train_with_more_student_heads_resume_and_export(tiny_data_b
                "--output", out)
     exported = json.loads(out.read_text())
     assert set(exported) == set(ATTENTION_KINDS)
-    assert exported["decoder_cross"]["weights"] == final["criterion"]["alignments.decoder_cross.weight"].t().tolist()
+    # The figure shows the mixture coefficients the module applies (softmax over student maps).
+    coefficients = torch.softmax(final["criterion"]["alignments.decoder_cross.weight"].float(), dim=1)
+    assert torch.allclose(torch.tensor(exported["decoder_cross"]["weights"]), coefficients.t(), atol=1e-6)
     figure = plot_alignment_heatmaps(exported)
     assert len([axes for axes in figure.axes if axes.images]) == 3
     with pytest.raises(ValueError, match="--criterion a2d_kd"):
@@ -492,14 +583,20 @@ def test_a2d_fairseq_train_with_more_student_heads_resume_and_export(tiny_data_b
     assert not shipped.get("criterion") and not [key for key in shipped["model"] if "align" in key]
 
 
-def test_a2d_fairseq_train_layerwise_decoder_only(tiny_data_bin, tiny_teacher, tmp_path):
+@pytest.mark.parametrize("normalization", ["row", "authors"])
+def test_a2d_fairseq_train_layerwise_decoder_only(tiny_data_bin, tiny_teacher, tmp_path, normalization):
     proc = train_student(tiny_data_bin, tiny_teacher, tmp_path / "layer",
                          ["--criterion", "a2d_kd", "--a2d-granularity", "layer", "--a2d-attention-kinds",
-                          "dec_self", "--a2d-preset", "wmt", "--a2d-mu", "0"], max_update=3)
+                          "dec_self", "--a2d-preset", "wmt", "--a2d-mu", "0", "--a2d-normalization", normalization],
+                         max_update=3)
     record = inner_records(proc.stdout)[-1]
     assert record.values["dec_self_att_loss"] > 0 and record.values["enc_self_att_loss"] == 0
-    assert record.values["loss"] == pytest.approx(
-        record.values["ce_loss"] + 0.1 * record.values["dec_self_att_loss"], abs=0.003)
+    # row: L_CE + lambda L_att (mu = 0); authors: 0.5 CE + 0.5 KD + lambda L_att (their alpha = 0.5)
+    expected = record.values["ce_loss"] + 0.1 * record.values["dec_self_att_loss"]
+    if normalization == "authors":
+        expected = (0.5 * record.values["ce_loss"] + 0.5 * record.values["word_kd_loss"]
+                    + 0.1 * record.values["dec_self_att_loss"])
+    assert record.values["loss"] == pytest.approx(expected, abs=0.003 * max(1.0, expected / 10))
     state = safe_load(tmp_path / "layer" / "checkpoint_last.pt")["criterion"]
     assert set(state) == {"alignments.decoder_self.weight", "alignments.decoder_self.bias",
                           "alignments.decoder_self._extra_state"}

@@ -19,20 +19,42 @@ layer or width parity is needed.
 
 Choices the paper leaves open, documented here:
 
-* **Making ``H^I`` a distribution** (``--a2d-normalization``). ``H^I`` is a signed linear
-  combination, not a distribution. ``row`` (default): a log-softmax over the keys each query may
-  attend to (padded keys and, in decoder self-attention, future keys excluded), in float32, with
-  excluded keys filled with the most negative finite float32 rather than ``-inf`` so that no
-  ``inf - inf`` can appear; the teacher's own probabilities are the target. This keeps Eq. 10 a
-  KL between attention distributions, one per query, exactly like the teacher's maps. ``flat``:
-  the reference code's choice (per ``../shared/docs/methods.md``): a log-softmax over each
-  flattened map (all attendable query/key entries of a sentence), applied to the teacher's
-  probabilities and to ``H^I`` alike; one distribution per map and sentence.
+* **Making ``H^I`` a distribution** (``--a2d-normalization``). Eq. 9's ``H^I`` is a signed linear
+  combination, not a distribution, and the paper does not say how Eq. 10 turns it into one. Every
+  mode below has its minimum where the intermediate map equals the teacher's map (a student
+  identical to its teacher, with an identity alignment, gives 0; ``tests/test_a2d_kd.py`` checks
+  it for every mode and kind against a slow reference):
+
+  - ``mixture`` (default): the AAM combines the student maps convexly (softmax-normalised
+    weights, no bias; :class:`~fairseq_kd.modules.attention_alignment.AttentionAlignment`), so
+    each row of ``H^I`` is a distribution over the keys its query may attend to, and Eq. 10 is the
+    KL between two attention distributions per query, summed over real queries. Why it is the
+    default: it is the only mode whose KL compares attention rows as they are. ``row`` and
+    ``flat`` softmax *probabilities* (values in [0, 1]), which flattens every target towards
+    uniform (a one-hot teacher row of length 10 becomes a distribution whose largest entry is
+    0.23), so the attention signal they give is weak; and the old ``row`` mode (raw teacher
+    probabilities against a log-softmax of ``H^I``) had its minimum away from the teacher's maps.
+    The real-data comparison of the modes is recorded in ``docs/results/`` as it is run (the
+    issue tracker's closing notes say which modes have been compared so far).
+  - ``row``: Eq. 9 as written (signed weights, bias); a log-softmax over each query's attendable
+    keys is applied to ``H^I`` and to the teacher's probabilities alike, so the minimum is at
+    ``H^I = A_T`` (up to a constant per row).
+  - ``flat``: the same with one log-softmax over all attendable entries of a map (query x key),
+    both sides alike: one distribution per map and sentence, masked.
+  - ``authors``: the authors' public code (github.com/ncsoft/Align-to-Distill,
+    ``kd_label_smoothed_cross_entropy.py``) exactly: ``torch.nn.Conv2d``-initialised signed AAM;
+    a log-softmax over every entry of each flattened map, padded and future entries included, on
+    both sides; ``KL`` summed over maps and sentences; ``(1 - alpha) CE + alpha KD`` with
+    ``--a2d-alpha 0.5``, where the authors average CE and KD over the batch's ``B x T`` target
+    positions. To keep that balance under fairseq's per-token normalisation the summed KL is
+    multiplied by ``B x T``: the objective is then the authors' times ``B x T`` (a per-batch
+    factor that Adam's update does not see), and the logged ``*_att_loss`` is their summed KL
+    times ``B x T / ntokens``, i.e. thousands of times the other modes' per-token values.
 * **Safe KL.** ``sum p_T (log p_T - log q)`` with ``xlogy(p_T, p_T)`` (``0 log 0 = 0``) and
   excluded entries removed by selection, never by multiplying an infinite log by zero; all in
   float32 even when the model runs in fp16/bf16.
 * **Normalisation.** Eq. 10 sums over the teacher maps ``c``; we follow the paper (no average over
-  maps). Each KL is summed over real query positions (``row``) or sentences (``flat``), and the
+  maps). Each KL is summed over real query positions (``mixture``, ``row``) or sentences (``flat``), and the
   criterion base divides by fairseq's ``sample_size`` as it does for CE. The terms are logged
   unweighted per kind as ``enc_self_att_loss``, ``dec_self_att_loss``, ``dec_cross_att_loss``,
   next to ``word_kd_loss``; with ``all`` kinds, ``L_att = enc + (dec_self + dec_cross) / 2``.
@@ -78,6 +100,8 @@ KIND_WEIGHTS = {
 KIND_TERMS = {ENCODER_SELF: "enc_self_att", DECODER_SELF: "dec_self_att", DECODER_CROSS: "dec_cross_att"}
 #: ``--a2d-preset`` -> (lambda_0, per-epoch decay of lambda), Sec. 5.2
 PRESETS = {"low_resource": (1.0, 0.9), "wmt": (0.1, 0.9)}
+#: ``--a2d-normalization`` -> how the AAM combines student maps (see the module docstring)
+NORMALIZATIONS = {"mixture": "mixture", "row": "signed", "flat": "signed", "authors": "signed"}
 
 
 @dataclass
@@ -115,11 +139,20 @@ class A2DConfig(KDCriterionConfig):
         metadata={"help": "head: align every head's map (the paper's A2D); layer: average each "
                   "layer's heads first (layer-wise A2D, Table 6)"},
     )
-    a2d_normalization: ChoiceEnum(["row", "flat"]) = field(
-        default="row",
-        metadata={"help": "how intermediate maps become distributions: row = log-softmax over each "
-                  "query's attendable keys, teacher probabilities as targets; flat = log-softmax over "
-                  "each whole map, teacher and intermediate alike (the reference code)"},
+    a2d_normalization: ChoiceEnum(list(NORMALIZATIONS)) = field(
+        default="mixture",
+        metadata={"help": "how intermediate maps become distributions (every mode is 0 when they equal "
+                  "the teacher's): mixture = convex AAM, KL of attention rows per real query; row = "
+                  "signed AAM (Eq. 9), log-softmax over each query's attendable keys on both sides; "
+                  "flat = the same over each whole masked map; authors = the authors' public code "
+                  "(unmasked flattened maps, KL summed over maps and sentences, (1-alpha) CE + alpha "
+                  "KD): its attention term is the authors' summed KL times B x T target positions, "
+                  "thousands of times the other modes' per-token values at the same --a2d-lambda"},
+    )
+    a2d_alpha: float = field(
+        default=0.5,
+        metadata={"help": "--a2d-normalization authors only: the authors' --alpha, CE weight 1 - alpha "
+                  "and word-KD weight alpha (replaces --a2d-mu)"},
     )
 
 
@@ -129,7 +162,7 @@ class AlignToDistillCriterion(KDCriterionBase):
 
     def __init__(self, task, sentence_avg, label_smoothing, a2d_preset, a2d_lambda, a2d_lambda_decay,
                  a2d_mu, kd_temperature, a2d_attention_kinds, a2d_granularity, a2d_normalization,
-                 ignore_prefix_size=0, report_accuracy=False):
+                 a2d_alpha=0.5, ignore_prefix_size=0, report_accuracy=False):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         preset_lambda, preset_decay = PRESETS[str(a2d_preset)]
         self.lambda_0 = preset_lambda if a2d_lambda is None else float(a2d_lambda)
@@ -138,6 +171,7 @@ class AlignToDistillCriterion(KDCriterionBase):
         self.kd_temperature = float(kd_temperature)
         self.layerwise = str(a2d_granularity) == "layer"
         self.normalization = str(a2d_normalization)
+        self.alpha = float(a2d_alpha)
         self.kind_weights = KIND_WEIGHTS[str(a2d_attention_kinds)]
         self._check_options()
 
@@ -151,7 +185,11 @@ class AlignToDistillCriterion(KDCriterionBase):
             teacher_layers, teacher_heads = kind_size(teacher_shape, kind)
             if self.layerwise:
                 student_heads = teacher_heads = 1
-            self.alignments[kind] = AttentionAlignment(student_layers, student_heads, teacher_layers, teacher_heads)
+            self.alignments[kind] = AttentionAlignment(
+                student_layers, student_heads, teacher_layers, teacher_heads,
+                combination=NORMALIZATIONS[self.normalization],
+                init="conv" if self.normalization == "authors" else "mean",
+            )
 
         # Instance-level requests: only the kinds in use are captured, and nothing when lambda_0 = 0.
         kinds = tuple(self.kind_weights) if self.lambda_0 != 0 else ()
@@ -171,6 +209,8 @@ class AlignToDistillCriterion(KDCriterionBase):
             raise ValueError(f"--a2d-mu must be >= 0 (0 disables word-level KD), got {self.mu}")
         if self.kd_temperature <= 0:
             raise ValueError(f"--kd-temperature must be > 0, got {self.kd_temperature}")
+        if not 0 <= self.alpha <= 1:
+            raise ValueError(f"--a2d-alpha must be in [0, 1] ((1 - alpha) CE + alpha KD), got {self.alpha}")
 
     # ------------------------------------------------------------ weights
     def attention_weight(self, epoch: Optional[int] = None) -> float:
@@ -180,7 +220,10 @@ class AlignToDistillCriterion(KDCriterionBase):
 
     def loss_weights(self) -> Dict[str, float]:
         lam = self.attention_weight()
-        weights = {"ce": 1.0, "word_kd": self.mu}
+        if self.normalization == "authors":
+            weights = {"ce": 1.0 - self.alpha, "word_kd": self.alpha}
+        else:
+            weights = {"ce": 1.0, "word_kd": self.mu}
         for kind, term in KIND_TERMS.items():
             weights[term] = lam * self.kind_weights.get(kind, 0.0)
         return weights
@@ -194,7 +237,9 @@ class AlignToDistillCriterion(KDCriterionBase):
                 terms[KIND_TERMS[kind]] = self.attention_term(
                     kind, batch.student.attention[kind], batch.teacher.attention[kind]
                 )
-        if self.mu != 0:
+                if self.normalization == "authors":
+                    terms[KIND_TERMS[kind]] = terms[KIND_TERMS[kind]] * batch.target_mask.numel()
+        if weights["word_kd"] != 0:
             terms["word_kd"] = word_level_kd(
                 batch.student_logits, batch.teacher_logits, batch.target_mask, self.kd_temperature
             )
@@ -217,30 +262,42 @@ class AlignToDistillCriterion(KDCriterionBase):
         return {kind: module.heatmap_entry() for kind, module in self.alignments.items()}
 
 
-def alignment_kl(intermediate: Tensor, teacher_maps: Tensor, attendable: Tensor, normalization: str = "row") -> Tensor:
-    """``sum_c KL(A_T^c || softmax(H^I_c))`` over the attendable entries (Eq. 10), float32.
+def alignment_kl(intermediate: Tensor, teacher_maps: Tensor, attendable: Tensor, normalization: str = "mixture") -> Tensor:
+    """``sum_c KL(A_T^c || H^I_c)`` (Eq. 10) under ``--a2d-normalization``, in float32, unnormalised.
 
-    intermediate: ``(C, B, Tq, Tk)`` AAM output (any real values); teacher_maps: ``(C, B, Tq, Tk)``
-    teacher probabilities, rows summing to 1 over attendable keys (any float dtype);
-    attendable: ``(B, Tq, Tk)`` bool, True where the query is real and may attend to the key.
+    intermediate: ``(C, B, Tq, Tk)`` AAM output; teacher_maps: ``(C, B, Tq, Tk)`` teacher
+    probabilities, rows summing to 1 over attendable keys (any float dtype); attendable:
+    ``(B, Tq, Tk)`` bool, True where the query is real and may attend to the key.
 
-    ``row``: one distribution per (map, sentence, real query) over its attendable keys; the
-    teacher's probabilities are the target. ``flat``: one distribution per (map, sentence) over all
-    its attendable entries, both sides log-softmaxed. Returns the sum of all KLs (unnormalised).
+    ``mixture``: ``intermediate`` rows are distributions already; one KL per (map, sentence, real
+    query). ``row``: log-softmax over each query's attendable keys of both sides, one KL per real
+    query. ``flat``: log-softmax over all attendable entries of each map, both sides. ``authors``:
+    log-softmax over every entry of each map, no mask. Excluded entries are removed by selection,
+    never by multiplying an infinite log by zero.
     """
     mask = attendable.unsqueeze(0)  # broadcast over maps
     fill = torch.finfo(torch.float32).min
-    if normalization == "row":
-        log_q = torch.log_softmax(intermediate.float().masked_fill(~mask, fill), dim=-1)
-        p = torch.where(mask, teacher_maps.float(), 0.0)
-        log_q = torch.where(mask, log_q, 0.0)
+    intermediate, teacher_maps = intermediate.float(), teacher_maps.float()
+    if normalization == "mixture":
+        p = torch.where(mask, teacher_maps, 0.0)
+        # Student softmax rows are strictly positive on attendable keys; the clamp only guards an
+        # underflow, so a teacher entry can never meet log(0).
+        log_q = torch.where(mask, intermediate.clamp_min(torch.finfo(torch.float32).tiny).log(), 0.0)
         return (torch.xlogy(p, p) - p * log_q).sum()
-    if normalization == "flat":
-        flat_mask = mask.flatten(-2)
-        log_q = torch.log_softmax(intermediate.float().flatten(-2).masked_fill(~flat_mask, fill), dim=-1)
-        log_p = torch.log_softmax(teacher_maps.float().flatten(-2).masked_fill(~flat_mask, fill), dim=-1)
-        log_q = torch.where(flat_mask, log_q, 0.0)
-        log_p = torch.where(flat_mask, log_p, 0.0)
-        p = torch.where(flat_mask, log_p.exp(), 0.0)
-        return (p * (log_p - log_q)).sum()
-    raise ValueError(f"--a2d-normalization must be 'row' or 'flat', got {normalization!r}")
+    if normalization == "authors":
+        log_q = torch.log_softmax(intermediate.flatten(-2), dim=-1)
+        log_p = torch.log_softmax(teacher_maps.flatten(-2), dim=-1)
+        return (log_p.exp() * (log_p - log_q)).sum()
+    if normalization == "row":
+        dims, entry_mask = -1, mask
+    elif normalization == "flat":
+        intermediate, teacher_maps = intermediate.flatten(-2), teacher_maps.flatten(-2)
+        dims, entry_mask = -1, mask.flatten(-2)
+    else:
+        raise ValueError(f"--a2d-normalization must be one of {sorted(NORMALIZATIONS)}, got {normalization!r}")
+    log_q = torch.log_softmax(intermediate.masked_fill(~entry_mask, fill), dim=dims)
+    log_p = torch.log_softmax(teacher_maps.masked_fill(~entry_mask, fill), dim=dims)
+    log_q = torch.where(entry_mask, log_q, 0.0)
+    log_p = torch.where(entry_mask, log_p, 0.0)
+    p = torch.where(entry_mask, log_p.exp(), 0.0)
+    return (p * (log_p - log_q)).sum()

@@ -13,12 +13,18 @@ Map order is layer-major everywhere: map ``(l, k)`` (1-based) has index ``(l - 1
 for the student's inputs, the teacher's maps and the exported heatmap
 (:func:`fairseq_kd.scoring.plots.plot_alignment_heatmaps`).
 
-Initialisation: ``w = 1 / (m * H_S)`` and ``b = 0``, so every intermediate map starts as the mean of
-the student maps. That mean is itself an attention distribution over exactly the keys the query
-may attend to, so the first losses are meaningful KL values instead of the arbitrary numbers a
-random (signed) convolution initialisation gives, and no student map is favoured before training
-says which teacher map it resembles. The rows of ``w`` separate from the first update because each
-intermediate map is pulled towards a different teacher map.
+Two parametrisations (``combination``):
+
+* ``signed`` (Eq. 9 as written): ``w`` and ``b`` are free. Initialisation ``w = 1 / (m * H_S)``,
+  ``b = 0`` (``init="mean"``): every intermediate map starts as the mean of the student maps, an
+  attention distribution over exactly the keys each query may attend to, so the first losses are
+  meaningful and no student map is favoured before training says which teacher map it resembles.
+  ``init="conv"`` is ``torch.nn.Conv2d``'s default (uniform in ``+-1/sqrt(m * H_S)`` for weight and
+  bias), which the authors' public code uses.
+* ``mixture``: ``H^I_c = sum_{l,k} softmax_c(w)_{(l,k)} A_S^{l,k}``, a convex combination with no
+  bias, so every row of ``H^I_c`` is itself a distribution over the keys its query may attend to
+  and ``KL(A_T || H^I)`` is taken directly, with its minimum 0 exactly where the intermediate map
+  equals the teacher's. ``w = 0`` at the start (the uniform mixture, i.e. the mean map again).
 
 The module is a training-only parameter set: it lives in the criterion, so the trainer optimises
 and checkpoints it (the checkpoint's ``criterion`` entry), and the student model never contains
@@ -40,26 +46,44 @@ class AlignmentShapeError(ValueError):
     """Maps or saved weights whose sizes do not fit an Attention Alignment Module."""
 
 
+COMBINATIONS = ("signed", "mixture")
+INITS = ("mean", "conv")
+
+
 class AttentionAlignment(nn.Module):
     """Eq. 9 for one attention kind: ``(m, B, H_S, Tq, Tk)`` student maps -> ``(n*H_T, B, Tq, Tk)``.
 
     ``weight``: ``(n * H_T, m * H_S)`` (teacher map x student map, the layout of a 1x1 convolution's
-    kernel); ``bias``: ``(n * H_T,)``. For Align-to-Distill's layer-wise variant (Table 6) the
-    maps are averaged per layer first and the module is built with one "head" per layer.
+    kernel); ``bias``: ``(n * H_T,)`` (``signed`` only). For Align-to-Distill's layer-wise variant
+    (Table 6) the maps are averaged per layer first and the module is built with one "head" per
+    layer.
     """
 
-    def __init__(self, student_layers: int, student_heads: int, teacher_layers: int, teacher_heads: int):
+    def __init__(self, student_layers: int, student_heads: int, teacher_layers: int, teacher_heads: int,
+                 combination: str = "signed", init: str = "mean"):
         super().__init__()
         sizes = dict(zip(SIZE_KEYS, (student_layers, student_heads, teacher_layers, teacher_heads)))
         bad = {key: value for key, value in sizes.items() if int(value) < 1}
         if bad:
             raise AlignmentShapeError(f"an attention alignment module needs positive sizes, got {bad}")
+        if combination not in COMBINATIONS or init not in INITS:
+            raise ValueError(f"combination must be one of {COMBINATIONS} and init one of {INITS}, "
+                             f"got {combination!r}, {init!r}")
         self.student_layers, self.student_heads = int(student_layers), int(student_heads)
         self.teacher_layers, self.teacher_heads = int(teacher_layers), int(teacher_heads)
+        self.combination = combination
         student_maps = self.student_layers * self.student_heads
         teacher_maps = self.teacher_layers * self.teacher_heads
-        self.weight = nn.Parameter(torch.full((teacher_maps, student_maps), 1.0 / student_maps))
-        self.bias = nn.Parameter(torch.zeros(teacher_maps))
+        if combination == "mixture":
+            self.weight = nn.Parameter(torch.zeros(teacher_maps, student_maps))
+            self.bias = None
+        elif init == "mean":
+            self.weight = nn.Parameter(torch.full((teacher_maps, student_maps), 1.0 / student_maps))
+            self.bias = nn.Parameter(torch.zeros(teacher_maps))
+        else:
+            bound = student_maps ** -0.5  # kaiming_uniform(a=sqrt(5)) of a 1x1 conv, and its bias
+            self.weight = nn.Parameter(torch.empty(teacher_maps, student_maps).uniform_(-bound, bound))
+            self.bias = nn.Parameter(torch.empty(teacher_maps).uniform_(-bound, bound))
 
     @property
     def student_maps(self) -> int:
@@ -72,11 +96,16 @@ class AttentionAlignment(nn.Module):
     def sizes(self) -> Dict[str, int]:
         return {key: getattr(self, key) for key in SIZE_KEYS}
 
+    def coefficients(self) -> Tensor:
+        """The ``(n * H_T, m * H_S)`` coefficients applied to the student maps, in float32."""
+        weight = self.weight.float()
+        return torch.softmax(weight, dim=1) if self.combination == "mixture" else weight
+
     def forward(self, student_maps: Tensor) -> Tensor:
         """Intermediate maps ``H^I`` in float32, ``(n * H_T, batch, Tq, Tk)``.
 
         Computed in float32 whatever the dtype of the maps and of the (possibly fp16) parameters:
-        the result feeds a log-softmax, where half precision loses the small differences between
+        the result feeds a logarithm, where half precision loses the small differences between
         attention probabilities.
         """
         layers, _, heads = student_maps.shape[:3]
@@ -85,22 +114,31 @@ class AttentionAlignment(nn.Module):
                 f"the alignment module was built for {self.student_layers} student layers x "
                 f"{self.student_heads} heads but got maps of {layers} layers x {heads} heads"
             )
-        kernel = self.weight.float().view(self.teacher_maps, self.student_layers, self.student_heads)
+        kernel = self.coefficients().view(self.teacher_maps, self.student_layers, self.student_heads)
         intermediate = torch.einsum("clh,lbhqk->cbqk", kernel, student_maps.float())
+        if self.bias is None:
+            return intermediate
         return intermediate + self.bias.float().view(-1, 1, 1, 1)
 
     def heatmap_entry(self) -> dict:
         """This module's weights for :func:`fairseq_kd.scoring.plots.plot_alignment_heatmaps`:
         ``weights`` as rows = student maps, columns = teacher maps, plus the four sizes."""
-        return heatmap_entry(self.weight.detach(), self.sizes())
+        return heatmap_entry(self.coefficients().detach(), self.sizes())
 
     # Sizes are kept in the state dict (torch's extra-state protocol: plain ints, safe to load
     # with weights_only=True).
     def get_extra_state(self) -> dict:
-        return self.sizes()
+        return {**self.sizes(), "combination": self.combination}
 
     def set_extra_state(self, state: Mapping) -> None:
         saved = {key: int(state[key]) for key in SIZE_KEYS if key in state}
+        saved_combination = state.get("combination", "signed")
+        if saved_combination != self.combination:
+            raise AlignmentShapeError(
+                f"the checkpoint's attention alignment module combines the student maps as "
+                f"{saved_combination!r} but this run asks for {self.combination!r} (--a2d-normalization "
+                "differs); resume with the same A2D options or start a new --save-dir"
+            )
         if saved != self.sizes():
             raise AlignmentShapeError(
                 f"the checkpoint's attention alignment module was trained for {describe(saved)}, but "
@@ -143,6 +181,8 @@ def alignment_weights_from_state(criterion_state: Mapping[str, object], prefix: 
                     f"criterion state has {key} but no sizes ({prefix}{kind}._extra_state); it was not "
                     "written by this version of fairseq-kd's a2d_kd criterion"
                 )
+            if sizes.get("combination") == "mixture":
+                value = torch.softmax(value.float(), dim=1)
             found[kind] = heatmap_entry(value, sizes)
     if not found:
         raise AlignmentShapeError(
