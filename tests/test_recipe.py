@@ -365,6 +365,7 @@ def test_a_given_teacher_replaces_the_teacher_training(tmp_path, capsys):
     assert f"train-{TEACHER}" not in names and f"export-{TEACHER}" in names
     word_kd = parse_training_command(plan.step("train-word_kd").commands[0])
     assert word_kd.teacher_checkpoint == str(teacher.resolve())
+    assert word_kd.teacher_data == str(plan.data)  # its dictionaries are the data's (--teacher's promise)
     assert teacher.resolve() in plan.step("train-word_kd").inputs
     # The pair's own budget on the CPU: 6 epochs, its warm-up kept over the cpu profile's.
     assert word_kd.max_epoch == 6 and word_kd.warmup_updates == 500 and word_kd.max_update == 0

@@ -498,6 +498,10 @@ class _Planner:
         inputs = [data]
         if method.uses_teacher:
             task_args += ["--teacher-checkpoint", str(self.checkpoint(TEACHER))]
+            if self.options.teacher is not None:
+                # A teacher given with --teacher was trained on this data (--teacher's help): its
+                # dictionaries are the data's, wherever its own data folder was.
+                task_args += ["--teacher-data", str(self.data)]
             inputs.append(self.checkpoint(TEACHER))
         args = self.train_command(method.name, data, task_args, method.student, method.criterion,
                                   self.pair.criterion_args(method))
