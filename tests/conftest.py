@@ -62,6 +62,10 @@ def run_cli(name: str, *args, check=True, cwd=None, timeout=600) -> subprocess.C
     """Run a console script of the environment (fairseq-train, fairseq-generate, ...)."""
     cmd = [str(BIN / name), *map(str, args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=QUIET_ENV, cwd=cwd, timeout=timeout)
+    # fairseq-train sometimes aborts ("terminate called without an active exception", SIGABRT) while
+    # tearing down threads after it has finished and saved: the run itself succeeded.
+    if proc.returncode == -6 and "done training" in proc.stdout + proc.stderr:
+        proc.returncode = 0
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{name} failed ({proc.returncode}):\n{' '.join(cmd)}\n--- stdout ---\n{proc.stdout[-4000:]}"
