@@ -36,7 +36,7 @@ from ..download import Fetcher, RemoteFile
 from ..errors import PrepareError
 from ..pipeline import Step, StepRunner
 from ..spm import SentencePieceConfig, encode_file, train_sentencepiece
-from ..textio import count_lines, iter_lines, write_lines
+from ..textio import count_lines, iter_lines, normalize_whitespace, write_lines
 from ..tokenize import CleanRule, keep_pair
 
 LOG = logging.getLogger(__name__)
@@ -116,6 +116,20 @@ def drop_empty_pairs(source_lines: Sequence[str], target_lines: Sequence[str]) -
     """Pairs where both sides have text (an empty side teaches nothing and breaks length ratios)."""
     kept = [(s, t) for s, t in zip(source_lines, target_lines, strict=True) if s.strip() and t.strip()]
     return [s for s, _ in kept], [t for _, t in kept]
+
+
+def write_raw_splits(files: Mapping[str, tuple[Path, Path]], raw: Path, source: str, target: str) -> None:
+    """``raw/{split}.{source,target}`` from each split's two release files: whitespace normalised,
+    checked to be parallel, empty training pairs dropped (held-out sets are kept whole)."""
+    for split, (source_file, target_file) in files.items():
+        source_lines = [normalize_whitespace(line) for line in iter_lines(source_file)]
+        target_lines = [normalize_whitespace(line) for line in iter_lines(target_file)]
+        if len(source_lines) != len(target_lines):
+            raise PrepareError(f"{source_file} and {target_file} are not parallel "
+                               f"({len(source_lines)} vs {len(target_lines)} lines)")
+        if split == "train":
+            source_lines, target_lines = drop_empty_pairs(source_lines, target_lines)
+        write_pair(pair(raw, split, source, target), source_lines, target_lines)
 
 
 def clean_pair_files(inputs: tuple[Path, Path], outputs: tuple[Path, Path], rule: CleanRule) -> int:

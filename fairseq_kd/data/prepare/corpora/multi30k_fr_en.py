@@ -18,9 +18,9 @@ from ..bpe import apply_bpe_file, learn_joint_bpe
 from ..download import RemoteFile
 from ..errors import PrepareError
 from ..pipeline import Step
-from ..textio import iter_lines, normalize_whitespace, write_lines
+from ..textio import iter_lines, write_lines
 from ..tokenize import MosesConfig, moses_preprocess
-from .common import SPLITS, PrepareContext, binarize_stage, drop_empty_pairs, pair, write_pair
+from .common import SPLITS, PrepareContext, binarize_stage, pair, write_raw_splits
 
 CORPUS = "multi30k.fr-en"
 SOURCE, TARGET = "fr", "en"
@@ -62,15 +62,8 @@ def prepare(ctx: PrepareContext, settings: Settings = Settings()) -> None:
     raw, tok, bpe = ctx.path("raw"), ctx.path("tok"), ctx.path("bpe")
 
     def extract_text() -> None:
-        for split in SPLITS:
-            source_lines = [normalize_whitespace(line) for line in iter_lines(unpacked[split, SOURCE])]
-            target_lines = [normalize_whitespace(line) for line in iter_lines(unpacked[split, TARGET])]
-            if len(source_lines) != len(target_lines):
-                raise PrepareError(f"{unpacked[split, SOURCE]} and {unpacked[split, TARGET]} are not parallel "
-                                   f"({len(source_lines)} vs {len(target_lines)} lines)")
-            if split == "train":
-                source_lines, target_lines = drop_empty_pairs(source_lines, target_lines)
-            write_pair(pair(raw, split, SOURCE, TARGET), source_lines, target_lines)
+        write_raw_splits({split: (unpacked[split, SOURCE], unpacked[split, TARGET]) for split in SPLITS},
+                         raw, SOURCE, TARGET)
 
     raw_files = [path for split in SPLITS for path in pair(raw, split, SOURCE, TARGET)]
     ctx.run(Step("text", extract_text, inputs=list(unpacked.values()), outputs=raw_files, params=SETS))

@@ -24,9 +24,8 @@ from ..download import RemoteFile
 from ..errors import PrepareError
 from ..pipeline import Step
 from ..spm import SentencePieceConfig
-from ..textio import iter_lines, normalize_whitespace
 from ..tokenize import CleanRule
-from .common import PrepareContext, binarize_stage, drop_empty_pairs, pair, sentencepiece_stage, write_pair
+from .common import PrepareContext, binarize_stage, pair, sentencepiece_stage, write_raw_splits
 
 CORPUS = "wmt22.spm.de-dsb"
 SOURCE, TARGET = "de", "dsb"
@@ -102,15 +101,7 @@ def prepare(ctx: PrepareContext, settings: Settings) -> None:
     raw = ctx.path("raw")
 
     def extract_text() -> None:
-        for split, (source_file, target_file) in files.items():
-            source_lines = [normalize_whitespace(line) for line in iter_lines(source_file)]
-            target_lines = [normalize_whitespace(line) for line in iter_lines(target_file)]
-            if len(source_lines) != len(target_lines):
-                raise PrepareError(f"{source_file} and {target_file} are not parallel "
-                                   f"({len(source_lines)} vs {len(target_lines)} lines)")
-            if split == "train":
-                source_lines, target_lines = drop_empty_pairs(source_lines, target_lines)
-            write_pair(pair(raw, split, SOURCE, TARGET), source_lines, target_lines)
+        write_raw_splits(files, raw, SOURCE, TARGET)
 
     ctx.run(Step("text", extract_text, inputs=[path for paths in files.values() for path in paths],
                  outputs=[path for split in splits for path in pair(raw, split, SOURCE, TARGET)],
