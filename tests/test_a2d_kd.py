@@ -245,6 +245,23 @@ def test_a2d_loss_matches_slow_reference(kd_task, tiny_batch, student_overrides,
     assert sample_size == tiny_batch["ntokens"]
 
 
+@pytest.mark.parametrize("granularity,teacher_maps", [("head", 12), ("layer", 3)])
+def test_map_mean_divides_each_kind_by_its_number_of_teacher_maps(kd_task, tiny_batch, granularity, teacher_maps):
+    """--a2d-map-reduction mean: the tiny teacher has 3 layers x 4 heads, so 12 maps per kind head-wise
+    and 3 layer-wise; lambda then weighs one map's KL."""
+    student = build_tiny_student(kd_task)
+    logs = {}
+    for reduction in ("sum", "mean"):
+        criterion = build_a2d(kd_task, a2d_granularity=granularity, a2d_map_reduction=reduction)
+        randomize_alignments(criterion)
+        _, _, logs[reduction] = criterion(student, tiny_batch)
+    for term in TERM_OF_KIND.values():
+        assert logs["sum"][f"{term}_loss"].item() > 0
+        assert logs["mean"][f"{term}_loss"].item() * teacher_maps == pytest.approx(
+            logs["sum"][f"{term}_loss"].item(), rel=1e-5), term
+    assert logs["mean"]["ce_loss"].item() == pytest.approx(logs["sum"]["ce_loss"].item(), rel=1e-6)
+
+
 def test_aam_sizes_follow_the_models(kd_task):
     build_tiny_student(kd_task, encoder_layers=1, encoder_attention_heads=8, decoder_layers=2, decoder_attention_heads=4)
     criterion = build_a2d(kd_task)

@@ -53,8 +53,11 @@ Choices the paper leaves open, documented here:
 * **Safe KL.** ``sum p_T (log p_T - log q)`` with ``xlogy(p_T, p_T)`` (``0 log 0 = 0``) and
   excluded entries removed by selection, never by multiplying an infinite log by zero; all in
   float32 even when the model runs in fp16/bf16.
-* **Normalisation.** Eq. 10 sums over the teacher maps ``c``; we follow the paper (no average over
-  maps). Each KL is summed over real query positions (``mixture``, ``row``) or sentences (``flat``), and the
+* **Normalisation.** Eq. 10 sums over the teacher maps ``c``; so does the default
+  (``--a2d-map-reduction sum``). ``mean`` divides each kind's sum by its number of teacher maps, so
+  ``lambda`` weighs one map's KL whatever the teacher's depth and head count: with the paper's
+  ``lambda_0 = 1`` and a 6-layer, 4-head teacher the summed terms are 24 KLs per token, several
+  times the CE, and they dominate a short training run (``docs/results/``). Each KL is summed over real query positions (``mixture``, ``row``) or sentences (``flat``), and the
   criterion base divides by fairseq's ``sample_size`` as it does for CE. The terms are logged
   unweighted per kind as ``enc_self_att_loss``, ``dec_self_att_loss``, ``dec_cross_att_loss``,
   next to ``word_kd_loss``; with ``all`` kinds, ``L_att = enc + (dec_self + dec_cross) / 2``.
@@ -149,6 +152,12 @@ class A2DConfig(KDCriterionConfig):
                   "KD): its attention term is the authors' summed KL times B x T target positions, "
                   "thousands of times the other modes' per-token values at the same --a2d-lambda"},
     )
+    a2d_map_reduction: ChoiceEnum(["sum", "mean"]) = field(
+        default="sum",
+        metadata={"help": "sum: Eq. 10, the KL summed over the teacher's maps of a kind (paper); mean: "
+                  "divided by that number of maps (n_layers x n_heads), so lambda weighs one map's KL "
+                  "at any teacher size"},
+    )
     a2d_alpha: float = field(
         default=0.5,
         metadata={"help": "--a2d-normalization authors only: the authors' --alpha, CE weight 1 - alpha "
@@ -162,7 +171,7 @@ class AlignToDistillCriterion(KDCriterionBase):
 
     def __init__(self, task, sentence_avg, label_smoothing, a2d_preset, a2d_lambda, a2d_lambda_decay,
                  a2d_mu, kd_temperature, a2d_attention_kinds, a2d_granularity, a2d_normalization,
-                 a2d_alpha=0.5, ignore_prefix_size=0, report_accuracy=False):
+                 a2d_alpha=0.5, a2d_map_reduction="sum", ignore_prefix_size=0, report_accuracy=False):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         preset_lambda, preset_decay = PRESETS[str(a2d_preset)]
         self.lambda_0 = preset_lambda if a2d_lambda is None else float(a2d_lambda)
@@ -172,6 +181,7 @@ class AlignToDistillCriterion(KDCriterionBase):
         self.layerwise = str(a2d_granularity) == "layer"
         self.normalization = str(a2d_normalization)
         self.alpha = float(a2d_alpha)
+        self.average_maps = str(a2d_map_reduction) == "mean"
         self.kind_weights = KIND_WEIGHTS[str(a2d_attention_kinds)]
         self._check_options()
 
@@ -254,7 +264,8 @@ class AlignToDistillCriterion(KDCriterionBase):
         intermediate = self.alignments[kind](student_probs)
         # (n, B, H_T, Tq, Tk) -> (n * H_T, B, Tq, Tk), layer-major like the AAM's output.
         teacher_maps = teacher_probs.transpose(1, 2).flatten(0, 1)
-        return alignment_kl(intermediate, teacher_maps, student.attendable[:, 0], self.normalization)
+        divergence = alignment_kl(intermediate, teacher_maps, student.attendable[:, 0], self.normalization)
+        return divergence / teacher_maps.shape[0] if self.average_maps else divergence
 
     # -------------------------------------------------------------- export
     def alignment_weights(self) -> dict:

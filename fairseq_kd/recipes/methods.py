@@ -94,6 +94,12 @@ _METHOD_LIST = (
            "student_4h", "a2d_kd", ("--a2d-normalization", "flat")),
     Method("a2d_kd_authors", "Align-to-Distill as the authors' public code computes it (unmasked flat maps, "
            "summed KL, 0.5 CE + 0.5 KD)", "student_4h", "a2d_kd", ("--a2d-normalization", "authors")),
+    Method("a2d_kd_map_mean", "Align-to-Distill, mixture normalisation, each kind's KL averaged over the "
+           "teacher's maps instead of summed (lambda weighs one map)", "student_4h", "a2d_kd",
+           ("--a2d-map-reduction", "mean")),
+    Method("a2d_kd_fast_decay", "Align-to-Distill, mixture normalisation, lambda decayed x0.5 per epoch: "
+           "a 40-epoch x0.9 decay compressed into 6 epochs", "student_4h", "a2d_kd",
+           ("--a2d-lambda-decay", "0.5")),
     Method("a2d_kd_8h", "Align-to-Distill, head-wise AAM, 8-head student", "student_8h",
            "a2d_kd", ("--a2d-granularity", "head", "--a2d-attention-kinds", "all"), figure="alignment"),
     Method("no_kd_2l", "2-layer student trained on the references only (baseline of the CKD block)",
