@@ -82,6 +82,17 @@ def test_moved_teacher_through_fairseq_train(tiny_data_bin, moved_teacher, tmp_p
     assert "dictionaries compared symbol for symbol with --teacher-data" in proc.stdout + proc.stderr
 
 
+def test_moved_teacher_through_seqkd(tiny_data_bin, moved_teacher, tmp_path):
+    """fairseq-kd-seqkd runs a stock translation task: it too refuses unverifiable dictionaries."""
+    args = ["--data", tiny_data_bin, "--teacher-checkpoint", moved_teacher, "--split", "valid",
+            "--beam", "1", "--max-len-b", "10", "--cpu"]
+    proc = run_cli("fairseq-kd-seqkd", *args, "--output", tmp_path / "out", check=False)
+    assert proc.returncode != 0 and "--teacher-data DIR" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    proc = run_cli("fairseq-kd-seqkd", *args, "--output", tmp_path / "out", "--teacher-data", tiny_data_bin)
+    assert (tmp_path / "out" / "dict.src.txt").is_file()
+
+
 # --------------------------------------------------------------------------- best checkpoint
 
 

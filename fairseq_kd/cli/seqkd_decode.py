@@ -31,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--teacher-checkpoint", required=True,
                         help="fairseq Transformer translation checkpoint trained with the same "
                              "dictionaries as --data")
+    parser.add_argument("--teacher-data", default=None, metavar="DIR",
+                        help="folder holding the teacher's dict.SRC.txt and dict.TGT.txt (its "
+                             "fairseq-preprocess --destdir), to check symbol for symbol that the teacher "
+                             "uses --data's dictionaries when the checkpoint cannot prove it (a teacher "
+                             "not trained by translation_kd, whose data folder is not on this machine); "
+                             "without any proof the teacher is refused")
     parser.add_argument("--output", required=True,
                         help="folder to write the new dataset into: new or empty, one this command "
                              "started with the same flags (resumed), or any folder with --force")

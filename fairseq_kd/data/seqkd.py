@@ -69,6 +69,8 @@ class SeqKDConfig:
     data: str
     teacher_checkpoint: str
     output: str
+    #: the teacher's dictionaries (its fairseq-preprocess --destdir) when the checkpoint cannot prove them
+    teacher_data: Optional[str] = None
     source_lang: Optional[str] = None
     target_lang: Optional[str] = None
     split: str = "train"
@@ -319,7 +321,7 @@ def _load(plan_: _Plan):
     dataset = task.dataset(plan_.config.split)
     if len(dataset) == 0:
         raise SeqKDError(f"--split {plan_.config.split}: the split in {plan_.data} has no sentences")
-    teacher = FrozenTeacher.load(plan_.config.teacher_checkpoint, task)
+    teacher = FrozenTeacher.load(plan_.config.teacher_checkpoint, task, teacher_data=plan_.config.teacher_data)
     max_source = teacher.model.max_positions()[0]
     too_long = (dataset.src_sizes > max_source).nonzero()[0]
     if len(too_long):

@@ -43,8 +43,13 @@ class FrozenTeacher:
         self.shape = TransformerShape.from_model(model)
 
     @classmethod
-    def load(cls, path: str, task) -> "FrozenTeacher":
-        """Load ``path`` for ``task`` (whose dictionaries the teacher must share), or fail clearly."""
+    def load(cls, path: str, task, teacher_data: Optional[str] = None) -> "FrozenTeacher":
+        """Load ``path`` for ``task`` (whose dictionaries the teacher must share), or fail clearly.
+
+        ``teacher_data`` (``--teacher-data``) is read from the task's config when not given; a task
+        without that option (stock ``translation``) must be given it by its caller, and a teacher
+        whose dictionaries cannot be verified is refused either way.
+        """
         from fairseq import models
         from fairseq.models.transformer import TransformerModelBase
 
@@ -80,10 +85,8 @@ class FrozenTeacher:
         task_cfg = getattr(task, "cfg", None)
         verified = check_dictionaries(
             path, state, task.source_dictionary, task.target_dictionary, cfg,
-            teacher_data=getattr(task_cfg, "teacher_data", None),
+            teacher_data=teacher_data if teacher_data is not None else getattr(task_cfg, "teacher_data", None),
             data_langs=(getattr(task_cfg, "source_lang", None), getattr(task_cfg, "target_lang", None)),
-            # only a task with --teacher-data can be told where the dictionaries are
-            refuse_unverifiable=hasattr(task_cfg, "teacher_data"),
         )
         logger.info(f"{FLAG} {path}: dictionaries {verified}")
         model = models.build_model(cfg.model, task, from_checkpoint=True)
