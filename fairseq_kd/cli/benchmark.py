@@ -8,7 +8,11 @@ synthetic corpus, writes an (untrained) teacher checkpoint, and then, for each m
 batches: the student, the optimiser and the criterion exactly as ``fairseq-train`` builds them
 from the same flags. It reports per method
 
-* the median training step time and its ratio to ``plain`` (label-smoothed CE, no teacher);
+* the median training step time and its ratio to ``plain`` (label-smoothed CE, no teacher) and
+  to ``limit``: the plain step followed by one teacher forward pass under ``no_grad`` on the same
+  batch, timed in the same run. No distillation step can cost less than ``limit`` (the student's
+  forward and backward plus the teacher's forward), so ``vs limit`` is what a method pays for its
+  own loss: feature capture, alignment modules, divergences and their backward;
 * the peak memory of the training steps and its ratio to ``plain``: on CUDA
   ``torch.cuda.max_memory_allocated``; on CPU the growth of the process's peak resident set size
   over its size before the first step (the shared Python/torch baseline is excluded so the ratio
@@ -18,6 +22,8 @@ and, per configuration, the student's beam-search decoding speed relative to the
 both forced to the same output length (``min_len = max_len``) so the comparison measures model
 cost rather than output lengths of untrained models.
 
+Methods run in interleaved rounds (every method once per round); each keeps its fastest round, and
+``spread`` (slowest round / fastest round) shows how much the machine's load moved the numbers.
 Ratios are taken within one run on one machine; absolute numbers are only comparable within a run.
 """
 import argparse
@@ -33,8 +39,13 @@ from typing import Dict, List
 
 # Flags added to the common training flags for each method; the student and teacher come from
 # the configuration. A method appears in the table under its key.
+PLAIN_FLAGS = ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
+#: the two reference rows every table has (measured like the methods, in the same rounds)
+PLAIN, LIMIT = "plain", "limit"
 METHODS: Dict[str, List[str]] = {
-    "plain": ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"],
+    PLAIN: PLAIN_FLAGS,
+    # plain training step, then the teacher's forward pass under no_grad (see the module docstring)
+    LIMIT: PLAIN_FLAGS,
     "word_kd": ["--criterion", "word_kd"],
     "selective_kd": ["--criterion", "selective_kd", "--selection", "batch"],
     # global selection adds the FIFO queue of recent CE values (Wang et al. 2021: 30k tokens)
@@ -77,7 +88,17 @@ CONFIGS = {
         "max_tokens": 2048,
         "corpus_train": 3000,
     },
+    # A2D's WMT'14 setting: 12+12 teacher and 4+4 student at transformer-base widths, 8 heads each
+    # (slow on a CPU: ask for it with --configs wmt)
+    "wmt": {
+        "teacher_arch": "transformer_kd_wmt_teacher",
+        "student_arch": "transformer_kd_wmt_student_4l",
+        "student_args": [],
+        "max_tokens": 4096,
+        "corpus_train": 3000,
+    },
 }
+DEFAULT_CONFIGS = ["tiny", "small"]
 
 
 def _bin(name: str) -> str:
@@ -134,8 +155,9 @@ def training_flags(config_name: str, paths: Dict[str, str], method: str) -> List
     ]
 
 
-def measure_training(flags: List[str], steps: int, warmup: int) -> dict:
-    """Run in a child process: build what fairseq-train builds and time ``train_step``."""
+def measure_training(flags: List[str], steps: int, warmup: int, teacher_forward: bool = False) -> dict:
+    """Run in a child process: build what fairseq-train builds and time ``train_step`` (followed,
+    with ``teacher_forward``, by the teacher's forward pass on the same batch: the ``limit`` row)."""
     import torch
     from fairseq import options, tasks, utils
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
@@ -163,6 +185,11 @@ def measure_training(flags: List[str], steps: int, warmup: int) -> dict:
         seed=1, required_batch_size_multiple=1,
     ).next_epoch_itr(shuffle=False)
     cuda = torch.cuda.is_available() and not cfg.common.cpu
+    if teacher_forward and task.teacher is None:
+        raise SystemExit("the limit row needs --teacher-checkpoint in the training flags")
+    from fairseq_kd.models.feature_capture import CaptureRequest
+
+    nothing = CaptureRequest()
     times, rss_before = [], _peak_rss_mb()
     for step, sample in enumerate(batches):
         if step >= warmup + steps:
@@ -173,6 +200,10 @@ def measure_training(flags: List[str], steps: int, warmup: int) -> dict:
             torch.cuda.synchronize()
         start = time.perf_counter()
         trainer.train_step([sample])
+        if teacher_forward:
+            # what a distillation criterion does on top of the student's step (criterions/base.py)
+            task.teacher.follow(next(model.parameters()))
+            task.teacher.forward((utils.move_to_cuda(sample) if cuda else sample)["net_input"], nothing)
         if cuda:
             torch.cuda.synchronize()
         if step >= warmup:
@@ -233,10 +264,10 @@ def measure_decoding(paths: Dict[str, str], student_arch: str, student_args: Lis
     return results
 
 
-def _train_in_child(flags: List[str], steps: int, warmup: int) -> dict:
+def _train_in_child(flags: List[str], steps: int, warmup: int, teacher_forward: bool = False) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "fairseq_kd.cli.benchmark", "--child-train", json.dumps(flags),
-         "--steps", str(steps), "--warmup", str(warmup)],
+         "--steps", str(steps), "--warmup", str(warmup), *(["--child-teacher-forward"] if teacher_forward else [])],
         capture_output=True, text=True, env=_quiet_env(),
     )
     if proc.returncode != 0:
@@ -258,32 +289,48 @@ def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats
     for config_name in configs:
         paths = prepare_config(config_name, workdir)
         rows: Dict[str, dict] = {}
+        rounds: Dict[str, List[float]] = {}  # every round's median step time, per method
         for round_index in range(repeats):
             for method in methods:
                 bar.set_postfix_str(f"{config_name} {method}", refresh=False)
                 if "error" in rows.get(method, {}):
                     bar.update()
                     continue
-                result = _train_in_child(training_flags(config_name, paths, method), steps, warmup)
+                result = _train_in_child(training_flags(config_name, paths, method), steps, warmup,
+                                         teacher_forward=method == LIMIT)
                 bar.update()
                 if "error" in result:
                     rows[method] = result
                     say(f"[{config_name}] {method}: FAILED: {result['error']}")
                     continue
+                rounds.setdefault(method, []).append(result["step_ms"])
                 best = rows.get(method)
                 if best is None or result["step_ms"] < best["step_ms"]:
                     rows[method] = {**result, "peak_mb": min(result["peak_mb"], (best or result)["peak_mb"])}
                 say(f"[{config_name}] round {round_index + 1}: {method}: {result['step_ms']:.1f} ms/step")
-        base = rows.get("plain", {})
-        for method, row in rows.items():
-            if "error" not in row and base and "error" not in base:
-                row["time_ratio"] = row["step_ms"] / base["step_ms"]
-                row["memory_ratio"] = row["peak_mb"] / base["peak_mb"] if base["peak_mb"] > 0 else float("nan")
+        add_ratios(rows, rounds)
         decoding = measure_decoding(paths, CONFIGS[config_name]["student_arch"],
                                     CONFIGS[config_name]["student_args"], sentences=200, length=20)
         report[config_name] = {"config": CONFIGS[config_name], "methods": rows, "decoding": decoding}
     bar.close()
     return report
+
+
+def add_ratios(rows: Dict[str, dict], rounds: Dict[str, List[float]]) -> None:
+    """Time and memory of every row relative to ``plain`` and to ``limit``, and the spread of its
+    rounds (slowest / fastest), in place."""
+    for method, row in rows.items():
+        if "error" in row:
+            continue
+        if rounds.get(method):
+            row["rounds_ms"] = rounds[method]
+            row["spread"] = max(rounds[method]) / min(rounds[method])
+        for reference, suffix in ((PLAIN, ""), (LIMIT, "_vs_limit")):
+            base = rows.get(reference)
+            if not base or "error" in base:
+                continue
+            row[f"time_ratio{suffix}"] = row["step_ms"] / base["step_ms"]
+            row[f"memory_ratio{suffix}"] = row["peak_mb"] / base["peak_mb"] if base["peak_mb"] > 0 else float("nan")
 
 
 def to_markdown(report: dict) -> str:
@@ -293,16 +340,22 @@ def to_markdown(report: dict) -> str:
         lines.append(f"### {config_name}: teacher `{cfg['teacher_arch']}`, student `{cfg['student_arch']}`, "
                      f"max-tokens {cfg['max_tokens']}")
         lines.append("")
-        lines.append("| method | step (ms) | time vs plain | peak mem (MB) | memory vs plain |")
-        lines.append("|---|---:|---:|---:|---:|")
+        lines.append("| method | step (ms) | vs plain | vs limit | spread | peak mem (MB) | memory vs plain "
+                     "| memory vs limit |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+        nan = float("nan")
         for method, row in result["methods"].items():
             if "error" in row:
-                lines.append(f"| {method} | failed: {row['error']} | | | |")
+                lines.append(f"| {method} | failed: {row['error']} | | | | | | |")
                 continue
             lines.append(
-                f"| {method} | {row['step_ms']:.1f} | {row.get('time_ratio', float('nan')):.2f}x | "
-                f"{row['peak_mb']:.1f} | {row.get('memory_ratio', float('nan')):.2f}x |"
+                f"| {method} | {row['step_ms']:.1f} | {row.get('time_ratio', nan):.2f}x | "
+                f"{row.get('time_ratio_vs_limit', nan):.2f}x | {row.get('spread', nan):.2f} | {row['peak_mb']:.1f} | "
+                f"{row.get('memory_ratio', nan):.2f}x | {row.get('memory_ratio_vs_limit', nan):.2f}x |"
             )
+        lines.append("")
+        lines.append("limit = plain step + teacher forward under no_grad (the least a distillation step can "
+                     "cost); spread = slowest / fastest of the interleaved rounds.")
         dec = result["decoding"]
         lines.append("")
         lines.append(f"Decoding (beam 5, equal output length): teacher {dec['teacher']:.1f} sent/s, "
@@ -314,10 +367,11 @@ def to_markdown(report: dict) -> str:
 def cli_main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="+", default=["tiny", "small"], choices=sorted(CONFIGS),
-                        help="configurations to measure")
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=sorted(CONFIGS),
+                        help="configurations to measure (default: %(default)s; wmt is A2D's WMT'14 size)")
     parser.add_argument("--methods", nargs="+", default=None,
-                        help=f"methods to measure (default: all: {', '.join(METHODS)}); 'plain' is always added")
+                        help=f"methods to measure (default: all: {', '.join(METHODS)}); 'plain' and 'limit' "
+                             "are always added")
     parser.add_argument("--steps", type=int, default=10, help="timed training steps per method")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
     parser.add_argument("--repeats", type=int, default=2,
@@ -327,17 +381,18 @@ def cli_main(argv=None):
     parser.add_argument("--output-dir", type=Path, default=Path("benchmark_output"),
                         help="writes benchmark.json and benchmark.md here")
     parser.add_argument("--child-train", help=argparse.SUPPRESS)
+    parser.add_argument("--child-teacher-forward", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child_train:
-        result = measure_training(json.loads(args.child_train), args.steps, args.warmup)
+        result = measure_training(json.loads(args.child_train), args.steps, args.warmup,
+                                  teacher_forward=args.child_teacher_forward)
         print(json.dumps(result))
         return
     methods = args.methods or list(METHODS)
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"--methods: unknown {unknown}; known: {sorted(METHODS)}")
-    if "plain" not in methods:
-        methods = ["plain", *methods]
+    methods = [PLAIN, LIMIT, *(m for m in methods if m not in (PLAIN, LIMIT))]
     args.output_dir.mkdir(parents=True, exist_ok=True)
     report = run(args.configs, methods, args.steps, args.warmup, args.repeats, args.workdir)
     (args.output_dir / "benchmark.json").write_text(json.dumps(report, indent=2))

@@ -1,0 +1,52 @@
+"""The speed benchmark's bookkeeping: the limit row (plain step + teacher forward) is measured with
+the teacher's forward and every other row without; ratios and round spreads are computed from the
+rounds as documented. (Timings themselves are measured by running the benchmark, never in tests.)"""
+import pytest
+
+from fairseq_kd.cli import benchmark
+
+
+def test_ratios_against_plain_and_limit_and_round_spread():
+    rows = {"plain": {"step_ms": 100.0, "peak_mb": 50.0}, "limit": {"step_ms": 160.0, "peak_mb": 80.0},
+            "a2d_kd": {"step_ms": 200.0, "peak_mb": 100.0}, "broken": {"error": "boom"}}
+    rounds = {"plain": [100.0, 130.0], "limit": [160.0], "a2d_kd": [250.0, 200.0]}
+    benchmark.add_ratios(rows, rounds)
+    a2d = rows["a2d_kd"]
+    assert a2d["time_ratio"] == pytest.approx(2.0) and a2d["time_ratio_vs_limit"] == pytest.approx(1.25)
+    assert a2d["memory_ratio"] == pytest.approx(2.0) and a2d["memory_ratio_vs_limit"] == pytest.approx(1.25)
+    assert a2d["spread"] == pytest.approx(1.25) and rows["plain"]["spread"] == pytest.approx(1.3)
+    assert rows["limit"]["time_ratio_vs_limit"] == 1.0 and rows["broken"] == {"error": "boom"}
+    markdown = benchmark.to_markdown({"tiny": {"config": benchmark.CONFIGS["tiny"], "methods": rows,
+                                               "decoding": {"teacher": 1.0, "student": 2.0, "student_speedup": 2.0}}})
+    assert "| a2d_kd | 200.0 | 2.00x | 1.25x | 1.25 | 100.0 | 2.00x | 1.25x |" in markdown
+    assert "| broken | failed: boom |" in markdown
+
+
+@pytest.fixture()
+def child_calls(monkeypatch):
+    """Child training runs stubbed: records (method, teacher_forward) per call."""
+    calls = []
+
+    def fake_child(flags, steps, warmup, teacher_forward=False):
+        calls.append((flags[0], teacher_forward))
+        return {"step_ms": 30.0 if teacher_forward else 20.0, "peak_mb": 1.0}
+
+    monkeypatch.setattr(benchmark, "prepare_config", lambda name, workdir: {})
+    monkeypatch.setattr(benchmark, "training_flags", lambda name, paths, method: [method])
+    monkeypatch.setattr(benchmark, "_train_in_child", fake_child)
+    monkeypatch.setattr(benchmark, "measure_decoding",
+                        lambda *args, **kwargs: {"teacher": 1.0, "student": 2.0, "student_speedup": 2.0})
+    return calls
+
+
+def test_only_the_limit_row_runs_the_teacher_forward(child_calls):
+    report = benchmark.run(["tiny"], ["plain", "limit", "word_kd"], steps=1, warmup=0, repeats=1, workdir=None)
+    assert child_calls == [("plain", False), ("limit", True), ("word_kd", False)]
+    assert report["tiny"]["methods"]["word_kd"]["time_ratio_vs_limit"] == pytest.approx(20.0 / 30.0)
+
+
+def test_plain_and_limit_are_always_measured(child_calls, tmp_path):
+    benchmark.cli_main(["--methods", "word_kd", "limit", "--configs", "tiny", "--repeats", "1",
+                        "--output-dir", str(tmp_path)])
+    assert child_calls == [("plain", False), ("limit", True), ("word_kd", False)]
+    assert "| limit |" in (tmp_path / "benchmark.md").read_text()
