@@ -43,4 +43,22 @@ if [[ -f "$WORKDIR/report/results.md" && " $* " != *" --dry-run "* ]]; then
     mkdir -p "$RESULTS_DIR"
     cp "$WORKDIR/report/results.md" "$RESULTS_DIR/multi30k_fr_en_${PROFILE}.md"
     echo "report copied to $RESULTS_DIR/multi30k_fr_en_${PROFILE}.md"
+    # Each system's test translations as scored (BPE removed, Moses-detokenised), one line per test
+    # sentence: with them a later session can add systems and recompute the paired tests
+    # (fairseq-kd-score --hyp FILE --ref REF --ref-is-plain) without retraining these models.
+    HYP_DIR="$RESULTS_DIR/multi30k_fr_en_${PROFILE}_hypotheses"
+    mkdir -p "$HYP_DIR"
+    "$PY" - "$WORKDIR" "$HYP_DIR" <<'PYEOF'
+import json, sys
+from pathlib import Path
+from fairseq_kd.scoring.detok import detokenize_lines, read_generate_output
+workdir, out = Path(sys.argv[1]), Path(sys.argv[2])
+report = json.loads((workdir / "report" / "results.json").read_text(encoding="utf-8"))
+n = report["n_sentences"]
+for row in report["systems"]:
+    parsed = read_generate_output(workdir / "generate" / row["system"] / "generate-test.txt", expected_sentences=n)
+    lines = detokenize_lines(parsed.hypotheses, "subword_nmt", "en")
+    (out / f"{row['system']}.en").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+print(f"test translations of {len(report['systems'])} systems in {out}")
+PYEOF
 fi
