@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # Run the test suite in the project environment (created on first use by scripts/setup_env.sh).
 # Extra arguments go to pytest, e.g. scripts/run_tests.sh tests/test_word_kd.py -x
+# The suite's training runs are single-threaded subprocesses, so it runs one pytest worker per core
+# (pytest-xdist; FAIRSEQ_KD_TEST_WORKERS overrides the count, 1 runs it serially).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
-exec "${FAIRSEQ_KD_VENV:-$ROOT/.venv}/bin/python" -m pytest -q -p no:cacheprovider "${@:-tests}"
+PY="${FAIRSEQ_KD_VENV:-$ROOT/.venv}/bin/python"
+WORKERS="${FAIRSEQ_KD_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
+parallel=()
+if [[ "$WORKERS" -gt 1 ]] && "$PY" -c "import xdist" 2>/dev/null; then
+    parallel=(-n "$WORKERS")
+fi
+exec "$PY" -m pytest -q -p no:cacheprovider "${parallel[@]}" "${@:-tests}"

@@ -14,6 +14,8 @@ PY="${PYTHON:-python3}"
 STAMP="$VENV/.fairseq_kd_env_v1"
 # v2 adds TensorBoard logging (tensorboardX) to a v1 environment; tqdm is in v1 already.
 STAMP_V2="$VENV/.fairseq_kd_env_v2"
+# v3 adds pytest-xdist: the test suite runs on every core (its training runs are single-threaded).
+STAMP_V3="$VENV/.fairseq_kd_env_v3"
 
 # Packages added after v1: installed into an existing environment without rebuilding it, each only
 # when absent, against the installed torch (constraints.txt) so nothing replaces it.
@@ -31,8 +33,23 @@ upgrade_v1_to_v2() {
     touch "$STAMP_V2"
 }
 
+upgrade_v2_to_v3() {
+    if ! "$VENV/bin/python" -c "import xdist" 2>/dev/null; then
+        echo "[setup_env] adding pytest-xdist to $VENV"
+        local pin=()
+        [[ -f "$VENV/constraints.txt" ]] && pin=(-c "$VENV/constraints.txt")
+        if ! "$VENV/bin/python" -m pip install -q "${pin[@]}" pytest-xdist; then
+            # not fatal: scripts/run_tests.sh then runs the suite on one core
+            echo "[setup_env] warning: could not install pytest-xdist; the tests will run on one core" >&2
+            return 0
+        fi
+    fi
+    touch "$STAMP_V3"
+}
+
 if [[ -f "$STAMP" ]]; then
     [[ -f "$STAMP_V2" ]] || upgrade_v1_to_v2
+    [[ -f "$STAMP_V3" ]] || upgrade_v2_to_v3
     # Keep the editable install pointing at this checkout (a fresh clone may reuse a shared venv).
     # (PYTHONWARNINGS: setuptools warns about editable installs on every run)
     PYTHONWARNINGS=ignore "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null
@@ -70,7 +87,7 @@ echo "torch==$TORCH_VERSION" >"$CONSTRAINTS"
 "${PIP[@]}" install -q -c "$CONSTRAINTS" "cython<3.2" "numpy<2.3"
 "${PIP[@]}" install -q -c "$CONSTRAINTS" \
     "hydra-core==1.3.2" "omegaconf==2.3.0" cffi regex "sacrebleu>=2.3" tqdm bitarray \
-    scikit-learn packaging sentencepiece subword-nmt sacremoses pytest matplotlib tensorboardX
+    scikit-learn packaging sentencepiece subword-nmt sacremoses pytest pytest-xdist matplotlib tensorboardX
 echo "[setup_env] building fairseq-fixed==0.12.3.1 (about 3 minutes the first time; pip caches the wheel)"
 "${PIP[@]}" install -q --no-deps --no-build-isolation "fairseq-fixed==0.12.3.1"
 "${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT"
@@ -83,4 +100,4 @@ if importlib.util.find_spec("torchaudio") is not None:
 import fairseq, fairseq_kd, tensorboardX  # noqa: F401
 print(f"[setup_env] ok: torch {torch.__version__}, fairseq {fairseq.__version__}")
 PYCHK
-touch "$STAMP" "$STAMP_V2"
+touch "$STAMP" "$STAMP_V2" "$STAMP_V3"
