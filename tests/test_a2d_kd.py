@@ -12,7 +12,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEn
 
 from fairseq_kd.checkpoint_safety import safe_load
 from fairseq_kd.cli.export_alignment import export_alignment
-from fairseq_kd.criterions.a2d_kd import A2DConfig, AlignToDistillCriterion, alignment_kl
+from fairseq_kd.criterions.a2d_kd import A2DConfig, AlignToDistillCriterion, alignment_kl, resolve_map_reduction
 from fairseq_kd.models.feature_capture import ATTENTION_KINDS, CaptureRequest, FeatureCapture
 from fairseq_kd.models.teacher import FrozenTeacher
 from fairseq_kd.modules.attention_alignment import (
@@ -233,6 +233,9 @@ def test_a2d_loss_matches_slow_reference(kd_task, tiny_batch, student_overrides,
         )
         if normalization == "authors":  # the authors' summed KL against CE averaged over B x T positions
             expected[term] *= tiny_batch["target"].numel()
+        else:  # the default map reduction (auto) averages Eq. 10's sum over the teacher's maps
+            layers, _, heads = teacher_features.attention[kind].probs.shape[:3]
+            expected[term] /= layers * (1 if granularity == "layer" else heads)
         assert log[f"{term}_loss"].item() == pytest.approx(expected[term], rel=1e-4, abs=1e-4), term
     expected["word_kd"] = slow_word_kd(student_out[0], teacher_out[0], tiny_batch["target"], criterion.padding_idx)
     assert log["word_kd_loss"].item() == pytest.approx(expected["word_kd"], rel=1e-4)
@@ -243,6 +246,25 @@ def test_a2d_loss_matches_slow_reference(kd_task, tiny_batch, student_overrides,
              + 0.5 * (expected["dec_self_att"] + expected["dec_cross_att"]) + kd_weight * expected["word_kd"])
     assert loss.item() == pytest.approx(total, rel=1e-4)
     assert sample_size == tiny_batch["ntokens"]
+
+
+def test_map_reduction_default_is_mean_but_authors_sums():
+    """auto: mean for the plugin's normalisations; the authors' code sums over maps, and asking it
+    to average is refused rather than silently changed."""
+    for normalization in ("mixture", "row", "flat"):
+        assert resolve_map_reduction("auto", normalization) == "mean"
+        assert resolve_map_reduction("sum", normalization) == "sum"
+    assert resolve_map_reduction("auto", "authors") == "sum"
+    assert resolve_map_reduction("sum", "authors") == "sum"
+    with pytest.raises(ValueError, match="--a2d-map-reduction mean cannot be combined with --a2d-normalization authors"):
+        resolve_map_reduction("mean", "authors")
+
+
+def test_authors_mode_refuses_map_mean_at_build(kd_task):
+    with pytest.raises(ValueError, match="--a2d-map-reduction mean"):
+        build_a2d(kd_task, a2d_normalization="authors", a2d_map_reduction="mean")
+    assert build_a2d(kd_task, a2d_normalization="authors").map_reduction == "sum"
+    assert build_a2d(kd_task).map_reduction == "mean"
 
 
 @pytest.mark.parametrize("granularity,teacher_maps", [("head", 12), ("layer", 3)])

@@ -85,8 +85,8 @@ _METHOD_LIST = (
            "student", "tinybert"),
     Method("minilm", "MiniLM (Wang et al. 2020): last-layer attention and value relations, plus CE and KD",
            "student", "minilm"),
-    Method("a2d_kd_4h", "Align-to-Distill (Jin et al. 2024), head-wise AAM, 4-head student, default "
-           "(mixture) normalisation", "student_4h",
+    Method("a2d_kd_4h", "Align-to-Distill (Jin et al. 2024), head-wise AAM, 4-head student, the criterion's "
+           "defaults (mixture normalisation, KL averaged over the teacher's maps)", "student_4h",
            "a2d_kd", ("--a2d-granularity", "head", "--a2d-attention-kinds", "all"), figure="alignment"),
     Method("a2d_kd_row", "Align-to-Distill, signed AAM (Eq. 9), row-wise log-softmax of both maps",
            "student_4h", "a2d_kd", ("--a2d-normalization", "row")),
