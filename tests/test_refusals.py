@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import (BIN, COMMON_TRAIN_ARGS, QUIET_ENV, TINY_STUDENT_ARGS, USER_DIR, run_cli, run_module,
+from conftest import (BIN, COMMON_TRAIN_ARGS, QUIET_ENV, REPO, TINY_STUDENT_ARGS, USER_DIR, run_cli, run_module,
                       train_student)
 
 
@@ -188,6 +188,30 @@ def test_command_line_tools_print_one_line_for_user_errors(tmp_path):
     _user_error(run_module("fairseq_kd.cli.plot", "curves", "--log", folder, "--output", tmp_path / "c.png",
                            check=False), "is a folder")
     _user_error(run_module("fairseq_kd.cli.export_student", bad, tmp_path / "out.pt", check=False))
+
+
+def test_preparation_recipe_and_seqkd_print_one_line_for_user_errors(tmp_path):
+    """The commands that prepare corpora, run recipes and decode for sequence-level KD refuse bad
+    input like the other tools: ``PROG: error: MESSAGE`` naming the flag or file, status 2."""
+    prepare = [sys.executable, str(REPO / "examples/translation/multi30k_fr_en/prepare.py")]
+
+    def run(command):
+        return subprocess.run([*map(str, command)], capture_output=True, text=True, env=QUIET_ENV, timeout=600)
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x\n")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _user_error(run([*prepare, "--archives", tmp_path / "missing", "--dest", tmp_path / "d1"]),
+                "prepare.py: error:", "--archives", "missing")
+    _user_error(run([*prepare, "--archives", empty, "--dest", tmp_path / "d2"]), "--archives", "missing from")
+    _user_error(run([*prepare, "--archives", empty, "--dest", a_file]), "--dest", "not a directory")
+    _user_error(run_module("fairseq_kd.cli.recipe", "multi30k_fr_en", "--teacher", tmp_path / "none.pt", check=False),
+                "fairseq-kd-recipe: error:", "--teacher", "no such checkpoint file")
+    _user_error(run_module("fairseq_kd.cli.recipe", "multi30k_fr_en", "--archives", tmp_path / "missing", check=False),
+                "fairseq-kd-recipe: error:", "--archives")
+    _user_error(run_cli("fairseq-kd-seqkd", "--data", tmp_path / "missing", "--teacher-checkpoint", a_file,
+                        "--output", tmp_path / "out", check=False), "fairseq-kd-seqkd: error:", "--data")
 
 
 def test_flags_lists_the_plugin_flags():

@@ -100,7 +100,8 @@ def methods_table(pair_name: str) -> str:
 
 
 def cli_main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.list_methods:
         sys.stdout.write(methods_table(args.pair))
         return 0
@@ -118,7 +119,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
                 return 0
             result = run_plan(plan)
         except RecipeError as error:
-            print(f"error: {error}", file=sys.stderr)
+            print(f"{parser.prog}: error: {error}", file=sys.stderr)
             return 2
     print(f"ran {len(result.executed)} step(s), {len(result.skipped)} already done; results in {plan.workdir}")
     sys.stdout.write(result.report_markdown.read_text(encoding="utf-8"))

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ...cli.user_errors import message_of
 from ...progress import progress_to_stderr
 from .corpora.common import PrepareContext
 from .download import Fetcher, load_pinned_checksums
@@ -94,13 +95,18 @@ def context_from_args(args: argparse.Namespace) -> PrepareContext:
 
 
 def run_entry_point(main: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> int:
-    """Run ``main(argv)`` with progress logged to stderr; a PrepareError becomes a one-line
-    message and exit status 2."""
+    """Run ``main(argv)`` with progress logged to stderr; a user error (a PrepareError, or a file
+    that cannot be read or written) becomes one line, ``PROG: error: MESSAGE`` as argparse prints
+    it, and exit status 2."""
+    prog = os.path.basename(sys.argv[0]) or "prepare"
     with progress_to_stderr("fairseq_kd.data.prepare", "%(asctime)s | %(levelname)s | %(message)s"):
         try:
             main(argv)
         except PrepareError as error:
-            print(f"error: {error}", file=sys.stderr)
+            print(f"{prog}: error: {error}", file=sys.stderr)
+            return 2
+        except (OSError, UnicodeDecodeError) as error:
+            print(f"{prog}: error: {message_of(error)}", file=sys.stderr)
             return 2
     return 0
 
