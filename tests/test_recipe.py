@@ -26,6 +26,8 @@ from fairseq_kd.recipes.pairs import PAIRS
 from fairseq_kd.recipes.profiles import PROFILES
 from fairseq_kd.recipes.runner import (
     TRAIN_RECORD_NAME,
+    batch_split,
+    with_placement,
     RecipeError,
     RecipeOptions,
     build_plan,
@@ -86,12 +88,14 @@ def test_every_method_is_a_valid_fairseq_train_command(tmp_path, pair_name):
     assert plan.world_size == 2
     teacher = parse_training_command(plan.step(f"train-{TEACHER}").commands[0])
     assert teacher.task == "translation" and teacher.criterion == "label_smoothed_cross_entropy"
-    # methods.md, "Settings from the papers"; WMT'14 follows Vaswani et al. (dropout 0.1, about
-    # 25K tokens per update: 4 updates of 4,096 tokens on each of the 2 GPUs make 32K).
+    # methods.md, "Settings from the papers"; WMT'14 follows Vaswani et al. (dropout 0.1, 25K tokens
+    # per update: 4 accumulated steps of 3,125 tokens on each of the 2 GPUs). The low-resource
+    # setups' 4,096 tokens per update are 2,048 per GPU here, not 4,096 on each.
     wmt14 = pair_name == "wmt14_en_de"
     dropout, update_freq = (0.1, 4) if wmt14 else (0.3, 1)
-    # Multi30k: our own setup for small models (pairs.py, _multi30k_fr_en).
-    lr, warmup, max_tokens = (1.5e-3, 500, 2048) if pair_name == "multi30k_fr_en" else (5e-4, 4000, 4096)
+    # Multi30k: our own setup for small models (pairs.py, _multi30k_fr_en), 2,048 tokens per update.
+    lr, warmup = (1.5e-3, 500) if pair_name == "multi30k_fr_en" else (5e-4, 4000)
+    max_tokens = 3125 if wmt14 else 1024 if pair_name == "multi30k_fr_en" else 2048
     if pair_name == "multi30k_fr_en":
         dropout = 0.2
     generate = parse_command(options_parser("generation"), plan.step(f"generate-{TEACHER}").commands[0])
@@ -429,3 +433,25 @@ def test_quality_benchmark_command_runs_its_steps_on_tiny_data(tmp_path):
     # A second run skips every step.
     again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert again.returncode == 0 and re.search(r"ran 0 step\(s\)", again.stdout), again.stdout[-2000:]
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+@pytest.mark.parametrize("pair_name", sorted(PAIRS))
+def test_tokens_per_update_are_the_papers_on_any_number_of_gpus(pair_name, gpus):
+    """--max-tokens per GPU x GPUs x --update-freq is the pair's tokens per update (up to rounding
+    to a whole number of tokens per GPU), and no GPU takes more than the pair's --max-tokens."""
+    pair = PAIRS[pair_name]
+    cap = int(pair.training()["--max-tokens"])
+    max_tokens, update_freq = batch_split(pair.tokens_per_update, cap, gpus)
+    assert max_tokens <= cap
+    total = max_tokens * gpus * update_freq
+    assert pair.tokens_per_update <= total < pair.tokens_per_update + gpus * update_freq
+    # no fewer accumulation steps would do
+    assert update_freq == 1 or cap * gpus * (update_freq - 1) < pair.tokens_per_update
+
+
+def test_placement_replaces_max_tokens_in_place():
+    args = ["fairseq-train", "data", "--max-tokens", "4096", "--seed", "1"]
+    assert with_placement(args, ["--fp16", "--max-tokens", "512", "--update-freq", "2"]) == [
+        "fairseq-train", "data", "--max-tokens", "512", "--seed", "1", "--fp16", "--update-freq", "2"]
+    assert with_placement(args, ["--cpu"]) == args + ["--cpu"]

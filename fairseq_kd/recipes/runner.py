@@ -375,7 +375,7 @@ class _Planner:
             description: str = "", save_dir: Optional[Path] = None, action=None, settings=None) -> None:
         """``commands``: (arguments, placement arguments) pairs; the stamp records the former only."""
         self.steps.append(RecipeStep(
-            name=name, commands=[args + placement for args, placement in commands],
+            name=name, commands=[with_placement(args, placement) for args, placement in commands],
             inputs=[Path(p) for p in inputs], outputs=[Path(p) for p in outputs],
             settings=settings if settings is not None else {"commands": [args for args, _ in commands]},
             log=self.log(name), action=action, description=description, save_dir=save_dir,
@@ -441,8 +441,10 @@ class _Planner:
         else:
             flags = ["--cpu"]
         if self.profile.match_tokens_per_update:
-            max_tokens = int(self.training_values()["--max-tokens"])
-            update_freq = math.ceil(self.pair.tokens_per_update / (max_tokens * self.world_size))
+            max_tokens, update_freq = batch_split(self.pair.tokens_per_update,
+                                                  int(self.training_values()["--max-tokens"]), self.world_size)
+            if max_tokens != int(self.training_values()["--max-tokens"]):
+                flags += ["--max-tokens", str(max_tokens)]
             if update_freq > 1:
                 flags += ["--update-freq", str(update_freq)]
         return flags
@@ -482,7 +484,7 @@ class _Planner:
             save_dir.mkdir(parents=True, exist_ok=True)
             (save_dir / TRAIN_RECORD_NAME).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n",
                                                       encoding="utf-8")
-            execute(args + placement, log)
+            execute(with_placement(args, placement), log)
 
         self.add(step_name, [(args, placement)], inputs, [self.checkpoint(system), save_dir / "train.log"],
                  description=description, save_dir=save_dir, action=action, settings=settings)
@@ -599,6 +601,39 @@ class _Planner:
                  [prefix.with_name(prefix.name + suffix) for suffix in (".md", ".csv", ".json")],
                  description="results table")
 
+
+
+def batch_split(tokens_per_update: int, max_tokens: int, world_size: int) -> tuple[int, int]:
+    """(``--max-tokens`` per GPU, ``--update-freq``) that make ``tokens_per_update`` on ``world_size``
+    GPUs: ``max_tokens x world_size x update_freq`` is the pair's tokens per update (rounded up to a
+    multiple of the GPU count and the accumulation steps), never more than ``max_tokens`` per GPU.
+
+    The papers give a batch per update, not per GPU: with 8 GPUs and 4,096 tokens per update each
+    GPU takes 512 tokens in one step, not 4,096 (which would make 32K per update). A per-GPU batch
+    that small holds sentences of at most that many tokens; fairseq refuses a longer training
+    sentence at start-up (``--skip-invalid-size-inputs-valid-test`` drops them instead).
+    """
+    if min(tokens_per_update, max_tokens, world_size) < 1:
+        raise ValueError(f"tokens per update, --max-tokens and the GPU count must be >= 1, got "
+                         f"{tokens_per_update}, {max_tokens}, {world_size}")
+    update_freq = math.ceil(tokens_per_update / (max_tokens * world_size))
+    return math.ceil(tokens_per_update / (world_size * update_freq)), update_freq
+
+
+def with_placement(args: Sequence[str], placement: Sequence[str]) -> list[str]:
+    """``args`` followed by ``placement``, where a placement flag that ``args`` already has (the
+    per-GPU ``--max-tokens``) replaces that flag's value in place instead of repeating the flag."""
+    merged, extra, i = list(args), [], 0
+    placement = list(placement)
+    while i < len(placement):
+        flag = placement[i]
+        has_value = i + 1 < len(placement) and not placement[i + 1].startswith("--")
+        if has_value and flag in merged:
+            merged[merged.index(flag) + 1] = placement[i + 1]
+        else:
+            extra += placement[i:i + 1 + has_value]
+        i += 1 + has_value
+    return merged + extra
 
 
 def build_plan(options: RecipeOptions, executor: Optional[Callable[[Sequence[str], Path], None]] = None,
