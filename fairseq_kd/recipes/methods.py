@@ -81,6 +81,9 @@ _METHOD_LIST = (
     Method("internal_kd", "internal-representation KD (Aguilar et al. 2020), stacked schedule (SID), "
            "CE kept during the internal phase",
            "student", "internal_kd", ("--internal-schedule", "sid", "--hard-label-weight", "1.0")),
+    Method("internal_kd_soft", "internal-representation KD, stacked schedule (SID), soft labels only, "
+           "kept during the internal phase (the paper's Exp3.5; no CE on the references)",
+           "student", "internal_kd", ("--internal-schedule", "sid", "--internal-soft-labels-throughout")),
     Method("tinybert", "TinyBERT (Jiao et al. 2020) as A2D adapts it: attention, hidden, embedding, KD",
            "student", "tinybert"),
     Method("minilm", "MiniLM (Wang et al. 2020): last-layer attention and value relations, plus CE and KD",

@@ -112,17 +112,27 @@ class PairRecipe:
         """The method's criterion flags with this pair's values replacing the table's."""
         values = dict(_flag_pairs(method.criterion_args))
         values.update(_flag_pairs(self.criterion_overrides.get(method.name, ())))
-        return tuple(item for flag_value in values.items() for item in flag_value)
+        return tuple(item for flag_value in values.items() for item in flag_value if item is not None)
 
     def training(self) -> dict[str, str]:
         return {**PAPER_TRAINING, **self.training_overrides}
 
 
-def _flag_pairs(flags: tuple[str, ...]) -> list[tuple[str, str]]:
-    """``("--a", "1", "--b", "x")`` -> ``[("--a", "1"), ("--b", "x")]`` (every table flag takes a value)."""
-    pairs = list(zip(flags[::2], flags[1::2]))
-    if len(flags) % 2 or not all(flag.startswith("--") for flag, _ in pairs):
-        raise ValueError(f"criterion flags must be --flag value pairs, got {flags}")
+def _flag_pairs(flags: tuple[str, ...]) -> list[tuple[str, Optional[str]]]:
+    """``("--a", "1", "--switch", "--b", "x")`` -> ``[("--a", "1"), ("--switch", None), ("--b", "x")]``:
+    a flag followed by another flag (or by nothing) is a switch (a boolean field of the criterion)."""
+    pairs: list[tuple[str, Optional[str]]] = []
+    i = 0
+    while i < len(flags):
+        flag = flags[i]
+        if not flag.startswith("--"):
+            raise ValueError(f"criterion flags must be --flag [value] items, got {flag!r} in {flags}")
+        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            pairs.append((flag, flags[i + 1]))
+            i += 2
+        else:
+            pairs.append((flag, None))
+            i += 1
     return pairs
 
 
