@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The real-corpus quality benchmark: Multi30k task 1 French-English (29K training pairs), a teacher
 # and 3+3 students trained without KD and with each distillation method, test_2016_flickr decoded
-# with beam 5, and the paired-bootstrap report (BLEU, 95% CI, delta and p against no KD).
+# with beam 5, and the report (BLEU, sacreBLEU's 95% CI, delta and paired bootstrap / approximate
+# randomisation p against no KD).
 #
 #   bash scripts/quality_benchmark.sh                       # every method, gpu profile if a GPU is visible
 #   bash scripts/quality_benchmark.sh --profile cpu --methods no_kd,word_kd,a2d_kd_4h

@@ -177,3 +177,25 @@ def tiny_batch(kd_task):
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+def sacrebleu_command_line(folder: Path, references, systems, *flags, seed=12345):
+    """The ``sacrebleu`` command on files written from the given text (``systems``: (name, lines)
+    pairs, the baseline first), with ``SACREBLEU_SEED=seed``: its parsed JSON output, a list of
+    rows for the paired tests, one object otherwise. The independent reference for every number
+    fairseq-kd-score and fairseq-kd-report print."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    ref = folder / "sacrebleu_ref.txt"
+    ref.write_text("".join(line + "\n" for line in references), encoding="utf-8")
+    inputs = []
+    for name, lines in systems:
+        path = folder / f"sacrebleu_{name}.txt"
+        path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        inputs.append(str(path))
+    script = Path(sys.executable).parent / "sacrebleu"
+    proc = subprocess.run([str(script), str(ref), "-i", *inputs, "-m", "bleu", "-f", "json", "-w", "10", *flags],
+                          capture_output=True, text=True, check=True,
+                          env={**os.environ, "SACREBLEU_SEED": str(seed)})
+    return json.loads(proc.stdout)

@@ -76,7 +76,7 @@ def test_generate_with_user_dir_and_exported_student_without(word_kd_run, tiny_d
     run_module("fairseq_kd.cli.score", "--generate-output", out, "--system", "word_kd",
                "--bootstrap", "200", "--output-json", score)
     result = json.loads(score.read_text())
-    assert result["ci_low"] <= result["bleu"] <= result["ci_high"]
+    assert result["mean"] >= 0 and result["ci"] >= 0 and result["n_bootstrap"] == 200
     # refuses to overwrite an existing export
     proc = run_module("fairseq_kd.cli.export_student", save / "checkpoint_last.pt", exported, check=False)
     assert proc.returncode != 0 and "--overwrite" in proc.stderr

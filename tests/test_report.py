@@ -1,6 +1,6 @@
 """fairseq-kd-score and fairseq-kd-report end to end on fairseq-generate files written in the test:
-every number is compared with sacreBLEU called directly on the plain text the files were made
-from (whole corpus, sacreBLEU's own --confidence bootstrap, or explicit resamples)."""
+every number is compared with sacreBLEU run on the plain text the files were made from (the
+sacrebleu command line, its corpus score, or a slow loop over explicit resamples)."""
 import csv
 import json
 import random
@@ -11,6 +11,7 @@ import sacrebleu
 from sacrebleu.metrics.bleu import BLEU
 from sacremoses import MosesTokenizer
 
+from conftest import sacrebleu_command_line
 from fairseq_kd.cli import report as report_cli
 from fairseq_kd.cli import score as score_cli
 
@@ -102,15 +103,15 @@ def test_score_generate_output_equals_sacrebleu_on_plain_text(test_set, tmp_path
     output = tmp_path / "word_kd.json"
     run_score("--generate-output", files["word_kd"], *DETOK, "--system", "word_kd", "--output-json", output)
     record = json.loads(output.read_text())
-    expected = BLEU()
-    expected_score = expected.corpus_score(systems["word_kd"], [references], n_bootstrap=1000)
+    expected = sacrebleu_command_line(tmp_path, references, [("word_kd", systems["word_kd"])], "--confidence")
     assert record["bleu"] == sacrebleu.corpus_bleu(systems["word_kd"], [references]).score
-    assert record["signature"] == expected.get_signature().format()
-    assert (record["ci_high"] - record["ci_low"]) / 2 == pytest.approx(expected_score._ci, rel=1e-5)
-    assert record["ci_low"] < record["bleu"] < record["ci_high"]
+    assert record["signature"] == expected["signature"]
+    assert record["mean"] == pytest.approx(expected["confidence_mean"], abs=1e-9)
+    assert record["ci"] == pytest.approx(expected["confidence_var"], abs=1e-9)
     assert record["system"] == "word_kd" and record["n_sentences"] == 120 and record["n_bootstrap"] == 1000
     assert record["inputs"]["hypothesis_lines"] == "D-"
-    assert len(record["sentence_stats"]["rows"]) == 120
+    # the scored text itself: detokenised, in sentence-id order
+    assert record["hypotheses"] == systems["word_kd"] and record["references"] == references
     assert record["paired"] is None
     printed = capsys.readouterr().out
     assert f"word_kd: BLEU = {record['bleu']:.2f}" in printed and record["signature"] in printed
@@ -126,7 +127,7 @@ def test_score_hyp_and_ref_files(test_set, tmp_path):
     run_score("--hyp", hyp, "--ref", plain_ref, "--ref-is-plain", *DETOK, "--bootstrap", "0", "--output-json", output)
     record = json.loads(output.read_text())
     assert record["bleu"] == sacrebleu.corpus_bleu(systems["no_kd"], [references]).score
-    assert record["system"] == "hyp" and record["ci_low"] is None and record["n_bootstrap"] == 0
+    assert record["system"] == "hyp" and record["ci"] is None and record["n_bootstrap"] == 0
     # The same reference, tokenised: now it is detokenised too, with the same result.
     tokenised_ref = tmp_path / "ref.tok.txt"
     tokenised_ref.write_text("".join(tokenise_like_iwslt14(r) + "\n" for r in references), encoding="utf-8")
@@ -135,7 +136,7 @@ def test_score_hyp_and_ref_files(test_set, tmp_path):
     assert json.loads(output.read_text())["bleu"] == record["bleu"]
 
 
-def test_paired_test_equals_slow_loop_and_baseline_kinds_agree(test_set, tmp_path):
+def test_paired_tests_equal_sacrebleu_command_line_and_baseline_kinds_agree(test_set, tmp_path):
     references, systems, files = test_set
     baseline_json = tmp_path / "no_kd.json"
     run_score("--generate-output", files["no_kd"], *DETOK, "--system", "no_kd", "--output-json", baseline_json)
@@ -143,25 +144,18 @@ def test_paired_test_equals_slow_loop_and_baseline_kinds_agree(test_set, tmp_pat
     for kind, baseline in (("json", baseline_json), ("generate", files["no_kd"])):
         outputs[kind] = tmp_path / f"word_kd_{kind}.json"
         run_score("--generate-output", files["word_kd"], *DETOK, "--system", "word_kd", "--bootstrap", "50",
-                  "--seed", "5", "--baseline", f"no_kd={baseline}", "--output-json", outputs[kind])
+                  "--ar-trials", "500", "--seed", "5", "--baseline", f"no_kd={baseline}", "--output-json", outputs[kind])
     paired = json.loads(outputs["json"].read_text())["paired"]
     assert paired == json.loads(outputs["generate"].read_text())["paired"]
 
-    rows = np.random.default_rng(5).choice(120, size=(50, 120), replace=True)
-    differences = sacrebleu_on_rows(systems["word_kd"], references, rows) - sacrebleu_on_rows(
-        systems["no_kd"], references, rows
-    )
-    full = (
-        sacrebleu.corpus_bleu(systems["word_kd"], [references]).score
-        - sacrebleu.corpus_bleu(systems["no_kd"], [references]).score
-    )
+    pair = [("no_kd", systems["no_kd"]), ("word_kd", systems["word_kd"])]
+    bootstrap = sacrebleu_command_line(tmp_path, references, pair, "--paired-bs", "--paired-bs-n", "50", seed=5)
+    randomization = sacrebleu_command_line(tmp_path, references, pair, "--paired-ar", "--paired-ar-n", "500", seed=5)
     assert paired["baseline"] == "no_kd"
-    assert paired["difference"] == pytest.approx(full, abs=1e-12)
-    assert paired["p_value"] == (np.mean(differences <= 0) if full > 0 else np.mean(differences >= 0))
-    assert 0 < paired["p_value"] < 1  # a close call, so the comparison is not trivially 0 or 1
-    ordered = np.sort(differences)
-    assert paired["difference_ci_low"] == pytest.approx(ordered[1], abs=1e-9)  # 50 // 40 = 1
-    assert paired["difference_ci_high"] == pytest.approx(ordered[-2], abs=1e-9)
+    assert paired["difference"] == bootstrap[1]["BLEU"]["score"] - bootstrap[0]["BLEU"]["score"]
+    assert paired["p_bootstrap"] == bootstrap[1]["BLEU"]["p_value"]
+    assert paired["p_randomization"] == randomization[1]["BLEU"]["p_value"]
+    assert 0.01 < paired["p_bootstrap"] < 1  # a close call, so the comparison is not trivially small
 
 
 def test_markdown_table_gets_one_header_and_a_row_per_run(test_set, tmp_path):
@@ -218,10 +212,13 @@ def test_score_rejects_baseline_on_another_test_set_or_tampered(test_set, tmp_pa
     record_path = tmp_path / "no_kd.json"
     run_score("--generate-output", files["no_kd"], *DETOK, "--bootstrap", "0", "--output-json", record_path)
     record = json.loads(record_path.read_text())
-    record["bleu"] += 1.0
-    record_path.write_text(json.dumps(record))
-    expect_error(capsys, ["--generate-output", files["word_kd"], *DETOK, "--baseline", f"no_kd={record_path}"],
-                 "does not match its sentence statistics")
+    for key, change, message in (("bleu", lambda value: value + 1.0, "is not the BLEU of its text"),
+                                 ("hypotheses", lambda lines: lines[1:] + lines[:1], "is not the BLEU of its text"),
+                                 ("references", lambda lines: lines[:-1] + ["x"], "do not match references_sha256"),
+                                 ("format", lambda _: "fairseq-kd-score/1", "score the fairseq-generate output")):
+        record_path.write_text(json.dumps({**record, key: change(record[key])}))
+        expect_error(capsys, ["--generate-output", files["word_kd"], *DETOK, "--baseline", f"no_kd={record_path}"],
+                     str(record_path), message)
     # scored with another tokenizer: not comparable
     zh_path = tmp_path / "zh.json"
     run_score("--generate-output", files["no_kd"], *DETOK, "--tokenize", "zh", "--bootstrap", "0", "--output-json", zh_path)
@@ -263,42 +260,52 @@ def test_report_numbers_equal_sacrebleu(test_set, tmp_path, capsys, monkeypatch)
     report = json.loads((tmp_path / "out" / "table.json").read_text())
     assert [s["system"] for s in report["systems"]] == ["teacher", "no_kd", "word_kd"]
 
-    for name in ("teacher", "no_kd", "word_kd"):
-        metric = BLEU()
-        expected = metric.corpus_score(systems[name], [references], n_bootstrap=1000)
-        assert report["signature"] == metric.get_signature().format()
+    # Every number against the sacrebleu command line on the same text, the baseline first.
+    ordered = [("no_kd", systems["no_kd"]), ("teacher", systems["teacher"]), ("word_kd", systems["word_kd"])]
+    bootstrap = {row["system"].split("sacrebleu_")[-1][:-4]: row["BLEU"] for row in
+                 sacrebleu_command_line(tmp_path, references, ordered, "--paired-bs")}
+    randomization = {row["system"].split("sacrebleu_")[-1][:-4]: row["BLEU"] for row in
+                     sacrebleu_command_line(tmp_path, references, ordered, "--paired-ar")}
+    for entry in report["systems"]:
+        name, bs, ar = entry["system"], bootstrap[entry["system"]], randomization[entry["system"]]
+        assert entry["bleu"] == bs["score"] == sacrebleu.corpus_bleu(systems[name], [references]).score
+        assert entry["mean"] == bs["mean"] and entry["ci"] == bs["ci"]
+        assert entry["p_bootstrap"] == bs["p_value"] and entry["p_randomization"] == ar["p_value"]
         row = rows[name]
-        assert float(row["bleu"]) == sacrebleu.corpus_bleu(systems[name], [references]).score
-        assert (float(row["ci_high"]) - float(row["ci_low"])) / 2 == pytest.approx(expected._ci, rel=1e-5)
-        assert f"| {name}" in markdown and f"{float(row['bleu']):.2f}" in markdown
-    assert rows["no_kd"]["is_baseline"] == "True" and rows["no_kd"]["p_value"] == ""
+        assert float(row["bleu"]) == entry["bleu"] and float(row["ci"]) == entry["ci"]
+        assert f"| {name}" in markdown and f"{entry['bleu']:.2f} | {entry['mean']:.2f} ± {entry['ci']:.2f}" in markdown
+    assert report["signature"].startswith("nrefs:1|bs:1000|seed:12345|")
+    assert rows["no_kd"]["is_baseline"] == "True" and rows["no_kd"]["p_bootstrap"] == ""
     assert float(rows["teacher"]["difference"]) == pytest.approx(
         sacrebleu.corpus_bleu(systems["teacher"], [references]).score
         - sacrebleu.corpus_bleu(systems["no_kd"], [references]).score, abs=1e-12)
-    assert float(rows["teacher"]["p_value"]) < 0.01  # a much better system
+    assert float(rows["teacher"]["p_bootstrap"]) < 0.01  # a much better system
     assert rows["teacher"]["params"] == "31500000" and float(rows["teacher"]["sents_per_sec"]) == 42.5
     assert rows["word_kd"]["params"] == "12000000" and rows["word_kd"]["sents_per_sec"] == ""
     assert "31.50M" in markdown and "42.5" in markdown and "no_kd (baseline)" in markdown
 
 
-def test_report_p_values_and_intervals_equal_slow_loop(test_set, tmp_path, capsys):
-    """With 50 shared resamples: every interval bound and p-value by sacreBLEU on each resample."""
+def test_report_intervals_and_p_values_equal_slow_loop(test_set, tmp_path, capsys):
+    """With 50 resamples and another seed: every interval and the paired bootstrap p by sacreBLEU's
+    corpus BLEU on each explicit resample, with the definitions written out here (the mean and
+    half the 1/40 order-statistic interval; Moses' centred absolute differences, +1 smoothed)."""
     references, systems, files = test_set
     prefix = tmp_path / "small"
     run_report("--system", f"no_kd={files['no_kd']}", "--system", f"word_kd={files['word_kd']}", *DETOK,
-               "--baseline", "no_kd", "--bootstrap", "50", "--seed", "21", "--out-prefix", prefix)
+               "--baseline", "no_kd", "--bootstrap", "50", "--ar-trials", "200", "--seed", "21", "--out-prefix", prefix)
     report = json.loads((tmp_path / "small.json").read_text())
     rows = np.random.default_rng(21).choice(120, size=(50, 120), replace=True)
     scores = {name: sacrebleu_on_rows(systems[name], references, rows) for name in ("no_kd", "word_kd")}
     for entry in report["systems"]:
         ordered = np.sort(scores[entry["system"]])
-        assert entry["ci_low"] == pytest.approx(ordered[1], abs=1e-9)
-        assert entry["ci_high"] == pytest.approx(ordered[-2], abs=1e-9)
+        assert entry["mean"] == pytest.approx(ordered.mean(), rel=1e-5)
+        assert entry["ci"] == pytest.approx((ordered[-2] - ordered[1]) / 2, rel=1e-4)  # 50 // 40 = 1
     word_kd = report["systems"][1]
-    differences = scores["word_kd"] - scores["no_kd"]
-    expected_p = np.mean(differences <= 0) if word_kd["difference"] > 0 else np.mean(differences >= 0)
-    assert word_kd["p_value"] == expected_p
-    assert report["signature"].startswith("nrefs:1|bs:50|seed:21|")
+    observed = abs(word_kd["difference"])
+    differences = np.abs(scores["word_kd"] - scores["no_kd"])
+    expected_p = (np.sum(differences - differences.mean() > observed) + 1) / 51
+    assert word_kd["p_bootstrap"] == pytest.approx(expected_p)
+    assert report["signature"].startswith("nrefs:1|bs:50|seed:21|") and "ar:200" in report["signature"]
 
 
 def test_report_errors(test_set, tmp_path, capsys):

@@ -1,6 +1,7 @@
 """BLEU, bootstrap intervals, paired significance and detokenisation, each checked against an
-independent reference: sacreBLEU called directly (on whole corpora and on explicit resamples),
-sacreBLEU's own --confidence bootstrap, fairseq's own post-processing, and hand-written text."""
+independent reference: sacreBLEU called directly (on whole corpora and on explicit resamples), the
+sacrebleu command line's paired tests, fairseq's own post-processing, and hand-written text."""
+import json
 import os
 import random
 import subprocess
@@ -12,16 +13,8 @@ import pytest
 import sacrebleu
 from sacrebleu.metrics.bleu import BLEU
 
-from fairseq_kd.scoring.bleu import (
-    BleuSettings,
-    BootstrapResampler,
-    bleu_from_statistics,
-    bleu_signature,
-    corpus_bleu_from_statistics,
-    paired_bootstrap,
-    percentile_interval,
-    score_corpus,
-)
+from conftest import sacrebleu_command_line
+from fairseq_kd.scoring.bleu import BleuSettings, check_n_trials, compare_systems, score_corpus
 from fairseq_kd.scoring.detok import (
     detokenize_lines,
     moses_detokenize,
@@ -84,9 +77,9 @@ def test_full_corpus_bleu_equals_sacrebleu_exactly(lowercase):
     result = score_corpus(hypotheses, references, BleuSettings(lowercase=lowercase), n_bootstrap=0)
     expected = sacrebleu.corpus_bleu(hypotheses, [references], lowercase=lowercase)
     assert result.score == expected.score
-    assert result.verbose == expected._verbose
+    assert f"hyp_len = {expected.sys_len} ref_len = {expected.ref_len}" in result.verbose
     assert result.n_sentences == 300
-    assert result.ci_low is None and result.n_bootstrap == 0
+    assert result.mean is None and result.ci is None and result.n_bootstrap == 0
 
 
 def test_chinese_tokenizer_equals_sacrebleu_zh():
@@ -99,95 +92,43 @@ def test_chinese_tokenizer_equals_sacrebleu_zh():
     assert "tok:zh" in result.signature
 
 
-def test_signature_is_sacrebleus_own(monkeypatch):
+def test_signature_is_sacrebleus_own():
     hypotheses, references = make_corpus(100, 0.3, seed=2)
     metric = BLEU()
     metric.corpus_score(hypotheses, [references])
     assert score_corpus(hypotheses, references, n_bootstrap=0).signature == metric.get_signature().format()
-    # With resampling, sacreBLEU's signature records bs and seed; ours must read the same.
-    monkeypatch.setenv("SACREBLEU_SEED", "777")
-    metric = BLEU()
-    metric.corpus_score(hypotheses, [references], n_bootstrap=1000)
     signature = score_corpus(hypotheses, references, n_bootstrap=1000, seed=777).signature
-    assert signature == metric.get_signature().format()
     assert "bs:1000" in signature and "seed:777" in signature
-    assert bleu_signature(BleuSettings(), 1000, 777) == signature
+
+
+def slow_interval(hypotheses, references, n_samples, seed):
+    """Independent reference: sacreBLEU's corpus BLEU of each explicit resample (the draws
+    sacreBLEU documents), then the mean and half the 1/40-to-39/40 order-statistic interval."""
+    rows = np.random.default_rng(seed).choice(len(hypotheses), size=(n_samples, len(hypotheses)), replace=True)
+    scores = np.sort(sacrebleu_on_rows(hypotheses, references, rows))
+    cut = n_samples // 40
+    return scores.mean(), (scores[n_samples - cut - 1] - scores[cut]) / 2
 
 
 @pytest.mark.parametrize("seed", [12345, 7])
-def test_interval_matches_sacrebleu_confidence(monkeypatch, seed):
-    """Same draws and order statistics as `sacrebleu --confidence`: same mean and half-width."""
-    hypotheses, references = make_corpus(200, 0.3, seed=3)
-    monkeypatch.setenv("SACREBLEU_SEED", str(seed))
-    reference = BLEU().corpus_score(hypotheses, [references], n_bootstrap=1000)
-    result = score_corpus(hypotheses, references, n_bootstrap=1000, seed=seed)
-    # sacreBLEU's bootstrap keeps the statistics in float32 and, under NumPy 2's promotion
-    # rules, computes the precisions in float32 too: agreement to about 1e-7 relative.
-    assert (result.ci_high - result.ci_low) / 2 == pytest.approx(reference._ci, rel=1e-5)
-    assert result.bootstrap_mean == pytest.approx(reference._mean, rel=1e-6)
+def test_interval_equals_slow_loop_over_explicit_resamples(seed):
+    hypotheses, references = make_corpus(80, 0.3, seed=3)
+    result = score_corpus(hypotheses, references, n_bootstrap=200, seed=seed)
+    mean, half_width = slow_interval(hypotheses, references, 200, seed)
+    # sacreBLEU's bootstrap sums the statistics in float32: agreement to about 1e-6 relative.
+    assert result.mean == pytest.approx(mean, rel=1e-5)
+    assert result.ci == pytest.approx(half_width, rel=1e-4)
+    assert result.mean - result.ci < result.score < result.mean + result.ci
+    assert os.environ.get("SACREBLEU_SEED") is None  # the seed was set for the call only
 
 
-@pytest.mark.parametrize("smooth_method", ["exp", "floor", "add-k", "none"])
-@pytest.mark.parametrize("corpus", ["normal", "short"])
-def test_resampled_scores_equal_sacrebleu_on_explicit_resamples(smooth_method, corpus):
-    if corpus == "normal":
-        hypotheses, references = make_corpus(60, 0.3, seed=4)
-    else:  # 1-3 word sentences, many errors: resamples without 3-/4-gram matches, even totals
-        references = make_references(40, seed=5, min_len=1, max_len=3)
-        hypotheses = perturb(references, 0.7, seed=5)
-    settings = BleuSettings(smooth_method=smooth_method)
-    result = score_corpus(hypotheses, references, settings, n_bootstrap=0)
-    resampler = BootstrapResampler(len(hypotheses), n_samples=60, seed=11)
-    vectorised = bleu_from_statistics(resampler.resample_sums(result.sentence_stats), smooth_method)
-    rows = resampler.indices[:25]
-    expected = sacrebleu_on_rows(hypotheses, references, rows, smooth_method=smooth_method)
-    np.testing.assert_allclose(vectorised[:25], expected, rtol=1e-12, atol=1e-12)
-    if corpus == "short":
-        assert (result.sentence_stats[:, 5] == 0).any()  # some sentences have no 4-grams at all
-
-
-def test_bleu_from_statistics_edge_cases_match_compute_bleu():
-    """Hand-made statistics rows through sacreBLEU's compute_bleu, one by one."""
-    rows = [
-        [0, 5, 0, 0, 0, 0, 0, 0, 0, 0],  # empty hypothesis
-        [3, 5, 0, 0, 0, 0, 3, 2, 1, 0],  # no match at all
-        [3, 5, 2, 1, 0, 0, 3, 2, 1, 0],  # 4-gram total 0: sacreBLEU stops there
-        [10, 8, 7, 4, 0, 0, 10, 9, 8, 7],  # two orders without matches (exp smoothing doubles)
-        [10, 12, 7, 4, 2, 1, 10, 9, 8, 7],  # brevity penalty
-        [20, 12, 15, 9, 5, 2, 20, 19, 18, 17],  # longer than reference
-    ]
-    for smooth_method in ["exp", "floor", "add-k", "none"]:
-        vectorised = bleu_from_statistics(np.array(rows), smooth_method)
-        for row, value in zip(rows, vectorised):
-            expected = BLEU.compute_bleu(
-                correct=row[2:6], total=row[6:], sys_len=row[0], ref_len=row[1], smooth_method=smooth_method
-            ).score
-            assert value == pytest.approx(expected, rel=1e-12, abs=1e-12), (smooth_method, row)
-
-
-def test_resampler_draws_are_sacrebleus():
-    resampler = BootstrapResampler(50, n_samples=40, seed=12345)
-    expected = np.random.default_rng(12345).choice(50, size=(40, 50), replace=True)
-    np.testing.assert_array_equal(resampler.indices, expected)
-    counts = np.stack([np.bincount(row, minlength=50) for row in expected])
-    np.testing.assert_array_equal(resampler.multiplicities, counts)
-    assert (resampler.multiplicities.sum(axis=1) == 50).all()
-
-
-def test_interval_contains_estimate_and_shrinks_with_more_sentences():
+def test_interval_shrinks_with_more_sentences():
     widths = []
     for n_sentences in (100, 1600):
         hypotheses, references = make_corpus(n_sentences, 0.3, seed=6)
-        result = score_corpus(hypotheses, references, n_bootstrap=1000)
-        assert result.ci_low < result.score < result.ci_high
-        widths.append(result.ci_high - result.ci_low)
+        widths.append(score_corpus(hypotheses, references, n_bootstrap=200).ci)
     # the standard error falls like 1/sqrt(n): 16x the sentences, about a quarter of the width
     assert widths[1] < 0.5 * widths[0]
-
-
-def test_percentile_interval_order_statistics():
-    scores = np.arange(1000, dtype=float)[::-1]  # 999..0
-    assert percentile_interval(scores) == (25.0, 974.0)
 
 
 def test_score_corpus_errors():
@@ -199,69 +140,44 @@ def test_score_corpus_errors():
         score_corpus(["a b"], ["a b"], n_bootstrap=10)
     with pytest.raises(ValueError, match="tokenizer"):
         BleuSettings(tokenize="moses")
+    with pytest.raises(ValueError, match="--ar-trials 50"):
+        check_n_trials(50)
 
 
-# --------------------------------------------------------------------------- paired bootstrap
+# --------------------------------------------------------------------------- paired tests
 
 
-def test_identical_systems_give_p_one():
-    hypotheses, references = make_corpus(150, 0.3, seed=7)
-    stats = score_corpus(hypotheses, references, n_bootstrap=0).sentence_stats
-    paired = paired_bootstrap(stats, stats.copy())
-    assert paired.difference == 0.0
-    assert paired.p_value == 1.0
-    assert paired.system_win_rate == 0.0
-    assert paired.difference_ci_low == paired.difference_ci_high == 0.0
+def sacrebleu_cli(tmp_path, references, systems, *flags, seed):
+    return [row["BLEU"] for row in sacrebleu_command_line(tmp_path, references, systems, *flags, seed=seed)]
 
 
-def test_clearly_better_system_gives_small_p_both_ways():
-    references = make_references(300, seed=8)
-    worse = perturb(references, 0.4, seed=1)
-    better = perturb(references, 0.15, seed=2)
-    worse_stats = score_corpus(worse, references, n_bootstrap=0).sentence_stats
-    better_stats = score_corpus(better, references, n_bootstrap=0).sentence_stats
-    forward = paired_bootstrap(better_stats, worse_stats)
-    backward = paired_bootstrap(worse_stats, better_stats)
-    assert forward.difference > 5
-    assert forward.p_value < 0.01 and forward.system_win_rate > 0.99
-    assert backward.difference == pytest.approx(-forward.difference)
-    assert backward.p_value == forward.p_value
-    assert forward.difference_ci_low > 0
+@pytest.mark.parametrize("seed", [12345, 3])
+def test_paired_tests_equal_the_sacrebleu_command_line(tmp_path, seed):
+    references = make_references(120, seed=9)
+    base = perturb(references, 0.30, seed=3)
+    # Half the sentences from another draw at the same error rate: a close call either way.
+    other = perturb(references, 0.30, seed=4)
+    close = [base[i] if i % 2 else other[i] for i in range(len(base))]
+    systems = [("base", base), ("close", close), ("better", perturb(references, 0.15, seed=5))]
+    comparison = compare_systems(systems, references, n_bootstrap=300, n_trials=500, seed=seed)
+    bootstrap = sacrebleu_cli(tmp_path, references, systems, "--paired-bs", "--paired-bs-n", "300", seed=seed)
+    randomization = sacrebleu_cli(tmp_path, references, systems, "--paired-ar", "--paired-ar-n", "500", seed=seed)
+    for row, bs, ar in zip(comparison.rows, bootstrap, randomization):
+        assert row.score == bs["score"] == ar["score"]
+        assert row.mean == bs["mean"] and row.ci == bs["ci"]
+        assert row.p_bootstrap == bs["p_value"] and row.p_randomization == ar["p_value"]
+    base, close, better = comparison.rows
+    assert base.p_bootstrap is None and base.p_randomization is None
+    assert better.p_bootstrap < 0.01 and better.p_randomization < 0.01
+    assert close.p_bootstrap > 0.05 and close.p_randomization > 0.05  # a close call is not significant
 
 
-def test_paired_p_value_equals_slow_loop_with_sacrebleu():
-    """The documented definition, computed with sacreBLEU on each explicit resample."""
-    references = make_references(50, seed=9)
-    system = perturb(references, 0.30, seed=3)
-    baseline = perturb(references, 0.32, seed=4)
-    system_stats = score_corpus(system, references, n_bootstrap=0).sentence_stats
-    baseline_stats = score_corpus(baseline, references, n_bootstrap=0).sentence_stats
-    paired = paired_bootstrap(system_stats, baseline_stats, n_bootstrap=60, seed=3)
-    rows = np.random.default_rng(3).choice(50, size=(60, 50), replace=True)
-    differences = sacrebleu_on_rows(system, references, rows) - sacrebleu_on_rows(baseline, references, rows)
-    full = sacrebleu.corpus_bleu(system, [references]).score - sacrebleu.corpus_bleu(baseline, [references]).score
-    expected_p = np.mean(differences <= 0) if full > 0 else np.mean(differences >= 0)
-    assert paired.difference == pytest.approx(full, abs=1e-12)
-    assert paired.p_value == expected_p
-    assert 0 < paired.p_value < 1  # a close call: the test is not trivially 0 or 1
-    assert paired.system_win_rate == np.mean(differences > 0)
-
-
-def test_paired_bootstrap_rejects_other_references():
-    hypotheses, references = make_corpus(30, 0.3, seed=11)
-    stats = score_corpus(hypotheses, references, n_bootstrap=0).sentence_stats
-    other_hypotheses, other_references = make_corpus(30, 0.3, seed=12)
-    other = score_corpus(other_hypotheses, other_references, n_bootstrap=0).sentence_stats
-    with pytest.raises(ValueError, match="different reference lengths"):
-        paired_bootstrap(stats, other)
-    with pytest.raises(ValueError, match="different numbers of sentences"):
-        paired_bootstrap(stats, stats[:20])
-
-
-def test_corpus_bleu_from_statistics_equals_sacrebleu():
-    hypotheses, references = make_corpus(80, 0.3, seed=13)
-    result = score_corpus(hypotheses, references, n_bootstrap=0)
-    assert corpus_bleu_from_statistics(result.sentence_stats, BleuSettings()) == result.score
+def test_compare_systems_needs_resampling_and_parallel_text():
+    references = make_references(20, seed=10)
+    with pytest.raises(ValueError, match="--bootstrap 1000, not 0"):
+        compare_systems([("a", references)], references, n_bootstrap=0)
+    with pytest.raises(ValueError, match="19 hypotheses but 20 references"):
+        compare_systems([("a", references), ("b", references[:19])], references)
 
 
 # --------------------------------------------------------------------------- detokenisation

@@ -1,6 +1,6 @@
 """Results table for several systems on one test set, as papers print it: BLEU with its 95%
-bootstrap interval, difference to a baseline with a paired bootstrap p-value, parameter count and
-decoding speed.
+bootstrap interval, difference to a baseline with sacreBLEU's paired bootstrap and approximate
+randomisation p-values, parameter count and decoding speed.
 
 Example::
 
@@ -10,8 +10,9 @@ Example::
         --out-prefix results/iwslt14_3layer
 
 Each ``--system`` file is a score record (``fairseq-kd-score --output-json``) or a fairseq-generate
-output (scored here with the detokenisation flags). Intervals and p-values of all systems are
-computed on one shared set of resamples. The Markdown table goes to stdout and, with
+output (scored here with the detokenisation flags). Intervals and p-values of all systems come from
+one call of sacreBLEU's paired tests (``sacrebleu.significance``), the baseline first: they equal
+``sacrebleu REF -i BASELINE SYSTEM... --paired-bs`` / ``--paired-ar`` on the same text. The Markdown table goes to stdout and, with
 ``--out-prefix P``, to ``P.md``, ``P.csv`` and ``P.json``.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Dict, List, Optional
 
 from fairseq_kd.cli.score import (add_completeness_arguments, add_scoring_arguments, check_outputs_are_not_inputs,
                                   expected_sentence_count, split_name_and_path)
-from fairseq_kd.scoring.bleu import BleuSettings, check_n_bootstrap
+from fairseq_kd.scoring.bleu import BleuSettings, check_n_bootstrap, check_n_trials
 from fairseq_kd.scoring.files import not_a_file
 from fairseq_kd.cli.user_errors import exits_on_user_error
 from fairseq_kd.scoring.report import (
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--baseline",
         metavar="NAME",
         default=None,
-        help="system that every other one is compared with (difference and paired p-value)",
+        help="system that every other one is compared with (difference and sacreBLEU's paired p-values)",
     )
     parser.add_argument(
         "--params",
@@ -126,6 +127,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
             if not path.is_file():
                 raise FileNotFoundError(f"--system {name}: file {str(path)!r} {not_a_file(path)}")
         check_n_bootstrap(args.bootstrap)
+        check_n_trials(args.ar_trials)
         settings = BleuSettings(tokenize=args.tokenize, lowercase=args.lowercase)
         names = [name for name, _ in named_paths]
         # A sidecar may describe more systems than this table shows; only the shown ones count.
@@ -152,7 +154,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
             load_system(name, path, processing, settings, 0, args.seed, expected, args.allow_partial)
             for name, path in named_paths
         ]
-        report = build_report(systems, args.baseline, params, speeds, args.bootstrap, args.seed)
+        report = build_report(systems, args.baseline, params, speeds, args.bootstrap, args.seed, args.ar_trials)
     except (argparse.ArgumentTypeError, ValueError, FileNotFoundError, FileExistsError) as error:
         parser.error(str(error))
     for name, info in report.partial.items():

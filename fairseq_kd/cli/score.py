@@ -1,5 +1,5 @@
-"""Score one system with sacreBLEU: corpus BLEU, 95% bootstrap interval, and optionally a paired
-bootstrap test against a baseline.
+"""Score one system with sacreBLEU: corpus BLEU, its 95% bootstrap interval, and optionally
+sacreBLEU's paired tests (bootstrap and approximate randomisation) against a baseline.
 
 Examples::
 
@@ -11,8 +11,8 @@ Examples::
     # plain files
     fairseq-kd-score --hyp hyp.bpe.txt --ref test.bpe.en --remove-bpe subword_nmt
 
-The JSON score record (format in ``fairseq_kd.scoring.report``) keeps per-sentence BLEU statistics,
-so later runs and ``fairseq-kd-report`` can run paired tests without the text.
+The JSON score record (format in ``fairseq_kd.scoring.report``) keeps the scored, detokenised text,
+so later runs and ``fairseq-kd-report`` run sacreBLEU's paired tests on exactly what was scored.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from typing import List, Optional
 
 from sacrebleu.metrics.bleu import BLEU
 
-from fairseq_kd.scoring.bleu import DEFAULT_N_BOOTSTRAP, DEFAULT_SEED, BleuSettings, check_n_bootstrap
+from fairseq_kd.scoring.bleu import (DEFAULT_N_BOOTSTRAP, DEFAULT_N_TRIALS, DEFAULT_SEED, BleuSettings, check_n_bootstrap,
+                                     check_n_trials)
 from fairseq_kd.scoring.detok import BPE_SCHEMES, count_lines
 from fairseq_kd.scoring.files import not_a_file
 from fairseq_kd.cli.user_errors import exits_on_user_error
@@ -33,10 +34,9 @@ from fairseq_kd.scoring.report import (
     check_outputs_free,
     check_score_table,
     compare_with_baseline,
-    format_interval,
+    format_mean_ci,
     format_p_value,
     load_system,
-    paired_record,
     score_generate_output,
     score_record,
     score_text_files,
@@ -79,15 +79,23 @@ def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_N_BOOTSTRAP,
         metavar="N",
-        help=f"number of bootstrap resamples for the 95%% interval and paired test, 0 to switch "
-        f"off (default: {DEFAULT_N_BOOTSTRAP})",
+        help=f"bootstrap resamples for the 95%% interval and the paired bootstrap test (sacrebleu "
+        f"--confidence-n/--paired-bs-n), 0 to switch off (default: {DEFAULT_N_BOOTSTRAP})",
+    )
+    group.add_argument(
+        "--ar-trials",
+        type=int,
+        default=DEFAULT_N_TRIALS,
+        metavar="N",
+        help=f"shuffles of the paired approximate randomisation test (sacrebleu --paired-ar-n), 0 to "
+        f"skip it (default: {DEFAULT_N_TRIALS})",
     )
     group.add_argument(
         "--seed",
         type=int,
         default=DEFAULT_SEED,
-        help=f"seed of the resampling; the default {DEFAULT_SEED} is sacreBLEU's, so intervals "
-        "match sacrebleu --confidence",
+        help=f"sacreBLEU's SACREBLEU_SEED for the resampling; the default {DEFAULT_SEED} is sacreBLEU's, "
+        "so every number matches the sacrebleu command run on the same text",
     )
 
 
@@ -234,6 +242,7 @@ def validate_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace
         check_outputs_are_not_inputs([("--output-json", args.output_json), ("--output-md", args.output_md)], inputs)
         args.expected = expected_sentence_count(args)
         check_n_bootstrap(args.bootstrap)
+        check_n_trials(args.ar_trials)
         args.settings = BleuSettings(tokenize=args.tokenize, lowercase=args.lowercase)
         if args.output_json is not None:
             check_outputs_free([args.output_json], args.overwrite, "--output-json")
@@ -284,7 +293,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
                                   "n_expected": args.expected, "problems": [message]}
         paired = None
         if baseline is not None:
-            paired = paired_record(args.baseline_name, compare_with_baseline(system, baseline))
+            paired = compare_with_baseline(system, baseline, args.bootstrap, args.ar_trials, args.seed)
     except (ValueError, FileNotFoundError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     record = score_record(system, paired)
@@ -292,7 +301,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     result = system.result
     line = f"{system.name}: BLEU = {result.score:.2f}"
     if result.n_bootstrap:
-        line += f" (95% CI {format_interval(result.ci_low, result.ci_high)}, {result.n_bootstrap} resamples)"
+        line += f" (μ ± 95% CI {format_mean_ci(result.mean, result.ci)}, {result.n_bootstrap} resamples)"
     print(line)
     if system.partial_note():
         print(f"  {system.partial_note()}")
@@ -301,9 +310,8 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     if paired is not None:
         print(
             f"  vs {paired['baseline']} ({paired['baseline_bleu']:.2f}): "
-            f"{paired['difference']:+.2f} BLEU, 95% CI of the difference "
-            f"{format_interval(paired['difference_ci_low'], paired['difference_ci_high'])}, "
-            f"p = {format_p_value(paired['p_value'], paired['n_bootstrap'])} (paired bootstrap)"
+            f"{paired['difference']:+.2f} BLEU, p = {format_p_value(paired['p_bootstrap'])} (sacreBLEU paired "
+            f"bootstrap), p = {format_p_value(paired['p_randomization'])} (paired approximate randomisation)"
         )
     if args.output_json is not None:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ fairseq's own (``fairseq-train``, ``fairseq-generate``)::
     curves-<method>          fairseq-kd-plot curves: every loss term from the training log
     figure-<method>          A2D alignment heatmap / ALP-KD layer weights (when the exporter exists)
     systems                  parameter counts (of the exported models) and decoding speeds
-    report                   fairseq-kd-report: the table, baseline no_kd, paired bootstrap p
+    report                   fairseq-kd-report: the table, baseline no_kd, sacreBLEU's paired tests
 
 Every step runs through :class:`~fairseq_kd.data.prepare.pipeline.StepRunner`, which stamps it
 with the fingerprints of its inputs and outputs and its settings: re-running the recipe skips

@@ -3,22 +3,23 @@
 
 A score record is a JSON object (format :data:`SCORE_FORMAT`)::
 
-    {"format": "fairseq-kd-score/1", "system": "word_kd", "bleu": 37.0, "ci_low": 36.2,
-     "ci_high": 37.8, "bootstrap_mean": 37.0, "n_bootstrap": 1000, "seed": 12345,
+    {"format": "fairseq-kd-score/2", "system": "word_kd", "bleu": 37.0, "mean": 37.01, "ci": 0.8,
+     "n_bootstrap": 1000, "seed": 12345,
      "signature": "nrefs:1|bs:1000|seed:12345|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0",
-     "verbose": "68.6/45.1/31.2/21.9 (BP = 1.000 ...)", "n_sentences": 6750,
+     "verbose": "BLEU = 37.00 68.6/45.1/31.2/21.9 (BP = 1.000 ...)", "n_sentences": 6750,
      "settings": {"tokenize": "13a", "lowercase": false, "smooth_method": "exp", "smooth_value": null},
      "references_sha256": "...", "inputs": {...how the text was read and detokenised...},
-     "paired": null or {"baseline": "no_kd", "difference": ..., "p_value": ..., ...},
+     "paired": null or {"baseline": "no_kd", "difference": ..., "p_bootstrap": ..., "p_randomization": ...},
      "partial": null, or for a score of an incomplete output (--allow-partial only)
                 {"complete": false, "n_sentences": 24, "n_expected": 30, "problems": [...]},
-     "sentence_stats": {"columns": ["hyp_len", "ref_len", "matches_1", ...], "rows": [[...], ...]}}
+     "hypotheses": ["...", ...], "references": ["...", ...]}
 
-It keeps each sentence's BLEU sufficient statistics rather than the text: that is all a later
-bootstrap interval or paired test needs (BLEU of any resample is a function of the summed rows),
-it is smaller than the text, and it cannot be scored by mistake with other tokenisation settings:
-``settings`` and ``references_sha256`` (SHA-256 of the scored, detokenised references joined by
-newlines) are checked before two records are compared.
+It keeps the scored text itself (detokenised hypotheses and references, line-parallel): sacreBLEU's
+paired tests take text, so a later ``fairseq-kd-report`` runs them on exactly what was scored, and a
+reader can write the two lists to files and re-check every number with the ``sacrebleu`` command.
+``settings`` and ``references_sha256`` (SHA-256 of the references joined by newlines) are checked
+before two records are compared, and the stored BLEU is recomputed from the text when a record is
+read, so a record edited by hand fails there rather than in a table.
 """
 from __future__ import annotations
 
@@ -30,31 +31,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-import numpy as np
-
 from .bleu import (
     DEFAULT_N_BOOTSTRAP,
+    DEFAULT_N_TRIALS,
     DEFAULT_SEED,
-    PAIRED_TEST_DEFINITION,
-    STATISTIC_COLUMNS,
+    INTERVAL_DEFINITION,
+    PAIRED_TESTS_DEFINITION,
     BleuResult,
     BleuSettings,
-    BootstrapResampler,
-    PairedBootstrapResult,
-    bleu_from_statistics,
-    bleu_signature,
+    Comparison,
     check_n_bootstrap,
-    corpus_bleu_from_statistics,
-    paired_bootstrap,
-    percentile_interval,
+    check_n_trials,
+    compare_systems,
     score_corpus,
-    statistics_from_rows,
-    statistics_to_rows,
 )
 from .detok import detokenize_lines, read_generate_output, read_lines
 from .files import naming_decode_errors, not_a_file
 
-SCORE_FORMAT = "fairseq-kd-score/1"
+SCORE_FORMAT = "fairseq-kd-score/2"
+OLD_SCORE_FORMATS = ("fairseq-kd-score/1",)
 REPORT_FORMAT = "fairseq-kd-report/1"
 
 
@@ -83,6 +78,8 @@ class SystemScore:
 
     name: str
     result: BleuResult
+    hypotheses: List[str]
+    references: List[str]
     references_sha256: str
     inputs: Dict = field(default_factory=dict)
     # None when every sentence of the test set was scored; else GenerateOutput.completeness()
@@ -104,8 +101,9 @@ def score_texts(
     seed: int,
     inputs: Optional[Dict] = None,
 ) -> SystemScore:
+    hypotheses, references = list(hypotheses), list(references)
     result = score_corpus(hypotheses, references, settings, n_bootstrap, seed)
-    return SystemScore(name, result, references_fingerprint(references), dict(inputs or {}))
+    return SystemScore(name, result, hypotheses, references, references_fingerprint(references), dict(inputs or {}))
 
 
 def score_generate_output(
@@ -176,9 +174,8 @@ def score_record(system: SystemScore, paired: Optional[Dict] = None) -> Dict:
         "format": SCORE_FORMAT,
         "system": system.name,
         "bleu": result.score,
-        "ci_low": result.ci_low,
-        "ci_high": result.ci_high,
-        "bootstrap_mean": result.bootstrap_mean,
+        "mean": result.mean,
+        "ci": result.ci,
         "n_bootstrap": result.n_bootstrap,
         "seed": result.seed,
         "signature": result.signature,
@@ -189,10 +186,8 @@ def score_record(system: SystemScore, paired: Optional[Dict] = None) -> Dict:
         "inputs": system.inputs,
         "paired": paired,
         "partial": system.partial,
-        "sentence_stats": {
-            "columns": list(STATISTIC_COLUMNS),
-            "rows": statistics_to_rows(result.sentence_stats),
-        },
+        "hypotheses": system.hypotheses,
+        "references": system.references,
     }
 
 
@@ -203,11 +198,18 @@ def is_score_record_file(path: Path) -> bool:
     return head.startswith("{")
 
 
+def _text_list(record: Dict, key: str, path: Path) -> List[str]:
+    values = record.get(key)
+    if not isinstance(values, list) or not values or not all(isinstance(value, str) for value in values):
+        raise ValueError(f"{path}: {key} must be a non-empty list of strings (one scored line each)")
+    return values
+
+
 def load_score_record(path: Path, name: Optional[str] = None) -> SystemScore:
     """Read a score record written by ``fairseq-kd-score --output-json``.
 
-    ``name`` overrides the system name stored in it. The statistics are validated against the
-    stored BLEU: a record edited by hand or truncated fails here, not in a table.
+    ``name`` overrides the system name stored in it. The BLEU is recomputed from the stored text
+    and the references from their fingerprint: a record edited by hand or truncated fails here.
     """
     path = Path(path)
     if not path.is_file():
@@ -217,6 +219,12 @@ def load_score_record(path: Path, name: Optional[str] = None) -> SystemScore:
             record = json.load(handle)
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if isinstance(record, dict) and record.get("format") in OLD_SCORE_FORMATS:
+        raise ValueError(
+            f"{path}: a score record of an older fairseq-kd-score ({record['format']}) keeps sentence "
+            "statistics, not the text that sacreBLEU's paired tests need; score the fairseq-generate "
+            "output (or --hyp/--ref files) again"
+        )
     if not isinstance(record, dict) or record.get("format") != SCORE_FORMAT:
         raise ValueError(
             f"{path}: not a score record (expected \"format\": \"{SCORE_FORMAT}\"); write one "
@@ -224,41 +232,41 @@ def load_score_record(path: Path, name: Optional[str] = None) -> SystemScore:
         )
     missing = [
         key
-        for key in ("system", "bleu", "signature", "settings", "references_sha256", "sentence_stats")
+        for key in ("system", "bleu", "signature", "settings", "references_sha256", "hypotheses", "references")
         if key not in record
     ]
     if missing:
         raise ValueError(f"{path}: score record lacks {', '.join(missing)}")
-    stored_columns = record["sentence_stats"].get("columns")
-    if stored_columns != list(STATISTIC_COLUMNS):
-        raise ValueError(f"{path}: sentence_stats columns {stored_columns} are not {list(STATISTIC_COLUMNS)}")
-    stats = statistics_from_rows(record["sentence_stats"].get("rows"), str(path))
+    hypotheses, references = _text_list(record, "hypotheses", path), _text_list(record, "references", path)
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{path}: {len(hypotheses)} hypotheses but {len(references)} references")
+    if references_fingerprint(references) != record["references_sha256"]:
+        raise ValueError(f"{path}: the stored references do not match references_sha256; the record "
+                         "was changed after it was written")
     try:
         settings = BleuSettings(**record["settings"])
     except TypeError as error:
         raise ValueError(f"{path}: bad settings {record['settings']} ({error})") from None
-    recomputed = corpus_bleu_from_statistics(stats, settings)
-    if not np.isclose(recomputed, record["bleu"], rtol=0, atol=1e-9):
+    recomputed = score_corpus(hypotheses, references, settings, n_bootstrap=0).score
+    if recomputed != record["bleu"]:
         raise ValueError(
-            f"{path}: stored BLEU {record['bleu']} does not match its sentence statistics "
-            f"({recomputed}); the record was changed after it was written"
+            f"{path}: stored BLEU {record['bleu']} is not the BLEU of its text ({recomputed}); the "
+            "record was changed after it was written"
         )
     result = BleuResult(
         score=record["bleu"],
         signature=record["signature"],
         verbose=record.get("verbose", ""),
-        n_sentences=stats.shape[0],
+        n_sentences=len(hypotheses),
         settings=settings,
-        sentence_stats=stats,
         n_bootstrap=record.get("n_bootstrap") or 0,
         seed=record.get("seed"),
-        ci_low=record.get("ci_low"),
-        ci_high=record.get("ci_high"),
-        bootstrap_mean=record.get("bootstrap_mean"),
+        mean=record.get("mean"),
+        ci=record.get("ci"),
     )
     inputs = dict(record.get("inputs") or {}, score_record=str(path))
-    return SystemScore(name or record["system"], result, record["references_sha256"], inputs,
-                       record.get("partial") or None)
+    return SystemScore(name or record["system"], result, hypotheses, references, record["references_sha256"],
+                       inputs, record.get("partial") or None)
 
 
 def load_system(
@@ -321,43 +329,42 @@ def check_comparable(systems: Sequence[SystemScore]) -> None:
             )
 
 
-def paired_record(baseline_name: str, paired: PairedBootstrapResult) -> Dict:
-    return {"baseline": baseline_name, **paired.to_dict()}
-
-
-def compare_with_baseline(system: SystemScore, baseline: SystemScore) -> PairedBootstrapResult:
-    """Paired bootstrap of ``system`` against ``baseline`` on the resamples of ``system``'s run."""
+def compare_with_baseline(system: SystemScore, baseline: SystemScore, n_bootstrap: int = DEFAULT_N_BOOTSTRAP,
+                          n_trials: int = DEFAULT_N_TRIALS, seed: int = DEFAULT_SEED) -> Dict:
+    """sacreBLEU's paired tests of ``system`` against ``baseline``, as a score record's ``paired``."""
     check_comparable([system, baseline])
-    result = system.result
-    if not result.n_bootstrap:
-        raise ValueError("a paired bootstrap test needs resampling: use --bootstrap 1000, not 0")
-    return paired_bootstrap(
-        result.sentence_stats,
-        baseline.result.sentence_stats,
-        result.settings,
-        result.n_bootstrap,
-        result.seed,
-    )
+    comparison = compare_systems([(baseline.name, baseline.hypotheses), (system.name, system.hypotheses)],
+                                 system.references, system.result.settings, n_bootstrap, n_trials, seed)
+    base, row = comparison.rows
+    return {
+        "baseline": baseline.name,
+        "baseline_bleu": base.score,
+        "difference": row.score - base.score,
+        "p_bootstrap": row.p_bootstrap,
+        "p_randomization": row.p_randomization,
+        "n_bootstrap": n_bootstrap,
+        "n_trials": n_trials,
+        "seed": seed,
+        "signature": comparison.signature,
+        "definition": PAIRED_TESTS_DEFINITION,
+    }
 
 
 # --------------------------------------------------------------------------- formatting
 
 
-def format_p_value(p_value: Optional[float], n_bootstrap: int) -> str:
-    """``p`` with three decimals; 0 resamples against is shown as ``< 1/n`` (the resolution)."""
-    if p_value is None:
-        return "-"
-    if p_value == 0:
-        return f"< {1 / n_bootstrap:.3g}"
-    return f"{p_value:.3f}"
+def format_p_value(p_value: Optional[float]) -> str:
+    """``p`` with four decimals, as sacreBLEU prints it."""
+    return "-" if p_value is None else f"{p_value:.4f}"
 
 
-def format_interval(low: Optional[float], high: Optional[float]) -> str:
-    return "-" if low is None else f"[{low:.2f}, {high:.2f}]"
+def format_mean_ci(mean: Optional[float], ci: Optional[float]) -> str:
+    """sacreBLEU's ``mu +- half-width`` (its --confidence output, the A2D paper's tables)."""
+    return "-" if mean is None else f"{mean:.2f} ± {ci:.2f}"
 
 
-SCORE_TABLE_HEADER = "| System | BLEU | 95% CI | Baseline | Δ BLEU | p | Sentences | Signature |"
-SCORE_TABLE_RULE = "|---|---:|---|---|---:|---:|---:|---|"
+SCORE_TABLE_HEADER = "| System | BLEU | μ ± 95% CI | Baseline | Δ BLEU | p (bs) | p (ar) | Sentences | Signature |"
+SCORE_TABLE_RULE = "|---|---:|---:|---|---:|---:|---:|---:|---|"
 
 
 def _cell(text: str) -> str:
@@ -371,19 +378,20 @@ def score_table_row(record: Dict) -> str:
     if paired:
         baseline = paired["baseline"]
         difference = f"{paired['difference']:+.2f}"
-        p_value = format_p_value(paired["p_value"], paired["n_bootstrap"])
+        p_bootstrap, p_randomization = format_p_value(paired["p_bootstrap"]), format_p_value(paired["p_randomization"])
     else:
-        baseline = difference = p_value = "-"
+        baseline = difference = p_bootstrap = p_randomization = "-"
     sentences = str(record["n_sentences"])
     if record.get("partial"):
         sentences = f"{record['n_sentences']} of {record['partial']['n_expected']} (partial)"
     cells = [
         record["system"],
         f"{record['bleu']:.2f}",
-        format_interval(record.get("ci_low"), record.get("ci_high")),
+        format_mean_ci(record.get("mean"), record.get("ci")),
         baseline,
         difference,
-        p_value,
+        p_bootstrap,
+        p_randomization,
         sentences,
         f"`{record['signature']}`",
     ]
@@ -431,12 +439,11 @@ class ReportRow:
     system: str
     is_baseline: bool
     bleu: float
-    ci_low: Optional[float]
-    ci_high: Optional[float]
+    mean: Optional[float]
+    ci: Optional[float]
     difference: Optional[float]
-    difference_ci_low: Optional[float]
-    difference_ci_high: Optional[float]
-    p_value: Optional[float]
+    p_bootstrap: Optional[float]
+    p_randomization: Optional[float]
     params: Optional[int]
     sents_per_sec: Optional[float]
 
@@ -446,6 +453,7 @@ class Report:
     rows: List[ReportRow]
     baseline: Optional[str]
     n_bootstrap: int
+    n_trials: int
     seed: int
     n_sentences: int
     signature: str
@@ -457,11 +465,12 @@ class Report:
             "format": REPORT_FORMAT,
             "baseline": self.baseline,
             "n_bootstrap": self.n_bootstrap,
+            "n_trials": self.n_trials,
             "seed": self.seed,
             "n_sentences": self.n_sentences,
             "signature": self.signature,
-            "interval": "95% bootstrap percentile interval (sacreBLEU's order statistics)",
-            "paired_test": PAIRED_TEST_DEFINITION,
+            "interval": INTERVAL_DEFINITION,
+            "paired_tests": PAIRED_TESTS_DEFINITION,
             "systems": [vars(row) for row in self.rows],
             "partial": self.partial,
         }
@@ -474,13 +483,14 @@ def build_report(
     sents_per_sec: Optional[Dict[str, float]] = None,
     n_bootstrap: int = DEFAULT_N_BOOTSTRAP,
     seed: int = DEFAULT_SEED,
+    n_trials: int = DEFAULT_N_TRIALS,
 ) -> Report:
     """Results table for ``systems`` on one test set.
 
-    Every interval and p-value comes from one set of ``n_bootstrap`` resamples drawn with
-    ``seed`` and shared by all systems (intervals stored in score records are recomputed, so the
-    whole table is consistent); BLEU itself is the full-corpus score. ``baseline`` names the
-    system every other one is compared with (difference, its interval, paired p-value).
+    One call of sacreBLEU's paired tests (:func:`~.bleu.compare_systems`) gives every system its
+    interval (intervals stored in score records are recomputed, so the whole table shares one
+    seed) and, against ``baseline``, the paired bootstrap and approximate randomisation p-values;
+    BLEU itself is the full-corpus score.
     """
     if not systems:
         raise ValueError("no systems given")
@@ -496,50 +506,42 @@ def build_report(
     if baseline is not None and baseline not in names:
         raise ValueError(f"--baseline {baseline!r} is not one of the systems {names}")
     check_n_bootstrap(n_bootstrap)
+    check_n_trials(n_trials)
     if baseline is not None and not n_bootstrap:
         raise ValueError("--baseline needs resampling for the paired test: use --bootstrap 1000, not 0")
     check_comparable(systems)
 
-    settings = systems[0].result.settings
-    resampler = BootstrapResampler(systems[0].result.n_sentences, n_bootstrap, seed) if n_bootstrap else None
     by_name = {system.name: system for system in systems}
-    rows = []
-    for system in systems:
-        stats = system.result.sentence_stats
-        row = ReportRow(
-            system=system.name,
-            is_baseline=system.name == baseline,
-            bleu=corpus_bleu_from_statistics(stats, settings),
-            ci_low=None,
-            ci_high=None,
-            difference=None,
-            difference_ci_low=None,
-            difference_ci_high=None,
-            p_value=None,
-            params=params.get(system.name),
-            sents_per_sec=sents_per_sec.get(system.name),
-        )
-        if resampler is not None:
-            scores = bleu_from_statistics(
-                resampler.resample_sums(stats), settings.smooth_method, settings.smooth_value
-            )
-            row.ci_low, row.ci_high = percentile_interval(scores)
-        if baseline is not None and system.name != baseline:
-            paired = paired_bootstrap(
-                stats, by_name[baseline].result.sentence_stats, settings, n_bootstrap, seed, resampler
-            )
-            row.difference = paired.difference
-            row.difference_ci_low = paired.difference_ci_low
-            row.difference_ci_high = paired.difference_ci_high
-            row.p_value = paired.p_value
-        rows.append(row)
+    rows = {
+        system.name: ReportRow(system=system.name, is_baseline=system.name == baseline, bleu=system.result.score,
+                               mean=None, ci=None, difference=None, p_bootstrap=None, p_randomization=None,
+                               params=params.get(system.name), sents_per_sec=sents_per_sec.get(system.name))
+        for system in systems
+    }
+    if n_bootstrap:
+        # sacreBLEU compares every system with the first one: the baseline goes first; without a
+        # baseline only the intervals are kept.
+        order = [baseline] + [name for name in names if name != baseline] if baseline else names
+        comparison = compare_systems([(name, by_name[name].hypotheses) for name in order], systems[0].references,
+                                     systems[0].result.settings, n_bootstrap, n_trials if baseline else 0, seed)
+        signature = comparison.signature
+        for result in comparison.rows:
+            row = rows[result.system]
+            row.bleu, row.mean, row.ci = result.score, result.mean, result.ci
+            if baseline is not None and result.system != baseline:
+                row.difference = result.score - by_name[baseline].result.score
+                row.p_bootstrap, row.p_randomization = result.p_bootstrap, result.p_randomization
+    else:
+        first = systems[0]
+        signature = score_corpus(first.hypotheses, first.references, first.result.settings, n_bootstrap=0).signature
     return Report(
-        rows=rows,
+        rows=[rows[name] for name in names],
         baseline=baseline,
         n_bootstrap=n_bootstrap,
+        n_trials=n_trials if baseline else 0,
         seed=seed,
         n_sentences=systems[0].result.n_sentences,
-        signature=bleu_signature(settings, n_bootstrap, seed),
+        signature=signature,
         partial={system.name: system.partial for system in systems if system.partial},
     )
 
@@ -559,8 +561,8 @@ def report_markdown(report: Report) -> str:
     """The table in Markdown, followed by the signature and the definitions used."""
     difference_header = f"Δ vs {report.baseline}" if report.baseline else "Δ"
     lines = [
-        f"| System | BLEU | 95% CI | {difference_header} | p | Params | Speed (sent/s) |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        f"| System | BLEU | μ ± 95% CI | {difference_header} | p (bs) | p (ar) | Params | Speed (sent/s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report.rows:
         name = _cell(f"{row.system} (baseline)" if row.is_baseline else row.system)
@@ -570,9 +572,10 @@ def report_markdown(report: Report) -> str:
                 [
                     name,
                     f"{row.bleu:.2f}",
-                    format_interval(row.ci_low, row.ci_high),
+                    format_mean_ci(row.mean, row.ci),
                     "-" if row.difference is None else f"{row.difference:+.2f}",
-                    format_p_value(row.p_value, report.n_bootstrap),
+                    format_p_value(row.p_bootstrap),
+                    format_p_value(row.p_randomization),
                     format_params(row.params),
                     "-" if row.sents_per_sec is None else f"{row.sents_per_sec:.1f}",
                 ]
@@ -585,10 +588,12 @@ def report_markdown(report: Report) -> str:
         lines.append(f"PARTIAL: {name} was scored on {info['n_sentences']} of {info['n_expected']} "
                      f"expected sentences ({'; '.join(info['problems'])}).")
     if report.n_bootstrap:
+        lines.append(f"{INTERVAL_DEFINITION}, {report.n_bootstrap} resamples, seed {report.seed}.")
+    if report.baseline:
         lines.append(
-            f"95% CI: bootstrap percentile interval over {report.n_bootstrap} resamples "
-            f"(seed {report.seed}); p: paired bootstrap against {report.baseline or 'no baseline'}, "
-            "share of resamples where the better system is not strictly better (Koehn 2004)."
+            f"{PAIRED_TESTS_DEFINITION} Against {report.baseline}: {report.n_bootstrap} resamples, "
+            f"{report.n_trials} trials. Re-check: SACREBLEU_SEED={report.seed} sacrebleu REF -i "
+            f"{report.baseline} OTHERS... --paired-bs (or --paired-ar) on the detokenised text."
         )
     return "\n".join(lines) + "\n"
 
@@ -597,12 +602,11 @@ CSV_COLUMNS = [
     "system",
     "is_baseline",
     "bleu",
-    "ci_low",
-    "ci_high",
+    "mean",
+    "ci",
     "difference",
-    "difference_ci_low",
-    "difference_ci_high",
-    "p_value",
+    "p_bootstrap",
+    "p_randomization",
     "params",
     "sents_per_sec",
 ]
