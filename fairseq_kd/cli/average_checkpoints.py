@@ -1,0 +1,134 @@
+"""Average the parameters of the last N checkpoints of a training run (Vaswani et al. 2017, Sec. 6.1:
+"averaging the last 5 checkpoints").
+
+    fairseq-kd-average checkpoints/teacher --last 5 --output checkpoints/teacher/checkpoint_avg.pt
+
+What fairseq's ``scripts/average_checkpoints.py`` does (it is not part of the installed package):
+the element-wise mean of every model parameter, the rest of the newest checkpoint kept (its
+configuration, its training state), so the result loads wherever a checkpoint of that run loads
+(``fairseq-generate --path``, ``--teacher-checkpoint``, ``fairseq-kd-export``). "Last" is by number:
+the N highest epochs of ``checkpointE.pt`` (``--keep-last-epochs``) or the N highest updates of
+``checkpoint_E_U.pt`` (``--save-interval-updates`` with ``--keep-interval-updates``); ``--kind``
+says which. The optimizer state is dropped: an average is for decoding and distilling, not for
+resuming. Every input is read with ``weights_only=True``; the output is written to a temporary file
+and renamed, so a crash leaves no half-written checkpoint, and an existing output is only replaced
+with ``--overwrite``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from pathlib import Path
+from typing import List, Optional
+
+from fairseq_kd.cli.user_errors import exits_on_user_error
+
+PATTERNS = {
+    "epoch": re.compile(r"^checkpoint(\d+)\.pt$"),
+    "update": re.compile(r"^checkpoint_\d+_(\d+)\.pt$"),
+}
+
+
+class AverageError(ValueError):
+    """Bad input; the message names the flag or file and what to do."""
+
+
+def last_checkpoints(save_dir: Path, kind: str, count: int) -> List[Path]:
+    """The ``count`` checkpoints of ``kind`` with the highest numbers, oldest first."""
+    if count < 1:
+        raise AverageError(f"--last must be at least 1, got {count}")
+    if not save_dir.is_dir():
+        raise AverageError(f"checkpoint folder {str(save_dir)!r} does not exist or is not a folder")
+    numbered = sorted((int(match.group(1)), path) for path in save_dir.iterdir()
+                      if (match := PATTERNS[kind].match(path.name)))
+    if len(numbered) < count:
+        flag = "--keep-last-epochs" if kind == "epoch" else "--save-interval-updates/--keep-interval-updates"
+        raise AverageError(
+            f"{str(save_dir)!r} holds {len(numbered)} {kind} checkpoint(s) "
+            f"({', '.join(path.name for _, path in numbered) or 'none'}); averaging the last {count} needs "
+            f"{count}: train with fairseq's {flag} {count}, or pass a smaller --last")
+    return [path for _, path in numbered[-count:]]
+
+
+def average_checkpoints(paths: List[Path]) -> dict:
+    """The newest checkpoint's state with every model parameter replaced by the mean over ``paths``."""
+    from fairseq_kd.checkpoint_safety import load_fairseq_checkpoint
+
+    sums, newest = None, None
+    for path in paths:
+        state = load_fairseq_checkpoint(path)  # weights_only=True, explicitly
+        if "model" not in state:
+            raise AverageError(f"{path}: not a fairseq checkpoint (no model parameters)")
+        params = state["model"]
+        if sums is None:
+            sums = {name: value.double().clone() if value.is_floating_point() else value.clone()
+                    for name, value in params.items()}
+        else:
+            if set(params) != set(sums):
+                raise AverageError(f"{path}: its parameters differ from {paths[0]}'s; not checkpoints of one run")
+            for name, value in params.items():
+                if value.shape != sums[name].shape:
+                    raise AverageError(f"{path}: parameter {name} has shape {tuple(value.shape)}, not "
+                                       f"{tuple(sums[name].shape)} as in {paths[0]}")
+                if value.is_floating_point():
+                    sums[name] += value.double()
+        newest = state
+    averaged = {}
+    for name, value in newest["model"].items():
+        averaged[name] = (sums[name] / len(paths)).to(value.dtype) if value.is_floating_point() else value
+    newest["model"] = averaged
+    newest["last_optimizer_state"] = None
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(newest.get("cfg")):  # plain containers, as fairseq saves it
+        newest["cfg"] = OmegaConf.to_container(newest["cfg"], resolve=True, enum_to_str=True)
+    newest.setdefault("extra_state", {})
+    if isinstance(newest["extra_state"], dict):
+        newest["extra_state"]["averaged_checkpoints"] = [path.name for path in paths]
+    return newest
+
+
+def write_atomically(state: dict, output: Path) -> None:
+    import torch
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    temporary = output.with_name(output.name + ".tmp")
+    torch.save(state, temporary)
+    os.replace(temporary, output)
+
+
+@exits_on_user_error("fairseq-kd-average")
+def cli_main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="fairseq-kd-average", description=__doc__.split("\n\n")[0])
+    parser.add_argument("save_dir", type=Path, help="the run's --save-dir")
+    parser.add_argument("--last", type=int, default=5, metavar="N", help="how many checkpoints (default: %(default)s)")
+    parser.add_argument("--kind", choices=sorted(PATTERNS), default="epoch",
+                        help="epoch checkpoints (checkpointE.pt) or update checkpoints (checkpoint_E_U.pt) "
+                        "(default: %(default)s)")
+    parser.add_argument("--output", type=Path, required=True, help="the averaged checkpoint (.pt)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    args = parser.parse_args(argv)
+    try:
+        if args.output.exists() and not args.overwrite:
+            raise AverageError(f"--output {str(args.output)!r} already exists; choose another path or pass --overwrite")
+        paths = last_checkpoints(args.save_dir, args.kind, args.last)
+        if any(args.output.resolve() == path.resolve() for path in paths):
+            raise AverageError(f"--output {str(args.output)!r} is one of the checkpoints to average; choose another path")
+        import fairseq_kd
+
+        fairseq_kd.register()
+        from fairseq_kd.checkpoint_safety import UnsafeCheckpointError
+
+        try:
+            state = average_checkpoints(paths)
+        except UnsafeCheckpointError as error:
+            raise AverageError(str(error)) from None
+    except AverageError as error:
+        parser.error(str(error))
+    write_atomically(state, args.output)
+    print(f"averaged {len(paths)} checkpoints ({', '.join(path.name for path in paths)}) into {args.output}")
+
+
+if __name__ == "__main__":
+    cli_main()
