@@ -1,9 +1,11 @@
 """Builders of small corpora in the original release formats, shared by tests/test_prepare_*.py.
 
-* WIT3 (IWSLT) archives: ``<pair>/train.tags.<pair>.<lang>`` with the talk metadata lines of the
-  release (``<url>``, ``<keywords>``, ``<talkid>``, ``<title>``, ``<description>``; plus
-  ``<speaker>``, ``<reviewer href=...>``, ``<translator href=...>`` in the 2017 style) and the
-  ``IWSLT*.xml`` development/test sets with their ``mteval``/``doc``/``seg`` structure;
+* WIT3 (IWSLT) archives: ``<pair>/train.tags.<pair>.<lang>`` (languages spelt as the release
+  spells them: the 2014 release's Portuguese is ``pt-br``, ``pt-br-en/train.tags.pt-br-en.pt-br``)
+  with the talk metadata lines of the release (``<url>``, ``<keywords>``, ``<talkid>``,
+  ``<title>``, ``<description>``; plus ``<speaker>``, ``<reviewer href=...>``,
+  ``<translator href=...>`` in the 2017 style) and the ``IWSLT*.xml`` development/test sets with
+  their ``mteval``/``doc``/``seg`` structure;
 * WMT SGML test sets (``<srcset>``/``<doc>``/``<seg>``);
 * a deterministic synthetic bilingual text for when ../shared/data is absent.
 """
@@ -84,14 +86,20 @@ def truncated_xml(path: Path, segments: int) -> str:
 
 def build_wit3_archive(
     archive: Path,
-    pair: str,
+    pair: str | tuple[str, str],
     release: str,
     train: tuple[list[str], list[str]],
     sets: dict[str, tuple[str, str]],
     style: int = 2014,
 ) -> Path:
-    """A ``<pair>.tgz`` in the WIT3 layout; ``sets`` maps a set name to its two XML texts."""
-    first, second = pair.split("-")
+    """A ``<pair>.tgz`` in the WIT3 layout; ``sets`` maps a set name to its two XML texts.
+
+    ``pair``: ``"de-en"``, or the two languages as WIT3 spells them where one has a region
+    (``("pt-br", "en")``: ``pt-br-en/train.tags.pt-br-en.pt-br``,
+    ``pt-br-en/IWSLT14.TED.dev2010.pt-br-en.pt-br.xml``).
+    """
+    first, second = pair if isinstance(pair, tuple) else pair.split("-")
+    pair = f"{first}-{second}"
     with tarfile.open(archive, "w:gz") as tar:
         for lang, lines in zip((first, second), train):
             add_to_tar(tar, f"{pair}/train.tags.{pair}.{lang}", train_tags_text(lines, lang, style=style))

@@ -109,6 +109,31 @@ def test_available_xml_sets_order(tmp_path):
     assert available_xml_sets(tmp_path, "IWSLT14", "de-en", "de") == list(iwslt14_de_en.TEST_SETS)
 
 
+def test_available_xml_sets_with_a_regional_language_code(tmp_path):
+    # The WIT3 2014-01 release spells Portuguese pt-br: IWSLT14.TED.dev2010.pt-br-en.pt-br.xml.
+    for name in ("TED.tst2010", "TED.dev2010"):
+        for lang in ("pt-br", "en"):
+            (tmp_path / f"IWSLT14.{name}.pt-br-en.{lang}.xml").write_text("")
+    assert available_xml_sets(tmp_path, "IWSLT14", "pt-br-en", "pt-br") == ["TED.dev2010", "TED.tst2010"]
+    assert available_xml_sets(tmp_path, "IWSLT14", "pt-br-en", "en") == ["TED.dev2010", "TED.tst2010"]
+    assert available_xml_sets(tmp_path, "IWSLT14", "pt-en", "pt") == []
+
+
+def test_iwslt14_pt_en_names_the_release_files():
+    """WIT3 2014-01 has texts/pt-br/en/pt-br-en.tgz, not pt-en.tgz; the prepared data stays pt-en."""
+    from fairseq_kd.data.prepare.corpora import iwslt_spm
+    from fairseq_kd.recipes.pairs import PAIRS
+
+    corpus = iwslt_spm.IWSLT14_PT_EN
+    assert corpus.archive.name == "pt-br-en.tgz" and corpus.archive_pair == "pt-br-en"
+    assert all(url.endswith("/2014-01/texts/pt-br/en/pt-br-en.tgz") for url in corpus.archive.urls)
+    assert (corpus.source, corpus.target, corpus.name) == ("pt", "en", "iwslt14.spm.pt-en")
+    assert PAIRS["iwslt14_pt_en"].archive_files == ("pt-br-en.tgz",)
+    # Every WIT3 corpus's archive is named after the pair its files use.
+    for other in iwslt_spm.CORPORA.values():
+        assert other.archive.name == f"{other.archive_pair}.tgz"
+
+
 # ----------------------------------------------------------------------------- Moses
 @pytest.mark.parametrize(
     "lang, raw, expected",
@@ -219,6 +244,7 @@ def _fake_de_en_archive(folder: Path) -> tuple[Path, dict[str, list[str]] | None
         sets = {}
         for index, name in enumerate(iwslt14_de_en.TEST_SETS):
             source, target = synthetic_parallel(SEGMENTS_PER_SET, "de", "en", seed=10 + index)
+            target[1] = "It’s " + target[1]  # the real sets have ’, which only the tokenised copy straightens
             sets[name] = (xml_set_text(source, name, "srcset", "german"), xml_set_text(target, name, "refset", "english"))
         expected = None
     return build_wit3_archive(folder / "de-en.tgz", "de-en", "IWSLT14", train, sets), expected
@@ -263,6 +289,17 @@ def test_entry_point_end_to_end(tmp_path):
         assert len(test_tok) == 5 * SEGMENTS_PER_SET
         if expected_test is not None:
             assert test_tok == expected_test[lang]
+
+    # raw/test.* (and --dest/raw/): the XML segments as they are, ’ included, the references
+    # detokenised output is scored against; the tokenised copy has ’ straightened, as fairseq's.
+    xml_folder = workdir / "extracted" / "de-en" / "de-en"
+    for lang in ("de", "en"):
+        segments = [" ".join(line.split()) for path in iwslt14_de_en.xml_test_files(xml_folder, lang)
+                    for line in read_segments(path, straighten_quotes=False)]
+        assert read_lines(workdir / "raw" / f"test.{lang}") == segments
+        assert read_lines(dest / "raw" / f"test.{lang}") == segments
+    assert any("\u2019" in line for line in read_lines(dest / "raw" / "test.en"))
+    assert not any("\u2019" in line for line in read_lines(workdir / "tok" / "test.en"))
 
     # Binarised data: one joined dictionary; the binary splits decode to the BPE text.
     assert (dest / "dict.de.txt").read_text() == (dest / "dict.en.txt").read_text()

@@ -63,6 +63,8 @@ def test_iwslt17_en_zh_end_to_end(tmp_path):
     sets, expected = {}, {"valid": ([], []), "test": ([], [])}
     for index, name in enumerate(ZH_SETS):
         source, target = synthetic_parallel(6, "en", "zh", seed=20 + index)
+        if name == "TED.tst2011":  # typographic punctuation stays in the references
+            source[2], target[2] = "He said: “It’s ours” – really…", "他说“这是我们的”——真的。"
         sets[name] = (xml_set_text(source, name, "srcset", "english"), xml_set_text(target, name, "refset", "chinese"))
         split = "valid" if name == "TED.dev2010" else "test"
         expected[split][0].extend(source)
@@ -100,6 +102,8 @@ def test_iwslt17_en_zh_end_to_end(tmp_path):
     assert record["valid_sets"] == ["TED.dev2010"] and record["test_sets"] == ZH_SETS[1:]
     assert (dest / "spm.model").read_bytes() == model.read_bytes()
     assert read_lines(dest / "raw" / "test.zh") == expected["test"][1]
+    assert read_lines(dest / "raw" / "test.en") == expected["test"][0]
+    assert "He said: “It’s ours” – really…" in expected["test"][0]
     for split in ("train", "valid", "test"):
         for lang in ("en", "zh"):
             assert_binarized_equals_text(dest, f"{split}.en-zh", lang, workdir / "spm" / f"{split}.{lang}")
@@ -119,7 +123,8 @@ def test_iwslt14_pt_en_split_like_fairseq(tmp_path):
         sets[name] = (xml_set_text(source, name, "srcset", "portuguese"), xml_set_text(target, name, "refset", "english"))
     archives = tmp_path / "archives"
     archives.mkdir()
-    build_wit3_archive(archives / "pt-en.tgz", "pt-en", "IWSLT14", (portuguese, english), sets)
+    # The WIT3 2014-01 layout: Portuguese is pt-br in the archive's name, folder and file names.
+    build_wit3_archive(archives / "pt-br-en.tgz", ("pt-br", "en"), "IWSLT14", (portuguese, english), sets)
     workdir, dest = tmp_path / "work", tmp_path / "bin"
     entry = load_entry_point("examples/translation/iwslt14_pt_en_tr_en/prepare.py")
     base = ["--pair", "pt-en", "--archives", str(archives), "--workdir", str(workdir), "--workers", "1",
@@ -137,7 +142,12 @@ def test_iwslt14_pt_en_split_like_fairseq(tmp_path):
     test_en = read_lines(workdir / "raw" / "test.en")
     assert test_en == [line for name in PT_SETS
                        for line in synthetic_parallel(4, "pt", "en", seed=40 + list(reversed(PT_SETS)).index(name))[1]]
-    assert json.loads((dest / "prepare.json").read_text())["test_sets"] == PT_SETS
+    record = json.loads((dest / "prepare.json").read_text())
+    assert record["test_sets"] == PT_SETS
+    # The prepared data calls the language pt, as --source-lang pt and the recipe expect.
+    assert (record["source_lang"], record["target_lang"]) == ("pt", "en")
+    assert (dest / "dict.pt.txt").is_file() and (dest / "test.pt-en.pt.bin").is_file()
+    assert read_lines(dest / "raw" / "test.pt") == read_lines(workdir / "raw" / "test.pt")
 
 
 # ----------------------------------------------------------------------------- WMT'22 De-Dsb
@@ -149,6 +159,7 @@ def test_wmt22_de_dsb_end_to_end(tmp_path):
     for lang, lines in (("de", german), ("dsb", sorbian)):
         (archives / f"40194_train_dsb_de.{lang}.gz").write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
     heldout = {name: synthetic_parallel(5, "de", "dsb", seed=seed) for name, seed in (("devel", 60), ("devel_test", 61))}
+    heldout["devel_test"][0][1] = "„Das ist’s“ – sagte er…"  # the references keep it as it is
     with tarfile.open(archives / "devtest.dsb-de.tgz", "w:gz") as tar:
         for name, (de_lines, dsb_lines) in heldout.items():
             add_to_tar(tar, f"devtest/{name}.dsb-de.de", "\n".join(de_lines) + "\n")
@@ -160,6 +171,8 @@ def test_wmt22_de_dsb_end_to_end(tmp_path):
     assert entry.cli_main(args) == 0
     assert read_lines(workdir / "raw" / "valid.dsb") == heldout["devel"][1]
     assert read_lines(workdir / "raw" / "test.de") == heldout["devel_test"][0]
+    for lang, lines in zip(("de", "dsb"), heldout["devel_test"]):
+        assert read_lines(dest / "raw" / f"test.{lang}") == lines
     assert read_lines(workdir / "raw" / "train.de") == [line for line in german if line]
     record = json.loads((dest / "prepare.json").read_text())
     assert record["sizes"] == {"train": 149, "valid": 5, "test": 5}

@@ -50,6 +50,9 @@ def test_wmt14_end_to_end(tmp_path):
     _corpus_tgz(archives / "training-parallel-nc-v9.tgz",
                 {f"training/news-commentary-v9.de-en.{lang}": corpora["news-commentary-v9"][i] for i, lang in enumerate(("en", "de"))})
     newstest = {year: synthetic_parallel(7, "en", "de", seed=year) for year in (2013, 2014)}
+    # Official text that punctuation normalisation and quote replacement would change.
+    newstest[2014][0][2], newstest[2014][1][2] = "“It’s here” – he said…", "„Es ist da“ – sagte er…"
+    newstest[2013][0][4], newstest[2013][1][4] = "Don’t  «go»!", "Geh‘ nicht  «weg»!"
     with tarfile.open(archives / "test.tgz", "w:gz") as tar:
         for i, lang in enumerate(("en", "de")):
             add_to_tar(tar, f"test/newstest2013-src.{lang}.sgm", sgm_text(newstest[2013][i], "newstest2013", lang))
@@ -69,9 +72,17 @@ def test_wmt14_end_to_end(tmp_path):
     assert raw_en == corpora["europarl-v7"][0] + corpora["commoncrawl"][0] + corpora["news-commentary-v9"][0]
     tok_en = read_lines(workdir / "tok" / "train.en")
     assert tok_en[65] == "A well @-@ known , long @-@ standing example with many more words than its other side ."
-    # Held-out sets from the SGML files, never cleaned.
-    assert read_lines(workdir / "raw" / "valid.de") == newstest[2013][1]
-    assert read_lines(workdir / "raw" / "test.en") == newstest[2014][0]
+    # Held-out sets from the SGML files, never cleaned; raw/ and --dest/raw/ hold the official text
+    # untouched (only whitespace runs collapsed, as sacreBLEU extracts it), the references scored against.
+    official = {(split, lang): [" ".join(line.split()) for line in newstest[year][index]]
+                for split, year in (("valid", 2013), ("test", 2014)) for index, lang in enumerate(("en", "de"))}
+    assert official["test", "de"][2] == "„Es ist da“ – sagte er…" and official["valid", "en"][4] == "Don’t «go»!"
+    for (split, lang), lines in official.items():
+        assert read_lines(workdir / "raw" / f"{split}.{lang}") == lines
+        assert read_lines(dest / "raw" / f"{split}.{lang}") == lines
+    # The models' input is normalised: straight quotes, Moses-escaped, hyphens split.
+    assert read_lines(workdir / "tok" / "test.de")[2] == "&quot; Es ist da &quot; - sagte er ..."
+    assert read_lines(workdir / "tok" / "valid.en")[4] == "Don &apos;t &quot; go &quot; !"
     # Cleaning after BPE drops exactly the unbalanced pair.
     bpe_all = read_lines(workdir / "bpe" / "train.all.en")
     bpe_train = read_lines(workdir / "bpe" / "train.en")

@@ -88,11 +88,15 @@ def read_parallel_segments(source: Path, target: Path, straighten_quotes: bool =
     return source_lines, target_lines
 
 
-_XML_SET = re.compile(r"^(?P<release>IWSLT\d\d)\.(?P<set>TEDX?\.(?:dev|tst)\d{4})\.(?P<pair>[a-z]+-[a-z]+)\.(?P<lang>[a-z]+)\.xml$")
+_SET_NAME = r"TEDX?\.(?:dev|tst)\d{4}"
 
 
 def xml_set_path(folder: Path, release: str, set_name: str, pair: str, lang: str) -> Path:
-    """Path of ``<release>.<set_name>.<pair>.<lang>.xml`` in ``folder`` (e.g. IWSLT14.TED.tst2010.de-en.de.xml)."""
+    """Path of ``<release>.<set_name>.<pair>.<lang>.xml`` in ``folder`` (e.g. IWSLT14.TED.tst2010.de-en.de.xml).
+
+    ``pair`` and ``lang`` are spelt as the release spells them, which is not always a two-letter
+    code: the 2014 release's Portuguese is ``pt-br`` (IWSLT14.TED.dev2010.pt-br-en.pt-br.xml).
+    """
     return Path(folder) / f"{release}.{set_name}.{pair}.{lang}.xml"
 
 
@@ -103,9 +107,12 @@ def available_xml_sets(folder: Path, release: str, pair: str, lang: str) -> list
     for IWSLT'14 De-En this is fairseq's test concatenation order
     dev2010, TEDX.dev2012, tst2010, tst2011, tst2012.
     """
+    # The pair and language are matched literally: a pattern for one-part codes (``[a-z]+-[a-z]+``)
+    # missed the 2014 release's pt-br-en sets.
+    pattern = re.compile(rf"^{re.escape(release)}\.(?P<set>{_SET_NAME})\.{re.escape(pair)}\.{re.escape(lang)}\.xml$")
     names = []
     for path in Path(folder).glob(f"{release}.*.{pair}.{lang}.xml"):
-        match = _XML_SET.match(path.name)
+        match = pattern.match(path.name)
         if match:
             names.append(match.group("set"))
 

@@ -4,7 +4,9 @@
   cleaned with ``clean-corpus-n`` (ratio 1.5, 1 to 175 tokens), lowercased;
 * valid: every 23rd line of the cleaned training data (7,283 pairs), train: the rest (160,239);
 * test: IWSLT14.TED.dev2010, IWSLT14.TEDX.dev2012, IWSLT14.TED.tst2010, tst2011, tst2012
-  concatenated in this order (6,750 pairs), tokenised and lowercased the same way;
+  concatenated in this order (6,750 pairs), ``’`` replaced by ``'`` (as fairseq's script does),
+  tokenised and lowercased the same way.  ``raw/test.*`` keep the segments as the XML files have
+  them (``’`` included): they are the references detokenised output is scored against;
 * joint subword-nmt BPE with 10,000 merges learned on train.de + train.en, then fairseq-preprocess
   with a joined dictionary.
 """
@@ -17,7 +19,7 @@ from ..archive import find_file
 from ..bpe import apply_bpe_file, learn_joint_bpe
 from ..download import RemoteFile
 from ..errors import PrepareError
-from ..iwslt import read_parallel_segments, read_parallel_train_tags, xml_set_path
+from ..iwslt import RIGHT_SINGLE_QUOTE, read_parallel_segments, read_parallel_train_tags, xml_set_path
 from ..pipeline import Step
 from ..textio import iter_lines, normalize_whitespace, write_lines
 from ..tokenize import CleanRule, MosesConfig, clean_indices, moses_preprocess
@@ -119,27 +121,30 @@ def prepare(ctx: PrepareContext, settings: Settings = Settings()) -> None:
     ctx.run(Step("clean-split", clean_and_split, inputs=[*tok_tags, *raw_tags], outputs=split_outputs,
                  params={"rule": dataclasses.asdict(CLEAN_RULE), "valid_every": VALID_EVERY}))
 
-    # 4. Test: the XML sets, concatenated, tokenised and lowercased.
+    # 4. Test: the XML sets, concatenated, kept untouched in raw/ (the references); the tokenised
+    #    copy has ’ straightened first, as fairseq's script, then is tokenised and lowercased.
     xml_files = {lang: xml_test_files(folder, lang) for lang in (SOURCE, TARGET)}
     raw_test = pair(raw, "test", SOURCE, TARGET)
 
     def extract_test() -> None:
         source_lines, target_lines = [], []
         for source_xml, target_xml in zip(xml_files[SOURCE], xml_files[TARGET]):
-            source_part, target_part = read_parallel_segments(source_xml, target_xml, straighten_quotes=True)
+            source_part, target_part = read_parallel_segments(source_xml, target_xml, straighten_quotes=False)
             source_lines += source_part
             target_lines += target_part
         write_pair(raw_test, [normalize_whitespace(l) for l in source_lines], [normalize_whitespace(l) for l in target_lines])
 
     ctx.run(Step("test-text", extract_test, inputs=xml_files[SOURCE] + xml_files[TARGET], outputs=list(raw_test),
-                 params={"sets": list(TEST_SETS)}))
+                 params={"sets": list(TEST_SETS), "straighten_quotes": False}))
     tok_test = pair(tok, "test", SOURCE, TARGET)
 
     def tokenize_test() -> None:
         for lang, source_path, destination in zip((SOURCE, TARGET), raw_test, tok_test):
-            write_lines(destination, moses_preprocess(iter_lines(source_path), moses_config(lang), ctx.workers))
+            straightened = (line.replace(RIGHT_SINGLE_QUOTE, "'") for line in iter_lines(source_path))
+            write_lines(destination, moses_preprocess(straightened, moses_config(lang), ctx.workers))
 
-    ctx.run(Step("tokenize-test", tokenize_test, inputs=list(raw_test), outputs=list(tok_test)))
+    ctx.run(Step("tokenize-test", tokenize_test, inputs=list(raw_test), outputs=list(tok_test),
+                 params={"straighten_quotes": True}))
 
     # 5. Joint BPE.
     codes = bpe / "code"

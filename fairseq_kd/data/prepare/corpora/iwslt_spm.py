@@ -1,7 +1,10 @@
 """IWSLT (WIT3 release) corpora segmented with a joint SentencePiece model.
 
 * IWSLT'14 Portuguese-English and Turkish-English, the CKD paper's low-resource pairs (Wu et al.,
-  2020, section 4): a shared 32K SentencePiece vocabulary.  Their Pt-En sizes (167K / 7,590 /
+  2020, section 4): a shared 32K SentencePiece vocabulary.  The 2014 release spells Portuguese
+  ``pt-br`` (``texts/pt-br/en/pt-br-en.tgz``, ``train.tags.pt-br-en.pt-br``,
+  ``IWSLT14.TED.dev2010.pt-br-en.pt-br.xml``); the prepared data calls it ``pt`` (``train.pt``,
+  ``--source-lang pt``), as the CKD paper and the recipe do.  The paper's Pt-En sizes (167K / 7,590 /
   5,388) fit fairseq's IWSLT'14 split: 7,590 x 23 = 174,570 = 167K + 7,590, i.e. every 23rd
   cleaned training pair is the validation set; as in fairseq, the test set is then the
   concatenation of the development/test XML sets (the paper does not list them).  So the training
@@ -38,8 +41,10 @@ FAIRSEQ_CLEAN_RULE = CleanRule(min_tokens=1, max_tokens=175, ratio=1.5)
 class IwsltCorpus:
     """A WIT3 archive and how it is split and cleaned.
 
-    ``archive_pair`` is the pair as the archive spells it (``pt-en``, ``en-zh``): it names the
-    folder and the files.  ``valid_sets=None``: every 23rd cleaned training pair; ``test_sets=None``:
+    ``source``/``target`` are the codes of the prepared data (``train.pt``); ``archive_codes``
+    spells them as the archive's file names do where that differs (``("pt-br", "en")``), and
+    ``archive_pair`` joins those (``pt-br-en``, ``en-zh``): it names the folder and the files.
+    ``valid_sets=None``: every 23rd cleaned training pair; ``test_sets=None``:
     every XML set of the archive.  ``moses_clean`` filters the raw training pairs by Moses token
     counts before any split; ``piece_clean`` filters the encoded training pairs.
     """
@@ -56,14 +61,21 @@ class IwsltCorpus:
     spm_vocab_size: int
     spm_character_coverage: float
     sacrebleu_tokenize: str
+    archive_codes: tuple[str, str] | None = None
+
+    @property
+    def archive_languages(self) -> tuple[str, str]:
+        """Source and target as the archive's file names spell them."""
+        return self.archive_codes or (self.source, self.target)
 
     @property
     def archive_pair(self) -> str:
-        return self.archive.name.split(".")[0]
+        return "-".join(self.archive_languages)
 
 
-def _wit3_2014(pair: str) -> RemoteFile:
-    first, second = pair.split("-")
+def _wit3_2014(first: str, second: str) -> RemoteFile:
+    """A pair's archive of the 2014-01 release, the languages spelt as WIT3 does (``pt-br``)."""
+    pair = f"{first}-{second}"
     return RemoteFile(
         name=f"{pair}.tgz",
         urls=(
@@ -76,12 +88,13 @@ def _wit3_2014(pair: str) -> RemoteFile:
 
 
 IWSLT14_PT_EN = IwsltCorpus(
-    name="iwslt14.spm.pt-en", release="IWSLT14", source="pt", target="en", archive=_wit3_2014("pt-en"),
+    name="iwslt14.spm.pt-en", release="IWSLT14", source="pt", target="en", archive=_wit3_2014("pt-br", "en"),
     valid_sets=None, test_sets=None, moses_clean=FAIRSEQ_CLEAN_RULE, piece_clean=None,
     spm_vocab_size=32000, spm_character_coverage=1.0, sacrebleu_tokenize="13a",
+    archive_codes=("pt-br", "en"),
 )
 IWSLT14_TR_EN = IwsltCorpus(
-    name="iwslt14.spm.tr-en", release="IWSLT14", source="tr", target="en", archive=_wit3_2014("tr-en"),
+    name="iwslt14.spm.tr-en", release="IWSLT14", source="tr", target="en", archive=_wit3_2014("tr", "en"),
     valid_sets=None, test_sets=None, moses_clean=FAIRSEQ_CLEAN_RULE, piece_clean=None,
     spm_vocab_size=32000, spm_character_coverage=1.0, sacrebleu_tokenize="13a",
 )
@@ -128,10 +141,12 @@ def _check_sets(requested: tuple[str, ...], available: list[str], flag: str, fol
 def prepare(ctx: PrepareContext, corpus: IwsltCorpus, settings: Settings) -> None:
     ctx.check_destination()
     source, target, archive_pair = corpus.source, corpus.target, corpus.archive_pair
+    spelt = dict(zip((source, target), corpus.archive_languages))  # pt -> pt-br in file names
     extracted = ctx.unpack(corpus.archive)
-    tags = [find_file(extracted, f"train.tags.{archive_pair}.{lang}", corpus.archive.name) for lang in (source, target)]
+    tags = [find_file(extracted, f"train.tags.{archive_pair}.{spelt[lang]}", corpus.archive.name)
+            for lang in (source, target)]
     folder = tags[0].parent
-    available = available_xml_sets(folder, corpus.release, archive_pair, source)
+    available = available_xml_sets(folder, corpus.release, archive_pair, spelt[source])
     valid_sets = settings.valid_sets if settings.valid_sets is not None else corpus.valid_sets
     test_sets = settings.test_sets if settings.test_sets is not None else corpus.test_sets
     test_sets = tuple(available) if test_sets is None else test_sets
@@ -190,7 +205,7 @@ def prepare(ctx: PrepareContext, corpus: IwsltCorpus, settings: Settings) -> Non
 
     # 3. Held-out sets from the XML files.
     heldout = {"test": test_sets} if valid_sets is None else {"valid": valid_sets, "test": test_sets}
-    xml_inputs = [xml_set_path(folder, corpus.release, name, archive_pair, lang)
+    xml_inputs = [xml_set_path(folder, corpus.release, name, archive_pair, spelt[lang])
                   for names in heldout.values() for name in names for lang in (source, target)]
     heldout_outputs = [path for split in heldout for path in pair(raw, split, source, target)]
 
@@ -199,8 +214,8 @@ def prepare(ctx: PrepareContext, corpus: IwsltCorpus, settings: Settings) -> Non
             source_lines, target_lines = [], []
             for name in names:
                 source_part, target_part = read_parallel_segments(
-                    xml_set_path(folder, corpus.release, name, archive_pair, source),
-                    xml_set_path(folder, corpus.release, name, archive_pair, target),
+                    xml_set_path(folder, corpus.release, name, archive_pair, spelt[source]),
+                    xml_set_path(folder, corpus.release, name, archive_pair, spelt[target]),
                     straighten_quotes=False,
                 )
                 source_lines += [normalize_whitespace(line) for line in source_part]

@@ -8,7 +8,10 @@ validation, newstest2014 for test, joint BPE.
 * every split: ``normalize-punctuation.perl``, ``remove-non-printing-char.perl``,
   ``tokenizer.perl -a`` (aggressive hyphen splitting, ``@-@``), cased, as fairseq's
   ``prepare-wmt14en2de.sh`` does for its training data (fairseq skips the first two for its test
-  set; applying them everywhere keeps the splits consistent);
+  set; applying them everywhere keeps the splits consistent).  This is the models' input only:
+  ``raw/valid.*`` and ``raw/test.*`` hold the ``<seg>`` text of the official SGML files untouched
+  (whitespace collapsed, as sacreBLEU extracts ``wmt14/full``; no normalisation, no quote
+  replacement), and detokenised output is scored against them;
 * joint subword-nmt BPE learned on both languages.  Vaswani et al. report a shared vocabulary of
   about 37,000 tokens, hence 37,000 merges by default (fairseq's script uses 40,000);
 * after BPE, ``clean-corpus-n`` (ratio 1.5, 1 to 250 tokens) on the training pairs only, as fairseq.
@@ -25,7 +28,7 @@ from ..archive import find_file
 from ..bpe import apply_bpe_file, learn_joint_bpe
 from ..download import RemoteFile
 from ..errors import PrepareError
-from ..iwslt import read_parallel_segments
+from ..iwslt import RIGHT_SINGLE_QUOTE, read_parallel_segments
 from ..pipeline import Step
 from ..textio import iter_lines, normalize_whitespace, write_lines
 from ..tokenize import CleanRule, MosesConfig, moses_preprocess
@@ -121,27 +124,31 @@ def prepare(ctx: PrepareContext, settings: Settings = Settings()) -> None:
 
     def extract_heldout() -> None:
         for split, (source_sgm, target_sgm) in heldout_files.items():
-            source_lines, target_lines = read_parallel_segments(source_sgm, target_sgm, straighten_quotes=True)
+            source_lines, target_lines = read_parallel_segments(source_sgm, target_sgm, straighten_quotes=False)
             write_pair(pair(raw, split, SOURCE, TARGET),
                        [normalize_whitespace(line) for line in source_lines],
                        [normalize_whitespace(line) for line in target_lines])
 
     ctx.run(Step("heldout-text", extract_heldout, inputs=[p for files in heldout_files.values() for p in files],
-                 outputs=raw_heldout))
+                 outputs=raw_heldout, params={"straighten_quotes": False}))
 
-    # 2. Moses.
-    def tokenizer(split_names):
+    # 2. Moses.  ’ is straightened in the held-out sets before the chain (only the raw references
+    #    keep it), so their tokenised text (the models' valid/test input) is unchanged.
+    def tokenizer(split_names, straighten_quotes=False):
         def action() -> None:
             for split in split_names:
                 for lang in (SOURCE, TARGET):
-                    write_lines(tok / f"{split}.{lang}",
-                                moses_preprocess(iter_lines(raw / f"{split}.{lang}"), moses_config(lang), ctx.workers))
+                    lines = iter_lines(raw / f"{split}.{lang}")
+                    if straighten_quotes:
+                        lines = (line.replace(RIGHT_SINGLE_QUOTE, "'") for line in lines)
+                    write_lines(tok / f"{split}.{lang}", moses_preprocess(lines, moses_config(lang), ctx.workers))
         return action
 
     ctx.run(Step("tokenize-train", tokenizer(["train"]), inputs=list(raw_train),
                  outputs=list(pair(tok, "train", SOURCE, TARGET))))
-    ctx.run(Step("tokenize-heldout", tokenizer(["valid", "test"]), inputs=raw_heldout,
-                 outputs=[p for split in ("valid", "test") for p in pair(tok, split, SOURCE, TARGET)]))
+    ctx.run(Step("tokenize-heldout", tokenizer(["valid", "test"], straighten_quotes=True), inputs=raw_heldout,
+                 outputs=[p for split in ("valid", "test") for p in pair(tok, split, SOURCE, TARGET)],
+                 params={"straighten_quotes": True}))
 
     # 3. Joint BPE, then cleaning of the segmented training pairs.
     codes = bpe / "code"
