@@ -26,11 +26,21 @@ import pickle
 import re
 import types
 
+import numpy as np
 import torch
 
+try:  # the name numpy pickles arrays with (numpy >= 2; numpy.core before)
+    from numpy._core.multiarray import _reconstruct as np_reconstruct
+except ImportError:  # pragma: no cover - numpy < 2
+    from numpy.core.multiarray import _reconstruct as np_reconstruct
+
 # Every class found in checkpoints written by fairseq-train (translation task, legacy and
-# dataclass architectures, fp16, resume state): the legacy argument namespace only.
-ALLOWED_CHECKPOINT_GLOBALS = (argparse.Namespace,)
+# dataclass architectures, fp16, resume state): the legacy argument namespace; and, with
+# --eval-bleu, numpy arrays: fairseq keeps the BLEU n-gram counts of its validation metrics as
+# numpy arrays in the checkpoint. An array is rebuilt from its dtype and raw bytes; an array of
+# Python objects would need its elements' classes, which stay refused.
+NUMERIC_DTYPE_CLASSES = tuple(dict.fromkeys(type(np.dtype(code)) for code in "?bhilqBHILQefd"))
+ALLOWED_CHECKPOINT_GLOBALS = (argparse.Namespace, np.ndarray, np.dtype, np_reconstruct, *NUMERIC_DTYPE_CLASSES)
 
 
 class UnsafeCheckpointError(RuntimeError):

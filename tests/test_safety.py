@@ -58,6 +58,27 @@ def test_control_the_gadget_runs_when_weights_only_is_left_out(gadget):
     assert marker.exists(), proc.stderr[-2000:]
 
 
+def test_numeric_numpy_arrays_load_but_object_arrays_stay_refused(tiny_teacher, tmp_path):
+    """fairseq's --eval-bleu stores numpy count arrays in a checkpoint: those load; an object array
+    carrying the gadget is refused, and the gadget does not run."""
+    import numpy as np
+
+    from fairseq_kd.checkpoint_safety import UnsafeCheckpointError, safe_load
+
+    state = torch.load(tiny_teacher, weights_only=False)  # our own test file, trusted
+    state["extra_state"]["counts"] = np.array([5, 3, 1, 0])
+    numeric = tmp_path / "numeric.pt"
+    torch.save(state, numeric)
+    assert safe_load(numeric)["extra_state"]["counts"].tolist() == [5, 3, 1, 0]
+    marker = tmp_path / "gadget_ran"
+    state["extra_state"]["counts"] = np.array([_MakesMarkerWhenUnpickled(marker)], dtype=object)
+    evil = tmp_path / "object_array.pt"
+    torch.save(state, evil)
+    with pytest.raises(UnsafeCheckpointError, match="refusing to load checkpoint"):
+        safe_load(evil)
+    assert not marker.exists()
+
+
 def test_fairseq_loader_passes_weights_only_explicitly_once_the_plugin_is_imported(gadget):
     evil, marker = gadget
     code = (
