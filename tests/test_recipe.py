@@ -96,18 +96,34 @@ def test_every_method_is_a_valid_fairseq_train_command(tmp_path, pair_name):
     assert plan.world_size == 2
     teacher = parse_training_command(plan.step(f"train-{TEACHER}").commands[0])
     assert teacher.task == "translation" and teacher.criterion == "label_smoothed_cross_entropy"
-    # methods.md, "Settings from the papers"; WMT'14 follows Vaswani et al. (dropout 0.1, 25K tokens
-    # per update: 4 accumulated steps of 3,125 tokens on each of the 2 GPUs). The low-resource
-    # setups' 4,096 tokens per update are 2,048 per GPU here, not 4,096 on each.
-    wmt14 = pair_name == "wmt14_en_de"
-    dropout, update_freq = (0.1, 4) if wmt14 else (0.3, 1)
+    # methods.md, "Settings from the papers"; WMT'14 and the CKD paper's pairs follow Vaswani et al.
+    # (dropout 0.1, 25K tokens per update: 4 accumulated steps of 3,125 tokens on each of the 2
+    # GPUs). The low-resource setups' 4,096 tokens per update are 2,048 per GPU here, not 4,096 on each.
+    vaswani = pair_name in ("wmt14_en_de", "iwslt14_pt_en", "iwslt14_tr_en")
+    dropout, update_freq = (0.1, 4) if vaswani else (0.3, 1)
     # Multi30k: our own setup for small models (pairs.py, _multi30k_fr_en), 2,048 tokens per update.
     lr, warmup = (1.5e-3, 500) if pair_name == "multi30k_fr_en" else (5e-4, 4000)
-    max_tokens = 3125 if wmt14 else 1024 if pair_name == "multi30k_fr_en" else 2048
+    max_tokens = 3125 if vaswani else 1024 if pair_name == "multi30k_fr_en" else 2048
     if pair_name == "multi30k_fr_en":
         dropout = 0.2
+    # Decoding: Vaswani et al.'s beam 4 and length penalty 0.6 on the average of the last 5
+    # checkpoints; beam 5 of the selected checkpoint elsewhere (A2D).
     generate = parse_command(options_parser("generation"), plan.step(f"generate-{TEACHER}").commands[0])
-    assert generate.beam == 5 and generate.fp16 and generate.required_batch_size_multiple == 1
+    assert (generate.beam, generate.lenpen) == ((4, 0.6) if vaswani else (5, 1.0))
+    assert generate.fp16 and generate.required_batch_size_multiple == 1
+    decoded = plan.workdir / "train" / TEACHER / ("checkpoint_avg.pt" if vaswani else "checkpoint_best.pt")
+    export = plan.step(f"export-{TEACHER}").commands[0]
+    assert str(decoded) in export
+    if vaswani:
+        average = plan.step(f"average-{TEACHER}").commands[0]
+        assert average[average.index("--last") + 1] == "5" and str(decoded) in average
+        assert average[average.index("--kind") + 1] == ("update" if pair_name == "wmt14_en_de" else "epoch")
+    else:
+        assert not any(step.name.startswith("average-") for step in plan.steps)
+    # The A2D authors' low-resource scripts: up to 100 epochs, patience 10, best validation BLEU
+    # (En-Zh: validation nll, since fairseq's --eval-bleu cannot tokenise Chinese).
+    by_bleu = pair_name in ("iwslt14_de_en", "wmt22_de_dsb")
+    a2d_low_resource = by_bleu or pair_name == "iwslt17_en_zh"
 
     for method in plan.methods:
         command = plan.step(f"train-{method.name}").commands[0]
@@ -125,14 +141,31 @@ def test_every_method_is_a_valid_fairseq_train_command(tmp_path, pair_name):
         assert args.optimizer == "adam" and ast.literal_eval(args.adam_betas) == (0.9, 0.98)
         assert args.lr == [lr] and args.lr_scheduler == "inverse_sqrt" and args.warmup_updates == warmup
         assert args.weight_decay == 1e-4 and args.dropout == dropout and args.max_tokens == max_tokens
-        # Checkpoints are chosen on the references' nll, never on a KD criterion's total loss.
-        assert args.best_checkpoint_metric == "nll_loss" and not args.maximize_best_checkpoint_metric
+        # Checkpoints are chosen on the references' nll or BLEU, never on a KD criterion's total loss.
+        if by_bleu:
+            assert args.best_checkpoint_metric == "bleu" and args.maximize_best_checkpoint_metric and args.eval_bleu
+            assert json.loads(args.eval_bleu_args)["beam"] == 5
+            assert args.eval_bleu_remove_bpe == ("@@ " if pair_name == "iwslt14_de_en" else "sentencepiece")
+        else:
+            assert args.best_checkpoint_metric == "nll_loss" and not args.maximize_best_checkpoint_metric
+            assert not args.eval_bleu
+        if a2d_low_resource:
+            assert args.max_epoch == 100 and args.patience == 10
+        else:
+            assert args.patience == -1
+        # Checkpoints to average: the last 5 epochs (CKD pairs) or update checkpoints (WMT'14).
+        if pair_name == "wmt14_en_de":
+            assert args.save_interval_updates == 1000 and args.keep_interval_updates == 5 and args.no_epoch_checkpoints
+        elif vaswani:
+            assert args.keep_last_epochs == 5 and not args.no_epoch_checkpoints
+        else:
+            assert args.no_epoch_checkpoints
         assert args.fp16 and args.distributed_world_size == 2 and args.update_freq == [update_freq]
         # Data and teacher.
         assert args.task == "translation_kd"
         assert args.data.endswith("data-seqkd" if method.data == "seqkd" else "data-bin")
         if method.uses_teacher:
-            assert args.teacher_checkpoint == str(plan.workdir / "train" / TEACHER / "checkpoint_best.pt")
+            assert args.teacher_checkpoint == str(decoded)
         else:
             assert args.teacher_checkpoint is None
         # The student the method's name promises, smaller than the teacher.
@@ -193,6 +226,16 @@ def test_smoke_and_cpu_profiles_resolve(tmp_path):
     cpu = plan_for(tmp_path, "iwslt14_de_en", profile="cpu", methods=["no_kd"], max_update=123)
     args = parse_training_command(cpu.step("train-no_kd").commands[0])
     assert args.cpu and args.max_update == 123 and args.arch == "transformer_kd_iwslt_student_3l"
+
+
+@pytest.mark.parametrize("profile, max_update, interval", [("cpu", None, 800), ("smoke", None, 6), ("cpu", 7, 1)])
+def test_checkpoints_to_average_exist_at_the_end_of_any_budget(tmp_path, profile, max_update, interval):
+    """WMT'14 writes a checkpoint every 1,000 updates; a shorter budget of M updates writes one every
+    M / 5 updates, so that the last 5 exist when training ends."""
+    plan = plan_for(tmp_path, "wmt14_en_de", profile=profile, methods=["no_kd"], max_update=max_update)
+    args = parse_training_command(plan.step("train-no_kd").commands[0])
+    assert args.save_interval_updates == interval and args.keep_interval_updates == 5
+    assert args.max_update // args.save_interval_updates >= 5
 
 
 # ----------------------------------------------------------------------------- bad requests

@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from .pairs import BEAM
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,8 @@ class Profile:
     architectures: Optional[Mapping[str, tuple[str, ...]]] = None
     #: derive --update-freq from the pair's tokens per update
     match_tokens_per_update: bool = True
-    beam: int = BEAM
+    #: beam of the test decoding (and of sequence-level KD); None: the pair's (and Kim & Rush's 5)
+    beam: Optional[int] = None
     generate_args: tuple[str, ...] = ()
     log_interval: int = 100
     use_smoke_prepare_args: bool = False

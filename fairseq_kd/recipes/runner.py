@@ -55,7 +55,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from ..data.prepare.errors import PrepareError
 from ..data.prepare.pipeline import Step, StepRunner
 from .methods import BASELINE, METHODS, TEACHER, Method
-from .pairs import LABEL_SMOOTHING, PAIRS, PairRecipe
+from .pairs import BEAM, EVAL_BLEU_ARGS, LABEL_SMOOTHING, PAIRS, PairRecipe
 from .profiles import PROFILES, Profile
 
 LOG = logging.getLogger(__name__)
@@ -350,9 +350,18 @@ class _Planner:
         return self.workdir / "train" / system
 
     def checkpoint(self, system: str) -> Path:
+        """The checkpoint that is decoded and distilled from: the selected one, or the average."""
         if system == TEACHER and self.options.teacher is not None:
             return self.options.teacher.resolve()
+        if self.pair.average_last:
+            return self.save_dir(system) / "checkpoint_avg.pt"
+        return self.trained_checkpoint(system)
+
+    def trained_checkpoint(self, system: str) -> Path:
         return self.save_dir(system) / "checkpoint_best.pt"
+
+    def beam(self) -> int:
+        return self.profile.beam or self.pair.beam
 
     def model(self, system: str) -> Path:
         return self.workdir / "models" / f"{system}.pt"
@@ -419,16 +428,46 @@ class _Planner:
         return {**self.pair.training(), **self.profile.training_overrides,
                 **self.pair.profile_training.get(self.profile.name, {})}
 
+    def schedule(self) -> list[str]:
+        if self.options.max_update is not None:
+            return ["--max-update", str(self.options.max_update)]
+        return list(self.pair.profile_schedules.get(self.profile.name) or self.profile.schedule or self.pair.schedule)
+
     def training_flags(self) -> list[str]:
         flags = [item for flag_value in self.training_values().items() for item in flag_value]
-        if self.options.max_update is not None:
-            schedule = ["--max-update", str(self.options.max_update)]
-        else:
-            schedule = list(self.pair.profile_schedules.get(self.profile.name)
-                            or self.profile.schedule or self.pair.schedule)
-        # The best checkpoint is the one with the best validation nll of the references: a KD
-        # criterion's total loss changes its terms' weights per epoch (pairs.py).
-        return flags + schedule + ["--best-checkpoint-metric", "nll_loss"]
+        return flags + self.schedule() + self.selection_flags() + self.checkpoint_flags()
+
+    def selection_flags(self) -> list[str]:
+        """How fairseq picks checkpoint_best.pt: never by a KD criterion's total loss, whose terms
+        change weight per epoch (pairs.py), but by the references' nll or by BLEU."""
+        flags = ["--patience", str(self.pair.patience)] if self.pair.patience else []
+        if self.pair.selection == "nll":
+            return flags + ["--best-checkpoint-metric", "nll_loss"]
+        remove_bpe = "@@ " if self.pair.remove_bpe == "subword_nmt" else self.pair.remove_bpe
+        flags += ["--eval-bleu", "--eval-bleu-args", EVAL_BLEU_ARGS, "--eval-bleu-remove-bpe", remove_bpe]
+        if self.pair.detok_moses:
+            flags += ["--eval-bleu-detok", "moses", "--eval-bleu-detok-args",
+                      json.dumps({"target_lang": self.pair.detok_moses})]
+        return flags + ["--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric"]
+
+    def averaging(self) -> tuple[str, int]:
+        """(checkpoint kind, updates between checkpoints) of the checkpoints to average: epoch
+        checkpoints on an epoch schedule; on an update schedule of M updates, one every
+        min(pair's interval, M / N) updates, so that N exist at the end of any budget."""
+        schedule = self.schedule()
+        if "--max-epoch" in schedule:
+            return "epoch", 0
+        max_update = int(schedule[schedule.index("--max-update") + 1])
+        return "update", max(1, min(self.pair.save_interval_updates, max_update // self.pair.average_last))
+
+    def checkpoint_flags(self) -> list[str]:
+        if not self.pair.average_last:
+            return ["--no-epoch-checkpoints"]
+        kind, interval = self.averaging()
+        keep = str(self.pair.average_last)
+        if kind == "epoch":
+            return ["--keep-last-epochs", keep]
+        return ["--no-epoch-checkpoints", "--save-interval-updates", str(interval), "--keep-interval-updates", keep]
 
     def placement_flags(self, distils: bool) -> list[str]:
         if self.profile.device == "cuda":
@@ -464,7 +503,7 @@ class _Planner:
             *self.architecture(role), *self.pair.model_args,
             "--criterion", criterion, "--label-smoothing", LABEL_SMOOTHING, *criterion_args,
             *self.training_flags(), "--seed", str(self.options.seed),
-            "--save-dir", str(save_dir), "--no-epoch-checkpoints",
+            "--save-dir", str(save_dir),
             "--log-format", "json", "--log-interval", str(self.profile.log_interval),
             "--log-file", str(save_dir / "train.log"),
             *self.options.train_args,
@@ -486,8 +525,16 @@ class _Planner:
                                                       encoding="utf-8")
             execute(with_placement(args, placement), log)
 
-        self.add(step_name, [(args, placement)], inputs, [self.checkpoint(system), save_dir / "train.log"],
+        self.add(step_name, [(args, placement)], inputs, [self.trained_checkpoint(system), save_dir / "train.log"],
                  description=description, save_dir=save_dir, action=action, settings=settings)
+        if self.pair.average_last:
+            kind, _ = self.averaging()
+            command = [*python_module("fairseq_kd.cli.average_checkpoints"), str(save_dir),
+                       "--last", str(self.pair.average_last), "--kind", kind,
+                       "--output", str(self.checkpoint(system)), "--overwrite"]
+            self.add(f"average-{system}", [(command, [])], [self.trained_checkpoint(system)],
+                     [self.checkpoint(system)],
+                     description=f"average the last {self.pair.average_last} {kind} checkpoints")
 
     def add_teacher(self) -> None:
         args = self.train_command(TEACHER, self.data, ["--task", "translation"], TEACHER,
@@ -514,7 +561,7 @@ class _Planner:
         placement = ["--fp16"] if self.profile.device == "cuda" else ["--cpu"]
         command = [*python_module("fairseq_kd.cli.seqkd_decode"), "--data", str(self.data),
                    "--teacher-checkpoint", str(self.checkpoint(TEACHER)), "--output", str(self.seqkd_data),
-                   "--beam", str(self.profile.beam), *self.seqkd_length_args()]
+                   "--beam", str(self.profile.beam or BEAM), *self.seqkd_length_args()]
         self.add("seqkd-data", [(command, placement)], [self.data, self.checkpoint(TEACHER)], [self.seqkd_data],
                  description="decode the training set with the teacher (sequence-level KD)")
 
@@ -533,7 +580,8 @@ class _Planner:
         generate = [
             *console_script("fairseq-generate", "fairseq_cli.generate"), str(data),
             "--user-dir", str(USER_DIR), "--task", "translation", "--gen-subset", "test",
-            "--path", str(model), "--beam", str(self.profile.beam),
+            "--path", str(model), "--beam", str(self.beam()),
+            *(["--lenpen", str(self.pair.lenpen)] if self.pair.lenpen != 1.0 else []),
             "--max-tokens", self.training_values()["--max-tokens"],
             # fairseq's batching drops sentences that do not fill a multiple of 8 (a batch of one
             # very long sentence, the last partial batch): every test sentence must be decoded.
@@ -542,7 +590,8 @@ class _Planner:
             "--results-path", str(self.generate_output(system).parent),
         ]
         self.add(f"generate-{system}", [(generate, placement)], [data, model], [self.generate_output(system)],
-                 description=f"decode the test set, beam {self.profile.beam}")
+                 description=f"decode the test set, beam {self.beam()}"
+                 + (f", length penalty {self.pair.lenpen}" if self.pair.lenpen != 1.0 else ""))
         self.add(f"score-{system}",
                  [([*python_module("fairseq_kd.cli.score"), "--generate-output", str(self.generate_output(system)),
                     "--system", system, *self.scoring, "--expected-from", str(self.test_reference()),
