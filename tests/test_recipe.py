@@ -326,22 +326,37 @@ def smoke_methods() -> list[str]:
     return ["no_kd", "word_kd", "a2d_kd_4h"]
 
 
-def reference_bleu(generate_output: Path):
-    """sacreBLEU on the H-/T- lines, BPE removed and Moses-detokenised here independently."""
-    import sacrebleu
-    from sacremoses import MosesDetokenizer
-
+def read_h_and_t_lines(generate_output: Path):
     hypotheses, references = {}, {}
     for line in generate_output.read_text(encoding="utf-8").splitlines():
         kind, _, rest = line.partition("-")
         if kind in ("H", "T") and rest.split("\t")[0].isdigit():
             fields = rest.split("\t")
-            text = fields[-1]
-            (hypotheses if kind == "H" else references)[int(fields[0])] = text
-    detok = MosesDetokenizer(lang="en")
-    plain = lambda text: detok.detokenize((text + " ").replace("@@ ", "").split())  # noqa: E731
+            (hypotheses if kind == "H" else references)[int(fields[0])] = fields[-1]
     ids = sorted(references)
-    return sacrebleu.corpus_bleu([plain(hypotheses[i]) for i in ids], [[plain(references[i]) for i in ids]])
+    return [hypotheses[i] for i in ids], [references[i] for i in ids]
+
+
+def reference_bleu(generate_output: Path, raw_references: Path):
+    """sacreBLEU of the H- lines, BPE removed and Moses-detokenised here independently, against
+    the untouched reference file, case-insensitively (the IWSLT'14 corpus is lowercased)."""
+    import sacrebleu
+    from sacremoses import MosesDetokenizer
+
+    hypotheses, _ = read_h_and_t_lines(generate_output)
+    detok = MosesDetokenizer(lang="en")
+    plain = [detok.detokenize((text + " ").replace("@@ ", "").split()) for text in hypotheses]
+    references = raw_references.read_text(encoding="utf-8").splitlines()
+    return sacrebleu.corpus_bleu(plain, [references], lowercase=True)
+
+
+def tokenized_bleu(generate_output: Path):
+    """The A2D authors' BLEU: sacreBLEU on the tokenised H- and T- lines with BPE removed."""
+    import sacrebleu
+
+    hypotheses, references = read_h_and_t_lines(generate_output)
+    unbpe = lambda text: (text + " ").replace("@@ ", "").strip()  # noqa: E731
+    return sacrebleu.corpus_bleu([unbpe(h) for h in hypotheses], [[unbpe(t) for t in references]])
 
 
 def test_iwslt14_recipe_end_to_end_then_skips_everything(tmp_path, monkeypatch, capsys):
@@ -370,10 +385,16 @@ def test_iwslt14_recipe_end_to_end_then_skips_everything(tmp_path, monkeypatch, 
     # BLEU as sacreBLEU computes it on the decoded test set (30 updates teach the tiny models next
     # to nothing, so the lengths after detokenisation are compared as well as the score).
     teacher_output = workdir / "generate" / TEACHER / "generate-test.txt"
-    expected = reference_bleu(teacher_output)
+    expected = reference_bleu(teacher_output, workdir / "data-bin" / "raw" / "test.en")
     record = json.loads((workdir / "scores" / f"{TEACHER}.json").read_text())
     assert rows[TEACHER]["bleu"] == pytest.approx(expected.score, abs=1e-6)
     assert f"hyp_len = {expected.sys_len} ref_len = {expected.ref_len}" in record["verbose"]
+    assert "case:lc" in report["signature"] and "untouched test references" in markdown
+    # The paper's BLEU (tokenised, lowercased, T- lines) in its own, labelled table.
+    tokenized = json.loads((workdir / "report" / "results_tokenized.json").read_text())
+    assert "A2D authors' IWSLT'14 protocol" in tokenized["title"]
+    tokenized_rows = {row["system"]: row for row in tokenized["systems"]}
+    assert tokenized_rows[TEACHER]["bleu"] == pytest.approx(tokenized_bleu(teacher_output).score, abs=1e-6)
     # Parameters of the shipped models: the alignment modules of A2D do not ship, so every student
     # (same architecture) has the same count, below the teacher's.
     assert rows["no_kd"]["params"] == rows["word_kd"]["params"] == rows["a2d_kd_4h"]["params"] < rows[TEACHER]["params"]

@@ -136,6 +136,30 @@ def test_score_hyp_and_ref_files(test_set, tmp_path):
     assert json.loads(output.read_text())["bleu"] == record["bleu"]
 
 
+def test_generate_output_scored_against_the_untouched_reference_file(test_set, tmp_path, capsys):
+    """--ref replaces the T- lines (which fairseq rebuilds from the binarised data) by the test set's
+    own text, line i for sentence id i; the generate file's shuffled order does not matter."""
+    references, systems, files = test_set
+    raw_lines = list(references)
+    raw_lines[3] = "The untouched reference, with a word the dictionary lacks: Zürich."
+    raw = tmp_path / "test.en"
+    raw.write_text("".join(line + "\n" for line in raw_lines), encoding="utf-8")
+    output = tmp_path / "word_kd.json"
+    run_score("--generate-output", files["word_kd"], *DETOK, "--ref", raw, "--ref-is-plain",
+              "--baseline", f"no_kd={files['no_kd']}", "--bootstrap", "100", "--ar-trials", "100",
+              "--output-json", output)
+    record = json.loads(output.read_text())
+    assert record["bleu"] == sacrebleu.corpus_bleu(systems["word_kd"], [raw_lines]).score
+    assert record["bleu"] != sacrebleu.corpus_bleu(systems["word_kd"], [references]).score
+    assert record["references"] == raw_lines and record["inputs"]["ref"] == str(raw)
+    # the baseline, a generate output too, was scored against the same file (else: refused)
+    assert record["paired"]["baseline_bleu"] == sacrebleu.corpus_bleu(systems["no_kd"], [raw_lines]).score
+    short = tmp_path / "short.en"
+    short.write_text("".join(line + "\n" for line in raw_lines[:-1]), encoding="utf-8")
+    expect_error(capsys, ["--generate-output", files["word_kd"], *DETOK, "--ref", short, "--ref-is-plain"],
+                 "the test set has 119 sentences")
+
+
 def test_paired_tests_equal_sacrebleu_command_line_and_baseline_kinds_agree(test_set, tmp_path):
     references, systems, files = test_set
     baseline_json = tmp_path / "no_kd.json"

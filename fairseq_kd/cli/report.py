@@ -80,6 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
         help='JSON {"NAME": {"params": N, "sents_per_sec": X}, ...}; --params/--speed flags '
         "override its values",
     )
+    parser.add_argument("--title", metavar="TEXT", help="what the table measures, printed above it (e.g. which "
+                        "BLEU a paper used)")
+    parser.add_argument(
+        "--ref", type=Path, metavar="FILE",
+        help="score fairseq-generate outputs against this reference file (line i for sentence id i, "
+        "e.g. a preparation's untouched raw/test.LANG) instead of their T- lines",
+    )
+    parser.add_argument("--ref-is-plain", action="store_true",
+                        help="the --ref file is plain detokenised text: --remove-bpe/--detok-moses apply to "
+                        "the hypotheses only")
     add_scoring_arguments(parser)
     add_completeness_arguments(parser)
     parser.add_argument(
@@ -126,6 +136,10 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         for name, path in named_paths:
             if not path.is_file():
                 raise FileNotFoundError(f"--system {name}: file {str(path)!r} {not_a_file(path)}")
+        if args.ref_is_plain and args.ref is None:
+            raise ValueError("--ref-is-plain applies to --ref only")
+        if args.ref is not None and not args.ref.is_file():
+            raise FileNotFoundError(f"--ref: file {str(args.ref)!r} {not_a_file(args.ref)}")
         check_n_bootstrap(args.bootstrap)
         check_n_trials(args.ar_trials)
         settings = BleuSettings(tokenize=args.tokenize, lowercase=args.lowercase)
@@ -145,16 +159,18 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         expected = expected_sentence_count(args)
         if args.out_prefix is not None:
             inputs = [(f"--system {name}", path) for name, path in named_paths]
-            inputs += [("--sidecar", args.sidecar), ("--expected-from", args.expected_from)]
+            inputs += [("--sidecar", args.sidecar), ("--expected-from", args.expected_from), ("--ref", args.ref)]
             check_outputs_are_not_inputs([("--out-prefix", path) for path in report_paths(args.out_prefix).values()],
                                          inputs)
             check_outputs_free(report_paths(args.out_prefix).values(), args.overwrite, "--out-prefix")
         processing = TextProcessing(remove_bpe=args.remove_bpe, moses_lang=args.detok_moses)
         systems = [
-            load_system(name, path, processing, settings, 0, args.seed, expected, args.allow_partial)
+            load_system(name, path, processing, settings, 0, args.seed, expected, args.allow_partial,
+                        args.ref, args.ref_is_plain)
             for name, path in named_paths
         ]
         report = build_report(systems, args.baseline, params, speeds, args.bootstrap, args.seed, args.ar_trials)
+        report.title = args.title
     except (argparse.ArgumentTypeError, ValueError, FileNotFoundError, FileExistsError) as error:
         parser.error(str(error))
     for name, info in report.partial.items():

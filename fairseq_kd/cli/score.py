@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    source = parser.add_argument_group("input (either --generate-output, or --hyp with --ref)")
+    source = parser.add_argument_group(
+        "input (--generate-output, with the references of its T- lines or of --ref; or --hyp with --ref)")
     source.add_argument(
         "--generate-output",
         type=Path,
@@ -175,7 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="fairseq-generate output (H-/D-/T- lines); hypotheses from D- lines when present",
     )
     source.add_argument("--hyp", type=Path, metavar="FILE", help="hypotheses, one per line")
-    source.add_argument("--ref", type=Path, metavar="FILE", help="references, line-parallel to --hyp")
+    source.add_argument(
+        "--ref", type=Path, metavar="FILE",
+        help="references, one line per test sentence: line-parallel to --hyp, or, with "
+        "--generate-output, line i for sentence id i (e.g. the untouched raw/test.LANG a preparation "
+        "keeps), used instead of the T- lines",
+    )
     source.add_argument(
         "--ref-is-plain",
         action="store_true",
@@ -213,18 +219,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """All checks that need no scoring, so that bad input fails before any work."""
-    if args.generate_output is not None and (args.hyp is not None or args.ref is not None):
+    if args.generate_output is not None and args.hyp is not None:
         parser.error("give either --generate-output, or --hyp and --ref, not both")
     if args.generate_output is None and (args.hyp is None or args.ref is None):
         parser.error("give --generate-output FILE, or both --hyp FILE and --ref FILE")
-    if args.ref_is_plain and args.generate_output is not None:
+    if args.ref_is_plain and args.ref is None:
         parser.error("--ref-is-plain applies to --ref only; fairseq-generate T- lines are "
                      "processed like the hypotheses")
     inputs = (
         [("--generate-output", args.generate_output)]
         if args.generate_output is not None
-        else [("--hyp", args.hyp), ("--ref", args.ref)]
+        else [("--hyp", args.hyp)]
     )
+    if args.ref is not None:
+        inputs.append(("--ref", args.ref))
     if args.baseline is not None:
         try:
             args.baseline_name, args.baseline_path = split_name_and_path(args.baseline, "--baseline")
@@ -264,14 +272,16 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         # The baseline first: a bad record then fails before the (longer) scoring of the system.
         baseline = None
         if args.baseline is not None:
+            # a generate output as baseline is scored against the same references as the system
             baseline = load_system(
                 args.baseline_name, args.baseline_path, processing, args.settings, 0, args.seed,
                 args.expected, args.allow_partial,
+                args.ref if args.generate_output is not None else None, args.ref_is_plain,
             )
         if args.generate_output is not None:
             system = score_generate_output(
                 args.system, args.generate_output, processing, args.settings, args.bootstrap, args.seed,
-                args.expected, args.allow_partial,
+                args.expected, args.allow_partial, args.ref, args.ref_is_plain,
             )
         else:
             system = score_text_files(

@@ -100,6 +100,12 @@ class PairRecipe:
     remove_bpe: str = "sentencepiece"
     detok_moses: Optional[str] = None
     sacrebleu_tokenize: str = "13a"
+    #: the corpus is lowercased in preparation: BLEU against the untouched (cased) references is
+    #: case-insensitive (sacreBLEU -lc)
+    lowercased: bool = False
+    #: also report the paper's BLEU: sacreBLEU on the tokenised T- lines, BPE removed, no
+    #: detokenisation (fairseq-generate --scoring sacrebleu), as a second, labelled table
+    tokenized_bleu: bool = False
     #: which checkpoint is decoded: best validation nll_loss, or best validation BLEU (SELECTIONS)
     selection: str = "nll"
     #: stop after this many validations without a better score (fairseq's --patience)
@@ -314,8 +320,10 @@ _PAIR_LIST = (
         prepare_script="examples/translation/iwslt14_de_en/prepare.py",
         smoke_prepare_args=_SMOKE_BPE, archive_files=(iwslt14_de_en.ARCHIVE.name,),
         source="de", target="en",
-        # Tokenised, lowercased text with subword-nmt BPE: undo both before sacreBLEU.
-        remove_bpe="subword_nmt", detok_moses="en",
+        # Tokenised, lowercased text with subword-nmt BPE: undo both before sacreBLEU, which
+        # compares case-insensitively with the untouched references; the A2D authors' own BLEU
+        # (tokenised, lowercased) is a second table.
+        remove_bpe="subword_nmt", detok_moses="en", lowercased=True, tokenized_bleu=True,
     ),
     _ckd_pair("pt-en"),
     _ckd_pair("tr-en"),

@@ -342,6 +342,8 @@ class _Planner:
         self.seqkd_data = workdir / "data-seqkd"
         self.steps: list[RecipeStep] = []
         self.scoring = ["--remove-bpe", pair.remove_bpe, "--tokenize", pair.sacrebleu_tokenize]
+        if pair.lowercased:
+            self.scoring += ["--lowercase"]
         if pair.detok_moses:
             self.scoring += ["--detok-moses", pair.detok_moses]
 
@@ -369,8 +371,8 @@ class _Planner:
     def generate_output(self, system: str) -> Path:
         return self.workdir / "generate" / system / "generate-test.txt"
 
-    def score(self, system: str) -> Path:
-        return self.workdir / "scores" / f"{system}.json"
+    def score(self, system: str, tokenized: bool = False) -> Path:
+        return self.workdir / ("scores-tokenized" if tokenized else "scores") / f"{system}.json"
 
     def test_reference(self) -> Path:
         """The untouched test references the preparation keeps (one line per test sentence)."""
@@ -435,7 +437,7 @@ class _Planner:
 
     def training_flags(self) -> list[str]:
         flags = [item for flag_value in self.training_values().items() for item in flag_value]
-        return flags + self.schedule() + self.selection_flags() + self.checkpoint_flags()
+        return flags + self.schedule() + self.selection_flags()
 
     def selection_flags(self) -> list[str]:
         """How fairseq picks checkpoint_best.pt: never by a KD criterion's total loss, whose terms
@@ -503,7 +505,7 @@ class _Planner:
             *self.architecture(role), *self.pair.model_args,
             "--criterion", criterion, "--label-smoothing", LABEL_SMOOTHING, *criterion_args,
             *self.training_flags(), "--seed", str(self.options.seed),
-            "--save-dir", str(save_dir),
+            "--save-dir", str(save_dir), *self.checkpoint_flags(),
             "--log-format", "json", "--log-interval", str(self.profile.log_interval),
             "--log-file", str(save_dir / "train.log"),
             *self.options.train_args,
@@ -594,10 +596,19 @@ class _Planner:
                  + (f", length penalty {self.pair.lenpen}" if self.pair.lenpen != 1.0 else ""))
         self.add(f"score-{system}",
                  [([*python_module("fairseq_kd.cli.score"), "--generate-output", str(self.generate_output(system)),
-                    "--system", system, *self.scoring, "--expected-from", str(self.test_reference()),
+                    "--system", system, *self.scoring, "--ref", str(self.test_reference()), "--ref-is-plain",
                     "--output-json", str(self.score(system)), "--overwrite"], [])],
                  [self.generate_output(system), self.test_reference()], [self.score(system)],
-                 description="sacreBLEU with 95% CI, every test sentence present")
+                 description="detokenised sacreBLEU with 95% CI against the untouched references, every "
+                 "test sentence present")
+        if self.pair.tokenized_bleu:
+            self.add(f"score-tokenized-{system}",
+                     [([*python_module("fairseq_kd.cli.score"), "--generate-output", str(self.generate_output(system)),
+                        "--system", system, "--remove-bpe", self.pair.remove_bpe,
+                        "--expected-from", str(self.test_reference()),
+                        "--output-json", str(self.score(system, tokenized=True)), "--overwrite"], [])],
+                     [self.generate_output(system), self.test_reference()], [self.score(system, tokenized=True)],
+                     description="the paper's BLEU: sacreBLEU on the tokenised, lowercased T- lines")
         log = self.checkpoint(system).parent / "train.log"
         if system == TEACHER and self.options.teacher is not None and not log.is_file():
             return  # a teacher trained elsewhere, without its fairseq log beside it: no curves
@@ -637,18 +648,34 @@ class _Planner:
                  description="parameter counts of the exported models, decoding speeds")
 
     def add_report(self) -> None:
+        self.add_report_table(tokenized=False)
+        if self.pair.tokenized_bleu:
+            self.add_report_table(tokenized=True)
+
+    def add_report_table(self, tokenized: bool) -> None:
         systems = [TEACHER] + [method.name for method in self.methods]
-        prefix = self.workdir / "report" / "results"
+        prefix = self.workdir / "report" / ("results_tokenized" if tokenized else "results")
         sidecar = self.workdir / "report" / "systems.json"
         command = [*python_module("fairseq_kd.cli.report")]
         for system in systems:
-            command += ["--system", f"{system}={self.score(system)}"]
+            command += ["--system", f"{system}={self.score(system, tokenized)}"]
         if BASELINE in systems:
             command += ["--baseline", BASELINE]
-        command += ["--sidecar", str(sidecar), *self.scoring, "--out-prefix", str(prefix), "--overwrite"]
-        self.add("report", [(command, [])], [self.score(system) for system in systems] + [sidecar],
+        if tokenized:
+            title = (f"{self.pair.title}: the paper's BLEU, sacreBLEU (13a) on the tokenised, lowercased text "
+                     "with BPE removed and the T- lines as references (what fairseq-generate --scoring sacrebleu "
+                     "prints; the A2D authors' IWSLT'14 protocol). Not comparable with detokenised BLEU.")
+            scoring = ["--remove-bpe", self.pair.remove_bpe]
+        else:
+            title = (f"{self.pair.title}: detokenised sacreBLEU against the untouched test references "
+                     f"(raw/test.{self.pair.target})" + (", case-insensitive (the corpus is lowercased)"
+                                                         if self.pair.lowercased else ""))
+            scoring = self.scoring
+        command += ["--sidecar", str(sidecar), *scoring, "--title", title, "--out-prefix", str(prefix), "--overwrite"]
+        self.add("report-tokenized" if tokenized else "report", [(command, [])],
+                 [self.score(system, tokenized) for system in systems] + [sidecar],
                  [prefix.with_name(prefix.name + suffix) for suffix in (".md", ".csv", ".json")],
-                 description="results table")
+                 description="results table" + (" (the paper's tokenised BLEU)" if tokenized else ""))
 
 
 

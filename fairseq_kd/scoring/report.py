@@ -108,25 +108,37 @@ def score_texts(
 
 def score_generate_output(
     name: str, path: Path, processing: TextProcessing, settings: BleuSettings, n_bootstrap: int, seed: int,
-    expected_sentences: Optional[int] = None, allow_partial: bool = False,
+    expected_sentences: Optional[int] = None, allow_partial: bool = False, ref_path: Optional[Path] = None,
+    ref_is_plain: bool = False,
 ) -> SystemScore:
     """Score a fairseq-generate output file (see :func:`~.detok.read_generate_output`); an
-    incomplete one is refused unless ``allow_partial`` (the score then says it is partial)."""
+    incomplete one is refused unless ``allow_partial`` (the score then says it is partial).
+
+    The references are the output's ``T-`` lines (rebuilt by fairseq from the binarised data, so
+    with ``<unk>`` where the dictionary lacked a word) unless ``ref_path`` gives the test set's
+    reference file, one line per sentence id: the untouched text a preparation keeps (processed
+    like the hypotheses unless ``ref_is_plain``). Its line count is then the expected count."""
+    reference_lines = None
+    if ref_path is not None:
+        reference_lines = read_lines(ref_path, "--ref")
+        if expected_sentences is not None and expected_sentences != len(reference_lines):
+            raise ValueError(f"--ref file {str(ref_path)!r} has {len(reference_lines)} lines but "
+                             f"{expected_sentences} sentences are expected")
+        expected_sentences = len(reference_lines)
     generated = read_generate_output(path, expected_sentences, allow_partial)
     inputs = {
         "generate_output": str(path),
         "hypothesis_lines": generated.hypothesis_source + "-",
         **processing.to_dict(),
     }
-    system = score_texts(
-        name,
-        processing.apply(generated.hypotheses),
-        processing.apply(generated.references),
-        settings,
-        n_bootstrap,
-        seed,
-        inputs,
-    )
+    if reference_lines is None:
+        references = processing.apply(generated.references)
+    else:
+        chosen = [reference_lines[i] for i in generated.ids]
+        references = chosen if ref_is_plain else processing.apply(chosen)
+        inputs.update(ref=str(ref_path), ref_is_plain=ref_is_plain)
+    system = score_texts(name, processing.apply(generated.hypotheses), references, settings, n_bootstrap, seed,
+                         inputs)
     system.partial = None if generated.complete else generated.completeness()
     return system
 
@@ -278,8 +290,11 @@ def load_system(
     seed: int,
     expected_sentences: Optional[int] = None,
     allow_partial: bool = False,
+    ref_path: Optional[Path] = None,
+    ref_is_plain: bool = False,
 ) -> SystemScore:
-    """A system from a score record (JSON) or a fairseq-generate output file (anything else).
+    """A system from a score record (JSON) or a fairseq-generate output file (anything else, scored
+    against ``ref_path`` when given, see :func:`score_generate_output`).
 
     Partial scores (an incomplete generate output, or a record written with --allow-partial) and
     records of another sentence count than ``expected_sentences`` are refused unless
@@ -289,7 +304,7 @@ def load_system(
         raise FileNotFoundError(f"system {name!r}: file {str(path)!r} {not_a_file(path)}")
     if not is_score_record_file(path):
         return score_generate_output(name, path, processing, settings, n_bootstrap, seed,
-                                     expected_sentences, allow_partial)
+                                     expected_sentences, allow_partial, ref_path, ref_is_plain)
     system = load_score_record(path, name)
     if not allow_partial:
         if system.partial:
@@ -459,10 +474,13 @@ class Report:
     signature: str
     # system name -> GenerateOutput.completeness() for systems scored on part of the test set
     partial: Dict[str, Dict] = field(default_factory=dict)
+    #: what the table measures (printed above it), e.g. which BLEU a paper used
+    title: Optional[str] = None
 
     def to_dict(self) -> Dict:
         return {
             "format": REPORT_FORMAT,
+            "title": self.title,
             "baseline": self.baseline,
             "n_bootstrap": self.n_bootstrap,
             "n_trials": self.n_trials,
@@ -560,7 +578,8 @@ def format_params(params: Optional[int]) -> str:
 def report_markdown(report: Report) -> str:
     """The table in Markdown, followed by the signature and the definitions used."""
     difference_header = f"Δ vs {report.baseline}" if report.baseline else "Δ"
-    lines = [
+    lines = [report.title, ""] if report.title else []
+    lines += [
         f"| System | BLEU | μ ± 95% CI | {difference_header} | p (bs) | p (ar) | Params | Speed (sent/s) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
