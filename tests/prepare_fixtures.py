@@ -7,6 +7,9 @@
   ``<translator href=...>`` in the 2017 style) and the ``IWSLT*.xml`` development/test sets with
   their ``mteval``/``doc``/``seg`` structure;
 * WMT SGML test sets (``<srcset>``/``<doc>``/``<seg>``);
+* the Multitarget TED Talks archive (Duh 2018): ``multitarget-ted/en-<lang>/raw/`` with
+  ``ted_{train,dev,test1}_en-<lang>.raw.{<lang>,en}`` and ``tok/`` copies (``.tok.``, and
+  ``.tok.clean.`` for train: lowercased and tokenised), as its README.txt describes;
 * a deterministic synthetic bilingual text for when ../shared/data is absent.
 """
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import random
+import re
 import tarfile
 from pathlib import Path
 from types import ModuleType
@@ -110,6 +114,35 @@ def build_wit3_archive(
     return archive
 
 
+def build_multitarget_ted_archive(
+    archive: Path,
+    sets: dict[str, dict[str, tuple[list[str], list[str]]]],
+) -> Path:
+    """A ``multitarget-ted.tgz`` in the release's layout.
+
+    ``sets`` maps a foreign language (``"tr"``) to its ``train``/``dev``/``test1`` pairs (foreign
+    side, English side): ``multitarget-ted/en-tr/raw/ted_dev_en-tr.raw.tr`` and ``.raw.en``, the
+    lowercased, tokenised ``tok/ted_dev_en-tr.tok.{tr,en}`` (and ``tok/ted_train_en-tr.tok.clean.*``),
+    next to the release's ``README.txt`` and ``talkids/`` folder.
+    """
+    def tokenized(line: str) -> str:
+        return " ".join(re.findall(r"\w+|[^\w\s]", line.lower()))
+
+    with tarfile.open(archive, "w:gz") as tar:
+        add_to_tar(tar, "multitarget-ted/README.txt", "Multitarget TED Talks Task (fake, built by the fairseq-kd tests)\n")
+        add_to_tar(tar, "multitarget-ted/talkids/shared-dev", "1\n2\n")
+        for lang, splits in sets.items():
+            folder = f"multitarget-ted/en-{lang}"
+            for split, sides in splits.items():
+                for side, lines in zip((lang, "en"), sides):
+                    add_to_tar(tar, f"{folder}/raw/ted_{split}_en-{lang}.raw.{side}", "\n".join(lines) + "\n")
+                    tok = "\n".join(tokenized(line) for line in lines) + "\n"
+                    add_to_tar(tar, f"{folder}/tok/ted_{split}_en-{lang}.tok.{side}", tok)
+                    if split == "train":
+                        add_to_tar(tar, f"{folder}/tok/ted_{split}_en-{lang}.tok.clean.{side}", tok)
+    return archive
+
+
 def sgm_text(segments: list[str], setid: str, lang: str, side: str = "srcset") -> str:
     """A WMT ``.sgm`` file."""
     out = [f'<{side} setid="{setid}" srclang="any" trglang="{lang}">', f'<doc sysid="ref" docid="doc-1" genre="news" origlang="{lang}">', "<p>"]
@@ -123,6 +156,7 @@ _WORDS = {  # position i of every list is (roughly) the same word
     "de": "das haus ist groß und alt wir sehen den baum im garten heute morgen kinder spielen gern draußen".split(),
     "en": "the house is big and old we see the tree in garden today morning children play gladly outside".split(),
     "pt": "a casa é grande e velha nós vemos a árvore no jardim hoje manhã crianças brincam lá fora".split(),
+    "tr": "bu ev çok büyük ve eski biz görüyoruz şu ağacı içinde bahçe bugün sabah çocuklar oynuyor severek dışarıda".split(),
     "dsb": "ten dom jo wjeliki a stary my wiźimy ten bom w zagroźe źinsa zajtša źiśi grajkaju rad wenka".split(),
     "fr": "la maison est grande et vieille nous voyons l' arbre dans jardin aujourd'hui matin enfants jouent volontiers dehors".split(),
 }

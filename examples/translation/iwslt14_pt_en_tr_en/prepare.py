@@ -3,6 +3,8 @@
     python examples/translation/iwslt14_pt_en_tr_en/prepare.py --pair pt-en
     python examples/translation/iwslt14_pt_en_tr_en/prepare.py --pair tr-en --archives ~/corpora
 
+Pt-En comes from the WIT3 2014-01 archive (pt-br-en.tgz), Tr-En from the Multitarget TED Talks
+release (multitarget-ted.tgz: its train, dev and test1 sets, the CKD paper's 1,958 / 1,982).
 See examples/translation/README.md for the split, the steps and the outputs.
 """
 from __future__ import annotations
@@ -40,17 +42,18 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     add_sentencepiece_arguments(parser, corpus.spm_vocab_size, corpus.spm_character_coverage)
     parser.add_argument(
         "--valid-sets", type=_set_list, metavar="SET[,SET...]",
-        help="take the validation set from these XML sets (e.g. TED.dev2010) instead of every 23rd "
-        "cleaned training pair (the default, as in fairseq and the CKD paper's Pt-En split)",
+        help="pt-en only: take the validation set from these XML sets (e.g. TED.dev2010) instead of "
+        "every 23rd cleaned training pair (the default, as in fairseq and the CKD paper's Pt-En split)",
     )
     parser.add_argument(
         "--test-sets", type=_set_list, metavar="SET[,SET...]",
-        help="XML sets concatenated into the test set (default: every set of the archive, "
+        help="pt-en only: XML sets concatenated into the test set (default: every set of the archive, "
         "development sets first, then test sets, by year)",
     )
     parser.add_argument(
         "--drop-talk-headers", action="store_true",
-        help="drop the <title> and <description> lines of the training data (fairseq keeps their text)",
+        help="pt-en only: drop the <title> and <description> lines of the training data (fairseq "
+        "keeps their text)",
     )
     return parser
 
