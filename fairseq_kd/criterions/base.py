@@ -127,6 +127,9 @@ class DistillationBatch:
     student: CapturedFeatures
     teacher: CapturedFeatures
     target_mask: Tensor  # (batch, tgt_len), True at target tokens that count
+    #: the cached teacher's top-k (log-probabilities, token ids), (batch, tgt_len, k) each, when the
+    #: run reads --teacher-cache instead of running the teacher
+    teacher_topk: Optional[Tuple[Tensor, Tensor]] = None
 
     @property
     def student_logits(self) -> Tensor:
@@ -134,6 +137,8 @@ class DistillationBatch:
 
     @property
     def teacher_logits(self) -> Tensor:
+        if self.teacher_output is None:
+            raise RuntimeError("no teacher logits: this batch's teacher is the top-k cache (--teacher-cache)")
         return self.teacher_output[0]
 
 
@@ -147,6 +152,9 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
     #: what to capture from the student and from the teacher during the forward pass
     student_request: CaptureRequest = CaptureRequest()
     teacher_request: CaptureRequest = CaptureRequest()
+    #: whether the method's terms can come from the cached top-k teacher (--teacher-cache): only
+    #: word-level KD terms, which need the teacher's output distribution and nothing else
+    SUPPORTS_TEACHER_CACHE: bool = False
 
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
@@ -156,7 +164,17 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
                 f"criterion {self.criterion_name()!r} needs --task translation_kd "
                 f"(got --task {getattr(task.cfg, '_name', type(task).__name__)})"
             )
-        self.teacher = require_teacher(self.criterion_name())
+        self.teacher_cache = getattr(task, "teacher_cache", None)
+        if self.teacher_cache is None:
+            self.teacher = require_teacher(self.criterion_name())
+        elif not self.SUPPORTS_TEACHER_CACHE:
+            raise ValueError(
+                f"criterion {self.criterion_name()!r} needs the teacher's features or full output, which "
+                "--teacher-cache does not hold (it serves word_kd and selective_kd): pass "
+                "--teacher-checkpoint without --teacher-cache"
+            )
+        else:
+            self.teacher = None  # the cache replaces the teacher's forward pass
         self.epoch = 1
         # True while fairseq trains on a dummy batch (a data-parallel worker out of data, whose
         # loss is zeroed): stateful methods must not learn from it. Set by the task.
@@ -201,6 +219,9 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
             raise ValueError("distillation criterions only compute reduced losses")
         weights = self.loss_weights()
         distilling = any(weights[name] != 0 for name in self.TERM_NAMES)
+        # The cache holds the training split only: validation reports CE and nll without KD terms.
+        if self.teacher_cache is not None and not model.training:
+            distilling = False
         student_request = self.student_request if distilling else CaptureRequest()
         with FeatureCapture(model, student_request) as capture:
             net_output = model(**sample["net_input"])
@@ -208,8 +229,13 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
 
         terms: Dict[str, Tensor] = {}
         if distilling:
-            self.teacher.follow(next(model.parameters()))
-            teacher_output, teacher_features = self.teacher.forward(sample["net_input"], self.teacher_request)
+            teacher_topk = None
+            if self.teacher_cache is not None:
+                teacher_output, teacher_features = None, CapturedFeatures()
+                teacher_topk = self.teacher_cache.lookup(sample["id"], sample["target"].ne(self.padding_idx))
+            else:
+                self.teacher.follow(next(model.parameters()))
+                teacher_output, teacher_features = self.teacher.forward(sample["net_input"], self.teacher_request)
             batch = DistillationBatch(
                 sample=sample,
                 student_output=net_output,
@@ -217,6 +243,7 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
                 student=capture.features(),
                 teacher=teacher_features,
                 target_mask=self.target_mask(sample),
+                teacher_topk=teacher_topk,
             )
             terms = self.distillation_terms(batch)
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]

@@ -26,6 +26,33 @@ def word_level_kd(
     return (temperature**2) * per_position.masked_select(target_mask).sum()
 
 
+def topk_word_level_kd(
+    student_logits: Tensor, teacher_topk_logprobs: Tensor, teacher_topk_ids: Tensor, target_mask: Tensor,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Word-level KD from a cached teacher (:mod:`fairseq_kd.data.teacher_cache`):
+    ``tau^2 * sum_t sum_i q_i (log q_i - log p_S^tau(id_i | t))``, where ``q`` is the softmax of the
+    teacher's ``k`` stored log-probabilities divided by ``tau`` (the teacher renormalised to its top
+    k) and ``p_S^tau`` the student's full-vocabulary distribution at ``tau``, read at the teacher's
+    ``k`` token ids. When the teacher's mass lies within its top k this is :func:`word_level_kd`.
+
+    teacher_topk_logprobs, teacher_topk_ids: ``(batch, tgt_len, k)``; the rest as
+    :func:`word_level_kd`. Computed in float32.
+    """
+    student_lp = F.log_softmax(student_logits.float() / temperature, dim=-1).gather(-1, teacher_topk_ids)
+    teacher_lp = F.log_softmax(teacher_topk_logprobs.float() / temperature, dim=-1)
+    per_position = (teacher_lp.exp() * (teacher_lp - student_lp)).sum(-1)
+    return (temperature**2) * per_position.masked_select(target_mask).sum()
+
+
+def word_kd_term(batch, target_mask: Tensor, temperature: float) -> Tensor:
+    """Word-level KD of a :class:`~.base.DistillationBatch` at ``target_mask``: from the live
+    teacher's logits, or from the cached top-k teacher when the batch carries it."""
+    if batch.teacher_topk is not None:
+        return topk_word_level_kd(batch.student_logits, *batch.teacher_topk, target_mask, temperature)
+    return word_level_kd(batch.student_logits, batch.teacher_logits, target_mask, temperature)
+
+
 # ----------------------------------------------------------------------------------------------
 # Hidden-state losses (PKD, CKD, ALP-KD, RAIL-KD, internal KD). States are ``(..., batch, len, dim)``
 # with any leading (layer) dimensions; ``padding_mask`` is ``(batch, len)``, True at padding.

@@ -53,7 +53,7 @@ from fairseq.distributed import utils as distributed_utils
 from fairseq.logging import metrics
 from torch import Tensor
 
-from .losses import word_level_kd
+from .losses import word_kd_term
 from .word_kd import WordKDConfig, WordKDCriterion
 
 logger = logging.getLogger(__name__)
@@ -193,11 +193,7 @@ class SelectiveKDCriterion(WordKDCriterion):
         token_ce = token_cross_entropy(batch.student_logits, batch.sample["target"])
         selected = self.select(token_ce, batch.target_mask)
         self._selected_tokens = selected.sum().data
-        return {
-            "selective_kd": word_level_kd(
-                batch.student_logits, batch.teacher_logits, selected, self.kd_temperature
-            )
-        }
+        return {"selective_kd": word_kd_term(batch, selected, self.kd_temperature)}
 
     def forward(self, model, sample, reduce=True):
         self._selected_tokens = 0

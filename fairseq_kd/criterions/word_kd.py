@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from fairseq.criterions import register_criterion
 
 from .base import KDCriterionBase, KDCriterionConfig
-from .losses import word_level_kd
+from .losses import word_kd_term
 
 
 @dataclass
@@ -27,6 +27,7 @@ class WordKDConfig(KDCriterionConfig):
 @register_criterion("word_kd", dataclass=WordKDConfig)
 class WordKDCriterion(KDCriterionBase):
     TERM_NAMES = ("word_kd",)
+    SUPPORTS_TEACHER_CACHE = True
 
     def __init__(self, task, sentence_avg, label_smoothing, kd_weight, kd_temperature,
                  ignore_prefix_size=0, report_accuracy=False):
@@ -42,8 +43,4 @@ class WordKDCriterion(KDCriterionBase):
         return {"ce": 1.0 - self.kd_weight, "word_kd": self.kd_weight}
 
     def distillation_terms(self, batch):
-        return {
-            "word_kd": word_level_kd(
-                batch.student_logits, batch.teacher_logits, batch.target_mask, self.kd_temperature
-            )
-        }
+        return {"word_kd": word_kd_term(batch, batch.target_mask, self.kd_temperature)}

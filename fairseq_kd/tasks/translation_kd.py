@@ -58,6 +58,16 @@ class TranslationKDConfig(TranslationConfig):
             "the checkpoint records no dictionary hashes; without either the teacher is refused."
         },
     )
+    teacher_cache: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "folder written by fairseq-kd-teacher-cache: word_kd and selective_kd read the "
+            "teacher's top-k log-probabilities of every training token from it instead of running the "
+            "teacher (exact where the teacher's mass lies within its top k). Refused if made by another "
+            "teacher (--teacher-checkpoint, when given too), for other training data or dictionaries. "
+            "Validation then reports CE and nll without KD terms."
+        },
+    )
     # the precision and device flags, read to refuse --fp16/--bf16 on a machine without a GPU
     fp16: bool = II("common.fp16")
     bf16: bool = II("common.bf16")
@@ -99,6 +109,12 @@ class TranslationKDTask(TranslationTask):
         if cfg.teacher_checkpoint:
             self.teacher = FrozenTeacher.load(cfg.teacher_checkpoint, self)
             self.check_teacher_positions()
+        self.teacher_cache = None
+        if cfg.teacher_cache:
+            from ..data.teacher_cache import TeacherCache
+
+            self.teacher_cache = TeacherCache.open(
+                cfg.teacher_cache, self, teacher_sha256=self.teacher.sha256 if self.teacher is not None else None)
 
     def check_teacher_positions(self) -> None:
         """The teacher must read every sentence the task lets through (longer ones would hit its
@@ -118,10 +134,16 @@ class TranslationKDTask(TranslationTask):
 
     def run_binding(self) -> dict:
         """What this run distils from, as recorded in every checkpoint it writes."""
+        if self.teacher is not None:
+            teacher_sha256, teacher_path = self.teacher.sha256, self.teacher.path
+        elif self.teacher_cache is not None:  # distilled from the teacher the cache records
+            teacher_sha256, teacher_path = self.teacher_cache.teacher_sha256, self.teacher_cache.manifest.get("teacher_path")
+        else:
+            teacher_sha256 = teacher_path = None
         return {
             "format": BINDING_FORMAT,
-            "teacher_sha256": self.teacher.sha256 if self.teacher is not None else None,
-            "teacher_path": self.teacher.path if self.teacher is not None else None,
+            "teacher_sha256": teacher_sha256,
+            "teacher_path": teacher_path,
             "source_dictionary_sha256": dictionary_sha256(self.source_dictionary),
             "target_dictionary_sha256": dictionary_sha256(self.target_dictionary),
             "dictionary_sizes": [len(self.source_dictionary), len(self.target_dictionary)],

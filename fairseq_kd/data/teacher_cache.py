@@ -1,0 +1,263 @@
+"""An offline teacher: its top-k next-token log-probabilities for every target token of a training set.
+
+Word-level KD needs, per target token, the teacher's distribution over the vocabulary. Running the
+teacher at every step costs a forward pass per update and per epoch; the distribution barely
+changes what the student learns outside its k most likely tokens (Tan et al. 2019 and Wang et al.
+2021 distil from the top 8). :func:`build_cache` runs the teacher once over a binarised split with
+teacher forcing (the references as decoder input, as during KD training) and stores, per target
+token in sentence-id order, the ``k`` largest log-probabilities (float32, at temperature 1) and
+their token ids (int32), memory-mapped numpy arrays beside a manifest::
+
+    DIR/cache.json          format, k, split, sentence and token counts, the teacher checkpoint's
+                            SHA-256, the split's binarised files' SHA-256, the dictionaries' hashes
+    DIR/offsets.npy         int64 (sentences + 1,): sentence i's tokens are rows offsets[i]:offsets[i+1]
+    DIR/topk_logprobs.npy   float32 (tokens, k)
+    DIR/topk_ids.npy        int32 (tokens, k)
+
+The build is resumable: sentences are processed in shards of ``shard_size`` ids, each recorded in
+``progress.json`` once its rows are flushed; ``cache.json`` is written last, so a folder without it
+is never read as a cache. Training with ``--teacher-cache DIR`` (:class:`TeacherCache`) refuses a
+cache of another teacher, other data or other dictionaries before any work.
+
+With the cache, the teacher distribution at temperature tau is the top-k one renormalised,
+``q_i = exp(l_i / tau) / sum_j exp(l_j / tau)`` over the stored log-probabilities ``l``: exact when
+the teacher's mass lies within its top k, and otherwise the top-k approximation of the papers above.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .seqkd import _split_files, _write_json_atomic, sha256_of_files
+
+CACHE_FORMAT = "fairseq-kd-teacher-cache/1"
+MANIFEST = "cache.json"
+PROGRESS = "progress.json"
+ARRAYS = ("offsets.npy", "topk_logprobs.npy", "topk_ids.npy")
+FLAG = "--teacher-cache"
+logger = logging.getLogger(__name__)
+
+
+class TeacherCacheError(ValueError):
+    """A cache cannot be built or used as asked; the message names the flag or file and what to do."""
+
+
+def dictionary_sha256(dictionary) -> str:
+    from ..tasks.translation_kd import dictionary_sha256 as task_dictionary_sha256
+
+    return task_dictionary_sha256(dictionary)
+
+
+@dataclass
+class CacheConfig:
+    data: Path
+    teacher_checkpoint: Path
+    output: Path
+    k: int = 8
+    split: str = "train"
+    max_tokens: int = 8192
+    shard_size: int = 5000
+    cpu: bool = False
+    fp16: bool = False
+    teacher_data: Optional[str] = None
+    source_lang: Optional[str] = None
+    target_lang: Optional[str] = None
+
+
+def _languages(data: Path, source_lang: Optional[str], target_lang: Optional[str]) -> Tuple[str, str]:
+    if source_lang and target_lang:
+        return source_lang, target_lang
+    from fairseq.data import data_utils
+
+    src, tgt = data_utils.infer_language_pair(str(data))
+    if src is None:
+        raise TeacherCacheError(f"--data {data}: cannot infer the language pair; pass --source-lang and --target-lang")
+    return src, tgt
+
+
+def split_fingerprint(data: Path, split: str, src: str, tgt: str) -> str:
+    """SHA-256 of the split's binarised files (both languages): equal only for the same data."""
+    files = _split_files(Path(data), split, src, tgt)
+    if not files:
+        raise TeacherCacheError(f"--data {data}: no binarised {split} split for {src}-{tgt}")
+    return sha256_of_files(files)
+
+
+def _batches(sizes: np.ndarray, ids: np.ndarray, max_tokens: int):
+    """Sentence ids grouped by length so that padded batches hold about ``max_tokens`` tokens."""
+    ordered = ids[np.argsort(sizes[ids], kind="stable")]
+    batch, longest = [], 0
+    for index in ordered:
+        longest_if_added = max(longest, int(sizes[index]))
+        if batch and longest_if_added * (len(batch) + 1) > max_tokens:
+            yield batch
+            batch, longest_if_added = [], int(sizes[index])
+        batch.append(int(index))
+        longest = longest_if_added
+    if batch:
+        yield batch
+
+
+def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path:
+    """Run the teacher over ``config.split`` of ``config.data`` and write the cache (resumably)."""
+    import fairseq_kd
+
+    fairseq_kd.register()
+    from fairseq.tasks.translation import TranslationConfig, TranslationTask
+
+    from ..models.teacher import FrozenTeacher
+
+    if config.k < 1:
+        raise TeacherCacheError(f"--k must be at least 1, got {config.k}")
+    if config.shard_size < 1 or config.max_tokens < 1:
+        raise TeacherCacheError("--shard-size and --max-tokens must be positive")
+    data, output = Path(config.data), Path(config.output)
+    src, tgt = _languages(data, config.source_lang, config.target_lang)
+    task = TranslationTask.setup_task(TranslationConfig(
+        data=str(data), source_lang=src, target_lang=tgt, train_subset=config.split, dataset_impl=None,
+        required_seq_len_multiple=1))
+    teacher = FrozenTeacher.load(str(config.teacher_checkpoint), task, teacher_data=config.teacher_data)
+    if config.k > len(task.target_dictionary):
+        raise TeacherCacheError(f"--k {config.k} exceeds the target vocabulary ({len(task.target_dictionary)} symbols)")
+    parameters = {
+        "format": CACHE_FORMAT, "k": config.k, "split": config.split, "source_lang": src, "target_lang": tgt,
+        "teacher_sha256": teacher.sha256, "data_sha256": split_fingerprint(data, config.split, src, tgt),
+        "source_dictionary_sha256": dictionary_sha256(task.source_dictionary),
+        "target_dictionary_sha256": dictionary_sha256(task.target_dictionary),
+    }
+    if (output / MANIFEST).is_file():
+        existing = json.loads((output / MANIFEST).read_text())
+        if {key: existing.get(key) for key in parameters} == parameters:
+            log(f"{output}: the cache is already complete (same teacher, data and k); nothing to do")
+            return output
+        raise TeacherCacheError(f"--output {output}: holds a cache of another teacher, data or k; choose another folder")
+    if output.exists() and any(output.iterdir()) and not (output / PROGRESS).is_file():
+        raise TeacherCacheError(f"--output {output}: the folder is not empty and holds no cache; choose another folder")
+    output.mkdir(parents=True, exist_ok=True)
+    progress = {"parameters": parameters, "done_shards": []}
+    if (output / PROGRESS).is_file():
+        progress = json.loads((output / PROGRESS).read_text())
+        if progress.get("parameters") != parameters:
+            raise TeacherCacheError(f"--output {output}: holds an interrupted cache of another teacher, data or k; "
+                                    "choose another folder")
+
+    task.load_dataset(config.split, combine=True)
+    dataset = task.dataset(config.split)
+    sizes = np.asarray(dataset.tgt_sizes, dtype=np.int64)
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    n_tokens = int(offsets[-1])
+    fresh = not progress["done_shards"]
+    mode = "w+" if fresh else "r+"
+    if fresh:
+        np.save(output / "offsets.npy", offsets)
+    logprobs = np.lib.format.open_memmap(output / "topk_logprobs.npy", mode=mode, dtype=np.float32,
+                                         shape=(n_tokens, config.k))
+    token_ids = np.lib.format.open_memmap(output / "topk_ids.npy", mode=mode, dtype=np.int32, shape=(n_tokens, config.k))
+    device = torch.device("cuda" if torch.cuda.is_available() and not config.cpu else "cpu")
+    model = teacher.model.to(device)
+    if config.fp16:
+        model = model.half()
+    pad = task.target_dictionary.pad()
+    n_shards = (len(sizes) + config.shard_size - 1) // config.shard_size
+    for shard in range(n_shards):
+        if shard in progress["done_shards"]:
+            continue
+        ids = np.arange(shard * config.shard_size, min(len(sizes), (shard + 1) * config.shard_size))
+        for batch_ids in _batches(sizes, ids, config.max_tokens):
+            sample = dataset.collater([dataset[i] for i in batch_ids])
+            net_input = {key: value.to(device) for key, value in sample["net_input"].items()}
+            with torch.no_grad():
+                logits = model(**net_input)[0]
+            values, indices = torch.log_softmax(logits.float(), dim=-1).topk(config.k, dim=-1)
+            target = sample["target"]
+            mask = target.ne(pad).numpy()
+            rows = offsets[sample["id"].numpy()][:, None] + np.arange(target.size(1))[None, :]
+            logprobs[rows[mask]] = values.cpu().numpy()[mask]
+            token_ids[rows[mask]] = indices.cpu().numpy().astype(np.int32)[mask]
+        logprobs.flush()
+        token_ids.flush()
+        progress["done_shards"].append(shard)
+        _write_json_atomic(output / PROGRESS, progress)
+        log(f"shard {shard + 1}/{n_shards}: sentences {ids[0]}..{ids[-1]}")
+    del logprobs, token_ids
+    _write_json_atomic(output / MANIFEST, {**parameters, "n_sentences": len(sizes), "n_tokens": n_tokens,
+                                           "teacher_path": str(config.teacher_checkpoint)})
+    os.remove(output / PROGRESS)
+    log(f"{output}: top-{config.k} teacher log-probabilities of {n_tokens} target tokens "
+        f"({len(sizes)} sentences of the {config.split} split)")
+    return output
+
+
+class TeacherCache:
+    """A finished cache, checked against the training run that reads it (``--teacher-cache``)."""
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path = Path(path)
+        self.manifest = manifest
+        self.k = int(manifest["k"])
+        self.offsets = np.load(self.path / "offsets.npy", mmap_mode="r")
+        self.logprobs = np.load(self.path / "topk_logprobs.npy", mmap_mode="r")
+        self.token_ids = np.load(self.path / "topk_ids.npy", mmap_mode="r")
+
+    @property
+    def teacher_sha256(self) -> str:
+        return self.manifest["teacher_sha256"]
+
+    @classmethod
+    def open(cls, path: str, task, teacher_sha256: Optional[str] = None) -> "TeacherCache":
+        """Open ``path`` for ``task``'s training data; refuse another teacher, data or dictionaries."""
+        folder = Path(path)
+        manifest_path = folder / MANIFEST
+        if not manifest_path.is_file():
+            why = ("an interrupted build: run fairseq-kd-teacher-cache again to finish it"
+                   if (folder / PROGRESS).is_file() else "run fairseq-kd-teacher-cache to make one")
+            raise TeacherCacheError(f"{FLAG} {path}: no finished cache there ({MANIFEST} missing; {why})")
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("format") != CACHE_FORMAT:
+            raise TeacherCacheError(f"{FLAG} {path}: {MANIFEST} is not a {CACHE_FORMAT} manifest")
+        missing = [name for name in ARRAYS if not (folder / name).is_file()]
+        if missing:
+            raise TeacherCacheError(f"{FLAG} {path}: {', '.join(missing)} missing; rebuild the cache")
+        split = task.cfg.train_subset
+        if manifest["split"] != split:
+            raise TeacherCacheError(f"{FLAG} {path} holds the {manifest['split']!r} split, but training reads "
+                                    f"{split!r} (--train-subset)")
+        for side, dictionary in (("source", task.source_dictionary), ("target", task.target_dictionary)):
+            if manifest[f"{side}_dictionary_sha256"] != dictionary_sha256(dictionary):
+                raise TeacherCacheError(f"{FLAG} {path} was made with another {side} dictionary than the data's "
+                                        f"({task.cfg.data}): its token ids would index other symbols")
+        fingerprint = split_fingerprint(Path(task.cfg.data.split(os.pathsep)[0]), split, task.cfg.source_lang,
+                                        task.cfg.target_lang)
+        if manifest["data_sha256"] != fingerprint:
+            raise TeacherCacheError(f"{FLAG} {path} was made for other {split} data than {task.cfg.data} holds "
+                                    "(the binarised files differ); rebuild it for this data")
+        if teacher_sha256 is not None and teacher_sha256 != manifest["teacher_sha256"]:
+            raise TeacherCacheError(
+                f"{FLAG} {path} was made by teacher sha256 {manifest['teacher_sha256'][:12]} "
+                f"({manifest.get('teacher_path')}), not by --teacher-checkpoint (sha256 {teacher_sha256[:12]})")
+        return cls(folder, manifest)
+
+    def lookup(self, sentence_ids: torch.Tensor, target_mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's top-k ``(log-probabilities, token ids)`` at every target position:
+        ``(batch, tgt_len, k)`` each, zeros (ids 0) at padding. ``target_mask``: True at real tokens."""
+        ids = sentence_ids.cpu().numpy()
+        mask = target_mask.cpu().numpy()
+        lengths = self.offsets[ids + 1] - self.offsets[ids]
+        if not np.array_equal(lengths, mask.sum(1)):
+            raise TeacherCacheError(f"{FLAG} {self.path}: a batch's target lengths differ from the cache's; the "
+                                    "cache belongs to other data")
+        rows = self.offsets[ids][:, None] + np.arange(mask.shape[1])[None, :]
+        logprobs = np.zeros(mask.shape + (self.k,), dtype=np.float32)
+        token_ids = np.zeros(mask.shape + (self.k,), dtype=np.int64)
+        logprobs[mask] = self.logprobs[rows[mask]]
+        token_ids[mask] = self.token_ids[rows[mask]]
+        device = target_mask.device
+        return torch.from_numpy(logprobs).to(device), torch.from_numpy(token_ids).to(device)

@@ -1,0 +1,164 @@
+"""The offline teacher (fairseq-kd-teacher-cache, --teacher-cache): the top-k loss against the
+full-vocabulary loss, the cache's rows against the teacher run on each sentence alone, training
+through the real fairseq-train CLI equal to live-teacher training when k covers the vocabulary,
+resuming an interrupted build byte for byte, and every refusal."""
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import COMMON_TRAIN_ARGS, TINY_STUDENT_ARGS, TINY_TEACHER_ARGS, USER_DIR, run_cli, run_module
+from fairseq_kd.criterions.losses import topk_word_level_kd, word_level_kd
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_topk_loss_equals_full_loss_when_the_teacher_mass_is_in_its_top_k(temperature):
+    torch.manual_seed(0)
+    batch, length, vocab, k = 3, 5, 40, 6
+    student = torch.randn(batch, length, vocab)
+    teacher = torch.full((batch, length, vocab), -1e4)  # no mass outside k tokens per position
+    support = torch.rand(batch, length, vocab).argsort(-1)[..., :k]
+    teacher.scatter_(-1, support, torch.randn(batch, length, k) * 2)
+    mask = torch.ones(batch, length, dtype=torch.bool)
+    mask[0, 3:] = False
+    values, ids = torch.log_softmax(teacher, -1).topk(k, -1)
+    full = word_level_kd(student, teacher, mask, temperature)
+    cached = topk_word_level_kd(student, values, ids, mask, temperature)
+    assert cached.item() == pytest.approx(full.item(), rel=1e-5)
+    # a slow reference, position by position
+    expected = 0.0
+    for b in range(batch):
+        for t in range(length):
+            if mask[b, t]:
+                q = torch.softmax(values[b, t] / temperature, -1)
+                p = torch.log_softmax(student[b, t] / temperature, -1)[ids[b, t]]
+                expected += float((q * (q.log() - p)).sum()) * temperature**2
+    assert cached.item() == pytest.approx(expected, rel=1e-5)
+    # with mass outside the top k, the top-k loss is an approximation, not the full loss
+    spread = torch.randn(batch, length, vocab)
+    values, ids = torch.log_softmax(spread, -1).topk(k, -1)
+    assert abs(topk_word_level_kd(student, values, ids, mask).item() - word_level_kd(student, spread, mask).item()) > 1e-2
+
+
+# ----------------------------------------------------------------------------- the cache
+
+
+def build(data, teacher, output, *extra, check=True):
+    return run_module("fairseq_kd.cli.teacher_cache", "--data", data, "--teacher-checkpoint", teacher,
+                      "--output", output, "--cpu", *extra, check=check)
+
+
+def test_cache_rows_equal_the_teacher_on_each_sentence(tiny_data_bin, tiny_teacher, tmp_path):
+    output = tmp_path / "cache"
+    build(tiny_data_bin, tiny_teacher, output, "--k", "4", "--shard-size", "150", "--max-tokens", "300")
+    manifest = json.loads((output / "cache.json").read_text())
+    assert manifest["k"] == 4 and manifest["n_sentences"] == 400
+    offsets = np.load(output / "offsets.npy")
+    logprobs, ids = np.load(output / "topk_logprobs.npy"), np.load(output / "topk_ids.npy")
+    from fairseq.tasks.translation import TranslationConfig, TranslationTask
+
+    from fairseq_kd.models.teacher import FrozenTeacher
+
+    task = TranslationTask.setup_task(TranslationConfig(data=str(tiny_data_bin), source_lang="src", target_lang="tgt",
+                                                        dataset_impl=None, required_seq_len_multiple=1))
+    task.load_dataset("train")
+    dataset = task.dataset("train")
+    assert np.array_equal(np.diff(offsets), dataset.tgt_sizes) and offsets[-1] == len(logprobs)
+    teacher = FrozenTeacher.load(str(tiny_teacher), task, teacher_data=str(tiny_data_bin)).model
+    for index in (0, 7, 399):
+        sample = dataset.collater([dataset[index]])
+        with torch.no_grad():
+            lp = torch.log_softmax(teacher(**sample["net_input"])[0].float(), -1)[0]
+        values, top = lp.topk(4, -1)
+        rows = slice(offsets[index], offsets[index + 1])
+        np.testing.assert_allclose(logprobs[rows], values.numpy(), atol=1e-4)
+        assert np.array_equal(ids[rows], top.numpy())
+    # finished: a re-run does nothing
+    assert "already complete" in build(tiny_data_bin, tiny_teacher, output, "--k", "4").stdout
+
+
+def test_an_interrupted_build_resumes_to_the_same_bytes(tiny_data_bin, tiny_teacher, tmp_path):
+    from fairseq_kd.data.teacher_cache import CacheConfig, build_cache
+
+    whole = tmp_path / "whole"
+    build_cache(CacheConfig(data=tiny_data_bin, teacher_checkpoint=tiny_teacher, output=whole, k=3, shard_size=100,
+                            cpu=True), log=lambda _: None)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_two_shards(message):
+        if message.startswith("shard 2/"):
+            raise Stop()
+
+    cut = tmp_path / "cut"
+    config = CacheConfig(data=tiny_data_bin, teacher_checkpoint=tiny_teacher, output=cut, k=3, shard_size=100, cpu=True)
+    with pytest.raises(Stop):
+        build_cache(config, log=stop_after_two_shards)
+    assert not (cut / "cache.json").exists() and json.loads((cut / "progress.json").read_text())["done_shards"] == [0, 1]
+    build_cache(config, log=lambda _: None)
+    for name in ("offsets.npy", "topk_logprobs.npy", "topk_ids.npy"):
+        assert (cut / name).read_bytes() == (whole / name).read_bytes(), name
+
+
+def word_kd_losses(stdout: str):
+    return [float(v) for v in re.findall(r"word_kd_loss=([\d.]+)", stdout)]
+
+
+def test_training_from_a_full_vocabulary_cache_equals_the_live_teacher(tiny_data_bin, tiny_teacher, tmp_path):
+    vocab = sum(1 for _ in open(tiny_data_bin / "dict.tgt.txt")) + 4  # the symbols plus bos/pad/eos/unk
+    cache = tmp_path / "cache"
+    build(tiny_data_bin, tiny_teacher, cache, "--k", str(vocab))
+    common = ["--user-dir", USER_DIR, "--task", "translation_kd", *TINY_STUDENT_ARGS, "--criterion", "word_kd",
+              *COMMON_TRAIN_ARGS, "--max-update", "3", "--dropout", "0"]
+    live = run_cli("fairseq-train", tiny_data_bin, *common, "--teacher-checkpoint", tiny_teacher,
+                   "--save-dir", tmp_path / "live")
+    # The teacher checkpoint given too (verified against the cache, never run): loading it draws from
+    # the random generator as in the live run, so both students start from the same weights.
+    cached = run_cli("fairseq-train", tiny_data_bin, *common, "--teacher-cache", cache, "--teacher-checkpoint",
+                     tiny_teacher, "--save-dir", tmp_path / "cached")
+    live_losses, cached_losses = word_kd_losses(live.stdout + live.stderr), word_kd_losses(cached.stdout + cached.stderr)
+    assert len(live_losses) == 3 and live_losses == pytest.approx(cached_losses, abs=2e-3)
+    # Without the checkpoint: no teacher is loaded at all, and the cache alone serves the KD term.
+    alone = run_cli("fairseq-train", tiny_data_bin, *common, "--teacher-cache", cache, "--save-dir", tmp_path / "alone")
+    assert len(word_kd_losses(alone.stdout + alone.stderr)) == 3 and "dictionaries compared" not in alone.stderr
+    # the student's checkpoint names the teacher the cache was made by
+    from fairseq_kd.checkpoint_safety import safe_load
+
+    binding = safe_load(tmp_path / "alone" / "checkpoint_last.pt")["extra_state"]
+    teacher_sha = json.loads((cache / "cache.json").read_text())["teacher_sha256"]
+    assert teacher_sha in json.dumps(binding, default=str)
+
+
+def test_refusals(tiny_data_bin, tiny_teacher, tmp_path):
+    cache = tmp_path / "cache"
+    build(tiny_data_bin, tiny_teacher, cache, "--k", "2")
+    common = ["--user-dir", USER_DIR, "--task", "translation_kd", *TINY_STUDENT_ARGS, *COMMON_TRAIN_ARGS,
+              "--max-update", "1", "--save-dir", tmp_path / "save"]
+
+    def refused(*args):
+        proc = run_cli("fairseq-train", tiny_data_bin, *common, *args, check=False)
+        assert proc.returncode != 0
+        return proc.stdout + proc.stderr
+
+    # a criterion that needs the teacher's features
+    assert "--teacher-cache does not hold" in refused("--criterion", "a2d_kd", "--teacher-cache", cache)
+    # another teacher than the one given
+    other_teacher = tmp_path / "other"
+    run_cli("fairseq-train", tiny_data_bin, "--task", "translation", *TINY_TEACHER_ARGS, "--criterion",
+            "label_smoothed_cross_entropy", *COMMON_TRAIN_ARGS, "--max-update", "2", "--save-dir", other_teacher,
+            "--user-dir", USER_DIR)
+    message = refused("--criterion", "word_kd", "--teacher-cache", cache,
+                      "--teacher-checkpoint", other_teacher / "checkpoint_last.pt")
+    assert "was made by teacher sha256" in message and "not by --teacher-checkpoint" in message
+    # a folder that is no finished cache
+    (tmp_path / "empty").mkdir()
+    assert "no finished cache" in refused("--criterion", "word_kd", "--teacher-cache", tmp_path / "empty")
+    # other training data (a corpus of another seed, same dictionary size or not)
+    proc = build(tiny_data_bin, tiny_teacher, cache, "--k", "3", check=False)
+    assert proc.returncode == 2 and "another teacher, data or k" in proc.stderr
