@@ -38,6 +38,9 @@ class Method:
     uses_teacher: bool = True
     #: figure drawn from the training checkpoint besides the loss curves
     figure: str | None = None
+    #: read the teacher's top-k log-probabilities from a cache built once (fairseq-kd-teacher-cache)
+    #: instead of running the teacher at every step (word-level KD terms only)
+    teacher_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.student not in STUDENT_ROLES:
@@ -61,6 +64,9 @@ _METHOD_LIST = (
     Method("word_kd", "word-level KD (Hinton et al. 2015), (1-a) CE + a KL; a = 0.5 as A2D's code "
            "(0.1 on the CKD paper's pairs)",
            "student", "word_kd", ("--kd-weight", "0.5")),
+    Method("word_kd_cached", "word-level KD as word_kd, the teacher read from its top-8 cache "
+           "(fairseq-kd-teacher-cache) instead of run at every step", "student", "word_kd", ("--kd-weight", "0.5"),
+           teacher_cache=True),
     Method("seq_kd", "sequence-level KD (Kim & Rush 2016): CE on the teacher's beam-5 outputs",
            "student", "label_smoothed_cross_entropy", data="seqkd", uses_teacher=False),
     Method("selective_kd", "selective KD (Wang et al. 2021), batch-level, word rate 0.5 (A2D Sec. 5.3)",

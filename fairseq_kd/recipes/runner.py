@@ -400,6 +400,8 @@ class _Planner:
         self.add_evaluation(TEACHER, data=self.data)
         if any(method.data == "seqkd" for method in self.methods):
             self.add_seqkd()
+        if any(method.teacher_cache for method in self.methods):
+            self.add_teacher_cache()
         for method in self.methods:
             self.add_student(method)
             self.add_evaluation(method.name, data=self.data)
@@ -554,6 +556,9 @@ class _Planner:
                 # dictionaries are the data's, wherever its own data folder was.
                 task_args += ["--teacher-data", str(self.data)]
             inputs.append(self.checkpoint(TEACHER))
+        if method.teacher_cache:
+            task_args += ["--teacher-cache", str(self.teacher_cache)]
+            inputs.append(self.teacher_cache)
         args = self.train_command(method.name, data, task_args, method.student, method.criterion,
                                   self.pair.criterion_args(method))
         self.add_training(method.name, args, inputs, self.placement_flags(distils=method.uses_teacher),
@@ -566,6 +571,20 @@ class _Planner:
                    "--beam", str(self.profile.beam or BEAM), *self.seqkd_length_args()]
         self.add("seqkd-data", [(command, placement)], [self.data, self.checkpoint(TEACHER)], [self.seqkd_data],
                  description="decode the training set with the teacher (sequence-level KD)")
+
+    @property
+    def teacher_cache(self) -> Path:
+        return self.workdir / "teacher-cache"
+
+    def add_teacher_cache(self) -> None:
+        placement = ["--fp16"] if self.profile.device == "cuda" else ["--cpu"]
+        command = [*python_module("fairseq_kd.cli.teacher_cache"), "--data", str(self.data),
+                   "--teacher-checkpoint", str(self.checkpoint(TEACHER)), "--output", str(self.teacher_cache),
+                   "--k", str(TEACHER_CACHE_K)]
+        if self.options.teacher is not None:
+            command += ["--teacher-data", str(self.data)]
+        self.add("teacher-cache", [(command, placement)], [self.data, self.checkpoint(TEACHER)], [self.teacher_cache],
+                 description=f"the teacher's top-{TEACHER_CACHE_K} log-probabilities of every training token")
 
     def seqkd_length_args(self) -> list[str]:
         """The profile's output length limits, in fairseq-kd-seqkd's spelling (as fairseq-generate's)."""
@@ -677,6 +696,10 @@ class _Planner:
                  [prefix.with_name(prefix.name + suffix) for suffix in (".md", ".csv", ".json")],
                  description="results table" + (" (the paper's tokenised BLEU)" if tokenized else ""))
 
+
+
+#: log-probabilities per token in a recipe's teacher cache (the top 8, as Tan et al. 2019)
+TEACHER_CACHE_K = 8
 
 
 def batch_split(tokens_per_update: int, max_tokens: int, world_size: int) -> tuple[int, int]:
