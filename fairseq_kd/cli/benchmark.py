@@ -47,6 +47,8 @@ METHODS: Dict[str, List[str]] = {
     # plain training step, then the teacher's forward pass under no_grad (see the module docstring)
     LIMIT: PLAIN_FLAGS,
     "word_kd": ["--criterion", "word_kd"],
+    # word-level KD from the teacher's top-8 cache (fairseq-kd-teacher-cache): no teacher forward
+    "word_kd_cached": ["--criterion", "word_kd", "--teacher-cache", "{teacher_cache}"],
     "selective_kd": ["--criterion", "selective_kd", "--selection", "batch"],
     # global selection adds the FIFO queue of recent CE values (Wang et al. 2021: 30k tokens)
     "selective_kd_global": ["--criterion", "selective_kd", "--selection", "global"],
@@ -136,7 +138,12 @@ def prepare_config(name: str, workdir: Path) -> Dict[str, str]:
              "--criterion", "label_smoothed_cross_entropy", "--no-progress-bar"],
             check=True, capture_output=True, env=_quiet_env(),
         )
-    return {"data": str(data_bin), "teacher": str(teacher)}
+    cache = root / "teacher-cache"
+    if not (cache / "cache.json").exists():
+        subprocess.run([sys.executable, "-m", "fairseq_kd.cli.teacher_cache", "--data", data_bin,
+                        "--teacher-checkpoint", teacher, "--output", cache, "--k", "8", "--cpu"],
+                       check=True, capture_output=True, env=_quiet_env())
+    return {"data": str(data_bin), "teacher": str(teacher), "teacher_cache": str(cache)}
 
 
 def _user_dir() -> str:
@@ -151,7 +158,7 @@ def training_flags(config_name: str, paths: Dict[str, str], method: str) -> List
         "--share-all-embeddings", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
         "--lr", "5e-4", "--max-tokens", str(config["max_tokens"]), "--seed", "1",
         "--dropout", "0.3", "--num-workers", "0", "--required-batch-size-multiple", "1",
-        *config["student_args"], *METHODS[method],
+        *config["student_args"], *(flag.format(**paths) for flag in METHODS[method]),
     ]
 
 
