@@ -14,7 +14,9 @@ from fairseq_kd.scoring.plots import (
     parse_fairseq_log,
     plot_alignment_heatmaps,
     plot_alp_weights,
+    plot_run_comparison,
     plot_training_curves,
+    validation_series,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -164,6 +166,25 @@ def test_training_curves_one_panel_per_loss_key():
         plot_training_curves(records, extra_keys=["gnorm"])
 
 
+def valid_line(epoch, updates, nll):
+    return json.dumps({"epoch": epoch, "valid_loss": nll + 1, "valid_nll_loss": nll, "valid_num_updates": updates})
+
+
+def test_run_comparison_one_line_per_run_without_the_log_files_repeats():
+    # fairseq's --log-file writes the k-th validation line k times (measured): the series keeps one.
+    no_kd = [valid_line(1, 100, 5.0), valid_line(1, 100, 5.0), valid_line(2, 200, 4.5)]
+    no_kd = parse_fairseq_log(no_kd + [valid_line(2, 200, 4.5), valid_line(2, 200, 4.5)])
+    word_kd = parse_fairseq_log([valid_line(1, 100, 4.8), valid_line(2, 200, 4.1)])
+    assert validation_series(no_kd, "nll_loss") == [(100, 5.0), (200, 4.5)]
+    figure = plot_run_comparison({"no_kd": no_kd, "word_kd": word_kd})
+    (axes,) = figure.axes
+    assert [line.get_label() for line in axes.lines] == ["no_kd", "word_kd"]
+    assert list(axes.lines[1].get_ydata()) == [4.8, 4.1] and axes.get_title() == "valid nll_loss"
+    train_only = parse_fairseq_log([json.dumps({"epoch": 1, "update": 0.5, "loss": 3.0, "num_updates": 50})])
+    with pytest.raises(ValueError, match="run 'x': its log has no valid nll_loss"):
+        plot_run_comparison({"x": train_only})
+
+
 # --------------------------------------------------------------------------- the command
 
 
@@ -178,7 +199,8 @@ def test_cli_writes_pngs(tmp_path):
     alp.write_text(json.dumps({"encoder": [[0.2, 0.8], [0.6, 0.4]]}))
     log = tmp_path / "train.log"
     log.write_text(SIMPLE_LOG)
-    for command, flag, source in (("alignment", "--input", alignment), ("alp", "--input", alp), ("curves", "--log", log)):
+    for command, flag, source in (("alignment", "--input", alignment), ("alp", "--input", alp), ("curves", "--log", log),
+                                  ("compare", "--log", f"a={log}")):
         output = tmp_path / "figs" / f"{command}.png"
         run_plot(command, flag, source, "--output", output)
         assert output.read_bytes()[:8] == PNG_MAGIC

@@ -408,7 +408,8 @@ def test_iwslt14_recipe_end_to_end_then_skips_everything(tmp_path, monkeypatch, 
     log_lines = [json.loads(line) for line in (workdir / "train" / "a2d_kd_4h" / "train.log").read_text().splitlines()
                  if line.startswith("{\"")]
     assert any("enc_self_att_loss" in line and "word_kd_loss" in line for line in log_lines)
-    figures = [workdir / "plots" / f"{name}-curves.png" for name in systems] + [workdir / "plots" / "a2d_kd_4h-alignment.png"]
+    figures = [workdir / "plots" / f"{name}-curves.png" for name in systems] + [workdir / "plots" / "a2d_kd_4h-alignment.png",
+                                                                                 workdir / "plots" / "validation-nll.png"]
     for figure in figures:
         assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", figure
 

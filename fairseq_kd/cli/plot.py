@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--columns", type=int, default=3, help="panels per row of the figure"
     )
     add_common(curves)
+    compare = commands.add_parser(
+        "compare", help="one statistic of several runs on one axis (default: every run's validation nll)")
+    compare.add_argument("--log", action="append", required=True, metavar="NAME=LOG",
+                         help="a run's name and fairseq-train log; repeat per run")
+    compare.add_argument("--key", default="nll_loss", help="the statistic (default: %(default)s)")
+    compare.add_argument("--split", default="valid", help="the log lines it is read from (default: %(default)s)")
+    add_common(compare)
     return parser
 
 
@@ -77,6 +84,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         load_json,
         plot_alignment_heatmaps,
         plot_alp_weights,
+        plot_run_comparison,
         plot_training_curves,
         read_fairseq_log,
         save_figure,
@@ -95,6 +103,16 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
             figure = plot_alignment_heatmaps(load_json(args.input, "--input"))
         elif args.command == "alp":
             figure = plot_alp_weights(load_json(args.input, "--input"))
+        elif args.command == "compare":
+            runs = {}
+            for value in args.log:
+                name, separator, path = value.partition("=")
+                if not separator or not name or not path:
+                    raise ValueError(f"--log expects NAME=LOG, got {value!r}")
+                if name in runs:
+                    raise ValueError(f"--log: the name {name!r} is given twice")
+                runs[name] = read_fairseq_log(Path(path))
+            figure = plot_run_comparison(runs, args.key, args.split)
         else:
             if args.columns < 1:
                 raise ValueError(f"--columns {args.columns}: must be at least 1")

@@ -406,6 +406,7 @@ class _Planner:
             self.add_student(method)
             self.add_evaluation(method.name, data=self.data)
             self.add_figure(method)
+        self.add_validation_comparison()
         self.add_systems()
         self.add_report()
         return self.steps
@@ -654,6 +655,19 @@ class _Planner:
                str(figure), "--overwrite"], [])],
             [self.checkpoint(method.name)], [weights, figure], description=f"{method.figure} weights figure",
         )
+
+    def add_validation_comparison(self) -> None:
+        """Every student's validation nll on one axis (and the teacher's when trained here)."""
+        systems = [method.name for method in self.methods]
+        if self.options.teacher is None:
+            systems = [TEACHER] + systems
+        logs = {system: self.save_dir(system) / "train.log" for system in systems}
+        figure = self.workdir / "plots" / "validation-nll.png"
+        command = [*python_module("fairseq_kd.cli.plot"), "compare"]
+        for system, log in logs.items():
+            command += ["--log", f"{system}={log}"]
+        self.add("validation-curves", [(command + ["--output", str(figure), "--overwrite"], [])], list(logs.values()),
+                 [figure], description="validation nll of every model against updates, on one axis")
 
     def add_systems(self) -> None:
         systems = [TEACHER] + [method.name for method in self.methods]

@@ -353,3 +353,36 @@ def plot_training_curves(
         axes.grid(True, alpha=0.3)
         axes.legend(fontsize=7)
     return figure
+
+
+def validation_series(records: Sequence[LogRecord], key: str, split: str = "valid") -> List[tuple]:
+    """``(update, value)`` of ``key`` in the ``split`` lines, one per update, in update order.
+
+    fairseq's ``--log-file`` repeats earlier validation lines (the k-th validation's line k times,
+    measured here); a repeated update keeps its last value, so the series is what was measured."""
+    points = {}
+    for record in records:
+        if record.split == split and record.num_updates is not None and key in record.values:
+            points[record.num_updates] = record.values[key]
+    return sorted(points.items())
+
+
+def plot_run_comparison(runs: Dict[str, Sequence[LogRecord]], key: str = "nll_loss", split: str = "valid") -> Figure:
+    """One statistic of several training runs on one axis against updates (e.g. every student's
+    validation nll: KD against no KD at a glance). Raises naming a run without that statistic."""
+    if not runs:
+        raise ValueError("no runs given")
+    figure = Figure(figsize=(6.4, 4.2), layout="constrained")
+    axes = figure.add_subplot(1, 1, 1)
+    for name, records in runs.items():
+        series = validation_series(records, key, split)
+        if not series:
+            raise ValueError(f"run {name!r}: its log has no {split} {key} (was validation on? "
+                             f"--log-format json or simple)")
+        x, y = zip(*series)
+        axes.plot(x, y, marker="o", markersize=3, linewidth=1.4, label=name)
+    axes.set_title(f"{split} {key}")
+    axes.set_xlabel("update")
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=8)
+    return figure
