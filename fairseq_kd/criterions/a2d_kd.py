@@ -1,4 +1,4 @@
-"""Align-to-Distill, A2D (Jin et al., LREC-COLING 2024; ``../shared/papers/004_*``).
+"""Align-to-Distill, A2D (Jin et al., LREC-COLING 2024, arXiv:2403.01479).
 
     fairseq-train DATA --user-dir fairseq_kd --task translation_kd --teacher-checkpoint T.pt \\
         --criterion a2d_kd [--a2d-preset low_resource|wmt] ...

@@ -1,4 +1,4 @@
-"""ALP-KD: attention-based layer projection (Passban et al. 2021, paper 000).
+"""ALP-KD: attention-based layer projection (Passban et al. 2021, AAAI, arXiv:2012.14022).
 
 For student layer ``j`` and every position, the teacher layers of its bucket ``A(j)`` are combined
 by attention (Eq. 5)::

@@ -1,4 +1,4 @@
-"""Combinatorial KD, CKD (Wu et al. 2020, "Why Skip If You Can Combine", paper 003).
+"""Combinatorial KD, CKD (Wu et al. 2020, "Why Skip If You Can Combine", EMNLP, arXiv:2010.03034).
 
 Student layer ``i`` learns from a fusion of the teacher layers ``M(i)`` (Eq. 3)::
 

@@ -1,4 +1,4 @@
-"""Knowledge distillation from internal representations (Aguilar et al. 2020, paper 001).
+"""Knowledge distillation from internal representations (Aguilar et al. 2020, AAAI, arXiv:1910.03723).
 
 Matched pairs: student layer ``j`` with the top teacher layer of its group of ``n/m`` layers,
 ``floor(j n / m)`` (the paper's 12-to-6 pairs 2, 4, ..., 12). Per pair two terms:

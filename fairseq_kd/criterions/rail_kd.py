@@ -1,4 +1,4 @@
-"""RAIL-KD: random intermediate layer mapping (Haidar et al. 2022, paper 002).
+"""RAIL-KD: random intermediate layer mapping (Haidar et al. 2022, arXiv:2110.08532).
 
 Every epoch, ``k`` of the teacher's intermediate layers are drawn uniformly without replacement,
 sorted, and paired in order with the student's ``k`` intermediate layers. Each layer is reduced to

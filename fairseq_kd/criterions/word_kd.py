@@ -1,7 +1,7 @@
 """Word-level knowledge distillation (Hinton et al., 2015; Kim & Rush, 2016, "word-level KD").
 
 ``loss = (1 - a) * L_CE + a * L_KD`` with ``L_KD = tau^2 * sum_t KL(p_T^tau || p_S^tau)`` over real
-target positions (``../shared/docs/methods.md``, "Word-level KD"). The CKD paper uses a = 0.1; the
+target positions (Hinton et al. 2015, arXiv:1503.02531; Kim & Rush 2016, Sec. 3.1). The CKD paper uses a = 0.1; the
 Align-to-Distill code uses 0.5, our default.
 """
 from dataclasses import dataclass, field

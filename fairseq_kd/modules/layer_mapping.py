@@ -1,7 +1,6 @@
 """Which teacher layers a student layer learns from.
 
-Layers are numbered 1..n (teacher) and 1..m (student), matching ``h^1..h^n`` of
-``../shared/docs/methods.md``; index 0 (the embedding output) is never part of a mapping. A
+Layers are numbered 1..n (teacher) and 1..m (student), as the papers' ``h^1..h^n``; index 0 (the embedding output) is never part of a mapping. A
 mapping is a tuple with one entry per student layer, each entry a tuple of teacher layers.
 Mapping strategies of the individual methods live here so every method uses one definition and
 one validation with the same error messages.
@@ -91,7 +90,7 @@ def _check_depths(teacher_layers: int, student_layers: int, flag: str = "") -> N
 
 
 # ----------------------------------------------------------------------------------------------
-# Combinatorial KD (Wu et al. 2020, "Why Skip If You Can Combine", paper 003): each student layer
+# Combinatorial KD (Wu et al. 2020, "Why Skip If You Can Combine", arXiv:2010.03034): each student layer
 # i learns from a *set* M(i) of teacher layers. The paper lists its sets only for a 6-layer
 # teacher and a 2-layer student (Sec. 4):
 #     SC {1,2},{5,6}   CC {1,3},{4,6}   RC {1,2,3},{4,5,6}   OC {1,2,3,4},{3,4,5,6}
@@ -166,7 +165,7 @@ CKD_STRATEGIES = {
 
 
 # ----------------------------------------------------------------------------------------------
-# ALP-KD buckets (Passban et al. 2021, paper 000). The default spans every teacher layer for every
+# ALP-KD buckets (Passban et al. 2021, "ALP-KD", arXiv:2012.14022). The default spans every teacher layer for every
 # student layer (Eq. 6). NO ("no overlap") and PO ("partial overlap") are the paper's bucketed
 # variants: for 12-to-4 it uses NO {1-4},{5-8},{9-12} and PO {1-5},{5-9},{9-12} ("each bucket
 # shares its first layer with the preceding bucket"). The paper leaves the top BERT layer to the
@@ -218,7 +217,7 @@ def resolve_mapping(strategies: dict, strategy: str, explicit: str, teacher_laye
 
 
 # ----------------------------------------------------------------------------------------------
-# RAIL-KD (Haidar et al. 2022, paper 002): the teacher layers are drawn at random every epoch.
+# RAIL-KD (Haidar et al. 2022, "RAIL-KD", arXiv:2110.08532): the teacher layers are drawn at random every epoch.
 
 
 def draw_layers(seed: int, epoch: int, num_candidates: int, count: int, stream: str = "") -> Tuple[int, ...]:

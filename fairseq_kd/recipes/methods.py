@@ -7,7 +7,7 @@ sequence-level KD). Weights not written here are the criterions' own defaults, w
 papers' values (see each criterion's config dataclass); a pair adds flags only where its paper
 differs (e.g. A2D's lambda = 0.1 on WMT'14).
 
-Student roles (``../shared/docs/methods.md``, "Settings from the papers"):
+Student roles (the papers' setups):
 
 * ``student``: the pair's main student (3+3 layers in the low-resource setup, 4+4 on WMT'14);
 * ``student_4h`` / ``student_8h``: the main student with 4 or 8 attention heads (A2D Table 1);

@@ -1,7 +1,7 @@
 """Per-language-pair recipe settings: preparation entry point, models, schedule, scoring.
 
-The training hyper-parameters shared by every pair are the papers' (``../shared/docs/methods.md``,
-"Settings from the papers"): Adam (0.9, 0.98), lr 5e-4, inverse_sqrt with 4,000 warm-up updates,
+The training hyper-parameters shared by every pair are the papers' (A2D Sec. 5.2, CKD Sec. 4,
+following Vaswani et al. 2017): Adam (0.9, 0.98), lr 5e-4, inverse_sqrt with 4,000 warm-up updates,
 dropout 0.3, weight decay 1e-4, label smoothing 0.1, max-tokens 4,096, beam 5. A pair overrides
 only what its paper states differently; every override says why.
 
