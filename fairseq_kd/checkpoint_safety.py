@@ -89,6 +89,9 @@ def weights_only_load(f, *args, **kwargs):
     and whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says; refusals name the file."""
     kwargs.pop("weights_only", None)
     kwargs.pop("pickle_module", None)  # torch refuses a custom unpickler with weights_only=True
+    # Registered again at every load: torch's ``safe_globals`` context manager (in a user's code or
+    # a test) restores torch's list when it exits, dropping what was added before it.
+    torch.serialization.add_safe_globals(list(ALLOWED_CHECKPOINT_GLOBALS))
     try:
         return torch.load(f, *args, weights_only=True, **kwargs)
     except pickle.UnpicklingError as err:

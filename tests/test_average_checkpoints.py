@@ -1,8 +1,6 @@
 """fairseq-kd-average: the element-wise mean of the last N checkpoints of a real fairseq-train run,
 checked against the mean computed here from the checkpoint files, then decoded by fairseq-generate
 and used as a teacher; bad requests refused before anything is written."""
-import argparse
-
 import torch
 
 from conftest import COMMON_TRAIN_ARGS, TINY_STUDENT_ARGS, USER_DIR, run_cli, run_module
@@ -11,9 +9,10 @@ EPOCH_ARGS = [arg for arg in COMMON_TRAIN_ARGS if arg != "--no-epoch-checkpoints
 
 
 def load(path):
-    """Plain data and fairseq's argparse.Namespace only, as the plugin loads checkpoints."""
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        return torch.load(path, weights_only=True)
+    """Plain data and fairseq's argparse.Namespace only (the plugin's loader, weights_only=True)."""
+    from fairseq_kd.checkpoint_safety import safe_load
+
+    return safe_load(path)
 
 
 def test_average_of_the_last_epochs_is_their_mean_and_decodes(tiny_data_bin, tiny_teacher, tmp_path):

@@ -152,3 +152,16 @@ def test_safe_load_ignores_the_variable_in_process(gadget, monkeypatch):
     with pytest.raises(UnsafeCheckpointError, match="mkdir"):
         safe_load(evil)
     assert not marker.exists()
+
+
+def test_the_allow_list_survives_torchs_safe_globals_context(tiny_teacher):
+    """torch's ``safe_globals`` context manager restores torch's own list when it exits; a plugin
+    load afterwards (in the same process) still reads fairseq's Namespace."""
+    import argparse
+
+    from fairseq_kd.checkpoint_safety import install_checkpoint_allow_list, safe_load
+
+    install_checkpoint_allow_list()
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        pass
+    assert "model" in safe_load(tiny_teacher)
