@@ -203,12 +203,30 @@ def test_moses_detokenize_by_hand():
     assert detokenize_lines(["it &apos;s fin@@ e ."], "subword_nmt", "en") == ["it's fine."]
 
 
+def _random_segmented_lines(seed, n_lines=300):
+    """Lines of subword-nmt and SentencePiece pieces, with the edge cases of both schemes: a
+    trailing "@@" (a hypothesis cut inside a word), doubled and edge spaces, a lone "▁", CJK text."""
+    rnd = random.Random(seed)
+    pieces = WORDS + ["inten@@", "pleas@@", "@@", "\u2581", "\u2581the", "\u2581猫", "今天", ".", "a@@b", ""]
+    return [
+        rnd.choice(["", " ", "  "]).join(rnd.choice(pieces) for _ in range(rnd.randint(0, 12)))
+        + rnd.choice(["", " ", "@@", " \u2581"])
+        for _ in range(n_lines)
+    ]
+
+
 def test_remove_bpe_equals_fairseq_post_process():
+    """The copy in fairseq_kd.scoring.detok (kept so that scoring needs neither fairseq nor torch)
+    gives fairseq's text on hand-picked, random and real segmented lines."""
     data_utils = pytest.importorskip("fairseq.data.data_utils", reason="fairseq not installed")
-    lines = ["a b@@ c d@@", "▁x y ▁z", "plain", "", "e@@ f@@ g ."]
+    lines = ["a b@@ c d@@", "\u2581x y \u2581z", "plain", "", "e@@ f@@ g .", *_random_segmented_lines(seed=11)]
+    real = {"subword_nmt": SHARED_DATA / "iwslt14-de-en" / "bpe" / "test.en"}
     for scheme in ("subword_nmt", "sentencepiece", "none"):
-        for line in lines:
-            assert remove_bpe(line, scheme) == data_utils.post_process(line, scheme)
+        corpus = []
+        if scheme in real and real[scheme].is_file():
+            corpus = real[scheme].read_text(encoding="utf-8").splitlines()[:2000]
+        for line in lines + corpus:
+            assert remove_bpe(line, scheme) == data_utils.post_process(line, scheme), (scheme, line)
 
 
 def test_remove_bpe_restores_iwslt14_tokenized_text():

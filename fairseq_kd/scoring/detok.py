@@ -28,12 +28,18 @@ SUBWORD_NMT_CONTINUATION = "@@ "
 
 
 def remove_bpe(line: str, scheme: str) -> str:
-    """Undo subword segmentation of one line.
+    """Undo subword segmentation of one line: fairseq's ``post_process(line, scheme)``
+    (``fairseq.data.data_utils``) for the three schemes the recipes use, rule for rule.
 
     ``subword_nmt``: every ``"@@ "`` joins a piece to the next one; a trailing ``"@@"`` (a
     truncated hypothesis ending inside a word) is dropped as well, which appending a space before
-    the replacement achieves (fairseq's rule). ``sentencepiece``: pieces are concatenated and each
-    ``"▁"`` becomes a space. ``none`` returns the line unchanged.
+    the replacement achieves. ``sentencepiece``: pieces are concatenated and each ``"▁"`` becomes a
+    space. ``none`` returns the line unchanged.
+
+    Why not call fairseq's function: fairseq is not a dependency of this package (see
+    pyproject.toml) and the scoring commands must run where only sacreBLEU is installed;
+    ``fairseq.data.data_utils`` also imports torch, which this package keeps out of scoring (see
+    ``fairseq_kd/scoring/__init__.py``). tests/test_scoring.py checks that both give the same text.
     """
     if scheme == "subword_nmt":
         return (line + " ").replace(SUBWORD_NMT_CONTINUATION, "").rstrip()
@@ -193,19 +199,14 @@ def read_generate_output(path: Path, expected_sentences: Optional[int] = None,
             f"{path}: no H- or D- lines found; is this a fairseq-generate output file "
             "(written without --quiet)?"
         )
-    missing_refs = sorted(set(chosen) - set(references))
-    if missing_refs:
-        raise ValueError(
-            f"{path}: {len(missing_refs)} hypotheses have no T- reference line (first ids: "
-            f"{missing_refs[:5]}); fairseq-generate prints T- lines only when the test set has a "
-            "target side"
-        )
-    missing_hyps = sorted(set(references) - set(chosen))
-    if missing_hyps:
-        raise ValueError(
-            f"{path}: {len(missing_hyps)} references have no {source}- hypothesis line (first ids: "
-            f"{missing_hyps[:5]}); the file looks truncated"
-        )
+    for present, counterpart, unmatched_what, advice in (
+        (chosen, references, "hypotheses have no T- reference line",
+         "fairseq-generate prints T- lines only when the test set has a target side"),
+        (references, chosen, f"references have no {source}- hypothesis line", "the file looks truncated"),
+    ):
+        unmatched = sorted(set(present) - set(counterpart))
+        if unmatched:
+            raise ValueError(f"{path}: {len(unmatched)} {unmatched_what} (first ids: {unmatched[:5]}); {advice}")
     ids = sorted(chosen)
     n_expected = expected_sentences if expected_sentences is not None else ids[-1] + 1
     problems = []
