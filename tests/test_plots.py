@@ -224,3 +224,90 @@ def test_cli_errors(tmp_path, capsys):
         assert raised.value.code == 2
         assert fragment in capsys.readouterr().err
     assert existing.read_bytes() == b"keep"
+
+
+# ------------------------------------------------ figures drawn straight from a training checkpoint
+
+
+def save_training_checkpoint(path, criterion_parameters=None, task_criterion_state=None):
+    """A fairseq-train checkpoint reduced to the entries fairseq's loader and the figures read:
+    the criterion's parameters (``criterion``) and the task's extra state (``TranslationKDTask``)."""
+    torch = pytest.importorskip("torch")
+    state = {
+        "model": {}, "cfg": None, "criterion": criterion_parameters or {},
+        "optimizer_history": [{"criterion_name": "kd", "optimizer_name": "adam", "lr_scheduler_state": {"best": None},
+                               "num_updates": 3}],
+        "extra_state": {"train_iterator": {"epoch": 1}, "TranslationKDTask": {"criterion": task_criterion_state or {}}},
+    }
+    torch.save(state, path)
+    return path
+
+
+def test_cli_alignment_from_checkpoint_draws_and_writes_the_mixture_coefficients(tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("fairseq")
+    from fairseq_kd.modules.attention_alignment import AttentionAlignment
+
+    generator = torch.Generator().manual_seed(0)
+    modules = {"encoder_self": AttentionAlignment(2, 3, 4, 2, combination="mixture"),
+               "decoder_cross": AttentionAlignment(1, 2, 2, 2, combination="mixture")}
+    parameters = {}
+    for kind, module in modules.items():
+        module.weight.data = torch.randn(module.weight.shape, generator=generator)
+        parameters.update({f"alignments.{kind}.{key}": value for key, value in module.state_dict().items()})
+    checkpoint = save_training_checkpoint(tmp_path / "checkpoint_last.pt", criterion_parameters=parameters)
+
+    weights_json, figure = tmp_path / "out" / "aam.json", tmp_path / "out" / "aam.png"
+    run_plot("alignment", "--checkpoint", checkpoint, "--output", figure, "--weights-output", weights_json)
+    assert figure.read_bytes()[:8] == PNG_MAGIC
+    written = json.loads(weights_json.read_text())
+    assert set(written) == set(modules)
+    for kind, module in modules.items():
+        # rows = student maps: the softmax over student maps (Eq. 9's mixture), transposed
+        expected = torch.softmax(module.weight.detach(), dim=1).t()
+        assert torch.allclose(torch.tensor(written[kind]["weights"]), expected, atol=1e-6)
+        assert [written[kind][key] for key in ("student_layers", "student_heads", "teacher_layers", "teacher_heads")] \
+            == [module.student_layers, module.student_heads, module.teacher_layers, module.teacher_heads]
+    # the JSON is what --input reads
+    run_plot("alignment", "--input", weights_json, "--output", tmp_path / "again.png")
+    assert (tmp_path / "again.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_cli_alp_from_checkpoint_divides_the_saved_sums_by_the_positions(tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("fairseq")
+    sums = {"encoder": torch.tensor([[6.0, 4.0, 0.0], [0.0, 1.0, 9.0]], dtype=torch.float64),
+            "decoder": torch.tensor([[2.0, 3.0, 5.0], [1.0, 1.0, 8.0]], dtype=torch.float64)}
+    positions = {"encoder": torch.tensor(10.0, dtype=torch.float64), "decoder": torch.tensor(10.0, dtype=torch.float64)}
+    checkpoint = save_training_checkpoint(
+        tmp_path / "checkpoint_last.pt",
+        task_criterion_state={"alpha_epoch": 1, "alpha_sum": sums, "alpha_positions": positions})
+    weights_json = tmp_path / "alp.json"
+    run_plot("alp", "--checkpoint", checkpoint, "--output", tmp_path / "alp.png", "--weights-output", weights_json)
+    assert (tmp_path / "alp.png").read_bytes()[:8] == PNG_MAGIC
+    assert json.loads(weights_json.read_text()) == {"encoder": [[0.6, 0.4, 0.0], [0.0, 0.1, 0.9]],
+                                                     "decoder": [[0.2, 0.3, 0.5], [0.1, 0.1, 0.8]]}
+
+
+def test_cli_checkpoint_errors_name_the_flag_and_write_nothing(tmp_path, capsys):
+    pytest.importorskip("fairseq")
+    no_criterion = save_training_checkpoint(tmp_path / "teacher.pt")
+    existing = tmp_path / "exists.json"
+    existing.write_text("keep")
+    cases = [
+        (["alignment", "--checkpoint", no_criterion], "--criterion a2d_kd"),
+        (["alp", "--checkpoint", no_criterion], "--criterion alp_kd"),
+        (["alp", "--checkpoint", tmp_path / "absent.pt"], "absent.pt"),
+        (["alp", "--checkpoint", tmp_path], "is a folder"),
+        (["alp", "--checkpoint", no_criterion, "--weights-output", existing], "--overwrite"),
+        (["alp", "--input", existing, "--weights-output", tmp_path / "w.json"], "--weights-output"),
+    ]
+    for argv, fragment in cases:
+        with pytest.raises(SystemExit) as raised:
+            run_plot(*argv, "--output", tmp_path / "figure.png")
+        assert raised.value.code == 2
+        assert fragment in capsys.readouterr().err
+    assert existing.read_text() == "keep"
+    assert not (tmp_path / "figure.png").exists() and not (tmp_path / "w.json").exists()
+    with pytest.raises(SystemExit):  # --checkpoint and --input are alternatives
+        run_plot("alp", "--checkpoint", no_criterion, "--input", existing, "--output", tmp_path / "figure.png")

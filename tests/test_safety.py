@@ -135,13 +135,14 @@ def test_seqkd(gadget, tiny_data_bin, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("module", ["fairseq_kd.cli.alp_weights", "fairseq_kd.cli.export_alignment"])
-def test_weight_exporters(gadget, tmp_path, module):
+@pytest.mark.parametrize("figure", ["alp", "alignment"])
+def test_figures_from_checkpoints(gadget, tmp_path, figure):
     evil, marker = gadget
-    proc = _run([sys.executable, "-m", module, "--checkpoint", evil, "--output", tmp_path / "w.json"])
+    proc = _run([sys.executable, "-m", "fairseq_kd.cli.plot", figure, "--checkpoint", evil,
+                 "--output", tmp_path / "w.png", "--weights-output", tmp_path / "w.json"])
     _refused(proc, marker, "error:")
     assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "w.json").exists()
+    assert not (tmp_path / "w.json").exists() and not (tmp_path / "w.png").exists()
 
 
 def test_safe_load_ignores_the_variable_in_process(gadget, monkeypatch):

@@ -1,74 +1,43 @@
-"""Write the Attention Alignment Module weights of an Align-to-Distill checkpoint as JSON.
+"""Deprecated: use ``fairseq-kd-plot alignment --checkpoint CKPT --output FIG.png --weights-output
+aam.json``, which reads the same weights through the same code and draws them.
 
-    python -m fairseq_kd.cli.export_alignment --checkpoint checkpoints/a2d/checkpoint_best.pt \\
-        --output figs/aam_weights.json
-    fairseq-kd-plot alignment --input figs/aam_weights.json --output figs/aam.png
-
-The checkpoint must come from ``fairseq-train --criterion a2d_kd``: fairseq stores the criterion's
-parameters (the AAMs) in its ``criterion`` entry, never in the student model. The JSON holds, per
-attention kind, ``weights`` (rows = student maps, columns = teacher maps, both layer-major) and
-the layer and head counts, the format of ``fairseq_kd.scoring.plots.plot_alignment_heatmaps``
-(Jin et al. 2024, Figure 2). The checkpoint is read with ``weights_only=True``.
+Kept as an alias (``--checkpoint CKPT --output aam.json [--overwrite]``, JSON only) while the
+recipes, scripts/demo.sh and tests still call it; see :mod:`fairseq_kd.cli.plot`.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 from typing import List, Optional
 
-from fairseq_kd.checkpoint_safety import UnsafeCheckpointError, safe_load
-from fairseq_kd.modules.attention_alignment import AlignmentShapeError, alignment_weights_from_state
+from fairseq_kd.cli.plot import figure_weights_from_checkpoint, write_weights_json
 from fairseq_kd.cli.user_errors import exits_on_user_error
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m fairseq_kd.cli.export_alignment",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
-    parser.add_argument("--checkpoint", type=Path, required=True,
-                        help="a fairseq checkpoint trained with --criterion a2d_kd")
+def export_weights_main(figure: str, prog: str, argv: Optional[List[str]]) -> None:
+    """The deprecated ``--checkpoint CKPT --output JSON`` exporters, for figure ``figure``."""
+    replacement = f"fairseq-kd-plot {figure} --checkpoint CKPT --output FIGURE.png --weights-output WEIGHTS.json"
+    parser = argparse.ArgumentParser(prog=prog, description=f"Deprecated: use {replacement}")
+    parser.add_argument("--checkpoint", type=Path, required=True, help="a fairseq-train checkpoint")
     parser.add_argument("--output", type=Path, required=True, help="JSON file to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
-    return parser
+    args = parser.parse_args(argv)
+    sys.stderr.write(f"{prog} is deprecated; use: {replacement}\n")
+    if args.output.exists() and not args.overwrite:
+        parser.error(f"--output {str(args.output)!r} exists; pass --overwrite to replace it")
+    write_weights_json(figure_weights_from_checkpoint(figure, args.checkpoint), args.output)
+    print(f"wrote {args.output}")
 
 
 def export_alignment(checkpoint: Path) -> dict:
-    """``{kind: {"weights": ..., sizes...}}`` from an a2d_kd checkpoint; clear errors otherwise."""
-    if not checkpoint.is_file():
-        raise FileNotFoundError(f"--checkpoint {str(checkpoint)!r}: no such file")
-    state = safe_load(checkpoint)
-    criterion_state = state.get("criterion") if isinstance(state, dict) else None
-    if not criterion_state:
-        raise ValueError(
-            f"--checkpoint {str(checkpoint)!r} has no criterion parameters; alignment weights exist only "
-            "in checkpoints written by fairseq-train --criterion a2d_kd (with --a2d-lambda > 0), not "
-            "in exported students or teachers"
-        )
-    try:
-        return alignment_weights_from_state(criterion_state)
-    except AlignmentShapeError as err:
-        raise ValueError(f"--checkpoint {str(checkpoint)!r}: {err}") from None
+    """Deprecated: ``figure_weights_from_checkpoint("alignment", checkpoint)``."""
+    return figure_weights_from_checkpoint("alignment", checkpoint)
 
 
 @exits_on_user_error("python -m fairseq_kd.cli.export_alignment")
 def cli_main(argv: Optional[List[str]] = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.output.exists() and not args.overwrite:
-        parser.error(f"--output {str(args.output)!r} exists; pass --overwrite to replace it")
-    try:
-        weights = export_alignment(args.checkpoint)
-    except (FileNotFoundError, ValueError, UnsafeCheckpointError) as err:
-        parser.error(str(err))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.output, "w", encoding="utf-8") as handle:
-        json.dump(weights, handle)
-    kinds = ", ".join(f"{kind} {len(entry['weights'])}x{len(entry['weights'][0])}" for kind, entry in weights.items())
-    print(f"wrote {args.output} ({kinds})")
+    export_weights_main("alignment", "python -m fairseq_kd.cli.export_alignment", argv)
 
 
 if __name__ == "__main__":

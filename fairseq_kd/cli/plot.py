@@ -2,25 +2,81 @@
 
 Subcommands::
 
-    fairseq-kd-plot alignment --input aam_weights.json --output figs/a2d_alignment.png
-    fairseq-kd-plot alp --input alp_weights.json --output figs/alp_weights.png
+    fairseq-kd-plot alignment --checkpoint checkpoints/a2d_kd/checkpoint_best.pt --output figs/a2d_alignment.png
+    fairseq-kd-plot alp --checkpoint checkpoints/alp_kd/checkpoint_last.pt --output figs/alp_weights.png \\
+        --weights-output figs/alp_weights.json
+    fairseq-kd-plot alp --input figs/alp_weights.json --output figs/alp_weights.png
     fairseq-kd-plot curves --log checkpoints/word_kd/train.log --output figs/word_kd_curves.png
+    fairseq-kd-plot compare --log no_kd=no_kd/train.log --log word_kd=word_kd/train.log --output figs/nll.png
 
-``alignment``: Align-to-Distill alignment weights, JSON ``{"encoder_self": {"weights": [[...]],
-"student_layers": m, "student_heads": hs, "teacher_layers": n, "teacher_heads": ht}, ...}``
-(rows = student maps). ``alp``: ALP-KD weights, JSON ``{"encoder": [[...]], "decoder": [[...]]}``
-(one row of teacher-layer weights per student layer). ``curves``: every ``*loss`` statistic of a
-fairseq-train log (``--log-format json`` or ``simple``) against the update number.
+``alignment`` and ``alp`` read their weights from a fairseq-train checkpoint (``--checkpoint``,
+loaded with ``weights_only=True``; ``--weights-output`` also writes them as JSON) or from such a
+JSON file (``--input``). ``alignment``: Align-to-Distill's Attention Alignment Modules (Jin et al.
+2024, "Align-to-Distill", arXiv:2403.01479, Eq. 9 and Figure 2), stored in the checkpoint's
+``criterion`` entry by ``--criterion a2d_kd``; JSON ``{"encoder_self": {"weights": [[...]],
+"student_layers": m, "student_heads": hs, "teacher_layers": n, "teacher_heads": ht}, ...}`` (rows =
+student maps). ``alp``: ALP-KD's mean attention of each student layer over teacher layers (Passban
+et al. 2021, "ALP-KD", arXiv:2012.14022, Eq. 5-6) over the positions trained on in the
+checkpoint's last epoch, stored by ``--criterion alp_kd``; JSON ``{"encoder": [[...]], "decoder":
+[[...]]}``. ``curves``: every ``*loss`` statistic of a fairseq-train log (``--log-format json`` or
+``simple``) against the update number. ``compare``: one statistic of several runs on one axis.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from pathlib import Path
 from typing import List, Optional
 
 from fairseq_kd.cli.user_errors import exits_on_user_error
+from fairseq_kd.scoring.files import not_a_file
 
+#: figures whose weights a training checkpoint holds, by sub-command
+CHECKPOINT_FIGURES = ("alignment", "alp")
+
+
+def figure_weights_from_checkpoint(figure: str, checkpoint: Path) -> dict:
+    """The weights ``fairseq-kd-plot FIGURE`` draws (the JSON ``--input`` format), read from a
+    fairseq-train checkpoint through the plugin's loader (``weights_only=True``, explicit).
+
+    torch and fairseq are imported here only, so that drawing from JSON or logs needs neither.
+    """
+    if figure not in CHECKPOINT_FIGURES:
+        raise ValueError(f"no {figure!r} weights in checkpoints; expected one of {', '.join(CHECKPOINT_FIGURES)}")
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_file():
+        raise FileNotFoundError(f"--checkpoint file {str(checkpoint)!r} {not_a_file(checkpoint)}")
+    import fairseq_kd
+
+    fairseq_kd.register()  # the criterions and the allow-list of classes fairseq checkpoints hold
+    if figure == "alp":
+        from fairseq_kd.criterions.alp_kd import layer_weights_from_checkpoint
+
+        try:
+            return layer_weights_from_checkpoint(checkpoint)
+        except ValueError as error:
+            raise ValueError(f"--checkpoint {error}") from None
+    from fairseq_kd.checkpoint_safety import load_fairseq_checkpoint
+    from fairseq_kd.modules.attention_alignment import AlignmentShapeError, alignment_weights_from_state
+
+    criterion_state = load_fairseq_checkpoint(checkpoint).get("criterion")
+    if not criterion_state:
+        raise ValueError(
+            f"--checkpoint {str(checkpoint)!r} has no criterion parameters; alignment weights exist only "
+            "in checkpoints written by fairseq-train --criterion a2d_kd (with --a2d-lambda > 0), not "
+            "in exported students or teachers"
+        )
+    try:
+        return alignment_weights_from_state(criterion_state)
+    except AlignmentShapeError as error:
+        raise ValueError(f"--checkpoint {str(checkpoint)!r}: {error}") from None
+
+
+def write_weights_json(weights: dict, path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(weights, indent=1) + "\n", encoding="utf-8")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,20 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
         subparser.add_argument("--output", type=Path, required=True, help="PNG file to write")
         subparser.add_argument("--dpi", type=int, default=150, help="resolution of the PNG")
         subparser.add_argument(
-            "--overwrite", action="store_true", help="replace an existing --output file"
+            "--overwrite", action="store_true", help="replace existing output files (--output, --weights-output)"
         )
 
-    alignment = commands.add_parser(
-        "alignment", help="Align-to-Distill alignment weights, one heatmap per attention kind"
-    )
-    alignment.add_argument(
-        "--input", type=Path, required=True, help="JSON with the weights per attention kind"
-    )
-    add_common(alignment)
+    def add_weight_sources(subparser: argparse.ArgumentParser, criterion: str) -> None:
+        source = subparser.add_mutually_exclusive_group(required=True)
+        source.add_argument("--checkpoint", type=Path,
+                            help=f"a fairseq-train checkpoint of a --criterion {criterion} run")
+        source.add_argument("--input", type=Path, help="the weights as JSON (written by --weights-output)")
+        subparser.add_argument("--weights-output", type=Path, metavar="JSON",
+                               help="with --checkpoint: also write the weights read from it as JSON")
+        add_common(subparser)
 
-    alp = commands.add_parser("alp", help="ALP-KD weights of student layers over teacher layers")
-    alp.add_argument("--input", type=Path, required=True, help="JSON with the weights per side")
-    add_common(alp)
+    add_weight_sources(commands.add_parser(
+        "alignment", help="Align-to-Distill alignment weights, one heatmap per attention kind"), "a2d_kd")
+    add_weight_sources(commands.add_parser(
+        "alp", help="ALP-KD weights of student layers over teacher layers"), "alp_kd")
 
     curves = commands.add_parser("curves", help="loss curves of a fairseq-train log")
     curves.add_argument("--log", type=Path, required=True, help="fairseq-train log file")
@@ -98,11 +156,24 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         parser.error(f"--output {str(args.output)!r} already exists; pass --overwrite to replace it")
     if args.dpi < 10:
         parser.error(f"--dpi {args.dpi}: too small to read (use e.g. 150)")
+    weights_output = getattr(args, "weights_output", None)
+    if weights_output is not None:
+        if args.checkpoint is None:
+            parser.error("--weights-output writes the weights read from --checkpoint; with --input they are "
+                         "already in that file")
+        if weights_output.exists() and not args.overwrite:
+            parser.error(f"--weights-output {str(weights_output)!r} already exists; pass --overwrite to replace it")
     try:
-        if args.command == "alignment":
-            figure = plot_alignment_heatmaps(load_json(args.input, "--input"))
-        elif args.command == "alp":
-            figure = plot_alp_weights(load_json(args.input, "--input"))
+        if args.command in CHECKPOINT_FIGURES:
+            if args.checkpoint is not None:
+                weights = figure_weights_from_checkpoint(args.command, args.checkpoint)
+            else:
+                weights = load_json(args.input, "--input")
+            draw = plot_alignment_heatmaps if args.command == "alignment" else plot_alp_weights
+            figure = draw(weights)  # checks the weights before anything is written
+            if weights_output is not None:
+                write_weights_json(weights, weights_output)
+                print(f"wrote {weights_output}")
         elif args.command == "compare":
             runs = {}
             for value in args.log:
