@@ -3,7 +3,10 @@ full-vocabulary loss, the cache's rows against the teacher run on each sentence 
 through the real fairseq-train CLI equal to live-teacher training when k covers the vocabulary,
 resuming an interrupted build byte for byte, and every refusal."""
 import json
+import os
 import re
+import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -104,6 +107,50 @@ def test_an_interrupted_build_resumes_to_the_same_bytes(tiny_data_bin, tiny_teac
     build_cache(config, log=lambda _: None)
     for name in ("offsets.npy", "topk_logprobs.npy", "topk_ids.npy"):
         assert (cut / name).read_bytes() == (whole / name).read_bytes(), name
+
+
+def test_opening_a_cache_hashes_the_data_only_when_its_files_changed(tiny_data_bin, tiny_teacher, tmp_path,
+                                                                    monkeypatch):
+    from fairseq.data import Dictionary
+
+    from fairseq_kd.data import teacher_cache
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data_bin, data)  # sizes and modification times kept, as by a move or cp -p
+    build(data, tiny_teacher, tmp_path / "cache", "--k", "2")
+    hashed = []
+    monkeypatch.setattr(teacher_cache, "sha256_of_files",
+                        lambda files, hash_files=teacher_cache.sha256_of_files: hashed.append(files) or hash_files(files))
+    task = SimpleNamespace(
+        cfg=SimpleNamespace(train_subset="train", data=str(data), source_lang="src", target_lang="tgt"),
+        source_dictionary=Dictionary.load(str(data / "dict.src.txt")),
+        target_dictionary=Dictionary.load(str(data / "dict.tgt.txt")))
+
+    def open_cache():
+        return teacher_cache.TeacherCache.open(str(tmp_path / "cache"), task)
+
+    assert open_cache().k == 2 and hashed == []  # the files recorded at build time: nothing read
+    target_bin = data / "train.src-tgt.tgt.bin"
+    stat = target_bin.stat()
+    os.utime(target_bin, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # same bytes, as after a plain cp
+    assert open_cache().k == 2 and len(hashed) == 1
+    changed = bytearray(target_bin.read_bytes())
+    changed[-1] ^= 1  # same size, other data
+    target_bin.write_bytes(bytes(changed))
+    with pytest.raises(teacher_cache.TeacherCacheError, match="other train data"):
+        open_cache()
+    assert len(hashed) == 2
+    target_bin.write_bytes(bytes(changed) + b"\0")  # another size: refused without reading the files
+    with pytest.raises(teacher_cache.TeacherCacheError, match="other train data"):
+        open_cache()
+    assert len(hashed) == 2
+
+
+def test_a_max_tokens_below_the_longest_sentence_is_refused_before_the_teacher_runs(tiny_data_bin, tiny_teacher,
+                                                                                    tmp_path):
+    proc = build(tiny_data_bin, tiny_teacher, tmp_path / "cache", "--max-tokens", "3", check=False)
+    assert proc.returncode == 2 and "--max-tokens 3 is smaller than sentence" in proc.stderr
+    assert not (tmp_path / "cache" / "topk_logprobs.npy").exists()
 
 
 def word_kd_losses(stdout: str):

@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+import numpy as np
 import torch
 
 from ..progress import print_above_bars, progress_bar
@@ -329,12 +330,46 @@ def _load(plan_: _Plan):
             f"{len(too_long)} source sentences of --split {plan_.config.split} are longer than the "
             f"teacher's {max_source} source positions (first: sentence {int(too_long[0])}, "
             f"{int(dataset.src_sizes[too_long[0]])} tokens); filter them out of the data first.")
+    too_small = check_max_tokens(dataset, plan_.config.max_tokens, plan_.config.split)
+    if too_small:
+        raise SeqKDError(too_small)
     use_cuda = torch.cuda.is_available() and not plan_.config.cpu
     device = torch.device("cuda" if use_cuda else "cpu")
     model = teacher.model.to(device)
     if plan_.config.fp16:
         model = model.half()
     return task, dataset, model, device
+
+
+def length_ordered_indices(dataset):
+    """fairseq-generate's sentence order: by length, ties shuffled with a fixed seed."""
+    from fairseq.data import data_utils
+
+    with data_utils.numpy_seed(ORDER_SEED):
+        return dataset.ordered_indices()
+
+
+def shard_batches(dataset, ordered, first: int, last: int, max_tokens: Optional[int],
+                  max_sentences: Optional[int] = None):
+    """fairseq's ``batch_by_size`` over the sentence ids ``first..last-1`` of a shard, taken in the
+    order ``ordered`` (:func:`length_ordered_indices`): a shard's batches do not depend on which
+    other shards are decoded in the same run, so a resumed run batches as an uninterrupted one."""
+    indices = ordered[(ordered >= first) & (ordered < last)]
+    return dataset.batch_by_size(indices, max_tokens=max_tokens, max_sentences=max_sentences,
+                                 required_batch_size_multiple=1)
+
+
+def check_max_tokens(dataset, max_tokens: Optional[int], split: str) -> Optional[str]:
+    """Why ``--max-tokens`` cannot batch ``dataset`` (fairseq's ``batch_by_size`` asserts that
+    every sentence fits in one batch), or None."""
+    if max_tokens is None or len(dataset) == 0:
+        return None
+    lengths = dataset.num_tokens_vec(np.arange(len(dataset)))
+    longest = int(lengths.argmax())
+    if lengths[longest] <= max_tokens:
+        return None
+    return (f"--max-tokens {max_tokens} is smaller than sentence {longest} of --split {split} "
+            f"({int(lengths[longest])} tokens); raise it to at least that")
 
 
 def _shard_sentences(index: int, shard_size: int, sentences: int) -> int:
@@ -349,9 +384,7 @@ def _decode_shard(plan_: _Plan, task, dataset, generator, model, device, ordered
 
     first = index * plan_.config.shard_size
     last = min(len(dataset), first + plan_.config.shard_size)
-    indices = ordered[(ordered >= first) & (ordered < last)]
-    batches = dataset.batch_by_size(indices, max_tokens=plan_.config.max_tokens,
-                                    max_sentences=plan_.config.batch_size, required_batch_size_multiple=1)
+    batches = shard_batches(dataset, ordered, first, last, plan_.config.max_tokens, plan_.config.batch_size)
     hypotheses: Dict[int, torch.Tensor] = {}
     for batch in batches:
         sample = dataset.collater([dataset[int(i)] for i in batch])
@@ -463,7 +496,6 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
         return SeqKDResult("up_to_date", plan_.output, sentences, 0, 0.0, shards, shards)
 
     task, dataset, model, device = _load(plan_)  # teacher and length checks: still before any work
-    from fairseq.data import data_utils
     from fairseq.dataclass.configs import GenerationConfig
 
     if plan_.manifest is None and plan_.output.exists():
@@ -482,8 +514,7 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
     generator = task.build_generator([model], GenerationConfig(
         beam=config.beam, nbest=1, max_len_a=config.max_len_a, max_len_b=config.max_len_b,
         lenpen=config.lenpen))
-    with data_utils.numpy_seed(ORDER_SEED):  # ties in length are shuffled: make it reproducible
-        ordered = dataset.ordered_indices()
+    ordered = length_ordered_indices(dataset)
     pending = [i for i in range(shard_count) if _read_shard(plan_, i, sentences) is None]
     if len(pending) < shard_count:
         log(f"resuming: {shard_count - len(pending)} of {shard_count} shards already decoded")

@@ -9,7 +9,8 @@ token in sentence-id order, the ``k`` largest log-probabilities (float32, at tem
 their token ids (int32), memory-mapped numpy arrays beside a manifest::
 
     DIR/cache.json          format, k, split, sentence and token counts, the teacher checkpoint's
-                            SHA-256, the split's binarised files' SHA-256, the dictionaries' hashes
+                            SHA-256, the split's binarised files' SHA-256 and each file's size and
+                            modification time, the dictionaries' hashes
     DIR/offsets.npy         int64 (sentences + 1,): sentence i's tokens are rows offsets[i]:offsets[i+1]
     DIR/topk_logprobs.npy   float32 (tokens, k)
     DIR/topk_ids.npy        int32 (tokens, k)
@@ -17,7 +18,11 @@ their token ids (int32), memory-mapped numpy arrays beside a manifest::
 The build is resumable: sentences are processed in shards of ``shard_size`` ids, each recorded in
 ``progress.json`` once its rows are flushed; ``cache.json`` is written last, so a folder without it
 is never read as a cache. Training with ``--teacher-cache DIR`` (:class:`TeacherCache`) refuses a
-cache of another teacher, other data or other dictionaries before any work.
+cache of another teacher, other data or other dictionaries before any work. The data check costs no
+hashing at every start-up: when the split's files have the names, sizes and modification times
+recorded at build time they are the files that were hashed (a rewrite changes the time; copies made
+with ``cp -p``, ``rsync -a`` or a move keep it); other sizes are refused at once, and only files of
+the same sizes but other times (e.g. a plain ``cp``) are hashed again and compared with the hash.
 
 With the cache, the teacher distribution at temperature tau is the top-k one renormalised,
 ``q_i = exp(l_i / tau) / sum_j exp(l_j / tau)`` over the stored log-probabilities ``l``: exact when
@@ -30,12 +35,15 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from .seqkd import _split_files, _write_json_atomic, sha256_of_files
+from ..tasks.translation_kd import dictionary_sha256
+from .seqkd import (
+    _split_files, _write_json_atomic, check_max_tokens, length_ordered_indices, sha256_of_files, shard_batches,
+)
 
 CACHE_FORMAT = "fairseq-kd-teacher-cache/1"
 MANIFEST = "cache.json"
@@ -47,12 +55,6 @@ logger = logging.getLogger(__name__)
 
 class TeacherCacheError(ValueError):
     """A cache cannot be built or used as asked; the message names the flag or file and what to do."""
-
-
-def dictionary_sha256(dictionary) -> str:
-    from ..tasks.translation_kd import dictionary_sha256 as task_dictionary_sha256
-
-    return task_dictionary_sha256(dictionary)
 
 
 @dataclass
@@ -82,27 +84,18 @@ def _languages(data: Path, source_lang: Optional[str], target_lang: Optional[str
     return src, tgt
 
 
-def split_fingerprint(data: Path, split: str, src: str, tgt: str) -> str:
-    """SHA-256 of the split's binarised files (both languages): equal only for the same data."""
+def split_files(data: Path, split: str, src: str, tgt: str) -> List[Path]:
+    """The split's binarised files (both languages, continuation parts included)."""
     files = _split_files(Path(data), split, src, tgt)
     if not files:
         raise TeacherCacheError(f"--data {data}: no binarised {split} split for {src}-{tgt}")
-    return sha256_of_files(files)
+    return files
 
 
-def _batches(sizes: np.ndarray, ids: np.ndarray, max_tokens: int):
-    """Sentence ids grouped by length so that padded batches hold about ``max_tokens`` tokens."""
-    ordered = ids[np.argsort(sizes[ids], kind="stable")]
-    batch, longest = [], 0
-    for index in ordered:
-        longest_if_added = max(longest, int(sizes[index]))
-        if batch and longest_if_added * (len(batch) + 1) > max_tokens:
-            yield batch
-            batch, longest_if_added = [], int(sizes[index])
-        batch.append(int(index))
-        longest = longest_if_added
-    if batch:
-        yield batch
+def file_stats(files: List[Path]) -> Dict[str, List[int]]:
+    """``{name: [size in bytes, modification time in ns]}``: what tells, without reading them,
+    that files are those recorded earlier."""
+    return {path.name: [stat.st_size, stat.st_mtime_ns] for path in files for stat in (path.stat(),)}
 
 
 def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path:
@@ -120,6 +113,8 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
         raise TeacherCacheError("--shard-size and --max-tokens must be positive")
     data, output = Path(config.data), Path(config.output)
     src, tgt = _languages(data, config.source_lang, config.target_lang)
+    data_files = split_files(data, config.split, src, tgt)
+    data_file_stats = file_stats(data_files)  # taken with the hash, recorded for TeacherCache.open
     task = TranslationTask.setup_task(TranslationConfig(
         data=str(data), source_lang=src, target_lang=tgt, train_subset=config.split, dataset_impl=None,
         required_seq_len_multiple=1))
@@ -128,7 +123,7 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
         raise TeacherCacheError(f"--k {config.k} exceeds the target vocabulary ({len(task.target_dictionary)} symbols)")
     parameters = {
         "format": CACHE_FORMAT, "k": config.k, "split": config.split, "source_lang": src, "target_lang": tgt,
-        "teacher_sha256": teacher.sha256, "data_sha256": split_fingerprint(data, config.split, src, tgt),
+        "teacher_sha256": teacher.sha256, "data_sha256": sha256_of_files(data_files),
         "source_dictionary_sha256": dictionary_sha256(task.source_dictionary),
         "target_dictionary_sha256": dictionary_sha256(task.target_dictionary),
     }
@@ -150,6 +145,9 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
 
     task.load_dataset(config.split, combine=True)
     dataset = task.dataset(config.split)
+    too_small = check_max_tokens(dataset, config.max_tokens, config.split)
+    if too_small:
+        raise TeacherCacheError(too_small)
     sizes = np.asarray(dataset.tgt_sizes, dtype=np.int64)
     offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=offsets[1:])
@@ -167,12 +165,13 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
         model = model.half()
     pad = task.target_dictionary.pad()
     n_shards = (len(sizes) + config.shard_size - 1) // config.shard_size
+    ordered = length_ordered_indices(dataset)
     for shard in range(n_shards):
         if shard in progress["done_shards"]:
             continue
-        ids = np.arange(shard * config.shard_size, min(len(sizes), (shard + 1) * config.shard_size))
-        for batch_ids in _batches(sizes, ids, config.max_tokens):
-            sample = dataset.collater([dataset[i] for i in batch_ids])
+        first, last = shard * config.shard_size, min(len(sizes), (shard + 1) * config.shard_size)
+        for batch_ids in shard_batches(dataset, ordered, first, last, config.max_tokens):
+            sample = dataset.collater([dataset[int(i)] for i in batch_ids])
             net_input = {key: value.to(device) for key, value in sample["net_input"].items()}
             with torch.no_grad():
                 logits = model(**net_input)[0]
@@ -186,14 +185,28 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
         token_ids.flush()
         progress["done_shards"].append(shard)
         _write_json_atomic(output / PROGRESS, progress)
-        log(f"shard {shard + 1}/{n_shards}: sentences {ids[0]}..{ids[-1]}")
+        log(f"shard {shard + 1}/{n_shards}: sentences {first}..{last - 1}")
     del logprobs, token_ids
     _write_json_atomic(output / MANIFEST, {**parameters, "n_sentences": len(sizes), "n_tokens": n_tokens,
-                                           "teacher_path": str(config.teacher_checkpoint)})
+                                           "teacher_path": str(config.teacher_checkpoint),
+                                           "data_files": data_file_stats})
     os.remove(output / PROGRESS)
     log(f"{output}: top-{config.k} teacher log-probabilities of {n_tokens} target tokens "
         f"({len(sizes)} sentences of the {config.split} split)")
     return output
+
+
+def _same_data(manifest: dict, files: List[Path]) -> bool:
+    """Whether ``files`` hold the data the cache was built from (see the module's docstring);
+    re-hashes only files of the recorded sizes whose modification times differ."""
+    recorded = manifest.get("data_files")  # absent from caches built before it was recorded
+    current = file_stats(files)
+    if recorded is not None:
+        if {name: stat[0] for name, stat in recorded.items()} != {name: stat[0] for name, stat in current.items()}:
+            return False
+        if recorded == current:
+            return True
+    return manifest["data_sha256"] == sha256_of_files(files)
 
 
 class TeacherCache:
@@ -234,9 +247,8 @@ class TeacherCache:
             if manifest[f"{side}_dictionary_sha256"] != dictionary_sha256(dictionary):
                 raise TeacherCacheError(f"{FLAG} {path} was made with another {side} dictionary than the data's "
                                         f"({task.cfg.data}): its token ids would index other symbols")
-        fingerprint = split_fingerprint(Path(task.cfg.data.split(os.pathsep)[0]), split, task.cfg.source_lang,
-                                        task.cfg.target_lang)
-        if manifest["data_sha256"] != fingerprint:
+        if not _same_data(manifest, split_files(Path(task.cfg.data.split(os.pathsep)[0]), split,
+                                                task.cfg.source_lang, task.cfg.target_lang)):
             raise TeacherCacheError(f"{FLAG} {path} was made for other {split} data than {task.cfg.data} holds "
                                     "(the binarised files differ); rebuild it for this data")
         if teacher_sha256 is not None and teacher_sha256 != manifest["teacher_sha256"]:
