@@ -43,7 +43,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -63,30 +63,54 @@ class SeqKDError(ValueError):
     """Bad input for sequence-level KD decoding, detected before any decoding."""
 
 
+def _help(text: str, **metadata) -> dict:
+    return {"help": text, **metadata}
+
+
 @dataclass(frozen=True)
 class SeqKDConfig:
-    """Inputs of :func:`run`; field names equal the command-line flags (``fairseq-kd-seqkd``)."""
+    """Inputs of :func:`run`, one flag of ``fairseq-kd-seqkd`` each (``--field-name``)."""
 
-    data: str
-    teacher_checkpoint: str
-    output: str
-    #: the teacher's dictionaries (its fairseq-preprocess --destdir) when the checkpoint cannot prove them
-    teacher_data: Optional[str] = None
-    source_lang: Optional[str] = None
-    target_lang: Optional[str] = None
-    split: str = "train"
-    beam: int = 5
-    max_len_a: float = 0.0
-    max_len_b: int = 200
-    lenpen: float = 1.0
-    max_tokens: Optional[int] = 4096
-    batch_size: Optional[int] = None
-    shard_size: int = 10000
-    fp16: bool = False
-    cpu: bool = False
-    force: bool = False
-    #: decode at most this many not-yet-written shards, then stop without binarising (``None``: all)
-    max_shards: Optional[int] = None
+    data: str = field(metadata=_help(
+        "binarised data folder (fairseq-preprocess --destdir) holding dict.*.txt and the split to decode"))
+    teacher_checkpoint: str = field(metadata=_help(
+        "fairseq Transformer translation checkpoint trained with the same dictionaries as --data"))
+    output: str = field(metadata=_help(
+        "folder to write the new dataset into: new or empty, one this command started with the same flags "
+        "(resumed), or any folder with --force"))
+    teacher_data: Optional[str] = field(default=None, metadata=_help(
+        "folder holding the teacher's dict.SRC.txt and dict.TGT.txt (its fairseq-preprocess --destdir), to "
+        "check symbol for symbol that the teacher uses --data's dictionaries when the checkpoint cannot prove "
+        "it (a teacher not trained by translation_kd, whose data folder is not on this machine); without any "
+        "proof the teacher is refused", metavar="DIR"))
+    source_lang: Optional[str] = field(default=None, metadata=_help(
+        "source language suffix; inferred from the file names like fairseq does when either language is not "
+        "given"))
+    target_lang: Optional[str] = field(default=None, metadata=_help(
+        "target language suffix; inferred like --source-lang"))
+    split: str = field(default="train", metadata=_help(
+        "split to decode; the other splits are copied unchanged"))
+    beam: int = field(default=5, metadata=_help(
+        "beam size; the best hypothesis becomes the target (Kim & Rush: 5)"))
+    max_len_a: float = field(default=0.0, metadata=_help(
+        "hypotheses are at most max_len_a * source_length + max_len_b tokens, source length of the batch's "
+        "longest source"))
+    max_len_b: int = field(default=200, metadata=_help("see --max-len-a"))
+    lenpen: float = field(default=1.0, metadata=_help("length penalty of beam search, as in fairseq-generate"))
+    max_tokens: Optional[int] = field(default=4096, metadata=_help("source tokens per decoding batch"))
+    batch_size: Optional[int] = field(default=None, metadata=_help(
+        "sentences per decoding batch (default: limited by --max-tokens only)"))
+    shard_size: int = field(default=10000, metadata=_help(
+        "sentences per resumable shard: an interrupted run loses at most one shard of work"))
+    fp16: bool = field(default=False, metadata=_help("decode in half precision (CUDA only)"))
+    cpu: bool = field(default=False, metadata=_help(
+        "decode on the CPU even when CUDA is available (default: CUDA if available)"))
+    force: bool = field(default=False, metadata=_help(
+        "use an --output folder that holds another dataset: its binarised files (*.bin, *.idx, dict.*.txt) "
+        "and previous seq-KD work are deleted first"))
+    max_shards: Optional[int] = field(default=None, metadata=_help(
+        "decode at most this many not-yet-written shards, then stop without binarising (re-run to "
+        "continue); splits a long job across sessions (default: all)"))
 
 
 @dataclass

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -59,18 +59,23 @@ class TeacherCacheError(ValueError):
 
 @dataclass
 class CacheConfig:
-    data: Path
-    teacher_checkpoint: Path
-    output: Path
-    k: int = 8
-    split: str = "train"
-    max_tokens: int = 8192
-    shard_size: int = 5000
-    cpu: bool = False
-    fp16: bool = False
-    teacher_data: Optional[str] = None
-    source_lang: Optional[str] = None
-    target_lang: Optional[str] = None
+    """Inputs of :func:`build_cache`, one flag of ``fairseq-kd-teacher-cache`` each (``--field-name``)."""
+
+    data: Path = field(metadata={"help": "fairseq-preprocess --destdir of the training data"})
+    teacher_checkpoint: Path = field(metadata={"help": "the teacher (fairseq checkpoint)"})
+    output: Path = field(metadata={"help": "folder of the cache (created)"})
+    k: int = field(default=8, metadata={"help": "log-probabilities kept per token"})
+    split: str = field(default="train", metadata={"help": "binarised split to cover"})
+    max_tokens: int = field(default=8192, metadata={"help": "tokens per teacher batch"})
+    shard_size: int = field(default=5000, metadata={"help": "sentences per resumable shard"})
+    cpu: bool = field(default=False, metadata={"help": "run on the CPU even if a GPU is visible"})
+    fp16: bool = field(default=False, metadata={"help": "run the teacher in half precision (GPU)"})
+    teacher_data: Optional[str] = field(default=None, metadata={
+        "help": "folder with the teacher's dictionaries, when its checkpoint's data folder is elsewhere"})
+    source_lang: Optional[str] = field(default=None, metadata={
+        "help": "source language (default: inferred from --data)"})
+    target_lang: Optional[str] = field(default=None, metadata={
+        "help": "target language (default: inferred from --data)"})
 
 
 def _languages(data: Path, source_lang: Optional[str], target_lang: Optional[str]) -> Tuple[str, str]:
