@@ -138,8 +138,8 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     # (fairseq/models/wav2vec/wav2vec2_classification.py); matplotlib's font search would then
     # print hundreds of lines. Hence also the import of matplotlib only after this line.
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    from fairseq_kd.scoring.files import load_json
     from fairseq_kd.scoring.plots import (
-        load_json,
         plot_alignment_heatmaps,
         plot_alp_weights,
         plot_run_comparison,
@@ -168,7 +168,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
             if args.checkpoint is not None:
                 weights = figure_weights_from_checkpoint(args.command, args.checkpoint)
             else:
-                weights = load_json(args.input, "--input")
+                weights = load_json(args.input, "--input file")
             draw = plot_alignment_heatmaps if args.command == "alignment" else plot_alp_weights
             figure = draw(weights)  # checks the weights before anything is written
             if weights_output is not None:

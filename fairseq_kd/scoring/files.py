@@ -1,7 +1,8 @@
 """Input files of the scoring commands: a clear message for a folder given where a file is
-expected, and the file's name in every UTF-8 decoding error."""
+expected, the file's name in every UTF-8 decoding error, and JSON inputs read with both."""
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,3 +29,15 @@ def naming_decode_errors(path, what: str = "file"):
             f"{what} {str(path)!r} is not valid UTF-8 (byte 0x{error.object[error.start]:02x}); "
             "convert it to UTF-8 first (e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8)"
         ) from None
+
+
+def load_json(path, what: str):
+    """The JSON content of ``path``; ``what`` names the file in errors (e.g. ``"--sidecar file"``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {str(path)!r} {not_a_file(path)}")
+    try:
+        with naming_decode_errors(path, what), open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{what} {path}: not valid JSON ({error})") from None

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from .files import naming_decode_errors, not_a_file
+from .files import not_a_file
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -36,17 +36,6 @@ def save_figure(figure: Figure, path: Path, dpi: int = 150) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=dpi, bbox_inches="tight")
     return path
-
-
-def load_json(path: Path, what: str):
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} file {str(path)!r} {not_a_file(path)}")
-    try:
-        with naming_decode_errors(path, what + " file"), open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{what} file {path}: not valid JSON ({error})") from None
 
 
 def _finite_matrix(values, what: str) -> np.ndarray:

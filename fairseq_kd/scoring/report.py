@@ -46,7 +46,7 @@ from .bleu import (
     score_corpus,
 )
 from .detok import detokenize_lines, read_generate_output, read_lines
-from .files import naming_decode_errors, not_a_file
+from .files import load_json, naming_decode_errors, not_a_file
 
 SCORE_FORMAT = "fairseq-kd-score/2"
 OLD_SCORE_FORMATS = ("fairseq-kd-score/1",)
@@ -224,13 +224,7 @@ def load_score_record(path: Path, name: Optional[str] = None) -> SystemScore:
     and the references from their fingerprint: a record edited by hand or truncated fails here.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"score record {str(path)!r} {not_a_file(path)}")
-    try:
-        with naming_decode_errors(path, "score record"), open(path, encoding="utf-8") as handle:
-            record = json.load(handle)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    record = load_json(path, "score record")
     if isinstance(record, dict) and record.get("format") in OLD_SCORE_FORMATS:
         raise ValueError(
             f"{path}: a score record of an older fairseq-kd-score ({record['format']}) keeps sentence "
@@ -669,13 +663,7 @@ def check_outputs_free(paths, overwrite: bool, flag: str) -> None:
 def read_sidecar(path: Path) -> Dict[str, Dict]:
     """Per-system extras: ``{"name": {"params": 12345678, "sents_per_sec": 85.2}, ...}``."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--sidecar file {str(path)!r} {not_a_file(path)}")
-    try:
-        with naming_decode_errors(path, "--sidecar file"), open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--sidecar {path}: not valid JSON ({error})") from None
+    data = load_json(path, "--sidecar file")
     if not isinstance(data, dict) or not all(isinstance(value, dict) for value in data.values()):
         raise ValueError(
             f'--sidecar {path}: expected {{"system": {{"params": N, "sents_per_sec": X}}, ...}}'
