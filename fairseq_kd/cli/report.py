@@ -23,12 +23,10 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from fairseq_kd.cli.score import (add_completeness_arguments, add_scoring_arguments, check_outputs_are_not_inputs,
-                                  expected_sentence_count, split_name_and_path)
-from fairseq_kd.scoring.bleu import BleuSettings, check_n_bootstrap, check_n_trials
+                                  expected_sentence_count, scoring_settings, split_name_and_path)
 from fairseq_kd.scoring.files import not_a_file
 from fairseq_kd.cli.user_errors import exits_on_user_error
 from fairseq_kd.scoring.report import (
-    TextProcessing,
     build_report,
     check_outputs_free,
     load_system,
@@ -87,9 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="score fairseq-generate outputs against this reference file (line i for sentence id i, "
         "e.g. a preparation's untouched raw/test.LANG) instead of their T- lines",
     )
-    parser.add_argument("--ref-is-plain", action="store_true",
-                        help="the --ref file is plain detokenised text: --remove-bpe/--detok-moses apply to "
-                        "the hypotheses only")
     add_scoring_arguments(parser)
     add_completeness_arguments(parser)
     parser.add_argument(
@@ -136,13 +131,9 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         for name, path in named_paths:
             if not path.is_file():
                 raise FileNotFoundError(f"--system {name}: file {str(path)!r} {not_a_file(path)}")
-        if args.ref_is_plain and args.ref is None:
-            raise ValueError("--ref-is-plain applies to --ref only")
+        processing, settings = scoring_settings(args)
         if args.ref is not None and not args.ref.is_file():
             raise FileNotFoundError(f"--ref: file {str(args.ref)!r} {not_a_file(args.ref)}")
-        check_n_bootstrap(args.bootstrap)
-        check_n_trials(args.ar_trials)
-        settings = BleuSettings(tokenize=args.tokenize, lowercase=args.lowercase)
         names = [name for name, _ in named_paths]
         # A sidecar may describe more systems than this table shows; only the shown ones count.
         extras = read_sidecar(args.sidecar) if args.sidecar is not None else {}
@@ -163,7 +154,6 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
             check_outputs_are_not_inputs([("--out-prefix", path) for path in report_paths(args.out_prefix).values()],
                                          inputs)
             check_outputs_free(report_paths(args.out_prefix).values(), args.overwrite, "--out-prefix")
-        processing = TextProcessing(remove_bpe=args.remove_bpe, moses_lang=args.detok_moses)
         systems = [
             load_system(name, path, processing, settings, 0, args.seed, expected, args.allow_partial,
                         args.ref, args.ref_is_plain)

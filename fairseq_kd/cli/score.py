@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from sacrebleu.metrics.bleu import BLEU
 
@@ -63,6 +63,12 @@ def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
         "recipes that Moses-tokenised the text (IWSLT'14), never for SentencePiece recipes",
     )
     group.add_argument(
+        "--ref-is-plain",
+        action="store_true",
+        help="the --ref file is already plain detokenised text: apply --remove-bpe and "
+        "--detok-moses to the hypotheses only",
+    )
+    group.add_argument(
         "--tokenize",
         choices=sorted(BLEU.TOKENIZERS),
         default=BLEU.TOKENIZER_DEFAULT,
@@ -97,6 +103,17 @@ def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"sacreBLEU's SACREBLEU_SEED for the resampling; the default {DEFAULT_SEED} is sacreBLEU's, "
         "so every number matches the sacrebleu command run on the same text",
     )
+
+
+def scoring_settings(args: argparse.Namespace) -> Tuple[TextProcessing, BleuSettings]:
+    """The flags of :func:`add_scoring_arguments`, checked: how text is processed, how BLEU is computed."""
+    if args.ref_is_plain and args.ref is None:
+        raise ValueError("--ref-is-plain applies to --ref only; fairseq-generate T- lines are "
+                         "processed like the hypotheses")
+    check_n_bootstrap(args.bootstrap)
+    check_n_trials(args.ar_trials)
+    return (TextProcessing(remove_bpe=args.remove_bpe, moses_lang=args.detok_moses),
+            BleuSettings(tokenize=args.tokenize, lowercase=args.lowercase))
 
 
 def add_completeness_arguments(parser: argparse.ArgumentParser) -> None:
@@ -182,12 +199,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--generate-output, line i for sentence id i (e.g. the untouched raw/test.LANG a preparation "
         "keeps), used instead of the T- lines",
     )
-    source.add_argument(
-        "--ref-is-plain",
-        action="store_true",
-        help="the --ref file is already plain detokenised text: apply --remove-bpe and "
-        "--detok-moses to the hypotheses only",
-    )
     add_scoring_arguments(parser)
     add_completeness_arguments(parser)
     parser.add_argument(
@@ -223,9 +234,6 @@ def validate_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error("give either --generate-output, or --hyp and --ref, not both")
     if args.generate_output is None and (args.hyp is None or args.ref is None):
         parser.error("give --generate-output FILE, or both --hyp FILE and --ref FILE")
-    if args.ref_is_plain and args.ref is None:
-        parser.error("--ref-is-plain applies to --ref only; fairseq-generate T- lines are "
-                     "processed like the hypotheses")
     inputs = (
         [("--generate-output", args.generate_output)]
         if args.generate_output is not None
@@ -249,9 +257,7 @@ def validate_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace
     try:
         check_outputs_are_not_inputs([("--output-json", args.output_json), ("--output-md", args.output_md)], inputs)
         args.expected = expected_sentence_count(args)
-        check_n_bootstrap(args.bootstrap)
-        check_n_trials(args.ar_trials)
-        args.settings = BleuSettings(tokenize=args.tokenize, lowercase=args.lowercase)
+        args.processing, args.settings = scoring_settings(args)
         if args.output_json is not None:
             check_outputs_free([args.output_json], args.overwrite, "--output-json")
         if args.output_md is not None:
@@ -267,7 +273,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     validate_arguments(parser, args)
-    processing = TextProcessing(remove_bpe=args.remove_bpe, moses_lang=args.detok_moses)
+    processing = args.processing
     try:
         # The baseline first: a bad record then fails before the (longer) scoring of the system.
         baseline = None
