@@ -146,6 +146,22 @@ def test_recipe_step_trains_a_student_on_the_seqkd_data(tiny_data_bin, tiny_teac
     assert (tmp_path / "ckpt" / "checkpoint_last.pt").is_file()
 
 
+# ------------------------------------------------------------------------ flags
+def test_the_command_line_flags_are_the_config_fields():
+    """fairseq-kd-seqkd's flags are made from SeqKDConfig: the required flags alone give the
+    config's own defaults, and every other flag sets its field with the field's type."""
+    from fairseq_kd.cli.seqkd_decode import build_parser
+
+    required = {"data": "data-bin", "teacher_checkpoint": "teacher.pt", "output": "out"}
+    argv = [f"--{name.replace('_', '-')}={value}" for name, value in required.items()]
+    assert seqkd.SeqKDConfig(**vars(build_parser().parse_args(argv))) == seqkd.SeqKDConfig(**required)
+    parsed = seqkd.SeqKDConfig(**vars(build_parser().parse_args(
+        argv + ["--beam", "3", "--max-len-a", "1.5", "--batch-size", "7", "--fp16", "--source-lang", "de"])))
+    assert (parsed.beam, parsed.max_len_a, parsed.batch_size, parsed.fp16, parsed.source_lang) == (3, 1.5, 7, True, "de")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv[:2])  # --output is required
+
+
 # ------------------------------------------------------------------------ bad input
 def config(data, teacher, output, **overrides):
     values = dict(data=str(data), teacher_checkpoint=str(teacher), output=str(output), max_len_a=1.2,

@@ -39,7 +39,6 @@ from .bleu import (
     PAIRED_TESTS_DEFINITION,
     BleuResult,
     BleuSettings,
-    Comparison,
     check_n_bootstrap,
     check_n_trials,
     compare_systems,
