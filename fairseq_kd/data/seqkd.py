@@ -1,5 +1,5 @@
 """Sequence-level knowledge distillation data (Kim & Rush, 2016, "Sequence-Level Knowledge
-Distillation", EMNLP): the teacher beam-decodes every training source sentence and the student
+Distillation", EMNLP, arXiv:1606.07947): the teacher beam-decodes every training source sentence and the student
 is trained on (source, teacher hypothesis) pairs with any criterion.
 
 :func:`run` reads a fairseq-binarised split (``--data``, normally ``train``), decodes it with

@@ -2,10 +2,12 @@
 
 Word-level KD needs, per target token, the teacher's distribution over the vocabulary. Running the
 teacher at every step costs a forward pass per update and per epoch; the distribution barely
-changes what the student learns outside its k most likely tokens (Tan et al. 2019 and Wang et al.
-2021 distil from the top 8). :func:`build_cache` runs the teacher once over a binarised split with
-teacher forcing (the references as decoder input, as during KD training) and stores, per target
-token in sentence-id order, the ``k`` largest log-probabilities (float32, at temperature 1) and
+changes what the student learns outside its k most likely tokens (both Tan et al. 2019,
+"Multilingual Neural Machine Translation with Knowledge Distillation", ICLR, arXiv:1902.10461, and
+Wang et al. 2021, "Selective Knowledge Distillation for Neural Machine Translation", ACL-IJCNLP,
+arXiv:2105.12967, distil from the top 8). :func:`build_cache` runs the teacher once over a
+binarised split with teacher forcing (the references as decoder input, as during KD training) and
+stores, per target token in sentence-id order, the ``k`` largest log-probabilities (float32, at temperature 1) and
 their token ids (int32), memory-mapped numpy arrays beside a manifest::
 
     DIR/cache.json          format, k, split, sentence and token counts, the teacher checkpoint's
