@@ -7,8 +7,8 @@ changes what the student learns outside its k most likely tokens (both Tan et al
 Wang et al. 2021, "Selective Knowledge Distillation for Neural Machine Translation", ACL-IJCNLP,
 arXiv:2105.12967, distil from the top 8). :func:`build_cache` runs the teacher once over a
 binarised split with teacher forcing (the references as decoder input, as during KD training) and
-stores, per target token in sentence-id order, the ``k`` largest log-probabilities (float32, at temperature 1) and
-their token ids (int32), memory-mapped numpy arrays beside a manifest::
+stores, per target token in sentence-id order, the ``k`` largest log-probabilities (float32, at
+temperature 1) and their token ids (int32), memory-mapped numpy arrays beside a manifest::
 
     DIR/cache.json          format, k, split, sentence and token counts, the teacher checkpoint's
                             SHA-256, the split's binarised files' SHA-256 and each file's size and
