@@ -38,7 +38,7 @@ if [[ " $* " != *" --data "* && -d "$MULTI30K_DIR" ]]; then
 fi
 WORKDIR="${QUALITY_WORKDIR:-$ROOT/work_dirs/quality/multi30k_fr_en/$PROFILE}"
 
-"$PY" -m fairseq_kd.cli.recipe multi30k_fr_en --profile "$PROFILE" --workdir "$WORKDIR" "${source_args[@]}" "$@"
+PYTHONPATH="$ROOT/examples/translation${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m fairseq_kd_recipes.recipe multi30k_fr_en --profile "$PROFILE" --workdir "$WORKDIR" "${source_args[@]}" "$@"
 if [[ -f "$WORKDIR/report/results.md" && " $* " != *" --dry-run "* ]]; then
     RESULTS_DIR="${QUALITY_RESULTS_DIR:-$ROOT/docs/results}"
     mkdir -p "$RESULTS_DIR"

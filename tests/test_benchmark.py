@@ -3,7 +3,7 @@ the teacher's forward and every other row without; ratios and round spreads are 
 rounds as documented. (Timings themselves are measured by running the benchmark, never in tests.)"""
 import pytest
 
-from fairseq_kd.cli import benchmark
+from fairseq_kd_recipes import benchmark
 
 
 def test_ratios_against_plain_and_limit_and_round_spread():

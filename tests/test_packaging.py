@@ -19,6 +19,8 @@ from conftest import QUIET_ENV, REPO
 OFFLINE_MARKERS = ("Could not find a version", "No matching distribution", "NewConnectionError",
                    "Network is unreachable", "Temporary failure in name resolution",
                    "Max retries exceeded", "ConnectTimeout", "ReadTimeout")
+#: the installed packages and their folders in the checkout (pyproject.toml's packages.find)
+PACKAGE_DIRS = {"fairseq_kd": "fairseq_kd", "fairseq_kd_recipes": "examples/translation/fairseq_kd_recipes"}
 NEVER_INSTALLED = {"torch", "torchaudio", "torchvision", "fairseq", "fairseq-fixed", "numpy"}
 
 
@@ -29,8 +31,8 @@ def _canonical(name: str) -> str:
 def _copy_project(destination: Path) -> Path:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, destination / name)
-    shutil.copytree(REPO / "fairseq_kd", destination / "fairseq_kd",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for package in PACKAGE_DIRS.values():
+        shutil.copytree(REPO / package, destination / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     return destination
 
 
@@ -79,7 +81,8 @@ def test_entry_points_declared():
                    "fairseq-kd-make-corpus", "fairseq-kd-seqkd", "fairseq-kd-recipe"):
         module = re.search(rf'^{script} = "([\w.]+):cli_main"$', text, re.MULTILINE)
         assert module, f"{script} is not a console script in pyproject.toml"
-        assert (REPO / (module.group(1).replace(".", "/") + ".py")).is_file(), module.group(1)
+        package, _, rest = module.group(1).partition(".")
+        assert (REPO / PACKAGE_DIRS[package] / (rest.replace(".", "/") + ".py")).is_file(), module.group(1)
     assert not (REPO / "setup.py").exists(), "setup.py and pyproject.toml would disagree"
 
 
@@ -114,9 +117,25 @@ def test_wheel_holds_every_module_and_the_console_scripts(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("fairseq_kd-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    modules = {str(p.relative_to(project)) for p in (project / "fairseq_kd").rglob("*.py")}
+    modules = {f"{package}/{p.relative_to(project / folder)}" for package, folder in PACKAGE_DIRS.items()
+               for p in (project / folder).rglob("*.py")}
     assert modules and not modules - names, f"missing from the wheel: {sorted(modules - names)[:10]}"
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "fairseq-kd-seqkd = fairseq_kd.cli.seqkd_decode:cli_main" in text
+    assert "fairseq-kd-recipe = fairseq_kd_recipes.recipe:cli_main" in text
     assert not any(name.startswith("tests/") for name in names)
+
+
+def test_the_plugin_imports_no_preparation_or_recipe_code():
+    """What ``fairseq-train --user-dir fairseq_kd`` imports (the package, registered with fairseq)
+    loads neither corpus preparation nor the recipe engine: they live in fairseq_kd_recipes."""
+    code = ("import sys, fairseq, fairseq_kd\n"
+            "fairseq_kd.register()\n"
+            "print(sorted(name for name in sys.modules if name.startswith('fairseq_kd')))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**QUIET_ENV, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loaded = proc.stdout.strip().splitlines()[-1]
+    assert "fairseq_kd.criterions" in loaded and "fairseq_kd.tasks" in loaded, loaded
+    assert "fairseq_kd_recipes" not in loaded and "prepare" not in loaded and "recipe" not in loaded, loaded

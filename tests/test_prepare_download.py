@@ -16,8 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from fairseq_kd.data.prepare.download import Fetcher, RemoteFile, load_pinned_checksums
-from fairseq_kd.data.prepare.errors import PrepareError
+from fairseq_kd_recipes.prepare.download import Fetcher, RemoteFile, load_pinned_checksums
+from fairseq_kd_recipes.prepare.errors import PrepareError
 
 PAYLOAD = bytes(range(256)) * 4000 + b"tail"  # 1,024,004 bytes: more than one read chunk
 

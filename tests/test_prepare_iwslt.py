@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_kd.data.prepare.bpe import apply_bpe_lines, learn_joint_bpe
-from fairseq_kd.data.prepare.corpora import iwslt14_de_en
-from fairseq_kd.data.prepare.errors import PrepareError
-from fairseq_kd.data.prepare.iwslt import (
+from fairseq_kd_recipes.prepare.bpe import apply_bpe_lines, learn_joint_bpe
+from fairseq_kd_recipes.prepare.corpora import iwslt14_de_en
+from fairseq_kd_recipes.prepare.errors import PrepareError
+from fairseq_kd_recipes.prepare.iwslt import (
     available_xml_sets,
     read_parallel_train_tags,
     read_segments,
     read_train_tags,
 )
-from fairseq_kd.data.prepare.textio import read_lines
-from fairseq_kd.data.prepare.tokenize import CleanRule, MosesConfig, MosesPreprocessor, clean_indices, keep_pair, moses_preprocess
+from fairseq_kd_recipes.prepare.textio import read_lines
+from fairseq_kd_recipes.prepare.tokenize import CleanRule, MosesConfig, MosesPreprocessor, clean_indices, keep_pair, moses_preprocess
 from prepare_fixtures import (
     IWSLT14_DATA,
     build_wit3_archive,
@@ -121,8 +121,8 @@ def test_available_xml_sets_with_a_regional_language_code(tmp_path):
 
 def test_iwslt14_pt_en_names_the_release_files():
     """WIT3 2014-01 has texts/pt-br/en/pt-br-en.tgz, not pt-en.tgz; the prepared data stays pt-en."""
-    from fairseq_kd.data.prepare.corpora import iwslt_spm
-    from fairseq_kd.recipes.pairs import PAIRS
+    from fairseq_kd_recipes.prepare.corpora import iwslt_spm
+    from fairseq_kd_recipes.pairs import PAIRS
 
     corpus = iwslt_spm.IWSLT14_PT_EN
     assert corpus.archive.name == "pt-br-en.tgz" and corpus.archive_pair == "pt-br-en"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from fairseq_kd.data.prepare.textio import read_lines
+from fairseq_kd_recipes.prepare.textio import read_lines
 from prepare_fixtures import build_multitarget_ted_archive, load_entry_point, synthetic_parallel
 from test_prepare_iwslt import assert_binarized_equals_text
 
@@ -85,8 +85,8 @@ def test_tr_en_refuses_the_wit3_flags_and_names_the_archive(tmp_path, capsys):
 
 
 def test_tr_en_recipe_needs_the_multitarget_archive():
-    from fairseq_kd.data.prepare.corpora import iwslt_spm
-    from fairseq_kd.recipes.pairs import PAIRS
+    from fairseq_kd_recipes.prepare.corpora import iwslt_spm
+    from fairseq_kd_recipes.pairs import PAIRS
 
     assert PAIRS["iwslt14_tr_en"].archive_files == ("multitarget-ted.tgz",)
     corpus = iwslt_spm.CORPORA["tr-en"]

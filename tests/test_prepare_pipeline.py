@@ -10,10 +10,10 @@ import zipfile
 
 import pytest
 
-from fairseq_kd.data.prepare.archive import extract, find_file
-from fairseq_kd.data.prepare.errors import PrepareError
-from fairseq_kd.data.prepare.parallel import map_lines
-from fairseq_kd.data.prepare.pipeline import Step, StepRunner
+from fairseq_kd_recipes.prepare.archive import extract, find_file
+from fairseq_kd_recipes.prepare.errors import PrepareError
+from fairseq_kd_recipes.prepare.parallel import map_lines
+from fairseq_kd_recipes.prepare.pipeline import Step, StepRunner
 
 
 class _Upper:

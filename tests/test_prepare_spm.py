@@ -11,9 +11,9 @@ import tarfile
 import pytest
 import sentencepiece
 
-from fairseq_kd.data.prepare.errors import PrepareError
-from fairseq_kd.data.prepare.spm import SentencePieceConfig, encode_lines, train_sentencepiece
-from fairseq_kd.data.prepare.textio import read_lines
+from fairseq_kd_recipes.prepare.errors import PrepareError
+from fairseq_kd_recipes.prepare.spm import SentencePieceConfig, encode_lines, train_sentencepiece
+from fairseq_kd_recipes.prepare.textio import read_lines
 from prepare_fixtures import add_to_tar, build_wit3_archive, load_entry_point, synthetic_parallel, xml_set_text
 from test_prepare_iwslt import assert_binarized_equals_text
 

@@ -6,10 +6,10 @@ import hashlib
 import json
 import tarfile
 
-from fairseq_kd.data.prepare.corpora import wmt14_en_de
-from fairseq_kd.data.prepare.iwslt import read_segments
-from fairseq_kd.data.prepare.textio import read_lines
-from fairseq_kd.data.prepare.tokenize import MosesPreprocessor
+from fairseq_kd_recipes.prepare.corpora import wmt14_en_de
+from fairseq_kd_recipes.prepare.iwslt import read_segments
+from fairseq_kd_recipes.prepare.textio import read_lines
+from fairseq_kd_recipes.prepare.tokenize import MosesPreprocessor
 from prepare_fixtures import add_to_tar, load_entry_point, sgm_text, synthetic_parallel
 from test_prepare_iwslt import assert_binarized_equals_text
 

@@ -1,4 +1,4 @@
-"""Recipes (fairseq_kd/recipes, fairseq-kd-recipe): the method table resolves to command lines
+"""Recipes (examples/translation/fairseq_kd_recipes, fairseq-kd-recipe): the method table resolves to command lines
 fairseq itself accepts, bad requests fail before anything runs, training checkpoints are never
 replaced, and the IWSLT'14 recipe runs end to end on a small archive in the release's layout
 (prepare, tiny teacher, tiny students, decode, score, report, plots), then skips every step when
@@ -18,24 +18,21 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_kd.cli import recipe as recipe_cli
-from fairseq_kd.data.prepare.corpora import iwslt14_de_en
-from fairseq_kd.data.prepare.iwslt import read_segments
-from fairseq_kd.recipes.methods import BASELINE, TEACHER
-from fairseq_kd.recipes.pairs import PAIRS
-from fairseq_kd.recipes.profiles import PROFILES
-from fairseq_kd.recipes.runner import (
+from fairseq_kd_recipes import recipe as recipe_cli
+from fairseq_kd_recipes.execute import (
     TRAIN_RECORD_NAME,
-    batch_split,
-    with_placement,
     RecipeError,
-    RecipeOptions,
-    build_plan,
     check_checkpoint_folder,
     describe_plan,
     run_plan,
     training_record,
 )
+from fairseq_kd_recipes.methods import BASELINE, TEACHER
+from fairseq_kd_recipes.pairs import PAIRS
+from fairseq_kd_recipes.plan import RecipeOptions, batch_split, build_plan, with_placement
+from fairseq_kd_recipes.prepare.corpora import iwslt14_de_en
+from fairseq_kd_recipes.prepare.iwslt import read_segments
+from fairseq_kd_recipes.profiles import PROFILES
 from prepare_fixtures import IWSLT14_DATA, build_wit3_archive, synthetic_parallel, truncated_xml, xml_set_text
 
 

@@ -9,4 +9,4 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-$here/../../../.venv/bin/python}"
 [ -x "$python" ] || python=python3
-exec "$python" -m fairseq_kd.cli.recipe iwslt14_de_en "$@"
+PYTHONPATH="$here/..${PYTHONPATH:+:$PYTHONPATH}" exec "$python" -m fairseq_kd_recipes.recipe iwslt14_de_en "$@"

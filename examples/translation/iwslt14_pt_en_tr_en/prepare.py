@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Sequence
 
-from fairseq_kd.data.prepare.arguments import (
+# The recipes' package sits next to this folder; without `pip install .` it is found from here.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fairseq_kd_recipes.prepare.arguments import (
     add_common_arguments,
     add_sentencepiece_arguments,
     context_from_args,
     run_entry_point,
     sentencepiece_config,
 )
-from fairseq_kd.data.prepare.corpora import iwslt_spm
+from fairseq_kd_recipes.prepare.corpora import iwslt_spm
 
 PAIRS = {"pt-en": iwslt_spm.IWSLT14_PT_EN, "tr-en": iwslt_spm.IWSLT14_TR_EN}
 

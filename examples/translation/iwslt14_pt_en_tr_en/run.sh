@@ -15,4 +15,4 @@ shift
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 python="${PYTHON:-$here/../../../.venv/bin/python}"
 [ -x "$python" ] || python=python3
-exec "$python" -m fairseq_kd.cli.recipe "$recipe" "$@"
+PYTHONPATH="$here/..${PYTHONPATH:+:$PYTHONPATH}" exec "$python" -m fairseq_kd_recipes.recipe "$recipe" "$@"

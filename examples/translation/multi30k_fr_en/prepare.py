@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Sequence
 
-from fairseq_kd.data.prepare.arguments import add_common_arguments, context_from_args, run_entry_point
-from fairseq_kd.data.prepare.corpora import multi30k_fr_en
+# The recipes' package sits next to this folder; without `pip install .` it is found from here.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fairseq_kd_recipes.prepare.arguments import add_common_arguments, context_from_args, run_entry_point
+from fairseq_kd_recipes.prepare.corpora import multi30k_fr_en
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Sequence
 
-from fairseq_kd.data.prepare.arguments import (
+# The recipes' package sits next to this folder; without `pip install .` it is found from here.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fairseq_kd_recipes.prepare.arguments import (
     add_common_arguments,
     add_piece_clean_arguments,
     add_sentencepiece_arguments,
@@ -20,7 +24,7 @@ from fairseq_kd.data.prepare.arguments import (
     run_entry_point,
     sentencepiece_config,
 )
-from fairseq_kd.data.prepare.corpora import wmt22_de_dsb
+from fairseq_kd_recipes.prepare.corpora import wmt22_de_dsb
 
 HELD_OUT_SETS = [name for name in wmt22_de_dsb.SETS if name != wmt22_de_dsb.TRAIN_SET]
 

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ...cli.user_errors import message_of
-from ...progress import progress_to_stderr
+from fairseq_kd.cli.user_errors import message_of
+from fairseq_kd.progress import progress_to_stderr
 from .corpora.common import PrepareContext
 from .download import Fetcher, load_pinned_checksums
 from .errors import PrepareError
@@ -99,7 +99,7 @@ def run_entry_point(main: Callable[[Sequence[str] | None], None], argv: Sequence
     that cannot be read or written) becomes one line, ``PROG: error: MESSAGE`` as argparse prints
     it, and exit status 2."""
     prog = os.path.basename(sys.argv[0]) or "prepare"
-    with progress_to_stderr("fairseq_kd.data.prepare", "%(asctime)s | %(levelname)s | %(message)s"):
+    with progress_to_stderr("fairseq_kd_recipes.prepare", "%(asctime)s | %(levelname)s | %(message)s"):
         try:
             main(argv)
         except PrepareError as error:

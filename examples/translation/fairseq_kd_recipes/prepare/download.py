@@ -12,7 +12,7 @@ Verification compares every known property (size, sha256, md5).  Where a manifes
 checksum, the transfer is still checked against the server's announced length, and the computed
 sha256 is printed and recorded in ``<workdir>/downloads/checksums.json`` so the user can pin it
 (``--checksums FILE``) for the next machine.  A missing or corrupt file raises
-:class:`~fairseq_kd.data.prepare.errors.PrepareError` naming the file and the expected checksum.
+:class:`~fairseq_kd_recipes.prepare.errors.PrepareError` naming the file and the expected checksum.
 """
 from __future__ import annotations
 

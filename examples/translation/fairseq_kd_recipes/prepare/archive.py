@@ -4,7 +4,7 @@ Extraction goes to a temporary sibling folder that is renamed into place once co
 interrupted extraction never looks finished.  Members that would land outside the destination
 (absolute paths, ``..``, links pointing out) are refused.  A truncated or corrupt archive (bad gzip
 CRC, unexpected end of data, bad zip member) raises a
-:class:`~fairseq_kd.data.prepare.errors.PrepareError` naming the archive.
+:class:`~fairseq_kd_recipes.prepare.errors.PrepareError` naming the archive.
 """
 from __future__ import annotations
 

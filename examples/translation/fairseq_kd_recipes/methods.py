@@ -1,7 +1,7 @@
 """The distillation methods a recipe can train, defined once for every language pair.
 
 A :class:`Method` names the student it trains (a *role*, which each pair maps to an architecture
-in :mod:`fairseq_kd.recipes.pairs`), the registered fairseq criterion with the flags that select
+in :mod:`fairseq_kd_recipes.pairs`), the registered fairseq criterion with the flags that select
 the paper's variant, and the training data (the original corpus, or the teacher's beam outputs for
 sequence-level KD). Weights not written here are the criterions' own defaults, which are the
 papers' values (see each criterion's config dataclass); a pair adds flags only where its paper
@@ -126,7 +126,7 @@ _METHOD_LIST = (
 #: every method by name, in the order recipes train them and reports list them
 METHODS: Mapping[str, Method] = {method.name: method for method in _METHOD_LIST}
 if len(METHODS) != len(_METHOD_LIST):
-    raise RuntimeError("duplicate method names in fairseq_kd.recipes.methods")
+    raise RuntimeError("duplicate method names in fairseq_kd_recipes.methods")
 
 #: the system every student is compared with in the report
 BASELINE = "no_kd"

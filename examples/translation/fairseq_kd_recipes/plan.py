@@ -16,68 +16,40 @@ fairseq's own (``fairseq-train``, ``fairseq-generate``)::
     systems                  parameter counts (of the exported models) and decoding speeds
     report                   fairseq-kd-report: the table, baseline no_kd, sacreBLEU's paired tests
 
-Every step runs through :class:`~fairseq_kd.data.prepare.pipeline.StepRunner`, which stamps it
-with the fingerprints of its inputs and outputs and its settings: re-running the recipe skips
-every finished step, and a changed input re-runs exactly what depends on it.
-
-Training checkpoints are never overwritten. Before fairseq-train starts, the recipe writes the
-training settings and its inputs' sizes and modification times into the save folder; a folder
-that already holds checkpoints is used only when that record matches, which is an interrupted
-run of the same training (fairseq resumes it from ``checkpoint_last.pt``). Anything else (other
-settings, a re-prepared corpus, a retrained teacher) stops the recipe, before any step runs, with
-the folder to move away. Where a model is placed (``--fp16``, ``--cpu``, the number of GPUs and
-the ``--update-freq`` that keeps the tokens per update) is not part of the settings, so a run can
-be continued on another machine. Derived files (exports, decodings, scores, figures, the report)
-belong to the recipe's working folder and are rewritten when their inputs change.
-
-The light steps that run this project's own commands (export, score, plot, report) run inside
-the recipe's process, which saves a Python start-up per step; their output goes to the step's
-log file all the same. Training, decoding and preparation run as child processes.
+``plan`` checks the request and lays out these steps without touching a file; :mod:`.execute`
+runs them (stamps, protected checkpoints, in-process commands) and :mod:`.results` collects the
+parameter counts and decoding speeds for the report.
 """
 from __future__ import annotations
 
-import contextlib
-import importlib
 import importlib.util
 import json
 import logging
 import math
 import os
-import re
-import shlex
-import subprocess
 import sys
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-from ..data.prepare.errors import PrepareError
-from ..data.prepare.pipeline import Step, StepRunner
+import fairseq_kd
+
+from .execute import (MANIFEST_NAME, TRAIN_RECORD_NAME, CommandExecutor, RecipeError, check_checkpoint_folder,
+                      console_script, python_module, training_record)
 from .methods import BASELINE, METHODS, TEACHER, Method
 from .pairs import BEAM, EVAL_BLEU_ARGS, LABEL_SMOOTHING, PAIRS, PairRecipe
 from .profiles import PROFILES, Profile
+from .results import SystemDecoding, write_systems_sidecar
 
 LOG = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-USER_DIR = Path(__file__).resolve().parents[1]
-MANIFEST_NAME = "recipe.json"
-TRAIN_RECORD_NAME = "recipe_train.json"
-MANIFEST_FORMAT = 1
-#: this project's commands that run inside the recipe's process (light, CPU-only)
-IN_PROCESS_MODULES = frozenset({
-    "fairseq_kd.cli.export_student", "fairseq_kd.cli.score", "fairseq_kd.cli.report",
-    "fairseq_kd.cli.plot", "fairseq_kd.cli.export_alignment", "fairseq_kd.cli.alp_weights",
-})
+#: the checkout (``examples/translation/fairseq_kd_recipes/plan.py``), which pairs' prepare scripts name
+REPO_ROOT = Path(__file__).resolve().parents[3]
+#: the plugin's folder, fairseq-train's --user-dir
+USER_DIR = Path(fairseq_kd.__file__).resolve().parent
 #: module that writes a figure's weights, per figure kind of :class:`~.methods.Method`
 FIGURE_EXPORTERS = {"alignment": "fairseq_kd.cli.export_alignment", "alp": "fairseq_kd.cli.alp_weights"}
-SPEED_PATTERN = re.compile(r"Translated [\d,]+ sentences \([\d,]+ tokens\) in [\d.]+s \(([\d.]+) sentences/s")
 DEFAULT_PREPARE_WORKERS = max(1, min(4, os.cpu_count() or 1))
-
-
-class RecipeError(Exception):
-    """Bad input or a failed step; the message says what and what to do."""
 
 
 @dataclass
@@ -142,80 +114,6 @@ class RecipePlan:
                 return step
         raise KeyError(name)
 
-
-@dataclass
-class RecipeResult:
-    executed: list[str]
-    skipped: list[str]
-    report_markdown: Path
-
-
-# ----------------------------------------------------------------------------- commands
-
-
-def console_script(name: str, module: str) -> list[str]:
-    """fairseq's console script next to the running interpreter, else ``python -m module``."""
-    script = Path(sys.executable).parent / name
-    return [str(script)] if script.is_file() else [sys.executable, "-m", module]
-
-
-def python_module(module: str) -> list[str]:
-    return [sys.executable, "-m", module]
-
-
-def in_process_module(command: Sequence[str]) -> Optional[str]:
-    """The module of a ``python -m fairseq_kd.cli.X`` command that may run in-process."""
-    if len(command) >= 3 and command[0] == sys.executable and command[1] == "-m" and command[2] in IN_PROCESS_MODULES:
-        return command[2]
-    return None
-
-
-class CommandExecutor:
-    """Runs one command line, appending its output to a log file; raises RecipeError on failure.
-
-    ``in_process`` runs :data:`IN_PROCESS_MODULES` through their ``cli_main`` in this process.
-    """
-
-    def __init__(self, in_process: bool = True) -> None:
-        self.in_process = in_process
-
-    def __call__(self, command: Sequence[str], log_path: Path) -> None:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "a", encoding="utf-8") as log:
-            log.write(f"$ {shlex.join(command)}\n")
-            log.flush()
-            module = in_process_module(command) if self.in_process else None
-            if module is not None:
-                status = self._run_module(module, list(command[3:]), log)
-            else:
-                status = subprocess.run(list(command), stdout=log, stderr=subprocess.STDOUT).returncode
-        if status != 0:
-            raise RecipeError(
-                f"command failed with exit status {status}: {shlex.join(command)}\n"
-                f"--- last lines of {log_path} ---\n{tail(log_path)}"
-            )
-
-    @staticmethod
-    def _run_module(module: str, argv: list[str], log) -> int:
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            try:
-                status = importlib.import_module(module).cli_main(argv)
-            except SystemExit as exit_:
-                status = exit_.code
-            except Exception:  # noqa: BLE001  (reported like a failing child process)
-                traceback.print_exc(file=log)
-                status = 1
-        if status is None:
-            return 0
-        return status if isinstance(status, int) else 1
-
-
-def tail(path: Path, lines: int = 25) -> str:
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except FileNotFoundError:
-        return "(no log)"
-    return "\n".join(text[-lines:])
 
 
 # ----------------------------------------------------------------------------- checking the request
@@ -295,8 +193,6 @@ def check_prepared_data(pair: PairRecipe, data: Path) -> None:
 
 def check_criterions(methods: Sequence[Method]) -> None:
     """Every criterion the methods use is registered with fairseq (the plugin imports them all)."""
-    import fairseq_kd
-
     fairseq_kd.register()
     from fairseq.criterions import CRITERION_REGISTRY
 
@@ -779,180 +675,3 @@ def build_plan(options: RecipeOptions, executor: Optional[Callable[[Sequence[str
                       execute=execute)
 
 
-# ----------------------------------------------------------------------------- running
-
-
-def _signature(path: Path):
-    """Size and modification time of a file, or of every file in a folder (None if absent)."""
-    if path.is_dir():
-        return {child.relative_to(path).as_posix(): _signature(child)
-                for child in sorted(path.rglob("*")) if child.is_file()}
-    if path.is_file():
-        stat = path.stat()
-        return [stat.st_size, stat.st_mtime_ns]
-    return None
-
-
-def training_record(settings: Mapping, inputs: Sequence[Path]) -> dict:
-    """What identifies one training run: its settings and the state of its inputs."""
-    return {"settings": dict(settings), "inputs": {str(path): _signature(Path(path)) for path in inputs}}
-
-
-def check_checkpoint_folder(save_dir: Path, record: Mapping) -> None:
-    """Refuse a save folder whose checkpoints come from another training run (see the module doc)."""
-    checkpoints = sorted(path.name for path in save_dir.glob("checkpoint*.pt")) if save_dir.is_dir() else []
-    if not checkpoints:
-        return
-    record_path = save_dir / TRAIN_RECORD_NAME
-    try:
-        previous = json.loads(record_path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError):
-        previous = None
-    if previous == json.loads(json.dumps(record)):
-        return  # an interrupted run of this very training: fairseq resumes it
-    why = ("no record of how they were trained" if previous is None else
-           "they were trained with other settings" if previous.get("settings") != record["settings"] else
-           "their inputs (corpus or teacher) have changed since")
-    raise RecipeError(
-        f"{save_dir} holds checkpoints ({', '.join(checkpoints)}) that this recipe would have to replace: {why}. "
-        "The recipe never overwrites a checkpoint: move or delete that folder (and the steps that used it "
-        "re-run), or choose another --workdir"
-    )
-
-
-@dataclass(frozen=True)
-class SystemDecoding:
-    """A system's exported model, its fairseq-generate output and the log of that step."""
-
-    model: Path
-    output: Path
-    log: Path
-
-
-def decoding_speed(*paths: Path) -> float:
-    """Sentences per second from fairseq-generate's closing "Translated ..." line: the last one in
-    the first of ``paths`` that has one (fairseq logs it to the results file or to stderr, depending
-    on how logging was configured when it started)."""
-    for path in paths:
-        if not path.is_file():
-            continue
-        matches = SPEED_PATTERN.findall(path.read_text(encoding="utf-8", errors="replace"))
-        if matches:
-            return float(matches[-1])
-    raise RecipeError(f"no 'Translated ... sentences/s' line of fairseq-generate in {', '.join(map(str, paths))}")
-
-
-def decoded_sentences(generate_output: Path) -> int:
-    """Number of distinct sentence ids with a hypothesis (H- line) in a fairseq-generate output."""
-    ids = set()
-    with open(generate_output, encoding="utf-8", errors="replace") as handle:
-        for line in handle:
-            kind, _, rest = line.partition("-")
-            number = rest.split("\t", 1)[0]
-            if kind == "H" and number.isdigit():
-                ids.add(int(number))
-    return len(ids)
-
-
-def count_parameters(checkpoint: Path, data: Path) -> int:
-    """Parameters of the model in ``checkpoint`` as stock fairseq builds it (shared weights once)."""
-    import fairseq_kd
-
-    fairseq_kd.register()
-    from fairseq import checkpoint_utils
-
-    models, _ = checkpoint_utils.load_model_ensemble([str(checkpoint)], arg_overrides={"data": str(data)})
-    return sum(parameter.numel() for parameter in models[0].parameters())
-
-
-def split_size(data: Path, prefix: str) -> int:
-    """Sentences of a binarised split (``prefix`` like ``test.de-en.en``)."""
-    from fairseq.data import data_utils
-
-    dataset = data_utils.load_indexed_dataset(str(data / prefix), None)
-    if dataset is None:
-        raise RecipeError(f"{data / prefix}.bin/.idx: no binarised test split")
-    return len(dataset)
-
-
-def write_systems_sidecar(decodings: Mapping[str, SystemDecoding], data: Path, test_prefix: str, sidecar: Path) -> None:
-    """``{"system": {"params": N, "sents_per_sec": X}}`` for fairseq-kd-report's --sidecar, after
-    checking that every system translated the whole test set."""
-    info = {}
-    expected = None
-    for system, decoding in decodings.items():
-        params = count_parameters(decoding.model, data)  # imports fairseq, which split_size needs
-        expected = expected if expected is not None else split_size(data, test_prefix)
-        decoded = decoded_sentences(decoding.output)
-        if decoded != expected:
-            raise RecipeError(f"{decoding.output}: {decoded} of the {expected} test sentences were translated; "
-                              f"see {decoding.log}")
-        info[system] = {"params": params, "sents_per_sec": decoding_speed(decoding.output, decoding.log)}
-    sidecar.parent.mkdir(parents=True, exist_ok=True)
-    sidecar.write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
-
-
-def _as_step(step: RecipeStep, execute: Callable[[Sequence[str], Path], None]) -> Step:
-    def run_commands() -> None:
-        for command in step.commands:
-            execute(command, step.log)
-
-    return Step(step.name, step.action or run_commands, inputs=step.inputs, outputs=step.outputs,
-                params=step.settings)
-
-
-def stamp_runner(plan: RecipePlan) -> StepRunner:
-    return StepRunner(plan.workdir / "stamps")
-
-
-def step_status(plan: RecipePlan) -> list[tuple[RecipeStep, bool]]:
-    """(step, done) for every step, without running anything."""
-    runner = stamp_runner(plan)
-    return [(step, runner.is_done(_as_step(step, lambda *_: None))) for step in plan.steps]
-
-
-def describe_plan(plan: RecipePlan) -> str:
-    """The steps with their state and command lines (what ``--dry-run`` prints)."""
-    lines = [f"recipe {plan.pair.name} ({plan.pair.title}), profile {plan.profile.name}"
-             + (f", {plan.world_size} GPU(s)" if plan.profile.device == "cuda" else ""),
-             f"working folder {plan.workdir}", ""]
-    for step, done in step_status(plan):
-        lines.append(f"[{'done' if done else 'to run'}] {step.name}: {step.description}")
-        for command in step.commands:
-            lines.append(f"    {shlex.join(command)}")
-        if not step.commands:
-            lines.append("    (in-process)")
-    return "\n".join(lines) + "\n"
-
-
-def preflight(plan: RecipePlan) -> None:
-    """Refuse, before any step runs, a training step that would have to replace checkpoints."""
-    runner = stamp_runner(plan)
-    for step in plan.steps:
-        if step.save_dir is None or runner.is_done(_as_step(step, lambda *_: None)):
-            continue
-        check_checkpoint_folder(step.save_dir, training_record(step.settings, step.inputs))
-
-
-def write_manifest(plan: RecipePlan) -> None:
-    plan.workdir.mkdir(parents=True, exist_ok=True)
-    manifest = plan.workdir / MANIFEST_NAME
-    if not manifest.exists():
-        manifest.write_text(json.dumps({"format": MANIFEST_FORMAT, "pair": plan.pair.name,
-                                        "profile": plan.profile.name}, indent=1) + "\n", encoding="utf-8")
-
-
-def run_plan(plan: RecipePlan) -> RecipeResult:
-    """Run every step that is not done; return which ran and which were skipped."""
-    preflight(plan)
-    write_manifest(plan)
-    runner = stamp_runner(plan)
-    for step in plan.steps:
-        try:
-            runner.run(_as_step(step, plan.execute))
-        except PrepareError as error:  # the step runner's own checks (missing inputs or outputs)
-            raise RecipeError(f"step {step.name}: {error} (log: {step.log})") from None
-        except RecipeError as error:
-            raise RecipeError(f"step {step.name} failed: {error}") from None
-    return RecipeResult(executed=list(runner.executed), skipped=list(runner.skipped),
-                        report_markdown=plan.report_prefix.with_name(plan.report_prefix.name + ".md"))

@@ -1,6 +1,11 @@
 """Speed and memory of every distillation method relative to plain student training.
 
-    python -m fairseq_kd.cli.benchmark --configs tiny small --output-dir benchmark_output
+    PYTHONPATH=examples/translation python -m fairseq_kd_recipes.benchmark --configs tiny small \
+        --output-dir benchmark_output
+
+(``PYTHONPATH`` only in a checkout without ``pip install .``). It lives beside the recipes rather
+than in the plugin: it is a developer tool that registers nothing with fairseq, and it measures the
+rows of the one method table (:mod:`.methods`) that the recipes train.
 
 For each configuration (teacher/student architecture pair, batch size) the benchmark makes a
 synthetic corpus, writes an (untrained) teacher checkpoint, and then, for each method of
@@ -108,7 +113,10 @@ def _bin(name: str) -> str:
 
 
 def _quiet_env() -> dict:
-    return {**os.environ, "PYTHONWARNINGS": "ignore"}
+    """The environment of child processes, which import this package by name (``-m``)."""
+    package_parent = str(Path(__file__).resolve().parents[1])
+    python_path = os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": python_path}
 
 
 def prepare_config(name: str, workdir: Path) -> Dict[str, str]:
@@ -273,7 +281,7 @@ def measure_decoding(paths: Dict[str, str], student_arch: str, student_args: Lis
 
 def _train_in_child(flags: List[str], steps: int, warmup: int, teacher_forward: bool = False) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "fairseq_kd.cli.benchmark", "--child-train", json.dumps(flags),
+        [sys.executable, "-m", "fairseq_kd_recipes.benchmark", "--child-train", json.dumps(flags),
          "--steps", str(steps), "--warmup", str(warmup), *(["--child-teacher-forward"] if teacher_forward else [])],
         capture_output=True, text=True, env=_quiet_env(),
     )

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from ..data.prepare.corpora import iwslt14_de_en, iwslt_spm, multi30k_fr_en, wmt14_en_de, wmt22_de_dsb
+from .prepare.corpora import iwslt14_de_en, iwslt_spm, multi30k_fr_en, wmt14_en_de, wmt22_de_dsb
 from .methods import METHODS, STUDENT_ROLES, Method
 
 #: fairseq-train flags shared by every model of every pair (methods.md, "Settings from the papers")

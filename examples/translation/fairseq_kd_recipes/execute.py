@@ -1,0 +1,239 @@
+"""Run a recipe's plan: each step's command lines into its log file, every step through the
+step runner of :mod:`.prepare.pipeline`, which stamps it with the fingerprints of its inputs and
+outputs and its settings: re-running the recipe skips every finished step, and a changed input
+re-runs exactly what depends on it.
+
+Training checkpoints are never overwritten. Before fairseq-train starts, the recipe writes the
+training settings and its inputs' sizes and modification times into the save folder; a folder
+that already holds checkpoints is used only when that record matches, which is an interrupted
+run of the same training (fairseq resumes it from ``checkpoint_last.pt``). Anything else (other
+settings, a re-prepared corpus, a retrained teacher) stops the recipe, before any step runs, with
+the folder to move away. Where a model is placed (``--fp16``, ``--cpu``, the number of GPUs and
+the ``--update-freq`` that keeps the tokens per update) is not part of the settings, so a run can
+be continued on another machine. Derived files (exports, decodings, scores, figures, the report)
+belong to the recipe's working folder and are rewritten when their inputs change.
+
+The light steps that run this project's own commands (export, score, plot, report) run inside
+the recipe's process, which saves a Python start-up per step; their output goes to the step's
+log file all the same. Training, decoding and preparation run as child processes.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import shlex
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
+
+from .prepare.errors import PrepareError
+from .prepare.pipeline import Step, StepRunner
+
+if TYPE_CHECKING:
+    from .plan import RecipePlan, RecipeStep
+
+MANIFEST_NAME = "recipe.json"
+TRAIN_RECORD_NAME = "recipe_train.json"
+MANIFEST_FORMAT = 1
+#: this project's commands that run inside the recipe's process (light, CPU-only)
+IN_PROCESS_MODULES = frozenset({
+    "fairseq_kd.cli.export_student", "fairseq_kd.cli.score", "fairseq_kd.cli.report",
+    "fairseq_kd.cli.plot", "fairseq_kd.cli.export_alignment", "fairseq_kd.cli.alp_weights",
+})
+
+
+class RecipeError(Exception):
+    """Bad input or a failed step; the message says what and what to do."""
+
+
+
+@dataclass
+class RecipeResult:
+    executed: list[str]
+    skipped: list[str]
+    report_markdown: Path
+
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def console_script(name: str, module: str) -> list[str]:
+    """fairseq's console script next to the running interpreter, else ``python -m module``."""
+    script = Path(sys.executable).parent / name
+    return [str(script)] if script.is_file() else [sys.executable, "-m", module]
+
+
+def python_module(module: str) -> list[str]:
+    return [sys.executable, "-m", module]
+
+
+def in_process_module(command: Sequence[str]) -> Optional[str]:
+    """The module of a ``python -m fairseq_kd.cli.X`` command that may run in-process."""
+    if len(command) >= 3 and command[0] == sys.executable and command[1] == "-m" and command[2] in IN_PROCESS_MODULES:
+        return command[2]
+    return None
+
+
+class CommandExecutor:
+    """Runs one command line, appending its output to a log file; raises RecipeError on failure.
+
+    ``in_process`` runs :data:`IN_PROCESS_MODULES` through their ``cli_main`` in this process.
+    """
+
+    def __init__(self, in_process: bool = True) -> None:
+        self.in_process = in_process
+
+    def __call__(self, command: Sequence[str], log_path: Path) -> None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a", encoding="utf-8") as log:
+            log.write(f"$ {shlex.join(command)}\n")
+            log.flush()
+            module = in_process_module(command) if self.in_process else None
+            if module is not None:
+                status = self._run_module(module, list(command[3:]), log)
+            else:
+                status = subprocess.run(list(command), stdout=log, stderr=subprocess.STDOUT).returncode
+        if status != 0:
+            raise RecipeError(
+                f"command failed with exit status {status}: {shlex.join(command)}\n"
+                f"--- last lines of {log_path} ---\n{tail(log_path)}"
+            )
+
+    @staticmethod
+    def _run_module(module: str, argv: list[str], log) -> int:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            try:
+                status = importlib.import_module(module).cli_main(argv)
+            except SystemExit as exit_:
+                status = exit_.code
+            except Exception:  # noqa: BLE001  (reported like a failing child process)
+                traceback.print_exc(file=log)
+                status = 1
+        if status is None:
+            return 0
+        return status if isinstance(status, int) else 1
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _signature(path: Path):
+    """Size and modification time of a file, or of every file in a folder (None if absent)."""
+    if path.is_dir():
+        return {child.relative_to(path).as_posix(): _signature(child)
+                for child in sorted(path.rglob("*")) if child.is_file()}
+    if path.is_file():
+        stat = path.stat()
+        return [stat.st_size, stat.st_mtime_ns]
+    return None
+
+
+def training_record(settings: Mapping, inputs: Sequence[Path]) -> dict:
+    """What identifies one training run: its settings and the state of its inputs."""
+    return {"settings": dict(settings), "inputs": {str(path): _signature(Path(path)) for path in inputs}}
+
+
+def check_checkpoint_folder(save_dir: Path, record: Mapping) -> None:
+    """Refuse a save folder whose checkpoints come from another training run (see the module doc)."""
+    checkpoints = sorted(path.name for path in save_dir.glob("checkpoint*.pt")) if save_dir.is_dir() else []
+    if not checkpoints:
+        return
+    record_path = save_dir / TRAIN_RECORD_NAME
+    try:
+        previous = json.loads(record_path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        previous = None
+    if previous == json.loads(json.dumps(record)):
+        return  # an interrupted run of this very training: fairseq resumes it
+    why = ("no record of how they were trained" if previous is None else
+           "they were trained with other settings" if previous.get("settings") != record["settings"] else
+           "their inputs (corpus or teacher) have changed since")
+    raise RecipeError(
+        f"{save_dir} holds checkpoints ({', '.join(checkpoints)}) that this recipe would have to replace: {why}. "
+        "The recipe never overwrites a checkpoint: move or delete that folder (and the steps that used it "
+        "re-run), or choose another --workdir"
+    )
+
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _as_step(step: RecipeStep, execute: Callable[[Sequence[str], Path], None]) -> Step:
+    def run_commands() -> None:
+        for command in step.commands:
+            execute(command, step.log)
+
+    return Step(step.name, step.action or run_commands, inputs=step.inputs, outputs=step.outputs,
+                params=step.settings)
+
+
+def stamp_runner(plan: RecipePlan) -> StepRunner:
+    return StepRunner(plan.workdir / "stamps")
+
+
+def step_status(plan: RecipePlan) -> list[tuple[RecipeStep, bool]]:
+    """(step, done) for every step, without running anything."""
+    runner = stamp_runner(plan)
+    return [(step, runner.is_done(_as_step(step, lambda *_: None))) for step in plan.steps]
+
+
+def describe_plan(plan: RecipePlan) -> str:
+    """The steps with their state and command lines (what ``--dry-run`` prints)."""
+    lines = [f"recipe {plan.pair.name} ({plan.pair.title}), profile {plan.profile.name}"
+             + (f", {plan.world_size} GPU(s)" if plan.profile.device == "cuda" else ""),
+             f"working folder {plan.workdir}", ""]
+    for step, done in step_status(plan):
+        lines.append(f"[{'done' if done else 'to run'}] {step.name}: {step.description}")
+        for command in step.commands:
+            lines.append(f"    {shlex.join(command)}")
+        if not step.commands:
+            lines.append("    (in-process)")
+    return "\n".join(lines) + "\n"
+
+
+def preflight(plan: RecipePlan) -> None:
+    """Refuse, before any step runs, a training step that would have to replace checkpoints."""
+    runner = stamp_runner(plan)
+    for step in plan.steps:
+        if step.save_dir is None or runner.is_done(_as_step(step, lambda *_: None)):
+            continue
+        check_checkpoint_folder(step.save_dir, training_record(step.settings, step.inputs))
+
+
+def write_manifest(plan: RecipePlan) -> None:
+    plan.workdir.mkdir(parents=True, exist_ok=True)
+    manifest = plan.workdir / MANIFEST_NAME
+    if not manifest.exists():
+        manifest.write_text(json.dumps({"format": MANIFEST_FORMAT, "pair": plan.pair.name,
+                                        "profile": plan.profile.name}, indent=1) + "\n", encoding="utf-8")
+
+
+def run_plan(plan: RecipePlan) -> RecipeResult:
+    """Run every step that is not done; return which ran and which were skipped."""
+    preflight(plan)
+    write_manifest(plan)
+    runner = stamp_runner(plan)
+    for step in plan.steps:
+        try:
+            runner.run(_as_step(step, plan.execute))
+        except PrepareError as error:  # the step runner's own checks (missing inputs or outputs)
+            raise RecipeError(f"step {step.name}: {error} (log: {step.log})") from None
+        except RecipeError as error:
+            raise RecipeError(f"step {step.name} failed: {error}") from None
+    return RecipeResult(executed=list(runner.executed), skipped=list(runner.skipped),
+                        report_markdown=plan.report_prefix.with_name(plan.report_prefix.name + ".md"))
