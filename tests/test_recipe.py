@@ -27,7 +27,8 @@ from fairseq_kd_recipes.execute import (
     run_plan,
     training_record,
 )
-from fairseq_kd_recipes.methods import BASELINE, TEACHER
+from fairseq_kd_recipes.methods import (BASELINE, CRITERIA, METHODS, PLAIN_CRITERION, README_TABLE_HEADER, TEACHER,
+                                       readme_flag_table)
 from fairseq_kd_recipes.pairs import PAIRS
 from fairseq_kd_recipes.plan import RecipeOptions, batch_split, build_plan, with_placement
 from fairseq_kd_recipes.prepare.corpora import iwslt14_de_en
@@ -175,6 +176,76 @@ def test_every_method_is_a_valid_fairseq_train_command(tmp_path, pair_name):
         if method.criterion in ("tinybert", "minilm"):  # both need the teacher's head count
             assert args.encoder_attention_heads == teacher.encoder_attention_heads
             assert args.decoder_attention_heads == teacher.decoder_attention_heads
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_readme_flag_table_is_the_one_generated_from_the_method_table():
+    """The README's table of criterions and flags is what ``python -m fairseq_kd_recipes.methods``
+    prints (regenerate it with that command after changing CRITERIA)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    start = readme.index(README_TABLE_HEADER)
+    end = readme.index("\n\n", start)
+    assert readme[start:end + 1] == readme_flag_table()
+
+
+def test_every_listed_flag_value_parses_with_fairseq_train_for_its_criterion(tmp_path):
+    """Each value the README lists for a flag is accepted by fairseq-train's parser with that
+    criterion and arrives unchanged; a flag with choices lists all of them (so a renamed or added
+    choice cannot drift from the table); the first value is the criterion's default where the
+    config has one."""
+    import fairseq_kd
+
+    fairseq_kd.register()
+    from fairseq.criterions import CRITERION_DATACLASS_REGISTRY
+
+    for criterion in CRITERIA:
+        defaults = {field.name: field.default for field in dataclasses.fields(CRITERION_DATACLASS_REGISTRY[criterion.name])}
+        for flag, *values in criterion.flags:
+            dest = flag[2:].replace("-", "_")
+            assert dest in defaults, f"{criterion.name}: {flag} is not a flag of the criterion"
+            for value in values or [None]:
+                parser = options_parser("training")
+                command = ["python", str(tmp_path), "--task", "translation_kd", "--arch", "transformer",
+                           "--criterion", criterion.name, flag, *([value] if value is not None else [])]
+                parsed = getattr(parse_command(parser, command), dest)
+                if value is None:
+                    assert parsed is True, f"{criterion.name} {flag}: not a switch"
+                else:
+                    assert str(parsed) == value or float(parsed) == float(value), (criterion.name, flag, value, parsed)
+            (action,) = [a for a in parser._actions if flag in a.option_strings]
+            if action.choices is not None:
+                assert sorted(values) == sorted(map(str, action.choices)), (criterion.name, flag, action.choices)
+            default = defaults[dest]
+            if values and default is not None:
+                assert str(default) == values[0] or float(default) == float(values[0]), (criterion.name, flag, default)
+
+
+def test_recipes_benchmark_and_readme_are_derived_from_one_table():
+    """Every method trains a criterion of the README's table (or plain CE), every criterion of that
+    table has a method, the benchmark's rows are the table's rows with the table's flags, and each
+    pair trains only rows meant for recipes."""
+    from fairseq_kd_recipes import benchmark
+
+    criteria = {criterion.name for criterion in CRITERIA}
+    assert len(criteria) == len(CRITERIA)
+    used = {method.criterion for method in METHODS.values()}
+    assert used - criteria == {PLAIN_CRITERION} and criteria <= used
+    for name, flags in benchmark.METHODS.items():
+        if name in (benchmark.PLAIN, benchmark.LIMIT):
+            assert flags == ["--criterion", PLAIN_CRITERION, "--label-smoothing", "0.1"]
+            continue
+        method = METHODS[name]
+        assert flags[:2] == ["--criterion", method.criterion]
+        assert tuple(flags[2:2 + len(method.criterion_args)]) == method.criterion_args
+    assert set(benchmark.DEFAULT_METHODS) <= set(benchmark.METHODS)
+    assert {name for name, method in METHODS.items() if method.benchmarked} == set(benchmark.DEFAULT_METHODS[2:])
+    for pair in PAIRS.values():
+        assert all(method.in_recipes for method in pair.methods()), pair.name
+    only_measured = [name for name, method in METHODS.items() if not method.in_recipes]
+    assert only_measured and not any(name in {m.name for m in pair.methods()} for pair in PAIRS.values()
+                                     for name in only_measured)
 
 
 def test_paper_specific_settings(tmp_path):

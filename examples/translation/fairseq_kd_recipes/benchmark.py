@@ -42,42 +42,33 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-# Flags added to the common training flags for each method; the student and teacher come from
-# the configuration. A method appears in the table under its key.
-PLAIN_FLAGS = ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
+from .methods import METHODS as METHOD_TABLE
+from .methods import PLAIN_CRITERION, Method
+
+PLAIN_FLAGS = ["--criterion", PLAIN_CRITERION, "--label-smoothing", "0.1"]
 #: the two reference rows every table has (measured like the methods, in the same rounds)
 PLAIN, LIMIT = "plain", "limit"
+
+
+def method_flags(method: Method) -> List[str]:
+    """The flags a table row adds to the common training flags (the student and the teacher come
+    from the configuration; a cached teacher's path is filled in per configuration)."""
+    cache = ["--teacher-cache", "{teacher_cache}"] if method.teacher_cache else []
+    return ["--criterion", method.criterion, *method.criterion_args, *cache]
+
+
+# The two reference rows, then every row of the method table that trains on the original corpus
+# (seq_kd's step is plain training on other data). TinyBERT and MiniLM compare heads one to one:
+# every configuration's student has the teacher's head count, so all methods (plain included)
+# train the same student.
 METHODS: Dict[str, List[str]] = {
     PLAIN: PLAIN_FLAGS,
     # plain training step, then the teacher's forward pass under no_grad (see the module docstring)
     LIMIT: PLAIN_FLAGS,
-    "word_kd": ["--criterion", "word_kd"],
-    # word-level KD from the teacher's top-8 cache (fairseq-kd-teacher-cache): no teacher forward
-    "word_kd_cached": ["--criterion", "word_kd", "--teacher-cache", "{teacher_cache}"],
-    "selective_kd": ["--criterion", "selective_kd", "--selection", "batch"],
-    # global selection adds the FIFO queue of recent CE values (Wang et al. 2021: 30k tokens)
-    "selective_kd_global": ["--criterion", "selective_kd", "--selection", "global"],
-    "a2d_kd": ["--criterion", "a2d_kd"],
-    "a2d_kd_layerwise": ["--criterion", "a2d_kd", "--a2d-granularity", "layer"],
-    # TinyBERT and MiniLM compare heads one to one: every configuration's student has the
-    # teacher's head count, so all methods (plain included) train the same student.
-    "tinybert": ["--criterion", "tinybert"],
-    "minilm": ["--criterion", "minilm"],
-    # Hidden-state methods, encoder side (their default). PKD-skip; CKD with the regular and the
-    # largest (overlap) combination; ALP-KD over all teacher layers and in no-overlap buckets;
-    # RAIL-KD in both variants; internal KD with every pair at once (its most expensive epochs)
-    # and with its default stacked schedule (first epochs: one pair).
-    "pkd": ["--criterion", "pkd"],
-    "ckd": ["--criterion", "ckd", "--ckd-mapping", "rc"],
-    "ckd_oc": ["--criterion", "ckd", "--ckd-mapping", "oc"],
-    "ckd_decoder_too": ["--criterion", "ckd", "--ckd-mapping", "rc", "--layer-sides", "both"],
-    "alp_kd": ["--criterion", "alp_kd"],
-    "alp_kd_no": ["--criterion", "alp_kd", "--alp-buckets", "no"],
-    "rail_kd": ["--criterion", "rail_kd", "--rail-variant", "layerwise"],
-    "rail_kd_concat": ["--criterion", "rail_kd", "--rail-variant", "concatenated"],
-    "internal_kd_all": ["--criterion", "internal_kd", "--internal-schedule", "all"],
-    "internal_kd_sid": ["--criterion", "internal_kd", "--internal-schedule", "sid"],
+    **{name: method_flags(method) for name, method in METHOD_TABLE.items() if method.data == "original"},
 }
+#: what runs without --methods: the reference rows and the table's rows marked ``benchmarked``
+DEFAULT_METHODS = [PLAIN, LIMIT, *(name for name, method in METHOD_TABLE.items() if method.benchmarked)]
 
 CONFIGS = {
     "tiny": {
@@ -155,7 +146,10 @@ def prepare_config(name: str, workdir: Path) -> Dict[str, str]:
 
 
 def _user_dir() -> str:
-    return str(Path(__file__).resolve().parents[1])
+    """The plugin's folder, fairseq-train's --user-dir."""
+    import fairseq_kd
+
+    return str(Path(fairseq_kd.__file__).resolve().parent)
 
 
 def training_flags(config_name: str, paths: Dict[str, str], method: str) -> List[str]:
@@ -385,8 +379,8 @@ def cli_main(argv=None):
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=sorted(CONFIGS),
                         help="configurations to measure (default: %(default)s; wmt is A2D's WMT'14 size)")
     parser.add_argument("--methods", nargs="+", default=None,
-                        help=f"methods to measure (default: all: {', '.join(METHODS)}); 'plain' and 'limit' "
-                             "are always added")
+                        help=f"rows of the method table to measure (default: {', '.join(DEFAULT_METHODS)}; "
+                             f"any of: {', '.join(METHODS)}); 'plain' and 'limit' are always added")
     parser.add_argument("--steps", type=int, default=10, help="timed training steps per method")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
     parser.add_argument("--repeats", type=int, default=2,
@@ -403,7 +397,7 @@ def cli_main(argv=None):
                                   teacher_forward=args.child_teacher_forward)
         print(json.dumps(result))
         return
-    methods = args.methods or list(METHODS)
+    methods = args.methods or DEFAULT_METHODS
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"--methods: unknown {unknown}; known: {sorted(METHODS)}")

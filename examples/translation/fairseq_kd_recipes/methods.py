@@ -1,4 +1,11 @@
-"""The distillation methods a recipe can train, defined once for every language pair.
+"""The one table of distillation methods: what the recipes train, what the benchmark measures, and
+the README's table of criterions and their flags, all derived from here.
+
+Adding a method is one criterion file in ``fairseq_kd/criterions/`` with its tests, one row in
+:data:`CRITERIA` (its paper and main flags, which ``python -m fairseq_kd_recipes.methods`` prints as
+the README's table) and one or more rows of :class:`Method` (its variants: trained by the recipes
+and/or measured by ``fairseq_kd_recipes.benchmark``). ``tests/test_recipe.py`` checks that the three
+agree and that every listed flag value parses with fairseq-train's parser for its criterion.
 
 A :class:`Method` names the student it trains (a *role*, which each pair maps to an architecture
 in :mod:`fairseq_kd_recipes.pairs`), the registered fairseq criterion with the flags that select
@@ -15,6 +22,8 @@ Student roles (the papers' setups):
 """
 from __future__ import annotations
 
+import shlex
+import sys
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -41,6 +50,10 @@ class Method:
     #: read the teacher's top-k log-probabilities from a cache built once (fairseq-kd-teacher-cache)
     #: instead of running the teacher at every step (word-level KD terms only)
     teacher_cache: bool = False
+    #: a system the recipes can train (False: a variant only the benchmark measures)
+    in_recipes: bool = True
+    #: measured by default by the benchmark (step time and memory against plain training)
+    benchmarked: bool = False
 
     def __post_init__(self) -> None:
         if self.student not in STUDENT_ROLES:
@@ -51,10 +64,10 @@ class Method:
             raise ValueError(f"method {self.name}: unknown figure {self.figure!r}")
 
 
-def _ckd(strategy: str, label: str) -> Method:
+def _ckd(strategy: str, label: str, benchmarked: bool = False) -> Method:
     return Method(
         f"ckd_{strategy}", f"Combinatorial KD, {label} mapping (Wu et al. 2020), 2-layer student",
-        "student_2l", "ckd", ("--ckd-mapping", strategy),
+        "student_2l", "ckd", ("--ckd-mapping", strategy), benchmarked=benchmarked,
     )
 
 
@@ -63,40 +76,58 @@ _METHOD_LIST = (
            "label_smoothed_cross_entropy", uses_teacher=False),
     Method("word_kd", "word-level KD (Hinton et al. 2015), (1-a) CE + a KL; a = 0.5 as A2D's code "
            "(0.1 on the CKD paper's pairs)",
-           "student", "word_kd", ("--kd-weight", "0.5")),
+           "student", "word_kd", ("--kd-weight", "0.5"), benchmarked=True),
     Method("word_kd_cached", "word-level KD as word_kd, the teacher read from its top-8 cache "
            "(fairseq-kd-teacher-cache) instead of run at every step", "student", "word_kd", ("--kd-weight", "0.5"),
-           teacher_cache=True),
+           teacher_cache=True, benchmarked=True),
     Method("seq_kd", "sequence-level KD (Kim & Rush 2016): CE on the teacher's beam-5 outputs",
            "student", "label_smoothed_cross_entropy", data="seqkd", uses_teacher=False),
     Method("selective_kd", "selective KD (Wang et al. 2021), batch-level, word rate 0.5 (A2D Sec. 5.3)",
-           "student", "selective_kd", ("--word-rate", "0.5", "--selection", "batch")),
+           "student", "selective_kd", ("--word-rate", "0.5", "--selection", "batch"), benchmarked=True),
+    # global selection adds the FIFO queue of recent CE values (Wang et al. 2021: 30k tokens)
+    Method("selective_kd_global", "selective KD, global-level selection over a queue of 30k recent tokens",
+           "student", "selective_kd", ("--word-rate", "0.5", "--selection", "global"), in_recipes=False,
+           benchmarked=True),
     Method("pkd", "Patient KD, PKD-skip (Sun et al. 2019) on the encoder, intermediate layers", "student", "pkd",
-           ("--pkd-mapping", "skip")),
-    _ckd("rc", "regular (RC)"),
-    _ckd("oc", "overlap (OC)"),
+           ("--pkd-mapping", "skip"), benchmarked=True),
+    _ckd("rc", "regular (RC)", benchmarked=True),
+    _ckd("oc", "overlap (OC)", benchmarked=True),
     _ckd("sc", "skip (SC)"),
     _ckd("cc", "cross (CC)"),
+    Method("ckd_decoder_too", "Combinatorial KD, regular mapping, on the encoder and the decoder", "student", "ckd",
+           ("--ckd-mapping", "rc", "--layer-sides", "both"), in_recipes=False, benchmarked=True),
     Method("alp_kd", "ALP-KD (Passban et al. 2021), attention over all teacher layers", "student",
-           "alp_kd", ("--alp-buckets", "all"), figure="alp"),
+           "alp_kd", ("--alp-buckets", "all"), figure="alp", benchmarked=True),
+    Method("alp_kd_no", "ALP-KD, no-overlap buckets of teacher layers", "student", "alp_kd", ("--alp-buckets", "no"),
+           in_recipes=False, benchmarked=True),
     Method("rail_kd", "RAIL-KD (Haidar et al. 2022), layer-wise variant, u = 128", "student", "rail_kd",
-           ("--rail-variant", "layerwise")),
+           ("--rail-variant", "layerwise"), benchmarked=True),
+    Method("rail_kd_concat", "RAIL-KD, concatenated variant, u = 128", "student", "rail_kd",
+           ("--rail-variant", "concatenated"), in_recipes=False, benchmarked=True),
     # The internal phase without CE on the references, as the paper's Exp3.5 (soft labels kept
     # throughout), chosen on validation nll of the Multi30k benchmark: 3.575 after 6 epochs against
     # 3.683 with CE kept through the phase (internal_kd_ce) and 3.786 without KD.
     Method("internal_kd", "internal-representation KD (Aguilar et al. 2020), stacked schedule (SID), "
            "soft labels kept during the internal phase (the paper's Exp3.5)",
-           "student", "internal_kd", ("--internal-schedule", "sid", "--internal-soft-labels-throughout")),
+           "student", "internal_kd", ("--internal-schedule", "sid", "--internal-soft-labels-throughout"),
+           benchmarked=True),
     Method("internal_kd_ce", "internal-representation KD, stacked schedule (SID), CE on the references kept "
            "during the internal phase (the paper's Exp3.6 hard labels)",
            "student", "internal_kd", ("--internal-schedule", "sid", "--hard-label-weight", "1.0")),
+    # every pair at once: the most expensive epochs of internal KD
+    Method("internal_kd_all", "internal-representation KD, every layer pair at once", "student", "internal_kd",
+           ("--internal-schedule", "all"), in_recipes=False, benchmarked=True),
     Method("tinybert", "TinyBERT (Jiao et al. 2020) as A2D adapts it: attention, hidden, embedding, KD",
-           "student", "tinybert"),
+           "student", "tinybert", benchmarked=True),
     Method("minilm", "MiniLM (Wang et al. 2020): last-layer attention and value relations, plus CE and KD",
-           "student", "minilm"),
+           "student", "minilm", benchmarked=True),
     Method("a2d_kd_4h", "Align-to-Distill (Jin et al. 2024), head-wise AAM, 4-head student, the criterion's "
            "defaults (mixture normalisation, KL averaged over the teacher's maps)", "student_4h",
            "a2d_kd", ("--a2d-granularity", "head", "--a2d-attention-kinds", "all"), figure="alignment"),
+    Method("a2d_kd", "Align-to-Distill, the criterion's defaults", "student_4h", "a2d_kd", in_recipes=False,
+           benchmarked=True),
+    Method("a2d_kd_layerwise", "Align-to-Distill, layer-wise AAM", "student_4h", "a2d_kd",
+           ("--a2d-granularity", "layer"), in_recipes=False, benchmarked=True),
     Method("a2d_kd_row", "Align-to-Distill, signed AAM (Eq. 9), row-wise log-softmax of both maps",
            "student_4h", "a2d_kd", ("--a2d-normalization", "row")),
     Method("a2d_kd_flat", "Align-to-Distill, signed AAM, log-softmax over each whole masked map",
@@ -132,3 +163,72 @@ if len(METHODS) != len(_METHOD_LIST):
 BASELINE = "no_kd"
 #: the system name of the teacher in every output
 TEACHER = "teacher"
+
+
+@dataclass(frozen=True)
+class Criterion:
+    """One registered criterion as the README's table of flags shows it: the method's paper and its
+    main flags, each a flag with the values it takes (the first is the default where the criterion
+    has one; no value: a switch)."""
+
+    name: str
+    paper: str
+    flags: tuple[tuple[str, ...], ...]
+    #: what the flags alone do not say (markdown, after the flags)
+    note: str = ""
+
+    def flags_text(self) -> str:
+        """``--flag a|b --other 1``: the values of a flag joined by ``|``, each shell-quoted."""
+        return " ".join(" ".join([flag, "|".join(map(shlex.quote, values))]) if values else flag
+                        for flag, *values in self.flags)
+
+
+CRITERIA: tuple[Criterion, ...] = (
+    Criterion("word_kd", "word-level KD (Hinton et al. 2015)", (("--kd-weight", "0.5"), ("--kd-temperature", "1"))),
+    Criterion("selective_kd", "selective KD (Wang et al. 2021)",
+              (("--word-rate", "0.5"), ("--selection", "batch", "global"), ("--queue-size", "30000"))),
+    Criterion("pkd", "Patient KD (Sun et al. 2019)",
+              (("--pkd-mapping", "skip", "last"), ("--layer-sides", "encoder", "decoder", "both"),
+               ("--pkd-include-top-layer",)),
+              note="(default: intermediate layers only, as the paper)"),
+    Criterion("ckd", "combinatorial KD (Wu et al. 2020)",
+              (("--ckd-mapping", "rc", "oc", "sc", "cc"), ("--ckd-layer-map", "1,2,3|4,5,6"))),
+    Criterion("alp_kd", "ALP-KD (Passban et al. 2021)",
+              (("--alp-buckets", "all", "no", "po"), ("--alp-bucket-map", "1,2,3,4|5,6,7,8|9,10,11,12"))),
+    Criterion("rail_kd", "RAIL-KD (Haidar et al. 2022)",
+              (("--rail-variant", "layerwise", "concatenated"), ("--rail-projection-dim", "128"))),
+    Criterion("internal_kd", "internal-representation KD (Aguilar et al. 2020)",
+              (("--internal-schedule", "sid", "all", "pid"), ("--internal-epochs-per-layer", "5"),
+               ("--internal-cos-threshold", "0.05"), ("--hard-label-weight", "0"),
+               ("--internal-soft-labels-throughout",)),
+              note="(a positive `--hard-label-weight` keeps CE on the references, "
+                   "`--internal-soft-labels-throughout` the soft labels, during the internal phase)"),
+    Criterion("tinybert", "TinyBERT (Jiao et al. 2020)",
+              tuple((f"--tinybert-{term}-weight", "1") for term in ("att", "hidden", "emb", "pred"))),
+    Criterion("minilm", "MiniLM (Wang et al. 2020)",
+              (("--minilm-att-weight", "1"), ("--minilm-vr-weight", "1"), ("--minilm-kd-weight", "1"),
+               ("--minilm-attention-kinds", "self", "all"))),
+    Criterion("a2d_kd", "Align-to-Distill (Jin et al. 2024)",
+              (("--a2d-preset", "low_resource", "wmt"), ("--a2d-lambda-decay", "0.9"),
+               ("--a2d-granularity", "head", "layer"),
+               ("--a2d-attention-kinds", "all", "enc_self", "dec_all", "dec_self", "dec_cross"),
+               ("--a2d-normalization", "mixture", "row", "flat", "authors"),
+               ("--a2d-map-reduction", "auto", "mean", "sum"))),
+)
+#: fairseq's own criterion, which the methods without a distillation term train with
+PLAIN_CRITERION = "label_smoothed_cross_entropy"
+README_TABLE_HEADER = "| criterion | method | main flags |\n|---|---|---|\n"
+
+
+def readme_flag_table() -> str:
+    """The README's table of criterions and their flags (markdown)."""
+    rows = []
+    for criterion in CRITERIA:
+        flags = f"`{criterion.flags_text()}`".replace("|", "\\|")
+        note = f" {criterion.note}" if criterion.note else ""
+        rows.append(f"| `{criterion.name}` | {criterion.paper} | {flags}{note} |")
+    return README_TABLE_HEADER + "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(readme_flag_table())

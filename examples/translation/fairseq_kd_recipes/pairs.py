@@ -130,7 +130,7 @@ class PairRecipe:
         """The methods this pair can train, in table order."""
         return [
             method for method in METHODS.values()
-            if method.student in self.students and method.name not in self.excluded_methods
+            if method.in_recipes and method.student in self.students and method.name not in self.excluded_methods
         ]
 
     def criterion_args(self, method: Method) -> tuple[str, ...]:

@@ -131,7 +131,7 @@ def select_methods(pair: PairRecipe, names: Optional[Sequence[str]]) -> list[Met
         message = f"--methods: unknown method(s) for {pair.name}: {', '.join(unknown)}. Valid names: {valid} (or all)"
         if TEACHER in unknown:
             message += f". The {TEACHER} is always trained"
-        elsewhere = [name for name in unknown if name in METHODS]
+        elsewhere = [name for name in unknown if name in METHODS and METHODS[name].in_recipes]
         if elsewhere:
             message += (f". {', '.join(elsewhere)} would train the same model as another method of "
                         f"{pair.name} or need(s) a student it does not define")
