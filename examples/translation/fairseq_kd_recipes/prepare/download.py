@@ -13,6 +13,13 @@ checksum, the transfer is still checked against the server's announced length, a
 sha256 is printed and recorded in ``<workdir>/downloads/checksums.json`` so the user can pin it
 (``--checksums FILE``) for the next machine.  A missing or corrupt file raises
 :class:`~fairseq_kd_recipes.prepare.errors.PrepareError` naming the file and the expected checksum.
+
+Why not a library's downloader: ``pooch`` is not a dependency (and restarts an interrupted
+transfer), and sacreBLEU's own (``sacrebleu.utils.download_file``, behind its test-set download)
+reads the whole file into memory, cannot resume a transfer, knows one address and an md5 only,
+writes straight to the final name, and ends the process with ``sys.exit(1)`` on a mismatch.
+Resuming multi-gigabyte WMT archives, mirrors, sha256 pins and errors the recipe can report are
+what this module keeps.
 """
 from __future__ import annotations
 
