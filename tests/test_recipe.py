@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -345,23 +347,46 @@ def test_checkpoint_folder_is_used_only_by_the_same_training(tmp_path):
     data.write_bytes(b"corpus")
     save_dir = tmp_path / "train" / "teacher"
     settings = {"commands": [["fairseq-train", "--lr", "5e-4"]]}
-    record = training_record(settings, [data])
-    check_checkpoint_folder(save_dir, record)  # no folder yet
+    record = check_checkpoint_folder(save_dir, settings, [data])  # no folder yet
+    assert record == training_record(settings, [data])
+    assert record["inputs"][str(data)]["sha256"] == hashlib.sha256(b"corpus").hexdigest()
     save_dir.mkdir(parents=True)
     (save_dir / "train.log").write_text("")
-    check_checkpoint_folder(save_dir, record)  # no checkpoint yet
+    check_checkpoint_folder(save_dir, settings, [data])  # no checkpoint yet
     (save_dir / "checkpoint_last.pt").write_bytes(b"weights")
     with pytest.raises(RecipeError, match="no record of how they were trained"):
-        check_checkpoint_folder(save_dir, record)
+        check_checkpoint_folder(save_dir, settings, [data])
     (save_dir / TRAIN_RECORD_NAME).write_text(json.dumps(record))
-    check_checkpoint_folder(save_dir, record)  # an interrupted run of the same training resumes
-    other = training_record({"commands": [["fairseq-train", "--lr", "1e-3"]]}, [data])
+    check_checkpoint_folder(save_dir, settings, [data])  # an interrupted run of the same training resumes
+    os.utime(data, ns=(1, 1))  # the same content, touched: still the same training (content, not times)
+    check_checkpoint_folder(save_dir, settings, [data])
     with pytest.raises(RecipeError, match="other settings"):
-        check_checkpoint_folder(save_dir, other)
+        check_checkpoint_folder(save_dir, {"commands": [["fairseq-train", "--lr", "1e-3"]]}, [data])
     data.write_bytes(b"another corpus")
     with pytest.raises(RecipeError, match="inputs .* have changed"):
-        check_checkpoint_folder(save_dir, training_record(settings, [data]))
+        check_checkpoint_folder(save_dir, settings, [data])
     assert (save_dir / "checkpoint_last.pt").read_bytes() == b"weights"
+
+
+def test_a_format_1_training_record_keeps_resuming_and_is_refused_when_inputs_changed(tmp_path):
+    """Working folders from before the shared fingerprints hold records of sizes and modification
+    times without a format: the same training resumes (and gets a current record), another is refused."""
+    data = tmp_path / "data-bin"
+    data.mkdir()
+    (data / "train.bin").write_bytes(b"corpus")
+    save_dir = tmp_path / "train" / "teacher"
+    save_dir.mkdir(parents=True)
+    (save_dir / "checkpoint_last.pt").write_bytes(b"weights")
+    settings = {"commands": [["fairseq-train", "--lr", "5e-4"]]}
+    stat = (data / "train.bin").stat()
+    legacy = {"settings": settings, "inputs": {str(data): {"train.bin": [stat.st_size, stat.st_mtime_ns]}}}
+    (save_dir / TRAIN_RECORD_NAME).write_text(json.dumps(legacy))
+    record = check_checkpoint_folder(save_dir, settings, [data])
+    assert record["format"] == 2 and record["inputs"][str(data)]["files"]["train.bin"]["size"] == stat.st_size
+    (data / "train.bin").write_bytes(b"CORPUS")
+    os.utime(data / "train.bin", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    with pytest.raises(RecipeError, match="inputs .* have changed"):
+        check_checkpoint_folder(save_dir, settings, [data])
 
 
 # ----------------------------------------------------------------------------- end to end

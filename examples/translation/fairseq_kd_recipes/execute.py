@@ -4,8 +4,9 @@ outputs and its settings: re-running the recipe skips every finished step, and a
 re-runs exactly what depends on it.
 
 Training checkpoints are never overwritten. Before fairseq-train starts, the recipe writes the
-training settings and its inputs' sizes and modification times into the save folder; a folder
-that already holds checkpoints is used only when that record matches, which is an interrupted
+training settings and its inputs' fingerprints (the step runner's, :mod:`.prepare.fingerprint`)
+into the save folder (``recipe_train.json``); a folder that already holds checkpoints is used only
+when that record matches (same settings, inputs of the same content), which is an interrupted
 run of the same training (fairseq resumes it from ``checkpoint_last.pt``). Anything else (other
 settings, a re-prepared corpus, a retrained teacher) stops the recipe, before any step runs, with
 the folder to move away. Where a model is placed (``--fp16``, ``--cpu``, the number of GPUs and
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 from .prepare.errors import PrepareError
+from .prepare.fingerprint import content, fingerprint, read_json
 from .prepare.pipeline import Step, StepRunner
 
 if TYPE_CHECKING:
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
 
 MANIFEST_NAME = "recipe.json"
 TRAIN_RECORD_NAME = "recipe_train.json"
+#: version of recipe_train.json (records without one are format 1: sizes and modification times)
+TRAIN_RECORD_FORMAT = 2
 MANIFEST_FORMAT = 1
 #: this project's commands that run inside the recipe's process (light, CPU-only)
 IN_PROCESS_MODULES = frozenset({
@@ -131,10 +135,25 @@ def tail(path: Path, lines: int = 25) -> str:
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _signature(path: Path):
-    """Size and modification time of a file, or of every file in a folder (None if absent)."""
+def training_record(settings: Mapping, inputs: Sequence[Path], previous: Optional[Mapping] = None) -> dict:
+    """What identifies one training run: its settings and its inputs' fingerprints (the scheme of
+    every resumable step, :mod:`.prepare.fingerprint`; None for an input not there yet). A
+    ``previous`` record of this format spares re-hashing files whose size and time are unchanged."""
+    recorded = previous.get("inputs") or {} if previous and previous.get("format") == TRAIN_RECORD_FORMAT else {}
+    return {"format": TRAIN_RECORD_FORMAT, "settings": json.loads(json.dumps(dict(settings))),
+            "inputs": {str(path): fingerprint(Path(path), recorded.get(str(path))) if Path(path).exists() else None
+                       for path in inputs}}
+
+
+def _inputs_content(record: Mapping) -> dict:
+    return {path: None if recorded is None else content(recorded) for path, recorded in record["inputs"].items()}
+
+
+def _size_and_time(path: Path):
+    """A format-1 record's view of an input: size and modification time of a file, or of every file
+    in a folder (None if absent)."""
     if path.is_dir():
-        return {child.relative_to(path).as_posix(): _signature(child)
+        return {child.relative_to(path).as_posix(): _size_and_time(child)
                 for child in sorted(path.rglob("*")) if child.is_file()}
     if path.is_file():
         stat = path.stat()
@@ -142,23 +161,30 @@ def _signature(path: Path):
     return None
 
 
-def training_record(settings: Mapping, inputs: Sequence[Path]) -> dict:
-    """What identifies one training run: its settings and the state of its inputs."""
-    return {"settings": dict(settings), "inputs": {str(path): _signature(Path(path)) for path in inputs}}
+def same_training(previous: Mapping, record: Mapping) -> bool:
+    """Whether ``previous`` (a save folder's record) describes the training ``record`` describes:
+    the same settings and inputs of the same content. A record without a format (format 1, written
+    before the recipes shared the step runner's fingerprints) holds sizes and modification times,
+    and is compared as it was then, so its working folder keeps resuming."""
+    if previous.get("settings") != record["settings"]:
+        return False
+    if previous.get("format") == TRAIN_RECORD_FORMAT:
+        return _inputs_content(previous) == _inputs_content(record)
+    return previous.get("inputs") == {path: _size_and_time(Path(path)) for path in record["inputs"]}
 
 
-def check_checkpoint_folder(save_dir: Path, record: Mapping) -> None:
-    """Refuse a save folder whose checkpoints come from another training run (see the module doc)."""
-    checkpoints = sorted(path.name for path in save_dir.glob("checkpoint*.pt")) if save_dir.is_dir() else []
-    if not checkpoints:
-        return
-    record_path = save_dir / TRAIN_RECORD_NAME
-    try:
-        previous = json.loads(record_path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError):
-        previous = None
-    if previous == json.loads(json.dumps(record)):
-        return  # an interrupted run of this very training: fairseq resumes it
+def checkpoints_in(save_dir: Path) -> list[str]:
+    return sorted(path.name for path in save_dir.glob("checkpoint*.pt")) if save_dir.is_dir() else []
+
+
+def check_checkpoint_folder(save_dir: Path, settings: Mapping, inputs: Sequence[Path]) -> dict:
+    """The record to write into ``save_dir`` before training; refuses a save folder whose
+    checkpoints come from another training run (see the module doc)."""
+    previous = read_json(save_dir / TRAIN_RECORD_NAME)
+    record = training_record(settings, inputs, previous)
+    checkpoints = checkpoints_in(save_dir)
+    if not checkpoints or (previous is not None and same_training(previous, record)):
+        return record  # nothing to protect, or an interrupted run of this very training: fairseq resumes it
     why = ("no record of how they were trained" if previous is None else
            "they were trained with other settings" if previous.get("settings") != record["settings"] else
            "their inputs (corpus or teacher) have changed since")
@@ -167,7 +193,6 @@ def check_checkpoint_folder(save_dir: Path, record: Mapping) -> None:
         "The recipe never overwrites a checkpoint: move or delete that folder (and the steps that used it "
         "re-run), or choose another --workdir"
     )
-
 
 
 # ----------------------------------------------------------------------------- running
@@ -210,9 +235,9 @@ def preflight(plan: RecipePlan) -> None:
     """Refuse, before any step runs, a training step that would have to replace checkpoints."""
     runner = stamp_runner(plan)
     for step in plan.steps:
-        if step.save_dir is None or runner.is_done(_as_step(step, lambda *_: None)):
+        if step.save_dir is None or not checkpoints_in(step.save_dir) or runner.is_done(_as_step(step, lambda *_: None)):
             continue
-        check_checkpoint_folder(step.save_dir, training_record(step.settings, step.inputs))
+        check_checkpoint_folder(step.save_dir, step.settings, step.inputs)
 
 
 def write_manifest(plan: RecipePlan) -> None:

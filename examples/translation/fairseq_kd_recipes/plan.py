@@ -35,9 +35,10 @@ from typing import Callable, Optional, Sequence
 import fairseq_kd
 
 from .execute import (MANIFEST_NAME, TRAIN_RECORD_NAME, CommandExecutor, RecipeError, check_checkpoint_folder,
-                      console_script, python_module, training_record)
+                      console_script, python_module)
 from .methods import BASELINE, METHODS, TEACHER, Method
 from .pairs import BEAM, EVAL_BLEU_ARGS, LABEL_SMOOTHING, PAIRS, PairRecipe
+from .prepare.fingerprint import write_json
 from .profiles import PROFILES, Profile
 from .results import SystemDecoding, write_systems_sidecar
 
@@ -419,11 +420,7 @@ class _Planner:
         execute = self.execute
 
         def action() -> None:
-            record = training_record(settings, inputs)
-            check_checkpoint_folder(save_dir, record)
-            save_dir.mkdir(parents=True, exist_ok=True)
-            (save_dir / TRAIN_RECORD_NAME).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n",
-                                                      encoding="utf-8")
+            write_json(save_dir / TRAIN_RECORD_NAME, check_checkpoint_folder(save_dir, settings, inputs))
             execute(with_placement(args, placement), log)
 
         self.add(step_name, [(args, placement)], inputs, [self.trained_checkpoint(system), save_dir / "train.log"],

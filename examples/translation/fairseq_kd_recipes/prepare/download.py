@@ -23,7 +23,6 @@ what this module keeps.
 """
 from __future__ import annotations
 
-import hashlib
 import http.client
 import json
 import logging
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Mapping
 
 from .errors import PrepareError
+from .fingerprint import fingerprint, read_json, write_json
 
 LOG = logging.getLogger(__name__)
 
@@ -91,18 +91,10 @@ class FileDigest:
     sha256: str
     md5: str
 
-
-def digest_file(path: Path) -> FileDigest:
-    """sha256 and md5 of ``path`` (one read)."""
-    sha256 = hashlib.sha256()
-    md5 = hashlib.md5(usedforsecurity=False)
-    size = 0
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(CHUNK_BYTES), b""):
-            sha256.update(block)
-            md5.update(block)
-            size += len(block)
-    return FileDigest(size=size, sha256=sha256.hexdigest(), md5=md5.hexdigest())
+    @classmethod
+    def of(cls, recorded: Mapping) -> "FileDigest":
+        """From a file's fingerprint (:mod:`.fingerprint`) taken with ``md5=True``."""
+        return cls(size=recorded["size"], sha256=recorded["sha256"], md5=recorded["md5"])
 
 
 def load_pinned_checksums(path: Path) -> dict[str, str]:
@@ -188,17 +180,11 @@ class Fetcher:
     def _cached_digest(self, path: Path) -> FileDigest:
         """Digest of ``path``, reusing a recorded one while size and mtime are unchanged."""
         cache_path = self._digest_cache_path()
-        cache = _read_json(cache_path)
+        cache = read_json(cache_path) or {}
         key = str(path.resolve())
-        stat = path.stat()
-        entry = cache.get(key)
-        if entry and entry.get("size") == stat.st_size and entry.get("mtime_ns") == stat.st_mtime_ns:
-            return FileDigest(size=entry["size"], sha256=entry["sha256"], md5=entry["md5"])
-        digest = digest_file(path)
-        cache[key] = {"size": digest.size, "mtime_ns": stat.st_mtime_ns, "sha256": digest.sha256, "md5": digest.md5}
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        _write_json(cache_path, cache)
-        return digest
+        cache[key] = fingerprint(path, cache.get(key), md5=True)
+        write_json(cache_path, cache)
+        return FileDigest.of(cache[key])
 
     def _verify(self, path: Path, remote: RemoteFile, remedy: str) -> FileDigest:
         digest = self._cached_digest(path)
@@ -221,9 +207,9 @@ class Fetcher:
         )
         if self.archives_dir is None:
             record = self.download_dir / "checksums.json"
-            recorded = _read_json(record)
+            recorded = read_json(record) or {}
             recorded[remote.name] = digest.sha256
-            _write_json(record, recorded)
+            write_json(record, recorded)
 
     def _download(self, remote: RemoteFile, target: Path) -> Path:
         part = target.with_name(target.name + ".part")
@@ -260,7 +246,7 @@ class Fetcher:
         )
 
     def _verify_part(self, part: Path, remote: RemoteFile, url: str) -> FileDigest:
-        digest = digest_file(part)
+        digest = FileDigest.of(fingerprint(part, md5=True))
         pinned = self.pinned_sha256.get(remote.name)
         problems = _mismatches(digest, remote, pinned)
         if problems:
@@ -275,13 +261,13 @@ class Fetcher:
         return digest
 
     def _remember_digest(self, path: Path, digest: FileDigest) -> None:
+        """Record the digest of a file just verified under its final name (renaming kept it)."""
         cache_path = self._digest_cache_path()
-        cache = _read_json(cache_path)
+        cache = read_json(cache_path) or {}
         stat = path.stat()
-        cache[str(path.resolve())] = {
-            "size": digest.size, "mtime_ns": stat.st_mtime_ns, "sha256": digest.sha256, "md5": digest.md5,
-        }
-        _write_json(cache_path, cache)
+        cache[str(path.resolve())] = {"kind": "file", "size": digest.size, "mtime_ns": stat.st_mtime_ns,
+                                      "sha256": digest.sha256, "md5": digest.md5}
+        write_json(cache_path, cache)
 
     def _transfer(self, url: str, part: Path, remote: RemoteFile) -> None:
         """Download ``url`` into ``part``, resuming from its current size when possible."""
@@ -347,14 +333,3 @@ def _content_range_start(header: str | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-
-
-def _write_json(path: Path, data: dict) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(temporary, path)

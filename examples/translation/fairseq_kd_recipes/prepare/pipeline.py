@@ -1,28 +1,27 @@
 """A small step runner: each step runs once, and again only when what it consumed has changed.
 
-A :class:`Step` declares its input files, its output files and its parameters.  After the step
+A :class:`Step` declares its input files, its output files and its parameters. After the step
 succeeds, :class:`StepRunner` writes a stamp ``<stamp_dir>/<step name>.json`` holding the sha256,
-size and modification time of every input and output and the parameters.  On the next run the
-step is skipped when the stamp exists, the parameters are equal, every input still has the
-recorded sha256 and every output still exists with the recorded content.  Checksums are
-recomputed only for files whose size or modification time changed, so checking a finished
-pipeline is cheap even for gigabyte-sized corpora.
+size and modification time of every input and output (:mod:`.fingerprint`, the one scheme of every
+resumable step) and the parameters. On the next run the step is skipped when the stamp exists, the
+parameters are equal, every input still has the recorded sha256 and every output still exists with
+the recorded content. Checksums are recomputed only for files whose size or modification time
+changed, so checking a finished pipeline is cheap even for gigabyte-sized corpora.
 
 Because outputs of one step are inputs of the next, a changed upstream file re-runs exactly the
 steps that depend on it.  A step that is interrupted leaves no stamp and runs again.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from .errors import PrepareError
+from .fingerprint import content, fingerprint, read_json, write_json
 
 LOG = logging.getLogger(__name__)
 
@@ -40,41 +39,6 @@ class Step:
     inputs: Sequence[Path] = ()
     outputs: Sequence[Path] = ()
     params: Mapping[str, Any] = field(default_factory=dict)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _describe(path: Path, previous: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Fingerprint of a file (size, mtime, sha256) or a folder (its files' fingerprints).
-
-    ``previous`` is the recorded fingerprint: its sha256 is reused while size and mtime agree.
-    """
-    if path.is_dir():
-        previous_files = (previous or {}).get("files", {})
-        files = {}
-        for child in sorted(p for p in path.rglob("*") if p.is_file()):
-            relative = child.relative_to(path).as_posix()
-            files[relative] = _describe(child, previous_files.get(relative))
-        return {"kind": "dir", "files": files}
-    stat = path.stat()
-    if previous and previous.get("size") == stat.st_size and previous.get("mtime_ns") == stat.st_mtime_ns:
-        sha256 = previous["sha256"]
-    else:
-        sha256 = _sha256(path)
-    return {"kind": "file", "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256}
-
-
-def _content(fingerprint: Mapping[str, Any]) -> Any:
-    """The part of a fingerprint that identifies content (not modification times)."""
-    if fingerprint.get("kind") == "dir":
-        return {name: _content(child) for name, child in fingerprint["files"].items()}
-    return fingerprint.get("sha256")
 
 
 class StepRunner:
@@ -112,7 +76,7 @@ class StepRunner:
                 if not path.exists():
                     return False
                 previous = recorded[str(path.resolve())]
-                if _content(self._fingerprint(path, previous)) != _content(previous):
+                if content(self._fingerprint(path, previous)) != content(previous):
                     return False
         return True
 
@@ -144,15 +108,12 @@ class StepRunner:
 
     def _fingerprint(self, path: Path, recorded: Mapping[str, Any] | None = None) -> dict[str, Any]:
         key = str(path.resolve())
-        fingerprint = _describe(path, recorded or self._known.get(key))
-        self._known[key] = fingerprint
-        return fingerprint
+        recorded_now = fingerprint(path, recorded or self._known.get(key))
+        self._known[key] = recorded_now
+        return recorded_now
 
     def _read_stamp(self, name: str) -> dict | None:
-        try:
-            return json.loads(self.stamp_path(name).read_text(encoding="utf-8"))
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
+        return read_json(self.stamp_path(name))
 
     def _write_stamp(self, step: Step) -> None:
         stamp = {
@@ -161,11 +122,7 @@ class StepRunner:
             "inputs": {str(Path(p).resolve()): self._fingerprint(Path(p)) for p in step.inputs},
             "outputs": {str(Path(p).resolve()): self._fingerprint(Path(p)) for p in step.outputs},
         }
-        self.stamp_dir.mkdir(parents=True, exist_ok=True)
-        path = self.stamp_path(step.name)
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text(json.dumps(stamp, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(temporary, path)
+        write_json(self.stamp_path(step.name), stamp)
 
 
 def _json_roundtrip(value: Any) -> Any:

@@ -1,0 +1,69 @@
+"""The one fingerprint scheme of every resumable step: preparation and recipe stamps, the record
+of a training run (``recipe_train.json``) and the downloads' digest cache.
+
+A file's fingerprint is its size, modification time and sha256 (and md5 where a download manifest
+pins one); a folder's is its files' fingerprints. Two fingerprints describe the same content when
+their :func:`content` is equal, whatever the modification times. A recorded fingerprint is passed
+back as ``previous``: its checksums are reused while size and modification time agree, so checking
+a finished pipeline does not re-read gigabyte-sized corpora.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+CHUNK_BYTES = 1 << 20
+
+
+def fingerprint(path: Path, previous: Mapping[str, Any] | None = None, md5: bool = False) -> dict[str, Any]:
+    """``{"kind": "file", "size", "mtime_ns", "sha256"[, "md5"]}`` of a file, or
+    ``{"kind": "dir", "files": {relative path: fingerprint}}`` of a folder."""
+    path = Path(path)
+    if path.is_dir():
+        previous_files = (previous or {}).get("files", {})
+        return {"kind": "dir", "files": {
+            child.relative_to(path).as_posix(): fingerprint(child, previous_files.get(child.relative_to(path).as_posix()), md5)
+            for child in sorted(p for p in path.rglob("*") if p.is_file())}}
+    stat = path.stat()
+    reusable = (previous and previous.get("size") == stat.st_size and previous.get("mtime_ns") == stat.st_mtime_ns
+                and "sha256" in previous and (not md5 or "md5" in previous))
+    digests = {key: previous[key] for key in ("sha256", "md5") if key in previous} if reusable else _digests(path, md5)
+    return {"kind": "file", "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, **digests}
+
+
+def content(recorded: Mapping[str, Any]) -> Any:
+    """The part of a fingerprint that identifies content (not modification times)."""
+    if recorded.get("kind") == "dir":
+        return {name: content(child) for name, child in recorded["files"].items()}
+    return recorded.get("sha256")
+
+
+def _digests(path: Path, md5: bool) -> dict[str, str]:
+    """sha256 (and md5) of ``path`` in one read."""
+    hashes = {"sha256": hashlib.sha256(), **({"md5": hashlib.md5(usedforsecurity=False)} if md5 else {})}
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(CHUNK_BYTES), b""):
+            for digest in hashes.values():
+                digest.update(block)
+    return {name: digest.hexdigest() for name, digest in hashes.items()}
+
+
+def read_json(path: Path) -> dict | None:
+    """A record written by :func:`write_json`; None when absent or unreadable (a step interrupted
+    before its record was complete counts as not done)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write a record atomically (a temporary file renamed over it), keys sorted."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(temporary, path)
