@@ -16,6 +16,14 @@ from fairseq_kd.models.feature_capture import FeatureCapture
 COMMON = dict(sentence_avg=False, label_smoothing=0.1, kd_temperature=1.0)
 
 
+def build_criterion(criterion_class, task, **overrides):
+    """``criterion_class`` as fairseq builds it: from its registered dataclass config and the task
+    (the per-token normalisation unless ``sentence_avg=True`` is passed)."""
+    config_class = getattr(criterion_class, "__dataclass")
+    overrides.setdefault("sentence_avg", False)
+    return criterion_class.build_criterion(config_class(**overrides), task)
+
+
 def distillation_batch(criterion, student, sample) -> DistillationBatch:
     """The features ``criterion`` asked for, from one student and one teacher forward pass."""
     criterion.teacher.follow(next(student.parameters()))  # as the criterion does

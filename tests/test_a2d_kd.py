@@ -503,7 +503,8 @@ def test_whole_criterion_is_finite_in_low_precision(kd_task, tiny_batch, dtype):
     ({"a2d_lambda": -1.0}, "--a2d-lambda must be >= 0"),
     ({"a2d_lambda_decay": 0.0}, "--a2d-lambda-decay must be in"),
     ({"a2d_lambda_decay": 1.5}, "--a2d-lambda-decay must be in"),
-    ({"a2d_mu": -0.5}, "--a2d-mu must be >= 0"),
+    ({"a2d_mu": -0.5}, r"--a2d-mu \(alias of --kd-weight\) must be >= 0"),
+    ({"kd_weight": -0.5}, "--kd-weight must be >= 0"),
     ({"kd_temperature": 0.0}, "--kd-temperature must be > 0"),
 ])
 def test_inconsistent_options_fail_at_start(kd_task, overrides, message):

@@ -13,6 +13,7 @@ from fairseq_kd.models.feature_capture import CaptureRequest
 from fairseq_kd.modules.layer_mapping import LayerMappingError
 from fairseq_kd.scoring.plots import plot_alp_weights
 from hidden_kd_support import (
+    build_criterion,
     COMMON,
     assert_finite_in_half_precision,
     assert_reduces_to_label_smoothed_ce,
@@ -36,7 +37,7 @@ def assert_same_weights(actual, expected):
 def make_alp(task, **overrides):
     args = dict(COMMON, kd_weight=0.1, layer_weight=0.7, layer_sides="both", alp_buckets="all", alp_bucket_map=None)
     args.update(overrides)
-    return ALPKDCriterion(task, **args)
+    return build_criterion(ALPKDCriterion, task, **args)
 
 
 @torch.no_grad()

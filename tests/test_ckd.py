@@ -14,6 +14,7 @@ from fairseq_kd.criterions.ckd import CombinatorialKDCriterion
 from fairseq_kd.models.feature_capture import CaptureRequest
 from fairseq_kd.modules.layer_mapping import LayerMappingError
 from hidden_kd_support import (
+    build_criterion,
     COMMON,
     assert_finite_in_half_precision,
     assert_reduces_to_label_smoothed_ce,
@@ -36,7 +37,7 @@ TINY_MAPPINGS = {
 def make_ckd(task, **overrides):
     args = dict(COMMON, kd_weight=0.1, layer_weight=0.7, layer_sides="both", ckd_mapping="rc", ckd_layer_map=None)
     args.update(overrides)
-    return CombinatorialKDCriterion(task, **args)
+    return build_criterion(CombinatorialKDCriterion, task, **args)
 
 
 def concatenated_weight(fusion, mapping, student_slot):

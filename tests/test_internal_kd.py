@@ -14,6 +14,7 @@ from fairseq_kd.criterions.internal_kd import InternalKDCriterion, schedule_stag
 from fairseq_kd.models.feature_capture import DECODER_SELF, ENCODER_SELF
 from fairseq_kd.modules.layer_mapping import LayerMappingError
 from hidden_kd_support import (
+    build_criterion,
     assert_sentence_term_is_a_mean_over_sentences,
     COMMON,
     assert_finite_in_half_precision,
@@ -34,7 +35,7 @@ def make_internal(task, **overrides):
                 internal_schedule="all", internal_epochs_per_layer=5, internal_cos_threshold=0.05,
                 internal_soft_labels_throughout=False)
     args.update(overrides)
-    return InternalKDCriterion(task, **args)
+    return build_criterion(InternalKDCriterion, task, **args)
 
 
 @torch.no_grad()

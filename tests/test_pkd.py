@@ -8,6 +8,7 @@ from fairseq_kd.criterions.pkd import PatientKDCriterion
 from fairseq_kd.models.feature_capture import CaptureRequest
 from fairseq_kd.modules.layer_mapping import LayerMappingError
 from hidden_kd_support import (
+    build_criterion,
     COMMON,
     assert_finite_in_half_precision,
     assert_reduces_to_label_smoothed_ce,
@@ -31,7 +32,7 @@ def expected_layers(mapping, include_top):
 def make_pkd(task, **overrides):
     args = dict(COMMON, kd_weight=0.1, layer_weight=0.7, layer_sides="both", pkd_mapping="skip")
     args.update(overrides)
-    return PatientKDCriterion(task, **args)
+    return build_criterion(PatientKDCriterion, task, **args)
 
 
 @torch.no_grad()

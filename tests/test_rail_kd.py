@@ -11,6 +11,7 @@ from fairseq_kd.criterions.rail_kd import RailKDCriterion
 from fairseq_kd.models.feature_capture import CaptureRequest
 from fairseq_kd.modules.layer_mapping import LayerMappingError, draw_layers
 from hidden_kd_support import (
+    build_criterion,
     assert_sentence_term_is_a_mean_over_sentences,
     COMMON,
     assert_finite_in_half_precision,
@@ -27,7 +28,7 @@ def make_rail(task, **overrides):
     args = dict(COMMON, kd_weight=1 / 3, layer_weight=1 / 3, layer_sides="both", rail_variant="layerwise",
                 rail_projection_dim=8, rail_include_top_layers=False, seed=1)
     args.update(overrides)
-    return RailKDCriterion(task, **args)
+    return build_criterion(RailKDCriterion, task, **args)
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import build_tiny_student, train_student
+from hidden_kd_support import build_criterion
 
 import fairseq_kd
 from fairseq_kd.checkpoint_safety import safe_load
@@ -33,7 +34,7 @@ def selective(task, **overrides):
     args = dict(sentence_avg=False, label_smoothing=0.1, kd_weight=0.5, kd_temperature=1.0,
                 word_rate=0.5, selection="batch", queue_size=30000)
     args.update(overrides)
-    return SelectiveKDCriterion(task, **args)
+    return build_criterion(SelectiveKDCriterion, task, **args)
 
 
 # ------------------------------------------------------------------ slow references
@@ -81,7 +82,7 @@ def hand_batch(criterion, ce, mask, vocab=6, seed=0):
 @pytest.mark.parametrize("selection", ["batch", "global"])
 def test_word_rate_one_is_word_level_kd(kd_task, tiny_batch, selection):
     student = build_tiny_student(kd_task)
-    word = WordKDCriterion(kd_task, False, 0.1, kd_weight=0.5, kd_temperature=2.0)
+    word = build_criterion(WordKDCriterion, kd_task, label_smoothing=0.1, kd_weight=0.5, kd_temperature=2.0)
     sel = selective(kd_task, word_rate=1.0, selection=selection, kd_temperature=2.0)
     loss_word, size_word, log_word = word(student, tiny_batch)
     loss_sel, size_sel, log_sel = sel(student, tiny_batch)

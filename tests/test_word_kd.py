@@ -1,4 +1,5 @@
 """word_kd: the loss against hand-computed numbers and a slow reference, and its invariants."""
+import copy
 import math
 
 import pytest
@@ -6,13 +7,14 @@ import torch
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 
 from conftest import build_tiny_student
+from hidden_kd_support import build_criterion
 from fairseq_kd.criterions.base import KDCriterionBase
 from fairseq_kd.criterions.losses import word_level_kd
 from fairseq_kd.criterions.word_kd import WordKDCriterion
 
 
 def _criterion(task, kd_weight=0.5, temperature=1.0):
-    return WordKDCriterion(task, sentence_avg=False, label_smoothing=0.1, kd_weight=kd_weight,
+    return build_criterion(WordKDCriterion, task, label_smoothing=0.1, kd_weight=kd_weight,
                            kd_temperature=temperature)
 
 
@@ -109,14 +111,14 @@ def test_gradients_reach_the_student_only(kd_task, tiny_batch):
 def test_teacher_follows_the_student_dtype_and_fp16_values_stay_finite(kd_task, tiny_batch):
     student = build_tiny_student(kd_task).to(torch.bfloat16)
     criterion = _criterion(kd_task)
-    try:
-        loss, _, log = criterion(student, tiny_batch)
-        assert next(kd_task.teacher.model.parameters()).dtype == torch.bfloat16
-        assert torch.isfinite(loss) and torch.isfinite(log["word_kd_loss"])
-        half_logits = torch.randn(2, 3, 50).half() * 60  # large fp16 logits: softmax must not overflow
-        assert torch.isfinite(word_level_kd(half_logits, half_logits.flip(-1), torch.ones(2, 3, dtype=torch.bool)))
-    finally:
-        kd_task.teacher.model.float()
+    # Following the student to bfloat16 rounds the teacher's weights for good (float() does not
+    # restore them): this criterion gets its own copy so that later tests see the exact teacher.
+    criterion.teacher = copy.deepcopy(criterion.teacher)
+    loss, _, log = criterion(student, tiny_batch)
+    assert next(criterion.teacher.model.parameters()).dtype == torch.bfloat16
+    assert torch.isfinite(loss) and torch.isfinite(log["word_kd_loss"])
+    half_logits = torch.randn(2, 3, 50).half() * 60  # large fp16 logits: softmax must not overflow
+    assert torch.isfinite(word_level_kd(half_logits, half_logits.flip(-1), torch.ones(2, 3, dtype=torch.bool)))
 
 
 def test_reduce_metrics_logs_each_term_normalised_like_fairseq():

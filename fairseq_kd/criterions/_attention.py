@@ -4,7 +4,7 @@ They run when a criterion is built, before any data is read, so that a teacher w
 cannot be captured or a student whose heads cannot be compared fails with a message naming the
 flag to change, never with a shape error in the middle of training.
 """
-from typing import Sequence, Tuple
+from typing import Sequence
 
 from ..models.feature_capture import (
     DECODER_CROSS,
@@ -20,17 +20,6 @@ from ..models.shape import TransformerShape
 #: with the decoder's head count)
 HEADS_FLAG = {ENCODER_SELF: "--encoder-attention-heads", DECODER_SELF: "--decoder-attention-heads",
               DECODER_CROSS: "--decoder-attention-heads"}
-
-
-def kind_size(shape: TransformerShape, kind: str) -> Tuple[int, int]:
-    """``(layers, heads)`` of one attention kind of a model."""
-    if kind == ENCODER_SELF:
-        return shape.encoder_layers, shape.encoder_heads
-    if kind == DECODER_SELF:
-        return shape.decoder_layers, shape.decoder_heads
-    if kind == DECODER_CROSS:
-        return shape.decoder_layers, shape.cross_heads
-    raise ValueError(f"unknown attention kind {kind!r}")
 
 
 def check_capturable(teacher, request: CaptureRequest, criterion_name: str) -> None:
@@ -54,7 +43,7 @@ def check_equal_heads(teacher: TransformerShape, student: TransformerShape, kind
     """One clear error listing every attention kind whose student and teacher head counts differ."""
     problems = []
     for kind in kinds:
-        student_heads, teacher_heads = kind_size(student, kind)[1], kind_size(teacher, kind)[1]
+        student_heads, teacher_heads = student.kind_size(kind)[1], teacher.kind_size(kind)[1]
         if student_heads != teacher_heads:
             problems.append(
                 f"{kind.replace('_', ' ')} attention: student {student_heads} heads, teacher "

@@ -94,7 +94,7 @@ from torch import Tensor, nn
 
 from ..models.feature_capture import DECODER_CROSS, DECODER_SELF, ENCODER_SELF, AttentionMaps, CaptureRequest
 from ..modules.attention_alignment import AttentionAlignment
-from ._attention import check_capturable, kind_size
+from ._attention import check_capturable
 from .base import KDCriterionBase, KDCriterionConfig
 from .losses import word_level_kd
 
@@ -133,12 +133,12 @@ class A2DConfig(KDCriterionConfig):
         metadata={"help": "lambda at epoch e is lambda_0 * decay^(e-1); in (0, 1], 1 = constant; "
                   "overrides --a2d-preset (whose value is 0.9)"},
     )
-    a2d_mu: float = field(
+    kd_weight: float = field(
         default=1.0,
-        metadata={"help": "weight mu of word-level KD (Eq. 12); 0 = 'A2D w/o L_KD' (Table 2)"},
+        metadata={"help": "weight mu of word-level KD (Eq. 12), CE weight 1; 0 = 'A2D w/o L_KD' (Table 2)"},
     )
-    kd_temperature: float = field(
-        default=1.0, metadata={"help": "softmax temperature of word-level KD (loss scaled by tau^2)"}
+    a2d_mu: Optional[float] = field(
+        default=None, metadata={"help": "the paper's name for --kd-weight (mu, Eq. 12); when given, it replaces it"},
     )
     a2d_attention_kinds: ChoiceEnum(list(KIND_WEIGHTS)) = field(
         default="all",
@@ -179,22 +179,22 @@ class A2DConfig(KDCriterionConfig):
 @register_criterion("a2d_kd", dataclass=A2DConfig)
 class AlignToDistillCriterion(KDCriterionBase):
     TERM_NAMES = ("enc_self_att", "dec_self_att", "dec_cross_att", "word_kd")
+    KD_WEIGHT_ALIAS = "a2d_mu"
+    WEIGHT_FLAGS = {"ce": "1 - --a2d-alpha", "word_kd": "--kd-weight",
+                    **{term: "--a2d-lambda" for term in KIND_TERMS.values()}}
 
-    def __init__(self, task, sentence_avg, label_smoothing, a2d_preset, a2d_lambda, a2d_lambda_decay,
-                 a2d_mu, kd_temperature, a2d_attention_kinds, a2d_granularity, a2d_normalization,
-                 a2d_alpha=0.5, a2d_map_reduction="auto", ignore_prefix_size=0, report_accuracy=False):
-        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
-        preset_lambda, preset_decay = PRESETS[str(a2d_preset)]
-        self.lambda_0 = preset_lambda if a2d_lambda is None else float(a2d_lambda)
-        self.lambda_decay = preset_decay if a2d_lambda_decay is None else float(a2d_lambda_decay)
-        self.mu = float(a2d_mu)
-        self.kd_temperature = float(kd_temperature)
-        self.layerwise = str(a2d_granularity) == "layer"
-        self.normalization = str(a2d_normalization)
-        self.alpha = float(a2d_alpha)
-        self.map_reduction = resolve_map_reduction(str(a2d_map_reduction), self.normalization)
+    def __init__(self, cfg: A2DConfig, task):
+        super().__init__(cfg, task)
+        preset_lambda, preset_decay = PRESETS[str(cfg.a2d_preset)]
+        self.lambda_0 = preset_lambda if cfg.a2d_lambda is None else float(cfg.a2d_lambda)
+        self.lambda_decay = preset_decay if cfg.a2d_lambda_decay is None else float(cfg.a2d_lambda_decay)
+        self.mu = self.kd_weight
+        self.layerwise = str(cfg.a2d_granularity) == "layer"
+        self.normalization = str(cfg.a2d_normalization)
+        self.alpha = float(cfg.a2d_alpha)
+        self.map_reduction = resolve_map_reduction(str(cfg.a2d_map_reduction), self.normalization)
         self.average_maps = self.map_reduction == "mean"
-        self.kind_weights = KIND_WEIGHTS[str(a2d_attention_kinds)]
+        self.kind_weights = KIND_WEIGHTS[str(cfg.a2d_attention_kinds)]
         self._check_options()
 
         teacher_shape = self.teacher.shape
@@ -203,8 +203,8 @@ class AlignToDistillCriterion(KDCriterionBase):
         # CE + mu * KD (no unused parameters in the optimizer or under DDP).
         self.alignments = nn.ModuleDict()
         for kind in self.kind_weights if self.lambda_0 != 0 else ():
-            student_layers, student_heads = kind_size(student_shape, kind)
-            teacher_layers, teacher_heads = kind_size(teacher_shape, kind)
+            student_layers, student_heads = student_shape.kind_size(kind)
+            teacher_layers, teacher_heads = teacher_shape.kind_size(kind)
             if self.layerwise:
                 student_heads = teacher_heads = 1
             self.alignments[kind] = AttentionAlignment(
@@ -220,17 +220,11 @@ class AlignToDistillCriterion(KDCriterionBase):
         check_capturable(self.teacher, self.teacher_request, self.criterion_name())
 
     def _check_options(self) -> None:
-        if self.lambda_0 < 0:
-            raise ValueError(f"--a2d-lambda must be >= 0 (0 disables attention distillation), got {self.lambda_0}")
         if not 0 < self.lambda_decay <= 1:
             raise ValueError(
                 f"--a2d-lambda-decay must be in (0, 1] (lambda_e = lambda_0 * decay^(e-1); 1 keeps it "
                 f"constant), got {self.lambda_decay}"
             )
-        if self.mu < 0:
-            raise ValueError(f"--a2d-mu must be >= 0 (0 disables word-level KD), got {self.mu}")
-        if self.kd_temperature <= 0:
-            raise ValueError(f"--kd-temperature must be > 0, got {self.kd_temperature}")
         if not 0 <= self.alpha <= 1:
             raise ValueError(f"--a2d-alpha must be in [0, 1] ((1 - alpha) CE + alpha KD), got {self.alpha}")
 

@@ -61,13 +61,10 @@ class ALPKDCriterion(HiddenStateKDCriterion):
     LAYER_TERM = "alp"
     TERM_NAMES = ("word_kd", "alp")
 
-    def __init__(self, task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
-                 layer_sides, alp_buckets, alp_bucket_map=None, ignore_prefix_size=0,
-                 report_accuracy=False):
-        super().__init__(task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
-                         layer_sides, ignore_prefix_size, report_accuracy)
-        self.alp_buckets = str(alp_buckets)
-        self.alp_bucket_map = alp_bucket_map or None
+    def __init__(self, cfg: ALPKDConfig, task):
+        super().__init__(cfg, task)
+        self.alp_buckets = str(cfg.alp_buckets)
+        self.alp_bucket_map = cfg.alp_bucket_map or None
         self.buckets = {}
         self.projections = nn.ModuleDict()
         for side in self.sides:

@@ -21,6 +21,28 @@ rest, once for all methods:
   total), ``ce_loss`` (the label-smoothed CE) and ``nll_loss``, all in base 2 like fairseq's, so
   the total equals the weighted sum of the logged terms;
 * ``begin_epoch`` is forwarded from the task for epoch-dependent weights and schedules.
+
+Weights, one convention for every criterion (``loss_weights()`` returns them; the base refuses a
+negative one, naming its flag, when the criterion is built and at every step):
+
+* ``--kd-weight`` is always the weight of the word-level KD term ``L_KD`` (Hinton et al. 2015,
+  arXiv:1503.02531), logged as ``word_kd_loss`` (``selective_kd_loss`` for selective KD, the same
+  term on the selected tokens). Its default is the paper's. Where a paper names that weight, its
+  name is an alias that both ``fairseq-train`` and hydra accept and that, when given, replaces
+  ``--kd-weight``: ``--a2d-mu`` (Align-to-Distill's mu, Eq. 12), ``--minilm-kd-weight``,
+  ``--tinybert-pred-weight`` (TinyBERT's prediction loss, Eq. 10).
+* The CE weight is never a second free weight of the same objective: it follows from how the
+  paper writes its objective. Convex papers: ``1 - kd`` (word_kd, selective_kd: ``(1 - a) CE + a
+  KD``), ``1 - kd - layer`` (ckd, alp_kd, pkd, rail_kd: ``beta = 1 - eta - lambda``). Additive
+  papers: ``1`` (a2d_kd, minilm, tinybert: ``CE + mu KD + ...``; A2D's authors' mode ``1 -
+  alpha``). Internal KD: ``--hard-label-weight`` (the paper's switch for hard labels, 0 by default).
+* ``--layer-weight`` is the weight of a hidden-state method's layer term(s); a method's other
+  terms have flags named after the method (``--a2d-lambda``, ``--minilm-att-weight``, ...).
+* ``--kd-temperature`` (> 0) is the temperature of ``L_KD`` in every criterion, which is scaled by
+  ``tau^2``; it lives in :class:`KDCriterionConfig` with the weight.
+
+Criterions are built as fairseq builds its newer criterions, from ``(cfg, task)``
+(``FairseqCriterion.build_criterion`` passes the dataclass config when ``__init__`` takes ``cfg``).
 """
 
 import math
@@ -43,6 +65,16 @@ class KDCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
     label_smoothing: float = field(
         default=0.1,
         metadata={"help": "epsilon for label smoothing of the CE term (0.1 in all papers implemented)"},
+    )
+    kd_weight: float = field(
+        default=1.0,
+        metadata={"help": "weight of the word-level KD term in every criterion; the CE weight follows "
+                  "from the method's objective (see criterions/base.py); 0 switches KD off"},
+    )
+    kd_temperature: float = field(
+        default=1.0,
+        metadata={"help": "softmax temperature tau of teacher and student in word-level KD (> 0; the "
+                  "term is scaled by tau^2)"},
     )
 
 
@@ -156,8 +188,24 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
     #: word-level KD terms, which need the teacher's output distribution and nothing else
     SUPPORTS_TEACHER_CACHE: bool = False
 
-    def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False):
-        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
+    #: the config field that names ``--kd-weight`` after the method's paper (see the module
+    #: docstring); when set it replaces ``kd_weight``
+    KD_WEIGHT_ALIAS: Optional[str] = None
+    #: how each weight of ``loss_weights()`` is set, for the refusal of a negative one
+    WEIGHT_FLAGS: Dict[str, str] = {"ce": "the CE weight", "word_kd": "--kd-weight"}
+
+    #: methods whose objective is additive, ``L_CE + sum_i w_i L_i + kd_weight L_KD`` (the CE weight
+    #: is 1): the config field holding each term's weight, read by :meth:`additive_weights`
+    TERM_WEIGHT_FIELDS: Dict[str, str] = {}
+
+    def __init__(self, cfg: KDCriterionConfig, task):
+        super().__init__(task, cfg.sentence_avg, cfg.label_smoothing, cfg.ignore_prefix_size, cfg.report_accuracy)
+        self.cfg = cfg
+        if not cfg.kd_temperature > 0:
+            raise ValueError(f"--kd-temperature must be > 0, got {cfg.kd_temperature}")
+        self.kd_temperature = float(cfg.kd_temperature)
+        alias = getattr(cfg, self.KD_WEIGHT_ALIAS) if self.KD_WEIGHT_ALIAS else None
+        self.kd_weight = float(cfg.kd_weight if alias is None else alias)
         require_teacher = getattr(task, "require_teacher", None)
         if require_teacher is None:
             raise ValueError(
@@ -181,6 +229,12 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
         self.is_dummy_batch = False
 
     @classmethod
+    def build_criterion(cls, cfg, task):
+        criterion = super().build_criterion(cfg, task)
+        criterion.checked_loss_weights()
+        return criterion
+
+    @classmethod
     def criterion_name(cls) -> str:
         from fairseq.criterions import CRITERION_REGISTRY
 
@@ -193,6 +247,27 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
     def loss_weights(self) -> Dict[str, float]:
         """Weight of ``"ce"`` and of every name in ``TERM_NAMES`` at the current epoch."""
         raise NotImplementedError
+
+    def additive_weights(self) -> Dict[str, float]:
+        """CE weight 1, each ``TERM_WEIGHT_FIELDS`` term at its config value, ``word_kd`` at
+        ``kd_weight``."""
+        weights = {"ce": 1.0}
+        weights.update({term: float(getattr(self.cfg, name)) for term, name in self.TERM_WEIGHT_FIELDS.items()})
+        weights["word_kd"] = self.kd_weight
+        return weights
+
+    def checked_loss_weights(self) -> Dict[str, float]:
+        """:meth:`loss_weights`, refusing a negative weight (its flag named)."""
+        weights = self.loss_weights()
+        for name, weight in weights.items():
+            if weight < 0:
+                flag = self.WEIGHT_FLAGS.get(name, f"the weight of {name}_loss")
+                if name in self.TERM_WEIGHT_FIELDS:
+                    flag = "--" + self.TERM_WEIGHT_FIELDS[name].replace("_", "-")
+                elif name == "word_kd" and self.KD_WEIGHT_ALIAS and getattr(self.cfg, self.KD_WEIGHT_ALIAS) is not None:
+                    flag = f"--{self.KD_WEIGHT_ALIAS.replace('_', '-')} (alias of --kd-weight)"
+                raise ValueError(f"{flag} must be >= 0, got {weight} (criterion {self.criterion_name()})")
+        return weights
 
     def distillation_terms(self, batch: DistillationBatch) -> Dict[str, Tensor]:
         """Each active term as an unnormalised sum (see the module docstring)."""
@@ -217,7 +292,7 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
     def forward(self, model, sample, reduce=True):
         if not reduce:
             raise ValueError("distillation criterions only compute reduced losses")
-        weights = self.loss_weights()
+        weights = self.checked_loss_weights()
         distilling = any(weights[name] != 0 for name in self.TERM_NAMES)
         # The cache holds the training split only: validation reports CE and nll without KD terms.
         if self.teacher_cache is not None and not model.training:

@@ -99,13 +99,10 @@ class CombinatorialKDCriterion(HiddenStateKDCriterion):
     LAYER_TERM = "ckd"
     TERM_NAMES = ("word_kd", "ckd")
 
-    def __init__(self, task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
-                 layer_sides, ckd_mapping, ckd_layer_map=None, ignore_prefix_size=0,
-                 report_accuracy=False):
-        super().__init__(task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
-                         layer_sides, ignore_prefix_size, report_accuracy)
-        self.ckd_mapping = str(ckd_mapping)
-        self.ckd_layer_map = ckd_layer_map or None
+    def __init__(self, cfg: CombinatorialKDConfig, task):
+        super().__init__(cfg, task)
+        self.ckd_mapping = str(cfg.ckd_mapping)
+        self.ckd_layer_map = cfg.ckd_layer_map or None
         self.mappings = {}
         self.fusions = nn.ModuleDict()
         for side in self.sides:

@@ -39,9 +39,6 @@ class HiddenStateKDConfig(KDCriterionConfig):
         metadata={"help": "eta: weight of the word-level KD term; the CE weight is beta = 1 - eta - "
                   "lambda (CKD and ALP-KD papers: eta = 0.1)"},
     )
-    kd_temperature: float = field(
-        default=1.0, metadata={"help": "softmax temperature of the word-level KD term (loss scaled by tau^2)"}
-    )
     layer_weight: float = field(
         default=0.7,
         metadata={"help": "lambda: weight of the method's intermediate-layer term (CKD and ALP-KD "
@@ -62,20 +59,13 @@ class HiddenStateKDCriterion(KDCriterionBase):
     """
 
     LAYER_TERM: str = ""
+    WEIGHT_FLAGS = {"ce": "1 - --kd-weight - --layer-weight", "word_kd": "--kd-weight"}
 
-    def __init__(self, task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
-                 layer_sides, ignore_prefix_size=0, report_accuracy=False):
-        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
-        self.check_weights(kd_weight, layer_weight)
-        if kd_temperature <= 0:
-            raise ValueError(f"--kd-temperature must be > 0, got {kd_temperature}")
-        layer_sides = str(layer_sides)
-        if layer_sides not in SIDES_OF:
-            raise ValueError(f"--layer-sides {layer_sides!r}: choose one of {sorted(SIDES_OF)}")
-        self.kd_weight = float(kd_weight)
-        self.kd_temperature = float(kd_temperature)
-        self.layer_weight = float(layer_weight)
-        self.sides: Tuple[str, ...] = SIDES_OF[layer_sides]
+    def __init__(self, cfg: HiddenStateKDConfig, task):
+        super().__init__(cfg, task)
+        self.layer_weight = float(cfg.layer_weight)
+        self.check_weights(self.kd_weight, self.layer_weight)
+        self.sides: Tuple[str, ...] = SIDES_OF[str(cfg.layer_sides)]
         self.teacher_shape = self.teacher.shape
         self.student_shape = task.require_student_shape(self.criterion_name())
         request = self.capture_request() if self.layer_weight != 0 else CaptureRequest()

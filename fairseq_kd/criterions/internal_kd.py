@@ -129,27 +129,21 @@ def schedule_stage(epoch: int, num_stages: int, epochs_per_stage: int, crossings
 @register_criterion("internal_kd", dataclass=InternalKDConfig)
 class InternalKDCriterion(HiddenStateKDCriterion):
     TERM_NAMES = ("word_kd", "internal_kl", "internal_cos")
+    WEIGHT_FLAGS = {"ce": "--hard-label-weight", "word_kd": "--kd-weight", "internal_kl": "--layer-weight",
+                    "internal_cos": "--layer-weight"}
     SENTENCE_TERMS = ("internal_cos",)
 
-    def __init__(self, task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
-                 layer_sides, hard_label_weight, internal_schedule, internal_epochs_per_layer,
-                 internal_cos_threshold, internal_soft_labels_throughout, ignore_prefix_size=0,
-                 report_accuracy=False):
-        super().__init__(task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
-                         layer_sides, ignore_prefix_size, report_accuracy)
-        if hard_label_weight < 0:
-            raise ValueError(f"--hard-label-weight must be >= 0, got {hard_label_weight}")
-        self.schedule = str(internal_schedule)
-        if self.schedule not in ("all", "pid", "sid"):
-            raise ValueError(f"--internal-schedule {self.schedule!r}: choose all, pid or sid")
-        if internal_epochs_per_layer < 1:
-            raise ValueError(f"--internal-epochs-per-layer must be >= 1, got {internal_epochs_per_layer}")
-        if internal_cos_threshold < 0:
-            raise ValueError(f"--internal-cos-threshold must be >= 0, got {internal_cos_threshold}")
-        self.hard_label_weight = float(hard_label_weight)
-        self.epochs_per_layer = int(internal_epochs_per_layer)
-        self.cos_threshold = float(internal_cos_threshold)
-        self.soft_labels_throughout = bool(internal_soft_labels_throughout)
+    def __init__(self, cfg: InternalKDConfig, task):
+        super().__init__(cfg, task)
+        self.schedule = str(cfg.internal_schedule)
+        if cfg.internal_epochs_per_layer < 1:
+            raise ValueError(f"--internal-epochs-per-layer must be >= 1, got {cfg.internal_epochs_per_layer}")
+        if cfg.internal_cos_threshold < 0:
+            raise ValueError(f"--internal-cos-threshold must be >= 0, got {cfg.internal_cos_threshold}")
+        self.hard_label_weight = float(cfg.hard_label_weight)
+        self.epochs_per_layer = int(cfg.internal_epochs_per_layer)
+        self.cos_threshold = float(cfg.internal_cos_threshold)
+        self.soft_labels_throughout = bool(cfg.internal_soft_labels_throughout)
 
         self.pairs: Dict[str, Tuple[Tuple[int, int], ...]] = {}
         self.projections = nn.ModuleDict()

@@ -23,7 +23,7 @@ self-attention; ``all`` adds the decoder's cross-attention (whose value relation
 source positions the cross-attention's values come from).
 """
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from fairseq.criterions import register_criterion
@@ -46,11 +46,10 @@ class MiniLMConfig(KDCriterionConfig):
     minilm_vr_weight: float = field(
         default=1.0, metadata={"help": "weight of the last layer's value-relation KL (MiniLM Eq. 8)"}
     )
-    minilm_kd_weight: float = field(
-        default=1.0, metadata={"help": "weight mu of word-level KD added as in Align-to-Distill's baseline"}
-    )
-    kd_temperature: float = field(
-        default=1.0, metadata={"help": "softmax temperature of word-level KD (loss scaled by tau^2)"}
+    minilm_kd_weight: Optional[float] = field(
+        default=None,
+        metadata={"help": "this method's name for --kd-weight, the weight mu of word-level KD added as in "
+                  "Align-to-Distill's baseline (default 1); when given, it replaces --kd-weight"},
     )
     minilm_attention_kinds: ChoiceEnum(list(MINILM_KINDS)) = field(
         default="self",
@@ -62,21 +61,13 @@ class MiniLMConfig(KDCriterionConfig):
 @register_criterion("minilm", dataclass=MiniLMConfig)
 class MiniLMCriterion(KDCriterionBase):
     TERM_NAMES = ("attention_kl", "value_relation", "word_kd")
+    KD_WEIGHT_ALIAS = "minilm_kd_weight"
+    TERM_WEIGHT_FIELDS = {"attention_kl": "minilm_att_weight", "value_relation": "minilm_vr_weight"}
 
-    def __init__(self, task, sentence_avg, label_smoothing, minilm_att_weight, minilm_vr_weight,
-                 minilm_kd_weight, kd_temperature, minilm_attention_kinds,
-                 ignore_prefix_size=0, report_accuracy=False):
-        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
-        self.weights = {"ce": 1.0, "attention_kl": float(minilm_att_weight),
-                        "value_relation": float(minilm_vr_weight), "word_kd": float(minilm_kd_weight)}
-        for name, flag in (("attention_kl", "--minilm-att-weight"), ("value_relation", "--minilm-vr-weight"),
-                           ("word_kd", "--minilm-kd-weight")):
-            if self.weights[name] < 0:
-                raise ValueError(f"{flag} must be >= 0, got {self.weights[name]}")
-        if kd_temperature <= 0:
-            raise ValueError(f"--kd-temperature must be > 0, got {kd_temperature}")
-        self.kd_temperature = float(kd_temperature)
-        self.kinds = MINILM_KINDS[str(minilm_attention_kinds)]
+    def __init__(self, cfg: MiniLMConfig, task):
+        super().__init__(cfg, task)
+        self.weights = self.additive_weights()
+        self.kinds = MINILM_KINDS[str(cfg.minilm_attention_kinds)]
         check_equal_heads(self.teacher.shape, task.require_student_shape(self.criterion_name()),
                           self.kinds, self.criterion_name())
         needs_attention = self.weights["attention_kl"] != 0 or self.weights["value_relation"] != 0

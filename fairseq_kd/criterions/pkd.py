@@ -52,16 +52,11 @@ class PatientKDCriterion(HiddenStateKDCriterion):
     LAYER_TERM = "pkd"
     TERM_NAMES = ("word_kd", "pkd")
 
-    def __init__(self, task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
-                 layer_sides, pkd_mapping, pkd_include_top_layer=False, ignore_prefix_size=0,
-                 report_accuracy=False):
-        super().__init__(task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
-                         layer_sides, ignore_prefix_size, report_accuracy)
-        pkd_mapping = str(pkd_mapping)
-        if pkd_mapping not in PKD_MAPPINGS:
-            raise ValueError(f"--pkd-mapping {pkd_mapping!r}: choose one of {sorted(PKD_MAPPINGS)}")
+    def __init__(self, cfg: PatientKDConfig, task):
+        super().__init__(cfg, task)
+        pkd_mapping = str(cfg.pkd_mapping)
         self.pkd_mapping = pkd_mapping
-        self.include_top_layer = bool(pkd_include_top_layer)
+        self.include_top_layer = bool(cfg.pkd_include_top_layer)
         self.mappings = {}
         self.projections = nn.ModuleDict()
         for side in self.sides:

@@ -78,18 +78,14 @@ class RailKDCriterion(HiddenStateKDCriterion):
     TERM_NAMES = ("word_kd", "rail")
     SENTENCE_TERMS = ("rail",)
 
-    def __init__(self, task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
-                 layer_sides, rail_variant, rail_projection_dim, rail_include_top_layers, seed,
-                 ignore_prefix_size=0, report_accuracy=False):
-        super().__init__(task, sentence_avg, label_smoothing, kd_weight, kd_temperature, layer_weight,
-                         layer_sides, ignore_prefix_size, report_accuracy)
-        self.rail_variant = str(rail_variant)
-        if self.rail_variant not in ("layerwise", "concatenated"):
-            raise ValueError(f"--rail-variant {self.rail_variant!r}: choose layerwise or concatenated")
-        if rail_projection_dim < 1:
-            raise ValueError(f"--rail-projection-dim must be >= 1, got {rail_projection_dim}")
-        self.seed = int(seed)
-        self.include_top = bool(rail_include_top_layers)
+    def __init__(self, cfg: RailKDConfig, task):
+        super().__init__(cfg, task)
+        self.rail_variant = str(cfg.rail_variant)
+        if cfg.rail_projection_dim < 1:
+            raise ValueError(f"--rail-projection-dim must be >= 1, got {cfg.rail_projection_dim}")
+        rail_projection_dim = cfg.rail_projection_dim
+        self.seed = int(cfg.seed)
+        self.include_top = bool(cfg.rail_include_top_layers)
         self.teacher_candidates: Dict[str, int] = {}
         self.drawn: Dict[str, Tuple[int, ...]] = {}
         self.teacher_projections = nn.ModuleDict()

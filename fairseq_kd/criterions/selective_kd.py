@@ -155,20 +155,17 @@ class SelectiveKDCriterion(WordKDCriterion):
     """Word-level KD restricted to the hardest tokens; see the module docstring."""
 
     TERM_NAMES = ("selective_kd",)
+    WEIGHT_FLAGS = {"ce": "1 - --kd-weight", "selective_kd": "--kd-weight"}
 
-    def __init__(self, task, sentence_avg, label_smoothing, kd_weight, kd_temperature, word_rate,
-                 selection, queue_size, ignore_prefix_size=0, report_accuracy=False):
-        if not 0.0 < word_rate <= 1.0:
-            raise ValueError(f"--word-rate must be in (0, 1] (the fraction of tokens distilled), got {word_rate}")
-        if selection not in ("batch", "global"):
-            raise ValueError(f"--selection must be 'batch' or 'global', got {selection!r}")
-        if selection == "global" and queue_size < 1:
-            raise ValueError(f"--queue-size must be a positive number of tokens, got {queue_size}")
-        super().__init__(task, sentence_avg, label_smoothing, kd_weight, kd_temperature,
-                         ignore_prefix_size, report_accuracy)
-        self.word_rate = word_rate
-        self.selection = str(selection)
-        self.queue_size = queue_size
+    def __init__(self, cfg: SelectiveKDConfig, task):
+        if not 0.0 < cfg.word_rate <= 1.0:
+            raise ValueError(f"--word-rate must be in (0, 1] (the fraction of tokens distilled), got {cfg.word_rate}")
+        if cfg.selection == "global" and cfg.queue_size < 1:
+            raise ValueError(f"--queue-size must be a positive number of tokens, got {cfg.queue_size}")
+        super().__init__(cfg, task)
+        self.word_rate = cfg.word_rate
+        self.selection = str(cfg.selection)
+        self.queue_size = cfg.queue_size
         self.queue = torch.zeros(0)
         self._selected_tokens = 0
 

@@ -29,7 +29,7 @@ names ``--encoder-attention-heads`` / ``--decoder-attention-heads`` (use ``a2d_k
 uniform mapping needs a teacher at least as deep as the student on each side.
 """
 from dataclasses import dataclass, field
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 from fairseq.criterions import register_criterion
@@ -58,32 +58,23 @@ class TinyBERTConfig(KDCriterionConfig):
     tinybert_emb_weight: float = field(
         default=1.0, metadata={"help": "weight of the embedding-output MSE through W_e (Eq. 9)"}
     )
-    tinybert_pred_weight: float = field(
-        default=1.0, metadata={"help": "weight of the prediction loss, word-level KD (Eq. 10)"}
-    )
-    kd_temperature: float = field(
-        default=1.0, metadata={"help": "softmax temperature of the prediction loss (scaled by tau^2)"}
+    tinybert_pred_weight: Optional[float] = field(
+        default=None,
+        metadata={"help": "this method's name for --kd-weight, the weight of the prediction loss, "
+                  "word-level KD (Eq. 10; default 1); when given, it replaces --kd-weight"},
     )
 
 
 @register_criterion("tinybert", dataclass=TinyBERTConfig)
 class TinyBERTCriterion(KDCriterionBase):
     TERM_NAMES = ("att_score", "hidden", "embedding", "word_kd")
+    KD_WEIGHT_ALIAS = "tinybert_pred_weight"
+    TERM_WEIGHT_FIELDS = {"att_score": "tinybert_att_weight", "hidden": "tinybert_hidden_weight",
+                          "embedding": "tinybert_emb_weight"}
 
-    def __init__(self, task, sentence_avg, label_smoothing, tinybert_att_weight, tinybert_hidden_weight,
-                 tinybert_emb_weight, tinybert_pred_weight, kd_temperature,
-                 ignore_prefix_size=0, report_accuracy=False):
-        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
-        self.weights = {"ce": 1.0, "att_score": float(tinybert_att_weight),
-                        "hidden": float(tinybert_hidden_weight), "embedding": float(tinybert_emb_weight),
-                        "word_kd": float(tinybert_pred_weight)}
-        for name, flag in (("att_score", "--tinybert-att-weight"), ("hidden", "--tinybert-hidden-weight"),
-                           ("embedding", "--tinybert-emb-weight"), ("word_kd", "--tinybert-pred-weight")):
-            if self.weights[name] < 0:
-                raise ValueError(f"{flag} must be >= 0, got {self.weights[name]}")
-        if kd_temperature <= 0:
-            raise ValueError(f"--kd-temperature must be > 0, got {kd_temperature}")
-        self.kd_temperature = float(kd_temperature)
+    def __init__(self, cfg: TinyBERTConfig, task):
+        super().__init__(cfg, task)
+        self.weights = self.additive_weights()
 
         teacher, student = self.teacher.shape, task.require_student_shape(self.criterion_name())
         check_equal_heads(teacher, student, ATTENTION_KINDS, self.criterion_name())

@@ -19,25 +19,18 @@ class WordKDConfig(KDCriterionConfig):
         metadata={"help": "a in (1-a)*CE + a*KD; 0 reduces to label_smoothed_cross_entropy "
                   "(CKD paper 0.1, Align-to-Distill 0.5)"},
     )
-    kd_temperature: float = field(
-        default=1.0, metadata={"help": "softmax temperature tau of teacher and student (loss scaled by tau^2)"}
-    )
 
 
 @register_criterion("word_kd", dataclass=WordKDConfig)
 class WordKDCriterion(KDCriterionBase):
     TERM_NAMES = ("word_kd",)
+    WEIGHT_FLAGS = {"ce": "1 - --kd-weight", "word_kd": "--kd-weight"}
     SUPPORTS_TEACHER_CACHE = True
 
-    def __init__(self, task, sentence_avg, label_smoothing, kd_weight, kd_temperature,
-                 ignore_prefix_size=0, report_accuracy=False):
-        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
-        if not 0.0 <= kd_weight <= 1.0:
-            raise ValueError(f"--kd-weight must be in [0, 1], got {kd_weight}")
-        if kd_temperature <= 0:
-            raise ValueError(f"--kd-temperature must be > 0, got {kd_temperature}")
-        self.kd_weight = kd_weight
-        self.kd_temperature = kd_temperature
+    def __init__(self, cfg: WordKDConfig, task):
+        super().__init__(cfg, task)
+        if self.kd_weight > 1.0:
+            raise ValueError(f"--kd-weight must be in [0, 1] (a in (1-a) CE + a KD), got {self.kd_weight}")
 
     def loss_weights(self):
         return {"ce": 1.0 - self.kd_weight, "word_kd": self.kd_weight}

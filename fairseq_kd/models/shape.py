@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Tuple
 
 from torch import nn
 
-from .feature_capture import NotATransformerError, unwrap_model
+from .feature_capture import DECODER_CROSS, DECODER_SELF, ENCODER_SELF, NotATransformerError, unwrap_model
 
 
 @dataclass(frozen=True)
@@ -56,3 +57,11 @@ class TransformerShape:
 
     def embed_dim(self, side: str) -> int:
         return {"encoder": self.encoder_embed_dim, "decoder": self.decoder_embed_dim}[side]
+
+    def kind_size(self, kind: str) -> Tuple[int, int]:
+        """``(layers, heads)`` of one attention kind (cross-attention lives in the decoder's layers)."""
+        return {
+            ENCODER_SELF: (self.encoder_layers, self.encoder_heads),
+            DECODER_SELF: (self.decoder_layers, self.decoder_heads),
+            DECODER_CROSS: (self.decoder_layers, self.cross_heads),
+        }[kind]
