@@ -203,7 +203,8 @@ def test_every_listed_flag_value_parses_with_fairseq_train_for_its_criterion(tmp
     from fairseq.criterions import CRITERION_DATACLASS_REGISTRY
 
     for criterion in CRITERIA:
-        defaults = {field.name: field.default for field in dataclasses.fields(CRITERION_DATACLASS_REGISTRY[criterion.name])}
+        config = CRITERION_DATACLASS_REGISTRY[criterion.name]
+        defaults = {field.name: field.default for field in dataclasses.fields(config)}
         for flag, *values in criterion.flags:
             dest = flag[2:].replace("-", "_")
             assert dest in defaults, f"{criterion.name}: {flag} is not a flag of the criterion"

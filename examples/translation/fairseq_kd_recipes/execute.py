@@ -235,7 +235,9 @@ def preflight(plan: RecipePlan) -> None:
     """Refuse, before any step runs, a training step that would have to replace checkpoints."""
     runner = stamp_runner(plan)
     for step in plan.steps:
-        if step.save_dir is None or not checkpoints_in(step.save_dir) or runner.is_done(_as_step(step, lambda *_: None)):
+        if step.save_dir is None or not checkpoints_in(step.save_dir):
+            continue
+        if runner.is_done(_as_step(step, lambda *_: None)):
             continue
         check_checkpoint_folder(step.save_dir, step.settings, step.inputs)
 

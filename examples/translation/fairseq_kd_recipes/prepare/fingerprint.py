@@ -24,9 +24,9 @@ def fingerprint(path: Path, previous: Mapping[str, Any] | None = None, md5: bool
     path = Path(path)
     if path.is_dir():
         previous_files = (previous or {}).get("files", {})
-        return {"kind": "dir", "files": {
-            child.relative_to(path).as_posix(): fingerprint(child, previous_files.get(child.relative_to(path).as_posix()), md5)
-            for child in sorted(p for p in path.rglob("*") if p.is_file())}}
+        names = {child: child.relative_to(path).as_posix() for child in sorted(path.rglob("*")) if child.is_file()}
+        return {"kind": "dir", "files": {name: fingerprint(child, previous_files.get(name), md5)
+                                         for child, name in names.items()}}
     stat = path.stat()
     reusable = (previous and previous.get("size") == stat.st_size and previous.get("mtime_ns") == stat.st_mtime_ns
                 and "sha256" in previous and (not md5 or "md5" in previous))
