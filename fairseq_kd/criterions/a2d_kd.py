@@ -96,7 +96,7 @@ from ..models.feature_capture import DECODER_CROSS, DECODER_SELF, ENCODER_SELF, 
 from ..modules.attention_alignment import AttentionAlignment
 from ._attention import check_capturable
 from .base import KDCriterionBase, KDCriterionConfig
-from .losses import word_level_kd
+from .losses import masked_row_kl, word_level_kd
 
 #: ``--a2d-attention-kinds`` -> weight of each kind's loss inside L_att (Eq. 11, Table 4).
 KIND_WEIGHTS = {
@@ -316,25 +316,21 @@ def alignment_kl(intermediate: Tensor, teacher_maps: Tensor, attendable: Tensor,
     fill = torch.finfo(torch.float32).min
     intermediate, teacher_maps = intermediate.float(), teacher_maps.float()
     if normalization == "mixture":
-        p = torch.where(mask, teacher_maps, 0.0)
         # Student softmax rows are strictly positive on attendable keys; the clamp only guards an
         # underflow, so a teacher entry can never meet log(0).
-        log_q = torch.where(mask, intermediate.clamp_min(torch.finfo(torch.float32).tiny).log(), 0.0)
-        return (torch.xlogy(p, p) - p * log_q).sum()
+        log_q = intermediate.clamp_min(torch.finfo(torch.float32).tiny).log()
+        return masked_row_kl(log_q, mask, teacher_probs=teacher_maps).sum()
     if normalization == "authors":
         log_q = torch.log_softmax(intermediate.flatten(-2), dim=-1)
         log_p = torch.log_softmax(teacher_maps.flatten(-2), dim=-1)
-        return (log_p.exp() * (log_p - log_q)).sum()
+        return masked_row_kl(log_q, torch.ones_like(log_q, dtype=torch.bool), teacher_log_probs=log_p).sum()
     if normalization == "row":
-        dims, entry_mask = -1, mask
+        entry_mask = mask
     elif normalization == "flat":
         intermediate, teacher_maps = intermediate.flatten(-2), teacher_maps.flatten(-2)
-        dims, entry_mask = -1, mask.flatten(-2)
+        entry_mask = mask.flatten(-2)
     else:
         raise ValueError(f"--a2d-normalization must be one of {sorted(NORMALIZATIONS)}, got {normalization!r}")
-    log_q = torch.log_softmax(intermediate.masked_fill(~entry_mask, fill), dim=dims)
-    log_p = torch.log_softmax(teacher_maps.masked_fill(~entry_mask, fill), dim=dims)
-    log_q = torch.where(entry_mask, log_q, 0.0)
-    log_p = torch.where(entry_mask, log_p, 0.0)
-    p = torch.where(entry_mask, log_p.exp(), 0.0)
-    return (p * (log_p - log_q)).sum()
+    log_q = torch.log_softmax(intermediate.masked_fill(~entry_mask, fill), dim=-1)
+    log_p = torch.log_softmax(teacher_maps.masked_fill(~entry_mask, fill), dim=-1)
+    return masked_row_kl(log_q, entry_mask, teacher_log_probs=log_p).sum()

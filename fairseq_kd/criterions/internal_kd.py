@@ -61,7 +61,7 @@ from ..models.feature_capture import DECODER_SELF, ENCODER_SELF, CaptureRequest
 from ..modules.layer_mapping import uniform_mapping, validate_mapping
 from ..modules.projection import width_projection
 from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion, in_param_dtype
-from .losses import attention_kl, masked_mean_pool
+from .losses import masked_mean_pool, masked_row_kl
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ class InternalKDCriterion(HiddenStateKDCriterion):
         student_maps, teacher_maps = batch.student.attention[kind], batch.teacher.attention[kind]
         teacher_probs = teacher_maps.probs.index_select(0, teacher_layers - 1)  # layer l at index l-1
         student_scores = student_maps.scores.index_select(0, slots).float()
-        # Padded query rows stay unmasked so that they remain finite; attention_kl ignores them.
+        # Padded query rows stay unmasked so that they remain finite; masked_row_kl ignores them.
         allowed = student_maps.attendable | student_maps.query_padding_mask[:, None, :, None]
         student_log_probs = torch.log_softmax(student_scores.masked_fill(~allowed, float("-inf")), dim=-1)
         # Blocked keys: a finite placeholder keeps the head average's gradient finite.
@@ -332,7 +332,9 @@ class InternalKDCriterion(HiddenStateKDCriterion):
             student_log_probs = (
                 torch.logsumexp(student_log_probs, dim=2, keepdim=True) - math.log(student_maps.num_heads)
             )
-        return attention_kl(teacher_probs, student_log_probs, student_maps.attendable)
+        # Aguilar et al. 2020, Eq. 2: each query's KL, averaged over heads, summed over real queries.
+        per_row = masked_row_kl(student_log_probs, student_maps.attendable, teacher_probs=teacher_probs)
+        return per_row.mean(2).sum()
 
     def cosine_losses(self, side: str, batch, slots: Tensor, teacher_layers: Tensor) -> Tensor:
         """``1 - cos(P v_S, v_T)`` per active pair and sentence: ``(pairs, batch)``."""

@@ -85,16 +85,27 @@ def masked_mse_sum(a: Tensor, b: Tensor, padding_mask: Tensor) -> Tensor:
     return per_position.masked_fill(padding_mask, 0.0).sum()
 
 
-def attention_kl(teacher_probs: Tensor, student_log_probs: Tensor, attendable: Tensor) -> Tensor:
-    """Row-wise ``KL(A_T || A_S)`` of attention maps, averaged over heads, summed over real queries.
+def masked_row_kl(student_log_probs: Tensor, mask: Tensor, teacher_probs: Tensor = None,
+                  teacher_log_probs: Tensor = None) -> Tensor:
+    """Row-wise ``KL(p || q) = sum_k p_k (log p_k - log q_k)`` over the last dimension, in float32:
+    the one KL of attention-like distributions (internal KD's attention rows, A2D's maps, MiniLM's
+    attention and value relations), summed over the row and returned per row (shape of the inputs
+    without the last dimension); the caller reduces rows, heads and maps as its paper does.
 
-    teacher_probs, student_log_probs: ``(layers, batch, heads, q_len, k_len)`` (the student's as
-    log-probabilities, so no probability is ever clamped); attendable: ``(batch, 1, q_len, k_len)``,
-    True where the query is real and may attend to the key (Aguilar et al. 2020, Eq. 2: the KL of
-    each row, i.e. each query's distribution over keys). Entries outside ``attendable`` contribute
-    nothing; padded query rows contribute nothing.
+    Masking convention: ``mask`` (broadcastable to the inputs) is True at the entries that belong to
+    a row's distribution; every other entry is *selected away* (``torch.where``), never multiplied
+    by an infinite log, so a row with no True entry (a padded query) is exactly 0 and its gradient
+    stays finite. The caller must give finite values at the True entries: ``student_log_probs``
+    (``log q``, never clamped probabilities) and the teacher either as probabilities
+    (``teacher_probs``; ``0 log 0 = 0`` through ``xlogy``) or as log-probabilities
+    (``teacher_log_probs``; ``p = exp(log p)``), exactly one of the two.
     """
-    p = teacher_probs.float().masked_fill(~attendable, 0.0)
-    log_q = student_log_probs.float().masked_fill(~attendable, 0.0)
-    per_row = (torch.xlogy(p, p) - p * log_q).sum(-1)  # (layers, batch, heads, q_len)
-    return per_row.mean(2).sum()
+    if (teacher_probs is None) == (teacher_log_probs is None):
+        raise ValueError("masked_row_kl needs exactly one of teacher_probs and teacher_log_probs")
+    log_q = torch.where(mask, student_log_probs.float(), 0.0)
+    if teacher_log_probs is not None:
+        log_p = torch.where(mask, teacher_log_probs.float(), 0.0)
+        p = torch.where(mask, log_p.exp(), 0.0)
+        return (p * (log_p - log_q)).sum(-1)
+    p = torch.where(mask, teacher_probs.float(), 0.0)
+    return (torch.xlogy(p, p) - p * log_q).sum(-1)

@@ -33,7 +33,7 @@ from torch import Tensor
 from ..models.feature_capture import DECODER_CROSS, DECODER_SELF, ENCODER_SELF, AttentionMaps, CaptureRequest
 from ._attention import check_capturable, check_equal_heads
 from .base import KDCriterionBase, KDCriterionConfig
-from .losses import word_level_kd
+from .losses import masked_row_kl, word_level_kd
 
 MINILM_KINDS = {"self": (ENCODER_SELF, DECODER_SELF), "all": (ENCODER_SELF, DECODER_SELF, DECODER_CROSS)}
 
@@ -107,11 +107,10 @@ def head_mean_row_kl(teacher_logits: Tensor, student_logits: Tensor, mask: Tenso
     logits: ``(B, H, R, K)``; mask: ``(B, 1, R, K)``, True where a row's key counts; rows with no
     True entry (padded positions) contribute 0. float32, ``-inf``-free masking.
     """
-    fill = torch.finfo(torch.float32).min
-    log_p = torch.where(mask, torch.log_softmax(teacher_logits.float().masked_fill(~mask, fill), -1), 0.0)
-    log_q = torch.where(mask, torch.log_softmax(student_logits.float().masked_fill(~mask, fill), -1), 0.0)
-    p = torch.where(mask, log_p.exp(), 0.0)
-    return (p * (log_p - log_q)).sum(-1).mean(1).sum()
+    fill = torch.finfo(torch.float32).min  # a finite fill: a fully masked row stays finite
+    teacher_log_probs = torch.log_softmax(teacher_logits.float().masked_fill(~mask, fill), -1)
+    student_log_probs = torch.log_softmax(student_logits.float().masked_fill(~mask, fill), -1)
+    return masked_row_kl(student_log_probs, mask, teacher_log_probs=teacher_log_probs).mean(1).sum()
 
 
 def last_layer_attention_kl(student: AttentionMaps, teacher: AttentionMaps) -> Tensor:
