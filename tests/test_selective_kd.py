@@ -120,7 +120,7 @@ def test_batch_level_selects_the_expected_tokens(kd_task):
     terms = criterion.distillation_terms(batch)
     assert torch.equal(criterion.select(token_cross_entropy(batch.student_logits, batch.sample["target"]), mask),
                        expected)
-    assert int(criterion._selected_tokens) == 4
+    assert int(terms.logs["kd_selected_tokens"]) == 4
     assert torch.allclose(terms["selective_kd"],
                           word_level_kd(batch.student_logits, batch.teacher_logits, expected))
     # a tie across the cut: k = ceil(0.25 * 7) = 2 -> 3.0 and the *earlier* 2.0 (row 0) only
@@ -160,7 +160,7 @@ def test_global_level_against_a_hand_filled_queue(kd_task):
     assert threshold == pytest.approx(4.5, abs=1e-5)
     expected = torch.tensor([[False, False, True],
                              [False, True, False]])
-    assert int(criterion._selected_tokens) == 2
+    assert int(terms.logs["kd_selected_tokens"]) == 2
     assert torch.allclose(terms["selective_kd"],
                           word_level_kd(batch.student_logits, batch.teacher_logits, expected))
 

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from ..modules.layer_mapping import ALP_BUCKETS, resolve_mapping
 from ..modules.projection import width_projection
+from .base import EpochSums
 from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion, in_param_dtype
 from .losses import masked_mse_sum
 
@@ -81,11 +82,9 @@ class ALPKDCriterion(HiddenStateKDCriterion):
             self.projections[side] = width_projection(
                 self.student_shape.embed_dim(side), self.teacher_shape.embed_dim(side)
             )
-        # Running sums of alpha over real positions (float64, no grad), per side; not buffers, so
-        # that --fp16's criterion.half() leaves their precision alone.
-        self._alpha_epoch: Optional[int] = None
-        self._alpha_sum: Dict[str, Tensor] = {}
-        self._alpha_positions: Dict[str, Tensor] = {}
+        # Sums of alpha over real positions, per side ("alpha/<side>", "positions/<side>"); not
+        # buffers, so that --fp16's criterion.half() leaves their float64 precision alone.
+        self.alpha_sums = EpochSums()
 
     # ------------------------------------------------------------------ the method
     def layer_attention(self, side: str, student_states: Tensor, teacher_states: Tensor):
@@ -108,36 +107,24 @@ class ALPKDCriterion(HiddenStateKDCriterion):
 
     # ------------------------------------------------------------ weight read-out
     def _record_alpha(self, side: str, alpha: Tensor, padding_mask: Tensor) -> None:
-        # Kept on the device as tensors: reading them out never synchronises a training step.
         real = (~padding_mask).to(torch.float64)
-        batch_sum = torch.einsum("jkbt,bt->jk", alpha.double(), real)
-        positions = real.sum()
-        if side in self._alpha_sum:
-            batch_sum = batch_sum + self._alpha_sum[side].to(batch_sum.device)
-            positions = positions + self._alpha_positions[side].to(positions.device)
-        self._alpha_sum[side] = batch_sum
-        self._alpha_positions[side] = positions
+        self.alpha_sums.add(f"alpha/{side}", torch.einsum("jkbt,bt->jk", alpha.double(), real))
+        self.alpha_sums.add(f"positions/{side}", real.sum())
 
     def begin_epoch(self, epoch: int) -> None:
         super().begin_epoch(epoch)
-        # A resume in the middle of an epoch begins the same epoch again: keep what it had seen.
-        if self._alpha_epoch != epoch:
-            self._alpha_sum, self._alpha_positions = {}, {}
-            self._alpha_epoch = epoch
+        self.alpha_sums.begin_epoch(epoch)
 
     def layer_weights(self) -> Dict[str, List[List[float]]]:
         """Mean ``alpha`` of every student layer over teacher layers, per side, over the real
         positions trained on since the current epoch began (rows sum to 1)."""
-        if not self._alpha_sum:
+        weights = mean_alpha(self.alpha_sums.sums)
+        if not weights:
             raise RuntimeError(
                 "ALP-KD has no layer weights yet: they are averaged over training batches, and none "
                 "has been seen since the epoch began"
             )
-        return {
-            side: (self._alpha_sum[side] / self._alpha_positions[side].clamp_min(1.0)).cpu().tolist()
-            for side in self.sides
-            if side in self._alpha_sum
-        }
+        return weights
 
     def write_layer_weights(self, path) -> Path:
         path = Path(path)
@@ -145,19 +132,30 @@ class ALPKDCriterion(HiddenStateKDCriterion):
         return path
 
     def checkpoint_state(self) -> dict:
-        return {
-            "alpha_epoch": self._alpha_epoch,
-            "alpha_sum": {side: value.cpu() for side, value in self._alpha_sum.items()},
-            "alpha_positions": {side: value.cpu() for side, value in self._alpha_positions.items()},
-        }
+        return {"alpha_sums": self.alpha_sums.state()}
 
     def load_checkpoint_state(self, state: dict) -> None:
-        self._alpha_epoch = state.get("alpha_epoch")
-        self._alpha_sum = {side: value.clone() for side, value in state.get("alpha_sum", {}).items()}
-        self._alpha_positions = {
-            side: torch.as_tensor(value, dtype=torch.float64).clone()
-            for side, value in state.get("alpha_positions", {}).items()
-        }
+        self.alpha_sums.load_state(saved_alpha_sums(state))
+
+
+def mean_alpha(sums: Dict[str, Tensor]) -> Dict[str, List[List[float]]]:
+    """Per side, the ``alpha`` sums divided by their real positions (rows sum to 1)."""
+    weights = {}
+    for name, total in sums.items():
+        if name.startswith("alpha/"):
+            side = name.split("/", 1)[1]
+            weights[side] = (total / torch.as_tensor(sums[f"positions/{side}"]).clamp_min(1.0)).cpu().tolist()
+    return weights
+
+
+def saved_alpha_sums(state: dict) -> dict:
+    """The :class:`~.base.EpochSums` state in a criterion's checkpoint state, also from checkpoints
+    written before it existed (``alpha_epoch``, ``alpha_sum``, ``alpha_positions``)."""
+    if "alpha_sums" in state:
+        return state["alpha_sums"]
+    sums = {f"alpha/{side}": total for side, total in state.get("alpha_sum", {}).items()}
+    sums.update({f"positions/{side}": count for side, count in state.get("alpha_positions", {}).items()})
+    return {"epoch": state.get("alpha_epoch"), "sums": sums}
 
 
 def layer_weights_from_checkpoint(path) -> Dict[str, List[List[float]]]:
@@ -169,12 +167,10 @@ def layer_weights_from_checkpoint(path) -> Dict[str, List[List[float]]]:
 
     state = load_fairseq_checkpoint(path)  # weights_only=True, explicitly
     saved = (state.get("extra_state") or {}).get("TranslationKDTask", {}).get("criterion", {})
-    if "alpha_sum" not in saved or not saved["alpha_sum"]:
+    weights = mean_alpha(saved_alpha_sums(saved).get("sums", {}))
+    if not weights:
         raise ValueError(
             f"{path}: no ALP-KD layer weights in this checkpoint (it must come from fairseq-train "
             "--task translation_kd --criterion alp_kd, saved after at least one training step)"
         )
-    return {
-        side: (total / torch.as_tensor(saved["alpha_positions"][side]).clamp_min(1.0)).tolist()
-        for side, total in saved["alpha_sum"].items()
-    }
+    return weights

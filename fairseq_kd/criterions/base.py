@@ -49,6 +49,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
+import torch
 from fairseq import utils
 from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
@@ -174,6 +175,56 @@ class DistillationBatch:
         return self.teacher_output[0]
 
 
+class DistillationTerms(dict):
+    """What :meth:`KDCriterionBase.distillation_terms` may return instead of a plain dict: the
+    terms by name, plus ``logs``, per-step values the base puts into the logging output (keys from
+    the criterion's ``LOG_KEYS``) and that fairseq sums over data-parallel workers before the
+    criterion's ``reduce_metrics`` sees them."""
+
+    def __init__(self, terms: Dict[str, Tensor], logs: Optional[Dict[str, object]] = None):
+        super().__init__(terms)
+        self.logs = dict(logs or {})
+
+
+class EpochSums:
+    """Running sums of a training epoch's tensors, with checkpoint state: the one accumulator of
+    stateful criterions (ALP-KD's mean layer weights).
+
+    * Adding keeps the sums on the device in float64, without autograd, so it never synchronises a
+      training step.
+    * Data parallel: every worker sums only its own batches; nothing is reduced across workers
+      here. A reader that needs the pooled value must all-reduce, or pass per-step values through
+      ``DistillationTerms.logs``, which fairseq sums over workers (internal KD's schedule does).
+      The checkpoint holds the sums of the worker that writes it (rank 0).
+    * Dummy batches (a worker out of data trains on one with its loss zeroed): the caller adds
+      nothing while ``is_dummy_batch`` is set.
+    * Resume: :meth:`begin_epoch` keeps the sums when called again with the epoch they belong to
+      (a run resumed in the middle of that epoch) and starts empty otherwise.
+    """
+
+    def __init__(self):
+        self.epoch: Optional[int] = None
+        self.sums: Dict[str, Tensor] = {}
+
+    def begin_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.sums, self.epoch = {}, epoch
+
+    def add(self, name: str, value: Tensor) -> None:
+        value = value.detach().to(torch.float64)
+        if name in self.sums:
+            value = value + self.sums[name].to(value.device)
+        self.sums[name] = value
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "sums": {name: value.cpu() for name, value in self.sums.items()}}
+
+    def load_state(self, state: dict) -> None:
+        self.epoch = state.get("epoch")
+        self.sums = {name: torch.as_tensor(value, dtype=torch.float64).clone()
+                     for name, value in state.get("sums", {}).items()}
+
+
 class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
     """Label-smoothed CE plus weighted distillation terms; see the module docstring."""
 
@@ -181,6 +232,9 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
     TERM_NAMES: Tuple[str, ...] = ()
     #: the terms among ``TERM_NAMES`` that ``distillation_terms`` returns as sums over sentences
     SENTENCE_TERMS: Tuple[str, ...] = ()
+    #: extra per-step values the method returns in ``DistillationTerms.logs`` (0 when absent, so that
+    #: every worker's logging output has the same keys, as fairseq's all-reduce needs)
+    LOG_KEYS: Tuple[str, ...] = ()
     #: what to capture from the student and from the teacher during the forward pass
     student_request: CaptureRequest = CaptureRequest()
     teacher_request: CaptureRequest = CaptureRequest()
@@ -270,7 +324,8 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
         return weights
 
     def distillation_terms(self, batch: DistillationBatch) -> Dict[str, Tensor]:
-        """Each active term as an unnormalised sum (see the module docstring)."""
+        """Each active term as an unnormalised sum (see the module docstring); a
+        :class:`DistillationTerms` when the method also logs values of its own (``LOG_KEYS``)."""
         raise NotImplementedError
 
     def begin_epoch(self, epoch: int) -> None:
@@ -303,6 +358,7 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
         ce_loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=True)
 
         terms: Dict[str, Tensor] = {}
+        extra_logs: Dict[str, object] = {}
         if distilling:
             teacher_topk = None
             if self.teacher_cache is not None:
@@ -321,6 +377,7 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
                 teacher_topk=teacher_topk,
             )
             terms = self.distillation_terms(batch)
+            extra_logs = getattr(terms, "logs", {})
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
         nsentences = sample["target"].size(0)
         for name in self.SENTENCE_TERMS:
@@ -342,6 +399,8 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
         for name in self.TERM_NAMES:
             value = terms.get(name)
             logging_output[f"{name}_loss"] = value.data if value is not None else 0.0
+        for key in self.LOG_KEYS:
+            logging_output[key] = extra_logs.get(key, 0)
         if self.report_accuracy:
             n_correct, total = self.compute_accuracy(model, net_output, sample)
             logging_output["n_correct"] = utils.item(n_correct.data)

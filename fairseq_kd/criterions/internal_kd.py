@@ -36,11 +36,13 @@ on several GPUs with ``d_S != d_T`` needs fairseq's ``--find-unused-parameters``
 The schedule is resumable and the same on every worker. The stage at epoch ``e`` is a pure
 function of ``e`` and the epochs at which the threshold was crossed (:func:`schedule_stage`);
 only that list of crossings is state, saved through ``checkpoint_state``. The threshold is
-compared with the epoch's aggregated cosine loss: during training each step reports the current
-pair's summed ``1 - cos`` and its sentence count in the logging output (zeros for a dummy batch,
-which a worker out of data trains on with a zeroed loss), fairseq sums those over
-all workers before calling ``reduce_metrics`` on every worker, and ``reduce_metrics`` adds them to
-a private metrics aggregator that only this criterion reads and resets; at the next
+compared with the epoch's aggregated cosine loss: during training each step returns the current
+pair's summed ``1 - cos`` and its sentence count as extra logging values (``LOG_KEYS``, through
+:class:`~.base.DistillationTerms`; zeros in validation and for a dummy batch, which a worker out of
+data trains on with a zeroed loss), fairseq sums those over all workers before calling
+``reduce_metrics`` on every worker, and ``reduce_metrics`` (a classmethod in fairseq's API, which
+hands it no criterion instance) adds them to a metrics aggregator that only this criterion reads
+and resets; at the next
 ``begin_epoch`` every worker divides the same two sums. The sums of an unfinished epoch are saved
 with the checkpoint, so a stop-and-resume decides exactly as an uninterrupted run.
 """
@@ -61,6 +63,7 @@ from ..models.feature_capture import DECODER_SELF, ENCODER_SELF, CaptureRequest
 from ..modules.layer_mapping import uniform_mapping, validate_mapping
 from ..modules.projection import width_projection
 from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion, in_param_dtype
+from .base import DistillationTerms
 from .losses import masked_mean_pool, masked_row_kl
 
 logger = logging.getLogger(__name__)
@@ -129,6 +132,7 @@ def schedule_stage(epoch: int, num_stages: int, epochs_per_stage: int, crossings
 @register_criterion("internal_kd", dataclass=InternalKDConfig)
 class InternalKDCriterion(HiddenStateKDCriterion):
     TERM_NAMES = ("word_kd", "internal_kl", "internal_cos")
+    LOG_KEYS = ("internal_schedule_cos", "internal_schedule_sentences")
     WEIGHT_FLAGS = {"ce": "--hard-label-weight", "word_kd": "--kd-weight", "internal_kl": "--layer-weight",
                     "internal_cos": "--layer-weight"}
     SENTENCE_TERMS = ("internal_cos",)
@@ -160,7 +164,6 @@ class InternalKDCriterion(HiddenStateKDCriterion):
         self.num_stages = max(len(pairs) for pairs in self.pairs.values())
         self.crossings: List[int] = []
         self._accumulating_epoch = self.epoch
-        self._schedule_stats = None
         self._announced_stage = None
         metrics.reset_meters(SCHEDULE_AGGREGATOR)
         self._enter_stage(self.stage_at(self.epoch))
@@ -290,7 +293,6 @@ class InternalKDCriterion(HiddenStateKDCriterion):
         terms: Dict[str, Tensor] = {}
         if weights["word_kd"] != 0:
             terms["word_kd"] = self.word_kd_term(batch)
-        self._schedule_stats = None
         if weights["internal_kl"] == 0:
             return terms
         kl_terms, cos_terms, current_cos, current_sentences = [], [], [], 0
@@ -308,13 +310,12 @@ class InternalKDCriterion(HiddenStateKDCriterion):
                 current_sentences += per_sentence.size(1)
         terms["internal_kl"] = sum(kl_terms)
         terms["internal_cos"] = sum(cos_terms)
-        if self.training and current_cos:
-            if self.is_dummy_batch:
-                # Zeros rather than nothing: every worker must report the same logging keys.
-                self._schedule_stats = (torch.zeros_like(current_cos[0]), 0)
-            else:
-                self._schedule_stats = (sum(current_cos), current_sentences)
-        return terms
+        logs = {}
+        if self.training and current_cos and not self.is_dummy_batch:
+            # Summed over workers by fairseq, then added to the epoch's sums in reduce_metrics.
+            logs = {"internal_schedule_cos": sum(current_cos).data,
+                    "internal_schedule_sentences": current_sentences}
+        return DistillationTerms(terms, logs)
 
     def attention_term(self, side: str, batch, slots: Tensor, teacher_layers: Tensor) -> Tensor:
         """Summed KL of the active pairs' self-attention rows (see the module docstring)."""
@@ -345,15 +346,6 @@ class InternalKDCriterion(HiddenStateKDCriterion):
         return 1.0 - F.cosine_similarity(student, teacher, dim=-1)
 
     # ----------------------------------------------------------------- logging
-    def forward(self, model, sample, reduce=True):
-        loss, sample_size, logging_output = super().forward(model, sample, reduce)
-        if self._schedule_stats is not None:
-            total, sentences = self._schedule_stats
-            logging_output["internal_schedule_cos"] = total.data
-            logging_output["internal_schedule_sentences"] = sentences
-            self._schedule_stats = None
-        return loss, sample_size, logging_output
-
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:
         super().reduce_metrics(logging_outputs)

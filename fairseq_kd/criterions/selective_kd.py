@@ -53,6 +53,7 @@ from fairseq.distributed import utils as distributed_utils
 from fairseq.logging import metrics
 from torch import Tensor
 
+from .base import DistillationTerms
 from .losses import word_kd_term
 from .word_kd import WordKDConfig, WordKDCriterion
 
@@ -156,6 +157,7 @@ class SelectiveKDCriterion(WordKDCriterion):
 
     TERM_NAMES = ("selective_kd",)
     WEIGHT_FLAGS = {"ce": "1 - --kd-weight", "selective_kd": "--kd-weight"}
+    LOG_KEYS = ("kd_selected_tokens",)
 
     def __init__(self, cfg: SelectiveKDConfig, task):
         if not 0.0 < cfg.word_rate <= 1.0:
@@ -167,7 +169,6 @@ class SelectiveKDCriterion(WordKDCriterion):
         self.selection = str(cfg.selection)
         self.queue_size = cfg.queue_size
         self.queue = torch.zeros(0)
-        self._selected_tokens = 0
 
     def loss_weights(self):
         return {"ce": 1.0 - self.kd_weight, "selective_kd": self.kd_weight}
@@ -189,14 +190,10 @@ class SelectiveKDCriterion(WordKDCriterion):
     def distillation_terms(self, batch):
         token_ce = token_cross_entropy(batch.student_logits, batch.sample["target"])
         selected = self.select(token_ce, batch.target_mask)
-        self._selected_tokens = selected.sum().data
-        return {"selective_kd": word_kd_term(batch, selected, self.kd_temperature)}
-
-    def forward(self, model, sample, reduce=True):
-        self._selected_tokens = 0
-        loss, sample_size, logging_output = super().forward(model, sample, reduce)
-        logging_output["kd_selected_tokens"] = self._selected_tokens
-        return loss, sample_size, logging_output
+        return DistillationTerms(
+            {"selective_kd": word_kd_term(batch, selected, self.kd_temperature)},
+            logs={"kd_selected_tokens": selected.sum().data},
+        )
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:
