@@ -1,7 +1,9 @@
-"""Test helpers shared by the hidden-state criterion tests (pkd, ckd, alp_kd, rail_kd, internal_kd).
+"""Test helpers shared by the criterion tests (hidden-state methods above all).
 
-Not a test module: it builds what a criterion's ``distillation_terms`` receives, a student that is
-an exact copy of the tiny teacher, and fairseq's own label-smoothed CE for the weight-0 checks.
+Not a test module: it builds criterions from their configs, what a criterion's
+``distillation_terms`` receives, a student that is an exact copy of the tiny teacher, fairseq's
+own label-smoothed CE for the weight-0 checks, and the checks several methods share (padding
+invariance of a whole batch, training through fairseq-train).
 """
 import copy
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 
-from conftest import build_tiny_student
+from conftest import TINY_STUDENT_ARGS, build_tiny_student, make_batch, train_student
 from fairseq_kd.criterions.base import DistillationBatch
 from fairseq_kd.models.feature_capture import FeatureCapture
 
@@ -125,3 +127,41 @@ def assert_sentence_term_is_a_mean_over_sentences(make_criterion, student, sampl
     mean = summed / nsentences
     assert float(token_log[f"{term}_loss"]) / token_size == pytest.approx(mean, rel=1e-5)
     assert float(sentence_log[f"{term}_loss"]) / sentence_size == pytest.approx(mean, rel=1e-5)
+
+
+def assert_invariant_to_batch_padding(criterion, student, task):
+    """Each sentence alone (no padding) gives the same terms as inside a padded batch."""
+    sources = ["w1 w2 w3", "w4 w5 w6 w7 w8 w9", "w10 w11"]
+    targets = ["W3 W2 W1", "W9 W8 W7 W6 W5 W4", "W11 W10"]
+    _, _, batched = criterion(student, make_batch(task, sources, targets))
+    for term in criterion.TERM_NAMES:
+        alone = sum(criterion(student, make_batch(task, [s], [t]))[2][f"{term}_loss"].item()
+                    for s, t in zip(sources, targets))
+        assert batched[f"{term}_loss"].item() == pytest.approx(alone, rel=1e-4), term
+
+
+def allowed_entries(sample, pad):
+    """may_attend(kind, b, q, k), from the tokens alone (left-padded source, right-padded target)."""
+    src = sample["net_input"]["src_tokens"].tolist()
+    prev = sample["net_input"]["prev_output_tokens"].tolist()
+
+    def may_attend(kind, b, q, k):
+        if kind == "encoder_self":
+            return src[b][q] != pad and src[b][k] != pad
+        if kind == "decoder_self":
+            return prev[b][q] != pad and prev[b][k] != pad and k <= q
+        return prev[b][q] != pad and src[b][k] != pad
+
+    return may_attend
+
+
+def train_four_head_student(data, teacher, folder, criterion, max_update=3):
+    """fairseq-train's ``train_inner`` records of a tiny student with the teacher's 4 heads."""
+    from fairseq_kd.scoring.plots import parse_fairseq_log
+
+    student_args = list(TINY_STUDENT_ARGS)
+    student_args[student_args.index("--encoder-attention-heads") + 1] = "4"
+    student_args[student_args.index("--decoder-attention-heads") + 1] = "4"
+    proc = train_student(data, teacher, folder, ["--criterion", criterion], student_args=student_args,
+                         max_update=max_update)
+    return [r for r in parse_fairseq_log(proc.stdout.splitlines()) if r.split == "train_inner"]

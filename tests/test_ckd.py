@@ -16,12 +16,9 @@ from fairseq_kd.modules.layer_mapping import LayerMappingError
 from hidden_kd_support import (
     build_criterion,
     COMMON,
-    assert_finite_in_half_precision,
-    assert_reduces_to_label_smoothed_ce,
     checkpoint,
     distillation_batch,
     real_positions,
-    scramble_padding,
     teacher_copy,
 )
 
@@ -78,11 +75,6 @@ def test_ckd_term_matches_a_slow_reference(kd_task, tiny_batch, strategy, explic
     assert criterion.student_request == criterion.teacher_request == CaptureRequest(encoder_hidden=True, decoder_hidden=True)
     mapping = ((1, 3), (2, 3)) if explicit else TINY_MAPPINGS[strategy]
     assert criterion.mappings["encoder"] == mapping
-    for side in ("encoder", "decoder"):
-        for i in range(2):
-            torch.testing.assert_close(
-                criterion.fusions[side].concatenated_weight(i), concatenated_weight(criterion.fusions[side], mapping, i)
-            )
     batch = distillation_batch(criterion, student, tiny_batch)
     terms = criterion.distillation_terms(batch)
     assert terms["ckd"].item() == pytest.approx(slow_ckd(criterion, batch, mapping), rel=1e-5)
@@ -95,18 +87,6 @@ def test_ckd_term_matches_a_slow_reference(kd_task, tiny_batch, strategy, explic
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in criterion.parameters())
 
 
-def test_ckd_ignores_padding(kd_task, tiny_batch):
-    student = build_tiny_student(kd_task)
-    criterion = make_ckd(kd_task, ckd_mapping="oc")
-    batch = distillation_batch(criterion, student, tiny_batch)
-    for side in ("encoder", "decoder"):
-        mask = batch.student.padding_mask(side)
-        s, t = batch.student.hidden(side), batch.teacher.hidden(side)
-        clean = criterion.layer_loss(side, s, t, mask)
-        noisy = criterion.layer_loss(side, scramble_padding(s, mask, 3), scramble_padding(t, mask, 4), mask)
-        torch.testing.assert_close(clean, noisy)
-
-
 def test_ckd_is_zero_for_a_student_identical_to_its_teacher_with_identity_fusion(kd_task, tiny_batch):
     student = teacher_copy(kd_task)
     criterion = make_ckd(kd_task, ckd_layer_map="1|2|3")
@@ -116,16 +96,6 @@ def test_ckd_is_zero_for_a_student_identical_to_its_teacher_with_identity_fusion
             fusion.bias.zero_()
     terms = criterion.distillation_terms(distillation_batch(criterion, student, tiny_batch))
     assert terms["ckd"].item() < 1e-8
-
-
-def test_ckd_with_zero_weights_is_label_smoothed_ce(kd_task, tiny_batch):
-    student = build_tiny_student(kd_task)
-    assert_reduces_to_label_smoothed_ce(make_ckd(kd_task, kd_weight=0.0, layer_weight=0.0), student, tiny_batch)
-
-
-def test_ckd_is_finite_in_half_precision(kd_task, tiny_batch):
-    build_tiny_student(kd_task)
-    assert_finite_in_half_precision(make_ckd(kd_task, ckd_mapping="oc"), kd_task, tiny_batch)
 
 
 @pytest.mark.parametrize(

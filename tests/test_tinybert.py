@@ -5,12 +5,12 @@ import math
 
 import pytest
 import torch
-from conftest import TINY_STUDENT_ARGS, build_tiny_student, make_batch, train_student
+from conftest import build_tiny_student, train_student
+from hidden_kd_support import allowed_entries, assert_invariant_to_batch_padding, train_four_head_student
 from torch import nn
 
 from fairseq_kd.criterions.tinybert import TinyBERTConfig, TinyBERTCriterion, attention_score_mse, hidden_mse
 from fairseq_kd.models.feature_capture import ATTENTION_KINDS, CaptureRequest, FeatureCapture
-from fairseq_kd.scoring.plots import parse_fairseq_log
 
 FOUR_HEADS = {"encoder_attention_heads": 4, "decoder_attention_heads": 4}
 
@@ -72,13 +72,7 @@ def test_tinybert_matches_slow_reference(kd_task, tiny_batch):
     prev = tiny_batch["net_input"]["prev_output_tokens"].tolist()
     mapping = [j * 3 // 2 for j in (1, 2)]  # uniform: student layer j <- teacher layer j*n/m
     assert mapping == [1, 3]
-
-    def may_attend(kind, b, q, k):
-        if kind == "encoder_self":
-            return src[b][q] != pad and src[b][k] != pad
-        if kind == "decoder_self":
-            return prev[b][q] != pad and prev[b][k] != pad and k <= q
-        return prev[b][q] != pad and src[b][k] != pad
+    may_attend = allowed_entries(tiny_batch, pad)
 
     attention = 0.0
     for kind in ATTENTION_KINDS:
@@ -143,13 +137,7 @@ def test_student_identical_to_teacher_gives_zero_terms(kd_task, tiny_batch):
 def test_tinybert_is_invariant_to_batch_padding(kd_task):
     student = build_tiny_student(kd_task, **FOUR_HEADS)
     criterion = build_tinybert(kd_task)
-    sources = ["w1 w2 w3", "w4 w5 w6 w7 w8 w9", "w10 w11"]
-    targets = ["W3 W2 W1", "W9 W8 W7 W6 W5 W4", "W11 W10"]
-    _, _, batched = criterion(student, make_batch(kd_task, sources, targets))
-    for term in criterion.TERM_NAMES:
-        alone = sum(criterion(student, make_batch(kd_task, [s], [t]))[2][f"{term}_loss"].item()
-                    for s, t in zip(sources, targets))
-        assert batched[f"{term}_loss"].item() == pytest.approx(alone, rel=1e-4), term
+    assert_invariant_to_batch_padding(criterion, student, kd_task)
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -177,12 +165,7 @@ def test_bad_options_fail_at_start(kd_task, flag, value):
 
 # ----------------------------------------------------------------------------- fairseq-train
 def test_tinybert_fairseq_train(tiny_data_bin, tiny_teacher, tmp_path):
-    student_args = list(TINY_STUDENT_ARGS)
-    student_args[student_args.index("--encoder-attention-heads") + 1] = "4"
-    student_args[student_args.index("--decoder-attention-heads") + 1] = "4"
-    proc = train_student(tiny_data_bin, tiny_teacher, tmp_path / "tinybert", ["--criterion", "tinybert"],
-                         student_args=student_args, max_update=3)
-    records = [r for r in parse_fairseq_log(proc.stdout.splitlines()) if r.split == "train_inner"]
+    records = train_four_head_student(tiny_data_bin, tiny_teacher, tmp_path / "tinybert", "tinybert")
     assert len(records) == 3
     for record in records:
         v = record.values

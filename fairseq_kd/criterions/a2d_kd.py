@@ -78,11 +78,11 @@ Choices the paper leaves open, documented here:
 * **Presets** (``--a2d-preset``, Sec. 5.2): ``low_resource`` (default; IWSLT, WMT'22 De-Dsb):
   ``lambda_0 = 1``, decay 0.9 per epoch, ``mu = 1``. ``wmt`` (WMT'14 En-De, many more maps):
   ``lambda_0 = 0.1``; the paper states no other change for this setting, so the decay stays 0.9. ``--a2d-lambda`` and
-  ``--a2d-lambda-decay`` override the preset; ``--a2d-mu 0`` is Table 2's "A2D w/o L_KD".
+  ``--a2d-lambda-decay`` override the preset; ``--kd-weight 0`` (alias ``--a2d-mu 0``) is Table 2's
+"A2D w/o L_KD".
 
-The alignment weights can be drawn as the paper's Figure 2: ``python -m
-fairseq_kd.cli.export_alignment --checkpoint CKPT --output aam.json`` then ``fairseq-kd-plot
-alignment --input aam.json --output aam.png``.
+The alignment weights can be drawn as the paper's Figure 2: ``fairseq-kd-plot alignment
+--checkpoint CKPT --output aam.png``.
 """
 from dataclasses import dataclass, field
 from typing import Dict, Optional
@@ -272,11 +272,6 @@ class AlignToDistillCriterion(KDCriterionBase):
         teacher_maps = teacher_probs.transpose(1, 2).flatten(0, 1)
         divergence = alignment_kl(intermediate, teacher_maps, student.attendable[:, 0], self.normalization)
         return divergence / teacher_maps.shape[0] if self.average_maps else divergence
-
-    # -------------------------------------------------------------- export
-    def alignment_weights(self) -> dict:
-        """The AAM weights as ``fairseq-kd-plot alignment`` reads them (one entry per kind)."""
-        return {kind: module.heatmap_entry() for kind, module in self.alignments.items()}
 
 
 def resolve_map_reduction(requested: str, normalization: str) -> str:

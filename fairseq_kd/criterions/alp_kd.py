@@ -22,9 +22,7 @@ epoch began (saved with the checkpoint; on several GPUs, those of the worker tha
 ``{"encoder": [[alpha over teacher layers] per student layer], "decoder": ...}``, the format of
 ``fairseq-kd-plot alp``; :func:`layer_weights_from_checkpoint` reads them from a saved checkpoint.
 """
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
@@ -125,11 +123,6 @@ class ALPKDCriterion(HiddenStateKDCriterion):
                 "has been seen since the epoch began"
             )
         return weights
-
-    def write_layer_weights(self, path) -> Path:
-        path = Path(path)
-        path.write_text(json.dumps(self.layer_weights(), indent=1) + "\n")
-        return path
 
     def checkpoint_state(self) -> dict:
         return {"alpha_sums": self.alpha_sums.state()}

@@ -87,12 +87,6 @@ class LayerFusion(nn.Module):
         fused = fused.index_add(0, self.pair_student_slot, contributions)
         return fused + self.bias.float()[:, None, None, :]
 
-    def concatenated_weight(self, student_slot: int) -> Tensor:
-        """``W_i`` as the ``(d_S, |M(i)| d_T)`` matrix of the paper's concatenation form."""
-        first = sum(len(group) for group in self.mapping[:student_slot])
-        count = len(self.mapping[student_slot])
-        return torch.cat([self.blocks.weight[first + k].t() for k in range(count)], dim=1)
-
 
 @register_criterion("ckd", dataclass=CombinatorialKDConfig)
 class CombinatorialKDCriterion(HiddenStateKDCriterion):

@@ -120,11 +120,6 @@ class AttentionAlignment(nn.Module):
             return intermediate
         return intermediate + self.bias.float().view(-1, 1, 1, 1)
 
-    def heatmap_entry(self) -> dict:
-        """This module's weights for :func:`fairseq_kd.scoring.plots.plot_alignment_heatmaps`:
-        ``weights`` as rows = student maps, columns = teacher maps, plus the four sizes."""
-        return heatmap_entry(self.coefficients().detach(), self.sizes())
-
     # Sizes are kept in the state dict (torch's extra-state protocol: plain ints, safe to load
     # with weights_only=True).
     def get_extra_state(self) -> dict:
