@@ -46,7 +46,7 @@ MANIFEST_FORMAT = 1
 #: this project's commands that run inside the recipe's process (light, CPU-only)
 IN_PROCESS_MODULES = frozenset({
     "fairseq_kd.cli.export_student", "fairseq_kd.cli.score", "fairseq_kd.cli.report",
-    "fairseq_kd.cli.plot", "fairseq_kd.cli.export_alignment", "fairseq_kd.cli.alp_weights",
+    "fairseq_kd.cli.plot",
 })
 
 

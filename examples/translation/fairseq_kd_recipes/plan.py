@@ -22,7 +22,6 @@ parameter counts and decoding speeds for the report.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
@@ -49,7 +48,6 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 #: the plugin's folder, fairseq-train's --user-dir
 USER_DIR = Path(fairseq_kd.__file__).resolve().parent
 #: module that writes a figure's weights, per figure kind of :class:`~.methods.Method`
-FIGURE_EXPORTERS = {"alignment": "fairseq_kd.cli.export_alignment", "alp": "fairseq_kd.cli.alp_weights"}
 DEFAULT_PREPARE_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
@@ -534,18 +532,12 @@ class _Planner:
     def add_figure(self, method: Method) -> None:
         if method.figure is None:
             return
-        exporter = FIGURE_EXPORTERS[method.figure]
-        if importlib.util.find_spec(exporter) is None:
-            LOG.warning("%s: no %s module, so no %s figure", method.name, exporter, method.figure)
-            return
         weights = self.workdir / "plots" / f"{method.name}-{method.figure}.json"
         figure = weights.with_suffix(".png")
         self.add(
             f"figure-{method.name}",
-            [([*python_module(exporter), "--checkpoint", str(self.checkpoint(method.name)), "--output",
-               str(weights), "--overwrite"], []),
-             ([*python_module("fairseq_kd.cli.plot"), method.figure, "--input", str(weights), "--output",
-               str(figure), "--overwrite"], [])],
+            [([*python_module("fairseq_kd.cli.plot"), method.figure, "--checkpoint", str(self.checkpoint(method.name)),
+               "--weights-output", str(weights), "--output", str(figure), "--overwrite"], [])],
             [self.checkpoint(method.name)], [weights, figure], description=f"{method.figure} weights figure",
         )
 
