@@ -12,7 +12,7 @@ from hidden_kd_support import allowed_entries, assert_invariant_to_batch_padding
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 
 from fairseq_kd.checkpoint_safety import safe_load
-from fairseq_kd.cli.export_alignment import export_alignment
+from fairseq_kd.cli.plot import figure_weights_from_checkpoint
 from fairseq_kd.criterions.a2d_kd import A2DConfig, AlignToDistillCriterion, alignment_kl, resolve_map_reduction
 from fairseq_kd.models.feature_capture import ATTENTION_KINDS, CaptureRequest, FeatureCapture
 from fairseq_kd.models.teacher import FrozenTeacher
@@ -584,8 +584,9 @@ def test_a2d_fairseq_train_with_more_student_heads_resume_and_export(tiny_data_b
         assert (five - four).abs().max() < 1.5 * LR
 
     out = tmp_path / "aam.json"
-    run_module("fairseq_kd.cli.export_alignment", "--checkpoint", tmp_path / "resumed" / "checkpoint_last.pt",
-               "--output", out)
+    run_module("fairseq_kd.cli.plot", "alignment", "--checkpoint", tmp_path / "resumed" / "checkpoint_last.pt",
+               "--weights-output", out, "--output", tmp_path / "aam.png")
+    assert (tmp_path / "aam.png").stat().st_size > 0
     exported = json.loads(out.read_text())
     assert set(exported) == set(ATTENTION_KINDS)
     # The figure shows the mixture coefficients the module applies (softmax over student maps).
@@ -594,7 +595,7 @@ def test_a2d_fairseq_train_with_more_student_heads_resume_and_export(tiny_data_b
     figure = plot_alignment_heatmaps(exported)
     assert len([axes for axes in figure.axes if axes.images]) == 3
     with pytest.raises(ValueError, match="--criterion a2d_kd"):
-        export_alignment(tiny_teacher)  # a checkpoint without criterion parameters
+        figure_weights_from_checkpoint("alignment", tiny_teacher)  # a checkpoint without criterion parameters
 
     from fairseq_kd.models.export import export_student
 

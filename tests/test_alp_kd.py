@@ -165,8 +165,11 @@ def test_alp_trains_with_fairseq_train_and_saves_its_weights(tiny_data_bin, tiny
     for rows in weights.values():
         assert len(rows) == 2 and all(len(row) == 3 and sum(row) == pytest.approx(1.0) for row in rows)
     output = tmp_path / "alp_weights.json"
-    run_module("fairseq_kd.cli.alp_weights", "--checkpoint", tmp_path / "checkpoint_last.pt", "--output", output)
+    figure = tmp_path / "alp_weights.png"
+    run_module("fairseq_kd.cli.plot", "alp", "--checkpoint", tmp_path / "checkpoint_last.pt", "--weights-output", output,
+               "--output", figure)
     assert_same_weights(json.loads(output.read_text()), weights)
-    refused = run_module("fairseq_kd.cli.alp_weights", "--checkpoint", tmp_path / "checkpoint_last.pt",
-                         "--output", output, check=False)
+    assert figure.stat().st_size > 0
+    refused = run_module("fairseq_kd.cli.plot", "alp", "--checkpoint", tmp_path / "checkpoint_last.pt",
+                         "--weights-output", output, "--output", tmp_path / "other.png", check=False)
     assert refused.returncode != 0 and "--overwrite" in refused.stderr

@@ -206,9 +206,9 @@ def test_preparation_recipe_and_seqkd_print_one_line_for_user_errors(tmp_path):
                 "prepare.py: error:", "--archives", "missing")
     _user_error(run([*prepare, "--archives", empty, "--dest", tmp_path / "d2"]), "--archives", "missing from")
     _user_error(run([*prepare, "--archives", empty, "--dest", a_file]), "--dest", "not a directory")
-    _user_error(run_module("fairseq_kd.cli.recipe", "multi30k_fr_en", "--teacher", tmp_path / "none.pt", check=False),
+    _user_error(run_module("fairseq_kd_recipes.recipe", "multi30k_fr_en", "--teacher", tmp_path / "none.pt", check=False),
                 "fairseq-kd-recipe: error:", "--teacher", "no such checkpoint file")
-    _user_error(run_module("fairseq_kd.cli.recipe", "multi30k_fr_en", "--archives", tmp_path / "missing", check=False),
+    _user_error(run_module("fairseq_kd_recipes.recipe", "multi30k_fr_en", "--archives", tmp_path / "missing", check=False),
                 "fairseq-kd-recipe: error:", "--archives")
     _user_error(run_cli("fairseq-kd-seqkd", "--data", tmp_path / "missing", "--teacher-checkpoint", a_file,
                         "--output", tmp_path / "out", check=False), "fairseq-kd-seqkd: error:", "--data")
