@@ -97,7 +97,7 @@ def test_seqkd_shows_per_sentence_progress_on_a_terminal(tiny_data_bin, tiny_tea
 @pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
 def test_benchmark_counts_its_training_runs(monkeypatch, capsys, terminal):
     """The benchmark's bar counts child training runs; the measurement itself is stubbed out."""
-    from fairseq_kd.cli import benchmark
+    from fairseq_kd_recipes import benchmark
 
     monkeypatch.setattr(benchmark, "prepare_config", lambda name, workdir: {})
     monkeypatch.setattr(benchmark, "training_flags", lambda name, paths, method: [method])
