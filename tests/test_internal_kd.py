@@ -154,13 +154,15 @@ def test_schedule_stage_is_a_function_of_the_epoch_and_the_crossings():
 
 def epoch_of_training(criterion, student, batches):
     """One epoch as fairseq runs it: forward in training mode, the all-worker logging outputs of
-    each step through reduce_metrics."""
+    each step through the criterion's reduce_metrics and then (the task's reduce_metrics) its
+    reduce_worker_logs."""
     criterion.train()
     logs = []
     for batch in batches:
         _, _, log = criterion(student, batch)
         logs.append(log)
         criterion.__class__.reduce_metrics([log])
+        criterion.reduce_worker_logs([log])
     return logs
 
 
@@ -211,7 +213,7 @@ def test_cosine_threshold_uses_the_epoch_mean_over_all_workers(kd_task, tiny_bat
         criterion = make_internal(kd_task, internal_schedule="pid", layer_sides="encoder",
                                   internal_cos_threshold=threshold)
         criterion.begin_epoch(1)
-        criterion.__class__.reduce_metrics(logs)  # fairseq passes all workers' outputs
+        criterion.reduce_worker_logs(logs)  # the task passes all workers' gathered outputs
         assert criterion.epoch_cosine_sums() == pytest.approx((sum(sums), 6.0))
         criterion.begin_epoch(2)
         assert criterion.crossings == ([1] if crosses else [])

@@ -188,13 +188,14 @@ class DistillationTerms(dict):
 
 class EpochSums:
     """Running sums of a training epoch's tensors, with checkpoint state: the one accumulator of
-    stateful criterions (ALP-KD's mean layer weights).
+    stateful criterions (ALP-KD's mean layer weights, internal KD's schedule statistics).
 
     * Adding keeps the sums on the device in float64, without autograd, so it never synchronises a
       training step.
     * Data parallel: every worker sums only its own batches; nothing is reduced across workers
-      here. A reader that needs the pooled value must all-reduce, or pass per-step values through
-      ``DistillationTerms.logs``, which fairseq sums over workers (internal KD's schedule does).
+      here. A method that needs the pooled value passes per-step values through
+      ``DistillationTerms.logs``, which fairseq gathers from every worker, and adds them in
+      :meth:`KDCriterionBase.reduce_worker_logs` (internal KD's schedule does).
       The checkpoint holds the sums of the worker that writes it (rank 0).
     * Dummy batches (a worker out of data trains on one with its loss zeroed): the caller adds
       nothing while ``is_dummy_batch`` is set.
@@ -331,6 +332,11 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
     def begin_epoch(self, epoch: int) -> None:
         """Called by the task at the start of every epoch (also after a resume, with its epoch)."""
         self.epoch = epoch
+
+    def reduce_worker_logs(self, logging_outputs) -> None:
+        """Called by the task on every worker after each step (training and validation) with all
+        workers' logging outputs, already gathered by fairseq: the place for a method that pools a
+        statistic across workers into its own state (internal KD's schedule). Nothing by default."""
 
     def checkpoint_state(self) -> dict:
         """Non-parameter state to keep across a resume (tensors and plain values only).

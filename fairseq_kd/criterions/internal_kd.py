@@ -39,12 +39,11 @@ only that list of crossings is state, saved through ``checkpoint_state``. The th
 compared with the epoch's aggregated cosine loss: during training each step returns the current
 pair's summed ``1 - cos`` and its sentence count as extra logging values (``LOG_KEYS``, through
 :class:`~.base.DistillationTerms`; zeros in validation and for a dummy batch, which a worker out of
-data trains on with a zeroed loss), fairseq sums those over all workers before calling
-``reduce_metrics`` on every worker, and ``reduce_metrics`` (a classmethod in fairseq's API, which
-hands it no criterion instance) adds them to a metrics aggregator that only this criterion reads
-and resets; at the next
-``begin_epoch`` every worker divides the same two sums. The sums of an unfinished epoch are saved
-with the checkpoint, so a stop-and-resume decides exactly as an uninterrupted run.
+data trains on with a zeroed loss); fairseq gathers every worker's logging outputs on every
+worker, and the task hands them to :meth:`InternalKDCriterion.reduce_worker_logs`, which adds
+them to the criterion's :class:`~.base.EpochSums`; at the next ``begin_epoch`` every worker
+divides the same two sums. The sums of an unfinished epoch are saved with the checkpoint, so a
+stop-and-resume decides exactly as an uninterrupted run.
 """
 import logging
 import math
@@ -56,22 +55,19 @@ import torch.nn.functional as F
 from fairseq import utils
 from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
-from fairseq.logging import metrics
 from torch import Tensor, nn
 
 from ..models.feature_capture import DECODER_SELF, ENCODER_SELF, CaptureRequest
 from ..modules.layer_mapping import uniform_mapping, validate_mapping
 from ..modules.projection import width_projection
 from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion, in_param_dtype
-from .base import DistillationTerms
+from .base import DistillationTerms, EpochSums
 from .losses import masked_mean_pool, masked_row_kl
 
 logger = logging.getLogger(__name__)
 
 SCHEDULE_CHOICES = ChoiceEnum(["all", "pid", "sid"])
 SELF_ATTENTION = {"encoder": ENCODER_SELF, "decoder": DECODER_SELF}
-#: fairseq metrics aggregator holding the current epoch's cosine sums (read by begin_epoch)
-SCHEDULE_AGGREGATOR = "internal_kd_schedule"
 
 
 @dataclass
@@ -165,7 +161,9 @@ class InternalKDCriterion(HiddenStateKDCriterion):
         self.crossings: List[int] = []
         self._accumulating_epoch = self.epoch
         self._announced_stage = None
-        metrics.reset_meters(SCHEDULE_AGGREGATOR)
+        #: the current epoch's pooled (over workers) sums of the newest pair's 1 - cos and sentences
+        self.schedule_sums = EpochSums()
+        self.schedule_sums.begin_epoch(self._accumulating_epoch)
         self._enter_stage(self.stage_at(self.epoch))
 
     @classmethod
@@ -213,13 +211,12 @@ class InternalKDCriterion(HiddenStateKDCriterion):
         super().begin_epoch(epoch)
         if epoch > self._accumulating_epoch:
             self._close_epoch(self._accumulating_epoch)
-            metrics.reset_meters(SCHEDULE_AGGREGATOR)
         elif epoch < self._accumulating_epoch:
             # Training restarted at an earlier epoch (e.g. --reset-dataloader): later crossings
             # belong to a history that is being replaced.
             self.crossings = [e for e in self.crossings if e < epoch]
-            metrics.reset_meters(SCHEDULE_AGGREGATOR)
-        # epoch == accumulating epoch: a resume in the middle of that epoch; keep its sums.
+        # epoch == accumulating epoch: a resume in the middle of that epoch; EpochSums keeps its sums.
+        self.schedule_sums.begin_epoch(epoch)
         self._accumulating_epoch = epoch
         self._enter_stage(self.stage_at(epoch))
         if self.schedule != "all" and self.stage != self._announced_stage:
@@ -239,13 +236,19 @@ class InternalKDCriterion(HiddenStateKDCriterion):
                 epoch, total / sentences, self.cos_threshold,
             )
 
-    @staticmethod
-    def epoch_cosine_sums() -> Tuple[float, float]:
+    def epoch_cosine_sums(self) -> Tuple[float, float]:
         """(sum of 1 - cos, sentences) of the current pair so far in this epoch, all workers."""
-        total = metrics.get_meter(SCHEDULE_AGGREGATOR, "cos")
-        sentences = metrics.get_meter(SCHEDULE_AGGREGATOR, "sentences")
-        return (float(total.sum) if total is not None else 0.0,
-                float(sentences.sum) if sentences is not None else 0.0)
+        sums = self.schedule_sums.sums
+        return (float(sums["cos"]) if "cos" in sums else 0.0,
+                float(sums["sentences"]) if "sentences" in sums else 0.0)
+
+    def reduce_worker_logs(self, logging_outputs) -> None:
+        """Add a step's pooled schedule statistics (zeros in validation and dummy batches)."""
+        sentences = sum(utils.item(log.get("internal_schedule_sentences", 0)) for log in logging_outputs)
+        if sentences:
+            total = sum(utils.item(log.get("internal_schedule_cos", 0)) for log in logging_outputs)
+            self.schedule_sums.add("cos", torch.tensor(float(total)))
+            self.schedule_sums.add("sentences", torch.tensor(float(sentences)))
 
     def describe_stage(self) -> str:
         if not self.internal_phase:
@@ -265,16 +268,12 @@ class InternalKDCriterion(HiddenStateKDCriterion):
     def load_checkpoint_state(self, state: dict) -> None:
         self.crossings = [int(e) for e in state.get("crossings", [])]
         self._accumulating_epoch = int(state.get("accumulating_epoch", self._accumulating_epoch))
-        metrics.reset_meters(SCHEDULE_AGGREGATOR)
-        self._log_schedule_sums(state.get("epoch_cos", 0.0), state.get("epoch_sentences", 0.0))
+        self.schedule_sums = EpochSums()
+        self.schedule_sums.begin_epoch(self._accumulating_epoch)
+        if state.get("epoch_sentences", 0.0) > 0:
+            self.schedule_sums.add("cos", torch.tensor(float(state["epoch_cos"])))
+            self.schedule_sums.add("sentences", torch.tensor(float(state["epoch_sentences"])))
         self._enter_stage(self.stage_at(self._accumulating_epoch))
-
-    @staticmethod
-    def _log_schedule_sums(total: float, sentences: float) -> None:
-        if sentences > 0:
-            with metrics.aggregate(SCHEDULE_AGGREGATOR, new_root=True):
-                metrics.log_scalar_sum("cos", total)
-                metrics.log_scalar_sum("sentences", sentences)
 
     # ---------------------------------------------------------------- weights
     def loss_weights(self) -> Dict[str, float]:
@@ -312,7 +311,7 @@ class InternalKDCriterion(HiddenStateKDCriterion):
         terms["internal_cos"] = sum(cos_terms)
         logs = {}
         if self.training and current_cos and not self.is_dummy_batch:
-            # Summed over workers by fairseq, then added to the epoch's sums in reduce_metrics.
+            # Summed over workers by fairseq, then added to the epoch's sums in reduce_worker_logs.
             logs = {"internal_schedule_cos": sum(current_cos).data,
                     "internal_schedule_sentences": current_sentences}
         return DistillationTerms(terms, logs)
@@ -344,12 +343,3 @@ class InternalKDCriterion(HiddenStateKDCriterion):
         teacher = masked_mean_pool(batch.teacher.hidden(side).index_select(0, teacher_layers), padding_mask)
         student = in_param_dtype(self.projections[side], student)
         return 1.0 - F.cosine_similarity(student, teacher, dim=-1)
-
-    # ----------------------------------------------------------------- logging
-    @classmethod
-    def reduce_metrics(cls, logging_outputs) -> None:
-        super().reduce_metrics(logging_outputs)
-        sentences = sum(log.get("internal_schedule_sentences", 0) for log in logging_outputs)
-        if sentences:
-            total = sum(utils.item(log.get("internal_schedule_cos", 0)) for log in logging_outputs)
-            cls._log_schedule_sums(float(total), float(utils.item(sentences)))

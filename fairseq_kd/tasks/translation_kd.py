@@ -224,6 +224,12 @@ class TranslationKDTask(TranslationTask):
         if self.kd_criterion is not None:
             self.kd_criterion.begin_epoch(epoch)
 
+    def reduce_metrics(self, logging_outputs, criterion):
+        # fairseq's criterion hook is a classmethod; the instance sees the pooled outputs here.
+        super().reduce_metrics(logging_outputs, criterion)
+        if self.kd_criterion is not None:
+            self.kd_criterion.reduce_worker_logs(logging_outputs)
+
     # fairseq persists this dict in the checkpoint's extra_state under the task's class name and
     # hands it back on resume (checkpoint_utils.save_checkpoint / load_checkpoint). Criterion state
     # that is not a parameter (e.g. selective KD's queue) travels this way, because the trainer
