@@ -159,11 +159,11 @@ class InternalKDCriterion(HiddenStateKDCriterion):
             )
         self.num_stages = max(len(pairs) for pairs in self.pairs.values())
         self.crossings: List[int] = []
-        self._accumulating_epoch = self.epoch
         self._announced_stage = None
-        #: the current epoch's pooled (over workers) sums of the newest pair's 1 - cos and sentences
+        #: the pooled (over workers) sums of the newest pair's 1 - cos and sentences, for the epoch
+        #: being accumulated (``schedule_sums.epoch``)
         self.schedule_sums = EpochSums()
-        self.schedule_sums.begin_epoch(self._accumulating_epoch)
+        self.schedule_sums.begin_epoch(self.epoch)
         self._enter_stage(self.stage_at(self.epoch))
 
     @classmethod
@@ -209,15 +209,15 @@ class InternalKDCriterion(HiddenStateKDCriterion):
 
     def begin_epoch(self, epoch: int) -> None:
         super().begin_epoch(epoch)
-        if epoch > self._accumulating_epoch:
-            self._close_epoch(self._accumulating_epoch)
-        elif epoch < self._accumulating_epoch:
+        accumulating = self.schedule_sums.epoch
+        if epoch > accumulating:
+            self._close_epoch(accumulating)
+        elif epoch < accumulating:
             # Training restarted at an earlier epoch (e.g. --reset-dataloader): later crossings
             # belong to a history that is being replaced.
             self.crossings = [e for e in self.crossings if e < epoch]
         # epoch == accumulating epoch: a resume in the middle of that epoch; EpochSums keeps its sums.
         self.schedule_sums.begin_epoch(epoch)
-        self._accumulating_epoch = epoch
         self._enter_stage(self.stage_at(epoch))
         if self.schedule != "all" and self.stage != self._announced_stage:
             logger.info("internal_kd epoch %d: %s", epoch, self.describe_stage())
@@ -247,8 +247,11 @@ class InternalKDCriterion(HiddenStateKDCriterion):
         sentences = sum(utils.item(log.get("internal_schedule_sentences", 0)) for log in logging_outputs)
         if sentences:
             total = sum(utils.item(log.get("internal_schedule_cos", 0)) for log in logging_outputs)
-            self.schedule_sums.add("cos", torch.tensor(float(total)))
-            self.schedule_sums.add("sentences", torch.tensor(float(sentences)))
+            self._add_schedule_sums(total, sentences)
+
+    def _add_schedule_sums(self, total: float, sentences: float) -> None:
+        self.schedule_sums.add("cos", torch.tensor(float(total)))
+        self.schedule_sums.add("sentences", torch.tensor(float(sentences)))
 
     def describe_stage(self) -> str:
         if not self.internal_phase:
@@ -262,18 +265,17 @@ class InternalKDCriterion(HiddenStateKDCriterion):
 
     def checkpoint_state(self) -> dict:
         total, sentences = self.epoch_cosine_sums()
-        return {"crossings": list(self.crossings), "accumulating_epoch": self._accumulating_epoch,
+        return {"crossings": list(self.crossings), "accumulating_epoch": self.schedule_sums.epoch,
                 "epoch_cos": total, "epoch_sentences": sentences}
 
     def load_checkpoint_state(self, state: dict) -> None:
         self.crossings = [int(e) for e in state.get("crossings", [])]
-        self._accumulating_epoch = int(state.get("accumulating_epoch", self._accumulating_epoch))
+        accumulating = int(state.get("accumulating_epoch", self.schedule_sums.epoch))
         self.schedule_sums = EpochSums()
-        self.schedule_sums.begin_epoch(self._accumulating_epoch)
+        self.schedule_sums.begin_epoch(accumulating)
         if state.get("epoch_sentences", 0.0) > 0:
-            self.schedule_sums.add("cos", torch.tensor(float(state["epoch_cos"])))
-            self.schedule_sums.add("sentences", torch.tensor(float(state["epoch_sentences"])))
-        self._enter_stage(self.stage_at(self._accumulating_epoch))
+            self._add_schedule_sums(state["epoch_cos"], state["epoch_sentences"])
+        self._enter_stage(self.stage_at(accumulating))
 
     # ---------------------------------------------------------------- weights
     def loss_weights(self) -> Dict[str, float]:
