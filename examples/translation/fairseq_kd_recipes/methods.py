@@ -192,7 +192,10 @@ CRITERIA: tuple[Criterion, ...] = (
                ("--pkd-include-top-layer",)),
               note="(default: intermediate layers only, as the paper)"),
     Criterion("ckd", "combinatorial KD (Wu et al. 2020)",
-              (("--ckd-mapping", "rc", "oc", "sc", "cc"), ("--ckd-layer-map", "1,2,3|4,5,6"))),
+              (("--ckd-mapping", "rc", "oc", "sc", "cc"), ("--ckd-layer-map", "1,2,3|4,5,6"),
+               ("--ckd-map-side", "student", "teacher")),
+              note="(default: the student's states mapped to the teacher's; the paper's teacher-side fusion "
+                   "admits a collapsed student, see `docs/results/README.md`)"),
     Criterion("alp_kd", "ALP-KD (Passban et al. 2021)",
               (("--alp-buckets", "all", "no", "po"), ("--alp-bucket-map", "1,2,3,4|5,6,7,8|9,10,11,12"))),
     Criterion("rail_kd", "RAIL-KD (Haidar et al. 2022)",
