@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import fairseq_kd
+from fairseq_kd.data.fingerprint import write_json
 
 from .execute import (MANIFEST_NAME, TRAIN_RECORD_NAME, CommandExecutor, RecipeError, check_checkpoint_folder,
                       console_script, python_module)
 from .methods import BASELINE, METHODS, TEACHER, Method
 from .pairs import BEAM, EVAL_BLEU_ARGS, LABEL_SMOOTHING, PAIRS, PairRecipe
-from .prepare.fingerprint import write_json
 from .profiles import PROFILES, Profile
 from .results import SystemDecoding, write_systems_sidecar
 

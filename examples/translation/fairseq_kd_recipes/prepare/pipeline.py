@@ -2,8 +2,8 @@
 
 A :class:`Step` declares its input files, its output files and its parameters. After the step
 succeeds, :class:`StepRunner` writes a stamp ``<stamp_dir>/<step name>.json`` holding the sha256,
-size and modification time of every input and output (:mod:`.fingerprint`, the one scheme of every
-resumable step) and the parameters. On the next run the step is skipped when the stamp exists, the
+size and modification time of every input and output (:mod:`fairseq_kd.data.fingerprint`, the one
+scheme of every resumable record) and the parameters. On the next run the step is skipped when the stamp exists, the
 parameters are equal, every input still has the recorded sha256 and every output still exists with
 the recorded content. Checksums are recomputed only for files whose size or modification time
 changed, so checking a finished pipeline is cheap even for gigabyte-sized corpora.
@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from fairseq_kd.data.fingerprint import content, fingerprint, read_json, write_json
+
 from .errors import PrepareError
-from .fingerprint import content, fingerprint, read_json, write_json
 
 LOG = logging.getLogger(__name__)
 
