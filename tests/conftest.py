@@ -121,6 +121,23 @@ def tiny_teacher(tiny_data_bin, tmp_path_factory) -> Path:
     return save / "checkpoint_last.pt"
 
 
+@pytest.fixture
+def hashed_files(monkeypatch):
+    """Names of the files read to hash them from now on, in order: by a fingerprint
+    (fairseq_kd.data.fingerprint) or by the teacher's own hash (FrozenTeacher.sha256)."""
+    from fairseq_kd.data import fingerprint
+    from fairseq_kd.models import teacher
+
+    hashed = []
+    for module, name in ((fingerprint, "_digests"), (teacher, "file_sha256")):
+        def counted(path, *args, hash_file=getattr(module, name)):
+            hashed.append(Path(path).name)
+            return hash_file(path, *args)
+
+        monkeypatch.setattr(module, name, counted)
+    return hashed
+
+
 @pytest.fixture(scope="session")
 def kd_task(tiny_data_bin, tiny_teacher):
     """An in-process translation_kd task with the tiny teacher loaded."""

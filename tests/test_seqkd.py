@@ -5,7 +5,9 @@ The independent reference is fairseq's own ``fairseq-generate`` on the same spli
 beam and length limits: its ``H-<id>`` lines, mapped back to token ids with the dictionary.
 """
 import filecmp
+import hashlib
 import json
+import os
 import re
 import shutil
 import signal
@@ -78,7 +80,7 @@ def test_output_is_the_teacher_beam_search_in_source_order(tiny_data_bin, straig
     assert not (output / seqkd.WORK_DIR_NAME).exists()
     manifest = json.loads((output / seqkd.MANIFEST_NAME).read_text())
     assert manifest["status"] == "complete" and manifest["sentences"] == SENTENCES
-    assert manifest["parameters"]["beam"] == 5 and len(manifest["parameters"]["teacher_sha256"]) == 64
+    assert manifest["parameters"]["beam"] == 5 and len(manifest["inputs"]["teacher"]["sha256"]) == 64
     throughput = re.search(r"(\d+) sentences in [\d.]+ s = ([\d.]+) sentences/s", proc.stdout)
     assert throughput and int(throughput.group(1)) == SENTENCES and float(throughput.group(2)) > 0
 
@@ -243,3 +245,83 @@ def test_output_made_with_other_settings_or_the_input_folder_is_refused(tiny_dat
     with pytest.raises(seqkd.SeqKDError, match="--teacher-checkpoint"):
         seqkd.run(config(tiny_data_bin, tmp_path / "missing.pt", tmp_path / "x"))
     assert not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------------------ the manifest's fingerprints
+def quiet(_line):
+    pass
+
+
+def _old_sha256_of_files(paths):
+    """How seqkd.json recorded its inputs before format 2: one digest over names and bytes."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _as_format_1(output: Path, data: Path, teacher: Path) -> dict:
+    """Rewrite ``output``'s seqkd.json as the code before format 2 wrote it, and return it."""
+    manifest = json.loads((output / seqkd.MANIFEST_NAME).read_text())
+    split = sorted(p for p in data.glob("train.src-tgt.*") if p.suffix in (".bin", ".idx"))
+    parameters = {"format_version": 1, **manifest["parameters"], "split_sha256": _old_sha256_of_files(split),
+                  "dictionaries_sha256": _old_sha256_of_files([data / "dict.src.txt", data / "dict.tgt.txt"]),
+                  "teacher_sha256": _old_sha256_of_files([teacher])}
+    legacy = {**{k: v for k, v in manifest.items() if k not in ("format", "inputs")}, "parameters": parameters}
+    (output / seqkd.MANIFEST_NAME).write_text(json.dumps(legacy, indent=2, sort_keys=True) + "\n")
+    return legacy
+
+
+def test_a_format_1_manifest_is_checked_once_and_rewritten(tiny_data_bin, tiny_teacher, straight_run, tmp_path):
+    straight, _ = straight_run
+    done = tmp_path / "done"
+    shutil.copytree(straight, done)
+    legacy = _as_format_1(done, tiny_data_bin, tiny_teacher)
+    with pytest.raises(seqkd.SeqKDError, match=r"other settings \(differing: beam;"):  # checked the old way
+        seqkd.run(config(tiny_data_bin, tiny_teacher, done, beam=4))
+    written = {name: (done / name).stat().st_mtime_ns for name in legacy["files"]}
+    result = seqkd.run(config(tiny_data_bin, tiny_teacher, done), log=quiet)
+    assert result.status == "up_to_date" and result.decoded_now == 0
+    assert {name: (done / name).stat().st_mtime_ns for name in written} == written
+    manifest = json.loads((done / seqkd.MANIFEST_NAME).read_text())
+    assert manifest["format"] == 2 and set(manifest["inputs"]) == {"split_files", "dictionaries", "teacher"}
+    assert manifest["parameters"] == {k: v for k, v in legacy["parameters"].items()
+                                      if k not in ("format_version", "split_sha256", "dictionaries_sha256",
+                                                   "teacher_sha256")}
+    assert {k: v for k, v in manifest.items() if k not in ("format", "parameters", "inputs")} == {
+        k: v for k, v in legacy.items() if k != "parameters"}
+    # an interrupted run of the old format resumes its shards
+    partial = tmp_path / "partial"
+    seqkd.run(config(tiny_data_bin, tiny_teacher, partial, max_shards=2), log=quiet)
+    _as_format_1(partial, tiny_data_bin, tiny_teacher)
+    lines = []
+    result = seqkd.run(config(tiny_data_bin, tiny_teacher, partial, max_shards=1), log=lines.append)
+    assert "resuming: 2 of 7 shards already decoded" in lines and (result.status, result.decoded_now) == ("partial", 64)
+    assert json.loads((partial / seqkd.MANIFEST_NAME).read_text())["format"] == 2
+
+
+def test_a_rerun_reads_only_the_inputs_whose_size_or_time_changed(tiny_data_bin, tiny_teacher, straight_run,
+                                                                  tmp_path, hashed_files):
+    data, teacher = tmp_path / "data", tmp_path / "teacher.pt"
+    shutil.copytree(tiny_data_bin, data)  # sizes and modification times kept
+    shutil.copy2(tiny_teacher, teacher)
+    partial = tmp_path / "partial"
+    seqkd.run(config(data, teacher, partial, max_shards=1), log=quiet)
+    done = tmp_path / "done"
+    shutil.copytree(straight_run[0], done)
+    hashed = hashed_files
+    hashed.clear()
+    # a resumed decoding loads the teacher, and hashes nothing
+    assert seqkd.run(config(data, teacher, partial, max_shards=1), log=quiet).decoded_now == 64
+    assert hashed == []
+    # a finished one, its inputs moved (cp -p), neither
+    assert seqkd.run(config(data, teacher, done), log=quiet).status == "up_to_date" and hashed == []
+    # a touched teacher is read once, then its new time is recorded
+    stat = teacher.stat()
+    os.utime(teacher, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert seqkd.run(config(data, teacher, done), log=quiet).status == "up_to_date" and hashed == ["teacher.pt"]
+    assert seqkd.run(config(data, teacher, done), log=quiet).status == "up_to_date" and hashed == ["teacher.pt"]
+    # another teacher is refused as before
+    teacher.write_bytes(teacher.read_bytes() + b"\0")
+    with pytest.raises(seqkd.SeqKDError, match=r"other settings \(differing: teacher;"):
+        seqkd.run(config(data, teacher, done), log=quiet)

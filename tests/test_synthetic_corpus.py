@@ -4,6 +4,7 @@ The agreement checks re-implement the rules from the module docstring with their
 their own suffix tables; they take from the module only the lexicon (which word is which).
 """
 import hashlib
+import json
 import os
 import random
 import statistics
@@ -27,6 +28,13 @@ PRONOUN_SUFFIX = {"mi": "e", "tu": "i", "nos": "eo", "vos": "io"}
 
 def _files(folder: Path) -> dict:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def _manifest_without_times(folder: Path) -> dict:
+    manifest = json.loads((folder / "corpus.json").read_text())
+    for recorded in manifest["files"]["files"].values():
+        del recorded["mtime_ns"]
+    return manifest
 
 
 def _split_suffix(word: str) -> tuple[str, str]:
@@ -107,7 +115,10 @@ def test_same_seed_same_bytes_different_seed_different(tmp_path):
     for name, seed in (("a", 5), ("b", 5), ("c", 6)):
         write_corpus(tmp_path / name, seed=seed, **SMALL)
     first, again, other = (_files(tmp_path / name) for name in "abc")
-    assert first == again
+    # corpus.json records when its files were written (their fingerprints' modification times)
+    assert {name: data for name, data in first.items() if name != "corpus.json"} == {
+        name: data for name, data in again.items() if name != "corpus.json"}
+    assert _manifest_without_times(tmp_path / "a") == _manifest_without_times(tmp_path / "b")
     assert all(other[name] != first[name] for name in first if name != "corpus.json")
 
 
@@ -226,3 +237,44 @@ def test_bad_arguments_fail_before_writing(tmp_path, bad_flags):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["--output-dir", str(out), *bad_flags])
     assert exit_info.value.code == 2 and not out.exists()
+
+
+def test_a_format_1_manifest_is_reused_once_checked_and_rewritten(tmp_path):
+    out = tmp_path / "corpus"
+    write_corpus(out, seed=1, **SMALL)
+    manifest = json.loads((out / "corpus.json").read_text())
+    corpus_files = sorted(manifest["files"]["files"])
+    # corpus.json as written before format 2: no format, the files' bare SHA-256
+    legacy = {"generator": "fairseq_kd.data.synthetic", "grammar_version": manifest["grammar_version"],
+              "parameters": manifest["parameters"],
+              "sha256": {name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in corpus_files}}
+    (out / "corpus.json").write_text(json.dumps(legacy, indent=2) + "\n")
+    stamps = {name: (out / name).stat().st_mtime_ns for name in corpus_files}
+    assert write_corpus(out, seed=1, **SMALL) == "reused"
+    assert {name: (out / name).stat().st_mtime_ns for name in corpus_files} == stamps  # nothing rewritten
+    upgraded = json.loads((out / "corpus.json").read_text())
+    assert upgraded["format"] == 2 and "sha256" not in upgraded and upgraded["parameters"] == legacy["parameters"]
+    assert {name: recorded["sha256"] for name, recorded in upgraded["files"]["files"].items()} == legacy["sha256"]
+    assert write_corpus(out, seed=1, **SMALL) == "reused"
+    # a format-1 manifest whose files changed since is not reused
+    (out / "corpus.json").write_text(json.dumps({**legacy, "sha256": {**legacy["sha256"], "train.src": "0" * 64}}))
+    with pytest.raises(FileExistsError):
+        write_corpus(out, seed=1, **SMALL)
+
+
+def test_reuse_reads_only_the_files_whose_size_or_time_changed(tmp_path, hashed_files):
+    out = tmp_path / "corpus"
+    write_corpus(out, seed=1, **SMALL)
+    hashed = hashed_files
+    hashed.clear()
+    assert write_corpus(out, seed=1, **SMALL) == "reused" and hashed == []
+    train = out / "train.tgt"
+    stat = train.stat()
+    os.utime(train, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # same bytes, another time
+    assert write_corpus(out, seed=1, **SMALL) == "reused" and hashed == ["train.tgt"]
+    edited = bytearray(train.read_bytes())
+    edited[0] ^= 1  # same size, other text
+    train.write_bytes(bytes(edited))
+    with pytest.raises(FileExistsError):
+        write_corpus(out, seed=1, **SMALL)
+    assert hashed == ["train.tgt", "train.tgt"]

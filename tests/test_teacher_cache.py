@@ -2,6 +2,7 @@
 full-vocabulary loss, the cache's rows against the teacher run on each sentence alone, training
 through the real fairseq-train CLI equal to live-teacher training when k covers the vocabulary,
 resuming an interrupted build byte for byte, and every refusal."""
+import hashlib
 import json
 import os
 import re
@@ -51,6 +52,25 @@ def test_topk_loss_equals_full_loss_when_the_teacher_mass_is_in_its_top_k(temper
 # ----------------------------------------------------------------------------- the cache
 
 
+class Stop(Exception):
+    pass
+
+
+def stop_after_two_shards(message):
+    if message.startswith("shard 2/"):
+        raise Stop()
+
+
+def _task(data):
+    """What TeacherCache.open reads of a training task, for ``data``'s train split."""
+    from fairseq.data import Dictionary
+
+    return SimpleNamespace(
+        cfg=SimpleNamespace(train_subset="train", data=str(data), source_lang="src", target_lang="tgt"),
+        source_dictionary=Dictionary.load(str(data / "dict.src.txt")),
+        target_dictionary=Dictionary.load(str(data / "dict.tgt.txt")))
+
+
 def build(data, teacher, output, *extra, check=True):
     return run_module("fairseq_kd.cli.teacher_cache", "--data", data, "--teacher-checkpoint", teacher,
                       "--output", output, "--cpu", *extra, check=check)
@@ -91,14 +111,6 @@ def test_an_interrupted_build_resumes_to_the_same_bytes(tiny_data_bin, tiny_teac
     whole = tmp_path / "whole"
     build_cache(CacheConfig(data=tiny_data_bin, teacher_checkpoint=tiny_teacher, output=whole, k=3, shard_size=100,
                             cpu=True), log=lambda _: None)
-
-    class Stop(Exception):
-        pass
-
-    def stop_after_two_shards(message):
-        if message.startswith("shard 2/"):
-            raise Stop()
-
     cut = tmp_path / "cut"
     config = CacheConfig(data=tiny_data_bin, teacher_checkpoint=tiny_teacher, output=cut, k=3, shard_size=100, cpu=True)
     with pytest.raises(Stop):
@@ -110,21 +122,14 @@ def test_an_interrupted_build_resumes_to_the_same_bytes(tiny_data_bin, tiny_teac
 
 
 def test_opening_a_cache_hashes_the_data_only_when_its_files_changed(tiny_data_bin, tiny_teacher, tmp_path,
-                                                                    monkeypatch):
-    from fairseq.data import Dictionary
-
+                                                                    hashed_files):
     from fairseq_kd.data import teacher_cache
 
     data = tmp_path / "data"
     shutil.copytree(tiny_data_bin, data)  # sizes and modification times kept, as by a move or cp -p
     build(data, tiny_teacher, tmp_path / "cache", "--k", "2")
-    hashed = []
-    monkeypatch.setattr(teacher_cache, "sha256_of_files",
-                        lambda files, hash_files=teacher_cache.sha256_of_files: hashed.append(files) or hash_files(files))
-    task = SimpleNamespace(
-        cfg=SimpleNamespace(train_subset="train", data=str(data), source_lang="src", target_lang="tgt"),
-        source_dictionary=Dictionary.load(str(data / "dict.src.txt")),
-        target_dictionary=Dictionary.load(str(data / "dict.tgt.txt")))
+    hashed = hashed_files
+    task = _task(data)
 
     def open_cache():
         return teacher_cache.TeacherCache.open(str(tmp_path / "cache"), task)
@@ -133,7 +138,7 @@ def test_opening_a_cache_hashes_the_data_only_when_its_files_changed(tiny_data_b
     target_bin = data / "train.src-tgt.tgt.bin"
     stat = target_bin.stat()
     os.utime(target_bin, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # same bytes, as after a plain cp
-    assert open_cache().k == 2 and len(hashed) == 1
+    assert open_cache().k == 2 and hashed == ["train.src-tgt.tgt.bin"]  # only the file whose time changed
     changed = bytearray(target_bin.read_bytes())
     changed[-1] ^= 1  # same size, other data
     target_bin.write_bytes(bytes(changed))
@@ -178,7 +183,7 @@ def test_training_from_a_full_vocabulary_cache_equals_the_live_teacher(tiny_data
     from fairseq_kd.checkpoint_safety import safe_load
 
     binding = safe_load(tmp_path / "alone" / "checkpoint_last.pt")["extra_state"]
-    teacher_sha = json.loads((cache / "cache.json").read_text())["teacher_sha256"]
+    teacher_sha = json.loads((cache / "cache.json").read_text())["inputs"]["teacher"]["sha256"]
     assert teacher_sha in json.dumps(binding, default=str)
 
 
@@ -209,3 +214,105 @@ def test_refusals(tiny_data_bin, tiny_teacher, tmp_path):
     # other training data (a corpus of another seed, same dictionary size or not)
     proc = build(tiny_data_bin, tiny_teacher, cache, "--k", "3", check=False)
     assert proc.returncode == 2 and "another teacher, data or k" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- the records' fingerprints
+
+
+def _old_sha256_of_files(paths):
+    """How fairseq-kd-teacher-cache/1 recorded the split: one digest over names and bytes."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _format_1_parameters(parameters, data, teacher):
+    """A format-2 cache's parameters as a fairseq-kd-teacher-cache/1 record held them."""
+    split = sorted(p for p in data.glob("train.src-tgt.*") if p.suffix in (".bin", ".idx"))
+    settings = {k: v for k, v in parameters.items() if k not in ("inputs", "n_sentences", "n_tokens", "teacher_path")}
+    return {**settings, "format": "fairseq-kd-teacher-cache/1", "data_sha256": _old_sha256_of_files(split),
+            "teacher_sha256": hashlib.sha256(teacher.read_bytes()).hexdigest()}
+
+
+def test_a_format_1_cache_is_read_and_checked_once_and_rewritten(tiny_data_bin, tiny_teacher, tmp_path):
+    from fairseq_kd.data.teacher_cache import CacheConfig, TeacherCache, TeacherCacheError, build_cache
+
+    def config(output):
+        return CacheConfig(data=tiny_data_bin, teacher_checkpoint=tiny_teacher, output=output, k=2, shard_size=100,
+                           cpu=True)
+
+    # a finished cache
+    cache = tmp_path / "cache"
+    build_cache(config(cache), log=lambda _: None)
+    manifest = json.loads((cache / "cache.json").read_text())
+    split = sorted(p for p in tiny_data_bin.glob("train.src-tgt.*") if p.suffix in (".bin", ".idx"))
+    legacy = {**_format_1_parameters(manifest, tiny_data_bin, tiny_teacher), "n_sentences": manifest["n_sentences"],
+              "n_tokens": manifest["n_tokens"], "teacher_path": manifest["teacher_path"],
+              "data_files": {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in split}}
+    (cache / "cache.json").write_text(json.dumps(legacy, indent=2, sort_keys=True) + "\n")
+    arrays = {name: (cache / name).stat().st_mtime_ns for name in ("offsets.npy", "topk_logprobs.npy", "topk_ids.npy")}
+    teacher_sha = legacy["teacher_sha256"]
+    # training reads it as it did, and compares the teacher by the same digest
+    assert TeacherCache.open(str(cache), _task(tiny_data_bin), teacher_sha256=teacher_sha).teacher_sha256 == teacher_sha
+    with pytest.raises(TeacherCacheError, match="was made by teacher sha256"):
+        TeacherCache.open(str(cache), _task(tiny_data_bin), teacher_sha256="0" * 64)
+    logs = []
+    build_cache(config(cache), log=logs.append)
+    assert "already complete" in logs[-1]
+    rewritten = json.loads((cache / "cache.json").read_text())
+    assert rewritten["format"] == "fairseq-kd-teacher-cache/2"
+    assert rewritten["inputs"]["teacher"]["sha256"] == teacher_sha
+    assert not {"teacher_sha256", "data_sha256", "data_files"} & set(rewritten)
+    assert {k: v for k, v in rewritten.items() if k != "inputs"} == {
+        k: v for k, v in manifest.items() if k != "inputs"}
+    assert {name: (cache / name).stat().st_mtime_ns for name in arrays} == arrays
+    assert TeacherCache.open(str(cache), _task(tiny_data_bin), teacher_sha256=teacher_sha).k == 2
+    # an interrupted build: its progress.json of format 1 resumes after the shards it records
+    cut = tmp_path / "cut"
+    with pytest.raises(Stop):
+        build_cache(config(cut), log=stop_after_two_shards)
+    progress = json.loads((cut / "progress.json").read_text())
+    (cut / "progress.json").write_text(json.dumps(
+        {"parameters": _format_1_parameters(progress["parameters"], tiny_data_bin, tiny_teacher),
+         "done_shards": progress["done_shards"]}, indent=2, sort_keys=True) + "\n")
+    logs = []
+    build_cache(config(cut), log=logs.append)
+    assert [line.split(":")[0] for line in logs[:-1]] == ["shard 3/4", "shard 4/4"]
+    assert json.loads((cut / "cache.json").read_text())["format"] == "fairseq-kd-teacher-cache/2"
+    for name in arrays:
+        assert (cut / name).read_bytes() == (cache / name).read_bytes(), name
+
+
+def test_a_rerun_reads_only_the_inputs_whose_size_or_time_changed(tiny_data_bin, tiny_teacher, tmp_path,
+                                                                  hashed_files):
+    from fairseq_kd.checkpoint_safety import safe_load
+    from fairseq_kd.data.teacher_cache import CacheConfig, TeacherCacheError, build_cache
+
+    data, teacher = tmp_path / "data", tmp_path / "teacher.pt"
+    shutil.copytree(tiny_data_bin, data)
+    shutil.copy2(tiny_teacher, teacher)
+    config = CacheConfig(data=data, teacher_checkpoint=teacher, output=tmp_path / "cache", k=2, shard_size=100,
+                         cpu=True)
+    with pytest.raises(Stop):
+        build_cache(config, log=stop_after_two_shards)
+    hashed = hashed_files
+    hashed.clear()
+    logs = []
+    build_cache(config, log=logs.append)  # resumed: the teacher runs, nothing is hashed
+    assert logs[0].startswith("shard 3/4") and hashed == []
+    build_cache(config, log=logs.append)
+    assert "already complete" in logs[-1] and hashed == []
+    # a touched teacher is read once, then its new time is recorded
+    stat = teacher.stat()
+    os.utime(teacher, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    build_cache(config, log=logs.append)
+    assert "already complete" in logs[-1] and hashed == ["teacher.pt"]
+    build_cache(config, log=logs.append)
+    assert "already complete" in logs[-1] and hashed == ["teacher.pt"]
+    # another teacher is refused as before
+    state = safe_load(teacher)
+    state["note"] = "another checkpoint"
+    torch.save(state, teacher)
+    with pytest.raises(TeacherCacheError, match="holds a cache of another teacher, data or k"):
+        build_cache(config, log=logs.append)

@@ -1,11 +1,15 @@
-"""The one fingerprint scheme of every resumable step: preparation and recipe stamps, the record
-of a training run (``recipe_train.json``) and the downloads' digest cache.
+"""The one fingerprint scheme of every resumable record: the plugin's ``seqkd.json``
+(:mod:`.seqkd`), the teacher cache's ``cache.json`` and ``progress.json`` (:mod:`.teacher_cache`)
+and the synthetic corpus's ``corpus.json`` (:mod:`.synthetic`); the recipes' preparation stamps,
+the record of a training run (``recipe_train.json``) and the downloads' digest cache.
 
 A file's fingerprint is its size, modification time and sha256 (and md5 where a download manifest
-pins one); a folder's is its files' fingerprints. Two fingerprints describe the same content when
-their :func:`content` is equal, whatever the modification times. A recorded fingerprint is passed
-back as ``previous``: its checksums are reused while size and modification time agree, so checking
-a finished pipeline does not re-read gigabyte-sized corpora.
+pins one); a folder's is its files' fingerprints, and so is that of a list of files (a binarised
+split, a corpus's files: :func:`fingerprint_files`). Two fingerprints describe the same content
+when their :func:`content` is equal, whatever the modification times. A recorded fingerprint is
+passed back as ``previous``: its checksums are reused while size and modification time agree, so
+checking a finished pipeline, or resuming from a large teacher checkpoint, does not re-read
+gigabyte-sized files.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 CHUNK_BYTES = 1 << 20
 
@@ -23,10 +27,8 @@ def fingerprint(path: Path, previous: Mapping[str, Any] | None = None, md5: bool
     ``{"kind": "dir", "files": {relative path: fingerprint}}`` of a folder."""
     path = Path(path)
     if path.is_dir():
-        previous_files = (previous or {}).get("files", {})
-        names = {child: child.relative_to(path).as_posix() for child in sorted(path.rglob("*")) if child.is_file()}
-        return {"kind": "dir", "files": {name: fingerprint(child, previous_files.get(name), md5)
-                                         for child, name in names.items()}}
+        names = {child.relative_to(path).as_posix(): child for child in sorted(path.rglob("*")) if child.is_file()}
+        return {"kind": "dir", "files": _each(names, previous, md5)}
     stat = path.stat()
     reusable = (previous and previous.get("size") == stat.st_size and previous.get("mtime_ns") == stat.st_mtime_ns
                 and "sha256" in previous and (not md5 or "md5" in previous))
@@ -34,9 +36,21 @@ def fingerprint(path: Path, previous: Mapping[str, Any] | None = None, md5: bool
     return {"kind": "file", "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, **digests}
 
 
+def fingerprint_files(paths: Iterable[Path], previous: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``{"kind": "files", "files": {file name: fingerprint}}`` of chosen files (e.g. a binarised
+    split among other files of its folder), by file name, so that a moved folder matches."""
+    return {"kind": "files", "files": _each({Path(path).name: Path(path) for path in paths}, previous, False)}
+
+
+def _each(paths: Mapping[str, Path], previous: Mapping[str, Any] | None, md5: bool) -> dict[str, Any]:
+    """``{name: fingerprint}`` of ``paths``, each reusing its entry of ``previous["files"]``."""
+    previous_files = (previous or {}).get("files", {})
+    return {name: fingerprint(path, previous_files.get(name), md5) for name, path in paths.items()}
+
+
 def content(recorded: Mapping[str, Any]) -> Any:
     """The part of a fingerprint that identifies content (not modification times)."""
-    if recorded.get("kind") == "dir":
+    if recorded.get("kind") in ("dir", "files"):
         return {name: content(child) for name, child in recorded["files"].items()}
     return recorded.get("sha256")
 

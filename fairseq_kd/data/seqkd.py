@@ -23,12 +23,20 @@ binaries are written (again via temporary names), the manifest is marked complet
 are deleted; a re-run with the same parameters is then a no-op.
 
 What identifies the output (a re-run with other values is refused unless ``force``): the source
-data (split, languages, and SHA-256 of the split's binaries and of the dictionaries), the teacher
-checkpoint's SHA-256, beam, length limits, length penalty, fp16 and shard size; contents, not paths,
-so moved folders still resume (the paths are recorded in the manifest too). Batch size, max tokens
-and the device are not part of it: they change the hypotheses only through
+data (split, languages, and the content of the split's binaries and of the dictionaries), the
+teacher checkpoint's content, beam, length limits, length penalty, fp16 and shard size; contents,
+not paths, so moved folders still resume (the paths are recorded in the manifest too). The inputs
+are recorded as fingerprints (:mod:`.fingerprint`: size, modification time, SHA-256), so a re-run
+re-reads only files whose size or time changed, never an unchanged teacher checkpoint. Batch size,
+max tokens and the device are not part of the identity: they change the hypotheses only through
 floating-point rounding and through fairseq's length limit, which ``SequenceGenerator`` derives from
 the longest (padded) source of a batch (``max_len_a * src_len + max_len_b``), as in fairseq-generate.
+
+``seqkd.json`` (format 2): ``format``, ``parameters`` (the settings above), ``inputs``
+(``split_files``, ``dictionaries``: fingerprints of those files; ``teacher``: the checkpoint's),
+then ``status``, counts, paths and, once complete, the output files' sizes. A manifest of format 1
+(no ``format``; SHA-256 digests in ``parameters``, written before fingerprints) is checked the old
+way once and rewritten in format 2, so work it records is not redone.
 
 Every check (flags, data folder and split, dictionaries, output folder, teacher checkpoint and its
 dictionaries, source lengths) happens before decoding starts.
@@ -37,7 +45,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import math
 import os
 import re
@@ -51,10 +58,11 @@ import numpy as np
 import torch
 
 from ..progress import print_above_bars, progress_bar
+from .fingerprint import content, fingerprint, fingerprint_files, read_json, write_json
 
 MANIFEST_NAME = "seqkd.json"
 WORK_DIR_NAME = "seqkd_work"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # seqkd.json's "format"; a manifest without one is format 1 (_legacy_parameters)
 #: seed of the tie-breaking shuffle in ``ordered_indices`` (fairseq-generate's default --seed)
 ORDER_SEED = 1
 
@@ -129,7 +137,10 @@ class SeqKDResult:
 
 
 # ----------------------------------------------------------------------------- helpers
-def sha256_of_files(paths: List[Path]) -> str:
+def _legacy_sha256_of_files(paths: List[Path]) -> str:
+    """One SHA-256 over the files' names and bytes: how format-1 manifests (``seqkd.json`` before
+    format 2, ``fairseq-kd-teacher-cache/1``) recorded their inputs. Only to check such a manifest;
+    records now hold fingerprints (:mod:`.fingerprint`)."""
     digest = hashlib.sha256()
     for path in paths:
         digest.update(path.name.encode() + b"\0")
@@ -137,12 +148,6 @@ def sha256_of_files(paths: List[Path]) -> str:
             for block in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(block)
     return digest.hexdigest()
-
-
-def _write_json_atomic(path: Path, content: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
 
 
 def _split_files(data: Path, split: str, src: str, tgt: str) -> List[Path]:
@@ -193,7 +198,13 @@ class _Plan:
     src: str
     tgt: str
     parameters: dict
+    inputs: dict
     manifest: Optional[dict]
+
+    @property
+    def record(self) -> dict:
+        """What the manifest says the output is made of (format 2)."""
+        return {"format": FORMAT_VERSION, "parameters": self.parameters, "inputs": self.inputs}
 
     @property
     def work(self) -> Path:
@@ -268,15 +279,16 @@ def plan(config: SeqKDConfig) -> _Plan:
     if output.exists() and not output.is_dir():
         raise SeqKDError(f"--output {config.output} exists and is not a folder")
 
+    manifest_path = output / MANIFEST_NAME
+    manifest = read_json(manifest_path) if manifest_path.is_file() else None
+    recorded = (manifest or {}).get("inputs") or {}  # their checksums are reused for unchanged files
+    dictionaries = [data / f"dict.{src}.txt", data / f"dict.{tgt}.txt"]
+    teacher = Path(config.teacher_checkpoint)
     # what the output is a function of: contents, not paths (a moved folder still resumes)
     parameters = {
-        "format_version": FORMAT_VERSION,
         "split": config.split,
         "source_lang": src,
         "target_lang": tgt,
-        "split_sha256": sha256_of_files(split_files),
-        "dictionaries_sha256": sha256_of_files([data / f"dict.{src}.txt", data / f"dict.{tgt}.txt"]),
-        "teacher_sha256": sha256_of_files([Path(config.teacher_checkpoint)]),
         "beam": config.beam,
         "max_len_a": config.max_len_a,
         "max_len_b": config.max_len_b,
@@ -284,24 +296,51 @@ def plan(config: SeqKDConfig) -> _Plan:
         "fp16": config.fp16,
         "shard_size": config.shard_size,
     }
-    manifest = _check_output_folder(output, parameters, config.force)
-    return _Plan(config, data, output, src, tgt, parameters, manifest)
+    inputs = {
+        "split_files": fingerprint_files(split_files, recorded.get("split_files")),
+        "dictionaries": fingerprint_files(dictionaries, recorded.get("dictionaries")),
+        "teacher": fingerprint(teacher, recorded.get("teacher")),
+    }
+    plan_ = _Plan(config, data, output, src, tgt, parameters, inputs, manifest=None)
+    plan_.manifest = _check_output_folder(
+        plan_, manifest, lambda: _legacy_parameters(parameters, split_files, dictionaries, teacher))
+    return plan_
 
 
-def _check_output_folder(output: Path, parameters: dict, force: bool) -> Optional[dict]:
-    """The manifest to resume from (None: start afresh); refuses a folder holding other data."""
+def _identity(record: dict) -> dict:
+    """The settings and the inputs' contents of a format-2 record (not the files' times)."""
+    return {**record.get("parameters", {}), **{name: content(fp) for name, fp in record.get("inputs", {}).items()}}
+
+
+def _legacy_parameters(parameters: dict, split_files: List[Path], dictionaries: List[Path], teacher: Path) -> dict:
+    """``parameters`` as a format-1 manifest (no ``format``) records them for these inputs, hashed
+    the way it hashed them; only to check such a manifest (a digest over names and bytes is no
+    fingerprint's)."""
+    return {"format_version": 1, **parameters, "split_sha256": _legacy_sha256_of_files(split_files),
+            "dictionaries_sha256": _legacy_sha256_of_files(dictionaries),
+            "teacher_sha256": _legacy_sha256_of_files([teacher])}
+
+
+def _check_output_folder(plan_: _Plan, manifest: Optional[dict],
+                         legacy_parameters: Callable[[], dict]) -> Optional[dict]:
+    """The manifest to resume from (None: start afresh); refuses a folder holding other data.
+    A format-1 manifest is checked the old way, against ``legacy_parameters()``; :func:`run`
+    rewrites it in format 2."""
+    output = plan_.output
     if not output.exists() or not any(output.iterdir()):
         return None
     manifest_path = output / MANIFEST_NAME
-    manifest = None
-    if manifest_path.is_file():
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError:
-            manifest = None
-    if manifest is not None and manifest.get("parameters") == parameters:
+    if manifest is None:
+        old = new = {}
+    elif "format" not in manifest:  # format 1
+        old, new = manifest.get("parameters", {}), legacy_parameters()
+    elif manifest["format"] == FORMAT_VERSION:
+        old, new = _identity(manifest), _identity(plan_.record)
+    else:
+        old, new = {"format": manifest["format"]}, {"format": FORMAT_VERSION}
+    if manifest is not None and old == new:
         return manifest
-    if force:
+    if plan_.config.force:
         return None
     if manifest is None:
         listing = ", ".join(sorted(p.name for p in output.iterdir())[:5])
@@ -309,8 +348,7 @@ def _check_output_folder(output: Path, parameters: dict, force: bool) -> Optiona
             f"--output {output} is not empty and was not written by this command with these settings "
             f"(no readable {MANIFEST_NAME}; it holds {listing}, ...). Choose an empty or new folder, or "
             "pass --force to replace the binarised dataset in it.")
-    old = manifest.get("parameters", {})
-    differing = sorted(k for k in set(old) | set(parameters) if old.get(k) != parameters.get(k))
+    differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     raise SeqKDError(
         f"--output {output} holds a sequence-KD dataset made with other settings (differing: "
         f"{', '.join(differing)}; see {manifest_path}). Choose another folder, or pass --force to "
@@ -346,7 +384,8 @@ def _load(plan_: _Plan):
     dataset = task.dataset(plan_.config.split)
     if len(dataset) == 0:
         raise SeqKDError(f"--split {plan_.config.split}: the split in {plan_.data} has no sentences")
-    teacher = FrozenTeacher.load(plan_.config.teacher_checkpoint, task, teacher_data=plan_.config.teacher_data)
+    teacher = FrozenTeacher.load(plan_.config.teacher_checkpoint, task, teacher_data=plan_.config.teacher_data,
+                                 sha256=plan_.inputs["teacher"]["sha256"])  # fingerprinted by plan()
     max_source = teacher.model.max_positions()[0]
     too_long = (dataset.src_sizes > max_source).nonzero()[0]
     if len(too_long):
@@ -514,6 +553,9 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
         if not _complete_output_ok(plan_):
             raise SeqKDError(f"--output {plan_.output}: {MANIFEST_NAME} says complete but output files are "
                              "missing or changed; pass --force to decode anew")
+        refreshed = {**plan_.manifest, **plan_.record}  # format 2, the inputs' fingerprints as they are now
+        if refreshed != plan_.manifest:
+            write_json(plan_.output / MANIFEST_NAME, refreshed)
         sentences = plan_.manifest["sentences"]
         shards = math.ceil(sentences / config.shard_size)
         log(f"{plan_.output} already holds this sequence-KD dataset ({sentences} sentences); nothing to do")
@@ -530,10 +572,10 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
         stale.unlink()  # a shard being written when a previous run was interrupted
     sentences = len(dataset)
     shard_count = math.ceil(sentences / config.shard_size)
-    manifest = {"parameters": plan_.parameters, "status": "decoding", "sentences": sentences,
+    manifest = {**plan_.record, "status": "decoding", "sentences": sentences,
                 "shards": shard_count, "data": str(plan_.data),
                 "teacher_checkpoint": str(Path(config.teacher_checkpoint).resolve())}
-    _write_json_atomic(plan_.output / MANIFEST_NAME, manifest)
+    write_json(plan_.output / MANIFEST_NAME, manifest)
 
     generator = task.build_generator([model], GenerationConfig(
         beam=config.beam, nbest=1, max_len_a=config.max_len_a, max_len_b=config.max_len_b,
@@ -569,6 +611,6 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
     manifest.update(status="complete", **stats, copied=copied,
                     files={name: (plan_.output / name).stat().st_size for name in written + copied},
                     device=str(device), decoding=asdict(config) | {"output": str(plan_.output)})
-    _write_json_atomic(plan_.output / MANIFEST_NAME, manifest)
+    write_json(plan_.output / MANIFEST_NAME, manifest)
     shutil.rmtree(plan_.work)
     return SeqKDResult("complete", plan_.output, sentences, decoded_now, seconds, shard_count, shard_count)

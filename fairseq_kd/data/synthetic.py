@@ -70,8 +70,6 @@ Example (glossed; target "bekim" and "hulap" are masculine, "numat" neuter)::
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import random
 import re
 from dataclasses import dataclass
@@ -83,6 +81,9 @@ LEXICON_SEED = 20240611
 MIN_TOKENS, MAX_TOKENS = 3, 20
 SPLITS = ("train", "valid", "test")
 MANIFEST_NAME = "corpus.json"
+#: corpus.json's "format": 2 records the files' fingerprints (``files``); a manifest without one
+#: (format 1) records their bare SHA-256 (``sha256``) and is checked and rewritten once
+MANIFEST_FORMAT = 2
 
 GENDERS = ("m", "f", "n")
 AGREEMENT_SUFFIX = {("m", "sg"): "o", ("f", "sg"): "a", ("n", "sg"): "u",
@@ -353,21 +354,41 @@ def generate_corpus(seed: int, sizes: Mapping[str, int]) -> dict[str, list[tuple
     return splits
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _existing_corpus_matches(out_dir: Path, parameters: dict) -> bool:
-    manifest_path = out_dir / MANIFEST_NAME
+    """Whether ``out_dir`` holds the corpus of ``parameters``, its files unchanged (files of the
+    recorded sizes and modification times are not read again)."""
+    from .fingerprint import content, fingerprint_files, read_json  # here: the generator also runs standalone
+
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        manifest = read_json(out_dir / MANIFEST_NAME)
     except (OSError, ValueError):
         return False
-    if manifest.get("grammar_version") != GRAMMAR_VERSION or manifest.get("parameters") != parameters:
+    if (not isinstance(manifest, dict) or manifest.get("grammar_version") != GRAMMAR_VERSION
+            or manifest.get("parameters") != parameters):
         return False
-    files = manifest.get("sha256", {})
-    return bool(files) and all((out_dir / name).is_file() and _sha256(out_dir / name) == digest
-                               for name, digest in files.items())
+    if "format" not in manifest:
+        return _legacy_corpus_matches(out_dir, manifest)
+    recorded = manifest.get("files") or {}
+    paths = [out_dir / name for name in recorded.get("files", {})]
+    return (manifest["format"] == MANIFEST_FORMAT and bool(paths) and all(path.is_file() for path in paths)
+            and content(fingerprint_files(paths, recorded)) == content(recorded))
+
+
+def _legacy_corpus_matches(out_dir: Path, manifest: dict) -> bool:
+    """The check of a format-1 manifest (``"sha256": {file name: SHA-256}``, the digests that
+    fingerprints hold); a corpus that passes it gets a format-2 manifest."""
+    from .fingerprint import content, fingerprint_files, write_json
+
+    checksums = manifest.get("sha256") or {}
+    paths = [out_dir / name for name in checksums]
+    if not paths or not all(path.is_file() for path in paths):
+        return False
+    files = fingerprint_files(paths)
+    if content(files) != checksums:
+        return False
+    upgraded = {key: value for key, value in manifest.items() if key != "sha256"}
+    write_json(out_dir / MANIFEST_NAME, {**upgraded, "format": MANIFEST_FORMAT, "files": files})
+    return True
 
 
 def write_corpus(out_dir: Union[str, Path], seed: int = 1, train_size: int = 20000,
@@ -376,7 +397,8 @@ def write_corpus(out_dir: Union[str, Path], seed: int = 1, train_size: int = 200
     """Write ``{train,valid,test}.{source_lang,target_lang}`` and ``corpus.json`` into ``out_dir``.
 
     Returns "reused" when ``out_dir`` already holds a corpus whose manifest records the same
-    parameters and whose files still match the recorded SHA-256 checksums, else "written".
+    parameters and whose files still match their recorded fingerprints
+    (:mod:`.fingerprint`), else "written".
     A non-empty ``out_dir`` holding anything else is left untouched (FileExistsError) unless
     ``force``, in which case the corpus files and manifest are overwritten and other files kept.
     """
@@ -407,14 +429,16 @@ def write_corpus(out_dir: Union[str, Path], seed: int = 1, train_size: int = 200
 
     splits = generate_corpus(seed, dict(zip(SPLITS, (train_size, valid_size, test_size))))
     out_dir.mkdir(parents=True, exist_ok=True)
-    checksums = {}
+    written = []
     for split, pairs in splits.items():
         for side, lang in enumerate((source_lang, target_lang)):
             path = out_dir / f"{split}.{lang}"
             path.write_text("".join(pair[side] + "\n" for pair in pairs), encoding="utf-8")
-            checksums[path.name] = _sha256(path)
+            written.append(path)
+    from .fingerprint import fingerprint_files, write_json
+
     # the manifest is written last, so an interrupted run is never mistaken for a finished one
-    manifest = {"generator": __name__, "grammar_version": GRAMMAR_VERSION,
-                "parameters": parameters, "sha256": checksums}
-    (out_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    manifest = {"format": MANIFEST_FORMAT, "generator": __name__, "grammar_version": GRAMMAR_VERSION,
+                "parameters": parameters, "files": fingerprint_files(written)}
+    write_json(out_dir / MANIFEST_NAME, manifest)
     return "written"

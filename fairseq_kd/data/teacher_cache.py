@@ -10,21 +10,28 @@ binarised split with teacher forcing (the references as decoder input, as during
 stores, per target token in sentence-id order, the ``k`` largest log-probabilities (float32, at
 temperature 1) and their token ids (int32), memory-mapped numpy arrays beside a manifest::
 
-    DIR/cache.json          format, k, split, sentence and token counts, the teacher checkpoint's
-                            SHA-256, the split's binarised files' SHA-256 and each file's size and
-                            modification time, the dictionaries' hashes
+    DIR/cache.json          format, k, split, sentence and token counts, the dictionaries' hashes,
+                            and ``inputs``: the fingerprints (:mod:`.fingerprint`: size,
+                            modification time, SHA-256) of the teacher checkpoint and of the
+                            split's binarised files
     DIR/offsets.npy         int64 (sentences + 1,): sentence i's tokens are rows offsets[i]:offsets[i+1]
     DIR/topk_logprobs.npy   float32 (tokens, k)
     DIR/topk_ids.npy        int32 (tokens, k)
 
 The build is resumable: sentences are processed in shards of ``shard_size`` ids, each recorded in
 ``progress.json`` once its rows are flushed; ``cache.json`` is written last, so a folder without it
-is never read as a cache. Training with ``--teacher-cache DIR`` (:class:`TeacherCache`) refuses a
-cache of another teacher, other data or other dictionaries before any work. The data check costs no
-hashing at every start-up: when the split's files have the names, sizes and modification times
-recorded at build time they are the files that were hashed (a rewrite changes the time; copies made
-with ``cp -p``, ``rsync -a`` or a move keep it); other sizes are refused at once, and only files of
-the same sizes but other times (e.g. a plain ``cp``) are hashed again and compared with the hash.
+is never read as a cache. A re-run passes the recorded fingerprints back, so an unchanged teacher
+checkpoint or split is not read again. Training with ``--teacher-cache DIR`` (:class:`TeacherCache`)
+refuses a cache of another teacher, other data or other dictionaries before any work. The data check
+costs no hashing at every start-up: when the split's files have the names, sizes and modification
+times recorded at build time they are the files that were hashed (a rewrite changes the time; copies
+made with ``cp -p``, ``rsync -a`` or a move keep it); other sizes are refused at once, and only files
+of the same sizes but other times (e.g. a plain ``cp``) are hashed again and compared by content.
+
+A cache of format ``fairseq-kd-teacher-cache/1`` (one SHA-256 over the split's files, the teacher's
+SHA-256 and the files' sizes and times, written before fingerprints) is still read for training as
+it was, and a re-run of the build checks it (or its ``progress.json``) the old way once and rewrites
+it in the current format, keeping the finished work.
 
 With the cache, the teacher distribution at temperature tau is the top-k one renormalised,
 ``q_i = exp(l_i / tau) / sum_j exp(l_j / tau)`` over the stored log-probabilities ``l``: exact when
@@ -37,17 +44,20 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ..tasks.translation_kd import dictionary_sha256
-from .seqkd import (
-    _split_files, _write_json_atomic, check_max_tokens, length_ordered_indices, sha256_of_files, shard_batches,
-)
+from .fingerprint import content, fingerprint, fingerprint_files, read_json, write_json
+from .seqkd import _legacy_sha256_of_files, _split_files, check_max_tokens, length_ordered_indices, shard_batches
 
-CACHE_FORMAT = "fairseq-kd-teacher-cache/1"
+CACHE_FORMAT = "fairseq-kd-teacher-cache/2"
+LEGACY_CACHE_FORMAT = "fairseq-kd-teacher-cache/1"  # before fingerprints: read, checked and rewritten
+#: what a cache is made with besides its inputs (whose contents are compared: :func:`_identity`)
+SETTINGS = ("format", "k", "split", "source_lang", "target_lang", "source_dictionary_sha256",
+            "target_dictionary_sha256")
 MANIFEST = "cache.json"
 PROGRESS = "progress.json"
 ARRAYS = ("offsets.npy", "topk_logprobs.npy", "topk_ids.npy")
@@ -99,10 +109,20 @@ def split_files(data: Path, split: str, src: str, tgt: str) -> List[Path]:
     return files
 
 
-def file_stats(files: List[Path]) -> Dict[str, List[int]]:
-    """``{name: [size in bytes, modification time in ns]}``: what tells, without reading them,
-    that files are those recorded earlier."""
-    return {path.name: [stat.st_size, stat.st_mtime_ns] for path in files for stat in (path.stat(),)}
+def _identity(record: dict) -> dict:
+    """What a cache (``cache.json``, or ``progress.json``'s parameters) is a function of: its
+    settings and its inputs' contents, not the files' times."""
+    inputs = record.get("inputs") or {}
+    return {**{key: record.get(key) for key in SETTINGS}, **{name: content(fp) for name, fp in inputs.items()}}
+
+
+def _legacy_parameters(parameters: dict, data_files: List[Path]) -> dict:
+    """``parameters`` as a ``fairseq-kd-teacher-cache/1`` record holds them: the teacher's SHA-256
+    (the digest in its fingerprint) and one SHA-256 over the split's files, hashed the old way; only
+    to check such a record."""
+    settings = {key: parameters[key] for key in SETTINGS}
+    return {**settings, "format": LEGACY_CACHE_FORMAT, "teacher_sha256": parameters["inputs"]["teacher"]["sha256"],
+            "data_sha256": _legacy_sha256_of_files(data_files)}
 
 
 def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path:
@@ -121,22 +141,40 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
     data, output = Path(config.data), Path(config.output)
     src, tgt = _languages(data, config.source_lang, config.target_lang)
     data_files = split_files(data, config.split, src, tgt)
-    data_file_stats = file_stats(data_files)  # taken with the hash, recorded for TeacherCache.open
+    existing = read_json(output / MANIFEST) if (output / MANIFEST).is_file() else None
+    interrupted = read_json(output / PROGRESS) if (output / PROGRESS).is_file() else None
+    recorded = (existing or (interrupted or {}).get("parameters") or {}).get("inputs") or {}
+    teacher_path = Path(config.teacher_checkpoint)
+    # fingerprinted first, so that a recorded checksum saves reading an unchanged checkpoint; a
+    # missing or unreadable one is left to FrozenTeacher.load's message
+    teacher_fingerprint = (fingerprint(teacher_path, recorded.get("teacher"))
+                           if teacher_path.is_file() and os.access(teacher_path, os.R_OK) else None)
     task = TranslationTask.setup_task(TranslationConfig(
         data=str(data), source_lang=src, target_lang=tgt, train_subset=config.split, dataset_impl=None,
         required_seq_len_multiple=1))
-    teacher = FrozenTeacher.load(str(config.teacher_checkpoint), task, teacher_data=config.teacher_data)
+    teacher = FrozenTeacher.load(str(config.teacher_checkpoint), task, teacher_data=config.teacher_data,
+                                 sha256=teacher_fingerprint and teacher_fingerprint["sha256"])
     if config.k > len(task.target_dictionary):
         raise TeacherCacheError(f"--k {config.k} exceeds the target vocabulary ({len(task.target_dictionary)} symbols)")
     parameters = {
         "format": CACHE_FORMAT, "k": config.k, "split": config.split, "source_lang": src, "target_lang": tgt,
-        "teacher_sha256": teacher.sha256, "data_sha256": sha256_of_files(data_files),
         "source_dictionary_sha256": dictionary_sha256(task.source_dictionary),
         "target_dictionary_sha256": dictionary_sha256(task.target_dictionary),
+        "inputs": {"teacher": teacher_fingerprint, "data": fingerprint_files(data_files, recorded.get("data"))},
     }
-    if (output / MANIFEST).is_file():
-        existing = json.loads((output / MANIFEST).read_text())
-        if {key: existing.get(key) for key in parameters} == parameters:
+
+    def same_cache(record: dict) -> bool:
+        if record.get("format") == LEGACY_CACHE_FORMAT:  # checked the old way, once: rewritten below
+            legacy = _legacy_parameters(parameters, data_files)
+            return {key: record.get(key) for key in legacy} == legacy
+        return _identity(record) == _identity(parameters)
+
+    if existing is not None:
+        if same_cache(existing):
+            refreshed = {**{key: value for key, value in existing.items()
+                            if key not in ("teacher_sha256", "data_sha256", "data_files")}, **parameters}
+            if refreshed != existing:  # format 1, or inputs touched since: their fingerprints now
+                write_json(output / MANIFEST, refreshed)
             log(f"{output}: the cache is already complete (same teacher, data and k); nothing to do")
             return output
         raise TeacherCacheError(f"--output {output}: holds a cache of another teacher, data or k; choose another folder")
@@ -145,10 +183,12 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
     output.mkdir(parents=True, exist_ok=True)
     progress = {"parameters": parameters, "done_shards": []}
     if (output / PROGRESS).is_file():
-        progress = json.loads((output / PROGRESS).read_text())
-        if progress.get("parameters") != parameters:
+        if interrupted is None or not same_cache(interrupted.get("parameters") or {}):
             raise TeacherCacheError(f"--output {output}: holds an interrupted cache of another teacher, data or k; "
                                     "choose another folder")
+        progress = {"parameters": parameters, "done_shards": interrupted["done_shards"]}
+        if progress != interrupted:  # format 1, or inputs touched since
+            write_json(output / PROGRESS, progress)
 
     task.load_dataset(config.split, combine=True)
     dataset = task.dataset(config.split)
@@ -191,12 +231,11 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
         logprobs.flush()
         token_ids.flush()
         progress["done_shards"].append(shard)
-        _write_json_atomic(output / PROGRESS, progress)
+        write_json(output / PROGRESS, progress)
         log(f"shard {shard + 1}/{n_shards}: sentences {first}..{last - 1}")
     del logprobs, token_ids
-    _write_json_atomic(output / MANIFEST, {**parameters, "n_sentences": len(sizes), "n_tokens": n_tokens,
-                                           "teacher_path": str(config.teacher_checkpoint),
-                                           "data_files": data_file_stats})
+    write_json(output / MANIFEST, {**parameters, "n_sentences": len(sizes), "n_tokens": n_tokens,
+                                   "teacher_path": str(config.teacher_checkpoint)})
     os.remove(output / PROGRESS)
     log(f"{output}: top-{config.k} teacher log-probabilities of {n_tokens} target tokens "
         f"({len(sizes)} sentences of the {config.split} split)")
@@ -206,14 +245,34 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
 def _same_data(manifest: dict, files: List[Path]) -> bool:
     """Whether ``files`` hold the data the cache was built from (see the module's docstring);
     re-hashes only files of the recorded sizes whose modification times differ."""
-    recorded = manifest.get("data_files")  # absent from caches built before it was recorded
-    current = file_stats(files)
+    if manifest["format"] == LEGACY_CACHE_FORMAT:
+        return _legacy_same_data(manifest, files)
+    recorded = manifest["inputs"]["data"]
+    sizes = {path.name: path.stat().st_size for path in files}
+    if {name: fp["size"] for name, fp in recorded["files"].items()} != sizes:
+        return False  # other names or sizes: other data, known without reading a file
+    return content(fingerprint_files(files, recorded)) == content(recorded)
+
+
+def _legacy_same_data(manifest: dict, files: List[Path]) -> bool:
+    """:func:`_same_data` of a ``fairseq-kd-teacher-cache/1`` manifest, as it was checked: its
+    ``data_files`` (sizes and times, absent from the first caches) and one SHA-256 of all files."""
+    recorded = manifest.get("data_files")
+    current = {path.name: [stat.st_size, stat.st_mtime_ns] for path in files for stat in (path.stat(),)}
     if recorded is not None:
         if {name: stat[0] for name, stat in recorded.items()} != {name: stat[0] for name, stat in current.items()}:
             return False
         if recorded == current:
             return True
-    return manifest["data_sha256"] == sha256_of_files(files)
+    return manifest["data_sha256"] == _legacy_sha256_of_files(files)
+
+
+def _teacher_sha256(manifest: dict) -> str:
+    """The teacher checkpoint's SHA-256: the digest of its fingerprint, or of a format-1 manifest's
+    ``teacher_sha256`` (the same digest)."""
+    if manifest["format"] == LEGACY_CACHE_FORMAT:
+        return manifest["teacher_sha256"]
+    return manifest["inputs"]["teacher"]["sha256"]
 
 
 class TeacherCache:
@@ -229,7 +288,7 @@ class TeacherCache:
 
     @property
     def teacher_sha256(self) -> str:
-        return self.manifest["teacher_sha256"]
+        return _teacher_sha256(self.manifest)
 
     @classmethod
     def open(cls, path: str, task, teacher_sha256: Optional[str] = None) -> "TeacherCache":
@@ -241,7 +300,7 @@ class TeacherCache:
                    if (folder / PROGRESS).is_file() else "run fairseq-kd-teacher-cache to make one")
             raise TeacherCacheError(f"{FLAG} {path}: no finished cache there ({MANIFEST} missing; {why})")
         manifest = json.loads(manifest_path.read_text())
-        if manifest.get("format") != CACHE_FORMAT:
+        if manifest.get("format") not in (CACHE_FORMAT, LEGACY_CACHE_FORMAT):
             raise TeacherCacheError(f"{FLAG} {path}: {MANIFEST} is not a {CACHE_FORMAT} manifest")
         missing = [name for name in ARRAYS if not (folder / name).is_file()]
         if missing:
@@ -258,9 +317,9 @@ class TeacherCache:
                                                 task.cfg.source_lang, task.cfg.target_lang)):
             raise TeacherCacheError(f"{FLAG} {path} was made for other {split} data than {task.cfg.data} holds "
                                     "(the binarised files differ); rebuild it for this data")
-        if teacher_sha256 is not None and teacher_sha256 != manifest["teacher_sha256"]:
+        if teacher_sha256 is not None and teacher_sha256 != _teacher_sha256(manifest):
             raise TeacherCacheError(
-                f"{FLAG} {path} was made by teacher sha256 {manifest['teacher_sha256'][:12]} "
+                f"{FLAG} {path} was made by teacher sha256 {_teacher_sha256(manifest)[:12]} "
                 f"({manifest.get('teacher_path')}), not by --teacher-checkpoint (sha256 {teacher_sha256[:12]})")
         return cls(folder, manifest)
 

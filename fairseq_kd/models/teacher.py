@@ -43,12 +43,15 @@ class FrozenTeacher:
         self.shape = TransformerShape.from_model(model)
 
     @classmethod
-    def load(cls, path: str, task, teacher_data: Optional[str] = None) -> "FrozenTeacher":
+    def load(cls, path: str, task, teacher_data: Optional[str] = None,
+             sha256: Optional[str] = None) -> "FrozenTeacher":
         """Load ``path`` for ``task`` (whose dictionaries the teacher must share), or fail clearly.
 
         ``teacher_data`` (``--teacher-data``) is read from the task's config when not given; a task
         without that option (stock ``translation``) must be given it by its caller, and a teacher
-        whose dictionaries cannot be verified is refused either way.
+        whose dictionaries cannot be verified is refused either way. ``sha256``: the checkpoint's
+        SHA-256 when the caller has just taken its fingerprint (:mod:`fairseq_kd.data.fingerprint`),
+        so that it is not read twice; hashed here otherwise.
         """
         from fairseq import models
         from fairseq.models.transformer import TransformerModelBase
@@ -95,7 +98,7 @@ class FrozenTeacher:
         except RuntimeError as err:
             raise TeacherCheckpointError(f"{FLAG} {path!r}: weights do not fit its own config: {err}") from err
         try:
-            return cls(model, path, file_sha256(path))
+            return cls(model, path, sha256 or file_sha256(path))
         except NotATransformerError as err:
             raise TeacherCheckpointError(f"{FLAG} {path!r}: {err}") from err
 
