@@ -42,7 +42,9 @@ PYTHONPATH="$ROOT/examples/translation${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m fair
 if [[ -f "$WORKDIR/report/results.md" && " $* " != *" --dry-run "* ]]; then
     RESULTS_DIR="${QUALITY_RESULTS_DIR:-$ROOT/docs/results}"
     mkdir -p "$RESULTS_DIR"
-    cp "$WORKDIR/report/results.md" "$RESULTS_DIR/multi30k_fr_en_${PROFILE}.md"
+    # The main table, then one per other student shape (results_2l.md: CKD's 2+2 students against no_kd_2l).
+    cat "$WORKDIR/report/results.md" $(ls "$WORKDIR"/report/results_*.md 2>/dev/null | grep -v results_tokenized) \
+        > "$RESULTS_DIR/multi30k_fr_en_${PROFILE}.md"
     echo "report copied to $RESULTS_DIR/multi30k_fr_en_${PROFILE}.md"
     # Each system's test translations as scored (BPE removed, Moses-detokenised), one line per test
     # sentence: with them a later session can add systems and recompute the paired tests
@@ -54,12 +56,17 @@ import json, sys
 from pathlib import Path
 from fairseq_kd.scoring.detok import detokenize_lines, read_generate_output
 workdir, out = Path(sys.argv[1]), Path(sys.argv[2])
-report = json.loads((workdir / "report" / "results.json").read_text(encoding="utf-8"))
-n = report["n_sentences"]
-for row in report["systems"]:
-    parsed = read_generate_output(workdir / "generate" / row["system"] / "generate-test.txt", expected_sentences=n)
-    lines = detokenize_lines(parsed.hypotheses, "subword_nmt", "en")
-    (out / f"{row['system']}.en").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-print(f"test translations of {len(report['systems'])} systems in {out}")
+systems = 0
+for table in sorted((workdir / "report").glob("results*.json")):
+    if table.name.startswith("results_tokenized"):
+        continue
+    report = json.loads(table.read_text(encoding="utf-8"))
+    for row in report["systems"]:
+        parsed = read_generate_output(workdir / "generate" / row["system"] / "generate-test.txt",
+                                      expected_sentences=report["n_sentences"])
+        lines = detokenize_lines(parsed.hypotheses, "subword_nmt", "en")
+        (out / f"{row['system']}.en").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        systems += 1
+print(f"test translations of {systems} systems in {out}")
 PYEOF
 fi

@@ -622,3 +622,40 @@ def test_placement_replaces_max_tokens_in_place():
     assert with_placement(args, ["--fp16", "--max-tokens", "512", "--update-freq", "2"]) == [
         "fairseq-train", "data", "--max-tokens", "512", "--seed", "1", "--fp16", "--update-freq", "2"]
     assert with_placement(args, ["--cpu"]) == args + ["--cpu"]
+
+
+def report_tables(plan):
+    """{step name: (systems, baseline)} of the plan's report steps, read from their commands."""
+    tables = {}
+    for step in plan.steps:
+        if step.name.startswith("report"):
+            command = step.commands[0]
+            systems = [command[i + 1].split("=")[0] for i, arg in enumerate(command) if arg == "--system"]
+            baseline = command[command.index("--baseline") + 1] if "--baseline" in command else None
+            tables[step.name] = (systems, baseline)
+    return tables
+
+
+def test_each_student_shape_is_compared_with_its_own_no_kd_system(tmp_path):
+    plan = plan_for(tmp_path, "multi30k_fr_en", profile="cpu", methods=("no_kd", "word_kd", "no_kd_2l", "ckd_rc"))
+    assert report_tables(plan) == {
+        "report": ([TEACHER, "no_kd", "word_kd"], "no_kd"),
+        "report-2l": (["no_kd_2l", "ckd_rc"], "no_kd_2l"),
+    }
+    assert [prefix.name for prefix in plan.report_prefixes] == ["results", "results_2l"]
+    # Without the 2+2 baseline in the recipe, CKD stays in the main table (against no_kd).
+    alone = plan_for(tmp_path / "alone", "multi30k_fr_en", profile="cpu", methods=("no_kd", "ckd_rc"))
+    assert report_tables(alone) == {"report": ([TEACHER, "no_kd", "ckd_rc"], "no_kd")}
+    # A pair with the paper's tokenised BLEU gets both tables per shape.
+    iwslt = plan_for(tmp_path / "iwslt", "iwslt14_de_en", methods=("no_kd", "no_kd_2l", "ckd_rc"))
+    assert set(report_tables(iwslt)) == {"report", "report-tokenized", "report-2l", "report-tokenized-2l"}
+    assert report_tables(iwslt)["report-tokenized-2l"] == (["no_kd_2l", "ckd_rc"], "no_kd_2l")
+
+
+def test_the_multi30k_benchmark_runs_ckd_against_no_kd_2l_and_tinybert_at_its_chosen_weights(tmp_path):
+    plan = plan_for(tmp_path, "multi30k_fr_en", profile="cpu")
+    assert {"no_kd_2l", "ckd_rc"} <= {method.name for method in plan.methods}
+    tinybert = parse_training_command(plan.step("train-tinybert").commands[0])
+    assert (tinybert.tinybert_att_weight, tinybert.tinybert_hidden_weight, tinybert.tinybert_emb_weight) == (0.1, 0.1, 0.1)
+    ckd = parse_training_command(plan.step("train-ckd_rc").commands[0])
+    assert ckd.ckd_map_side == "student" and ckd.encoder_layers == 2

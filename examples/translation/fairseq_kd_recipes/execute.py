@@ -60,7 +60,8 @@ class RecipeError(Exception):
 class RecipeResult:
     executed: list[str]
     skipped: list[str]
-    report_markdown: Path
+    #: the results tables, the main one first
+    report_markdowns: list[Path]
 
 
 
@@ -264,4 +265,4 @@ def run_plan(plan: RecipePlan) -> RecipeResult:
         except RecipeError as error:
             raise RecipeError(f"step {step.name} failed: {error}") from None
     return RecipeResult(executed=list(runner.executed), skipped=list(runner.skipped),
-                        report_markdown=plan.report_prefix.with_name(plan.report_prefix.name + ".md"))
+                        report_markdowns=[prefix.with_name(prefix.name + ".md") for prefix in plan.report_prefixes])

@@ -159,8 +159,17 @@ METHODS: Mapping[str, Method] = {method.name: method for method in _METHOD_LIST}
 if len(METHODS) != len(_METHOD_LIST):
     raise RuntimeError("duplicate method names in fairseq_kd_recipes.methods")
 
-#: the system every student is compared with in the report
+#: the system every student of the main shape is compared with in the report
 BASELINE = "no_kd"
+#: the no-KD system of each other student shape: its students are compared with it, in a table of
+#: their own, when the recipe trains it (a 2+2 CKD student against the 3+3 no-KD one would measure
+#: the depth, not the distillation)
+SHAPE_BASELINES: Mapping[str, str] = {"student_2l": "no_kd_2l"}
+
+
+def baseline_of(method: "Method") -> str:
+    """The no-KD system ``method`` is compared with (itself for a baseline)."""
+    return SHAPE_BASELINES.get(method.student, BASELINE)
 #: the system name of the teacher in every output
 TEACHER = "teacher"
 

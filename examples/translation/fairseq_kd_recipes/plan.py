@@ -15,6 +15,7 @@ fairseq's own (``fairseq-train``, ``fairseq-generate``)::
     figure-<method>          A2D alignment heatmap / ALP-KD layer weights (when the exporter exists)
     systems                  parameter counts (of the exported models) and decoding speeds
     report                   fairseq-kd-report: the table, baseline no_kd, sacreBLEU's paired tests
+    report-2l                the same for the 2+2 students against no_kd_2l, when the recipe trains it
 
 ``plan`` checks the request and lays out these steps without touching a file; :mod:`.execute`
 runs them (stamps, protected checkpoints, in-process commands) and :mod:`.results` collects the
@@ -36,7 +37,7 @@ from fairseq_kd.data.fingerprint import write_json
 
 from .execute import (MANIFEST_NAME, TRAIN_RECORD_NAME, CommandExecutor, RecipeError, check_checkpoint_folder,
                       console_script, python_module)
-from .methods import BASELINE, METHODS, TEACHER, Method
+from .methods import BASELINE, METHODS, TEACHER, Method, baseline_of
 from .pairs import BEAM, EVAL_BLEU_ARGS, LABEL_SMOOTHING, PAIRS, PairRecipe
 from .profiles import PROFILES, Profile
 from .results import SystemDecoding, write_systems_sidecar
@@ -99,7 +100,8 @@ class RecipePlan:
     workdir: Path
     data: Path
     steps: list[RecipeStep]
-    report_prefix: Path
+    #: the results tables (without the .md/.csv/.json ending), the main one first
+    report_prefixes: list[Path]
     #: runs one command line into a log file (:class:`CommandExecutor` unless a caller substitutes one)
     execute: Callable[[Sequence[str], Path], None]
 
@@ -565,20 +567,39 @@ class _Planner:
                  settings={"systems": systems},
                  description="parameter counts of the exported models, decoding speeds")
 
-    def add_report(self) -> None:
-        self.add_report_table(tokenized=False)
-        if self.pair.tokenized_bleu:
-            self.add_report_table(tokenized=True)
+    def report_groups(self) -> list[tuple[str, list[str], str]]:
+        """(file suffix, systems, baseline) of each results table: the teacher and the main-shape
+        students against no_kd, then one table per other student shape whose no-KD system the
+        recipe trains (CKD's 2+2 students against no_kd_2l). A shape without its baseline stays in
+        the main table."""
+        planned = {method.name for method in self.methods}
+        groups: dict[str, list[str]] = {BASELINE: [TEACHER]}
+        for method in self.methods:
+            baseline = baseline_of(method)
+            groups.setdefault(baseline if baseline in planned else BASELINE, []).append(method.name)
+        tables = []
+        for baseline, systems in groups.items():
+            if baseline in systems:  # the baseline's row first, as no_kd's in the main table
+                systems = [name for name in systems if name == TEACHER] + [baseline] + [
+                    name for name in systems if name not in (TEACHER, baseline)]
+            suffix = "" if baseline == BASELINE else "_" + baseline.removeprefix(BASELINE + "_")
+            tables.append((suffix, systems, baseline))
+        return tables
 
-    def add_report_table(self, tokenized: bool) -> None:
-        systems = [TEACHER] + [method.name for method in self.methods]
-        prefix = self.workdir / "report" / ("results_tokenized" if tokenized else "results")
+    def add_report(self) -> None:
+        for suffix, systems, baseline in self.report_groups():
+            self.add_report_table(suffix, systems, baseline, tokenized=False)
+            if self.pair.tokenized_bleu:
+                self.add_report_table(suffix, systems, baseline, tokenized=True)
+
+    def add_report_table(self, suffix: str, systems: list[str], baseline: str, tokenized: bool) -> None:
+        prefix = self.workdir / "report" / (("results_tokenized" if tokenized else "results") + suffix)
         sidecar = self.workdir / "report" / "systems.json"
         command = [*python_module("fairseq_kd.cli.report")]
         for system in systems:
             command += ["--system", f"{system}={self.score(system, tokenized)}"]
-        if BASELINE in systems:
-            command += ["--baseline", BASELINE]
+        if baseline in systems:
+            command += ["--baseline", baseline]
         if tokenized:
             title = (f"{self.pair.title}: the paper's BLEU, sacreBLEU (13a) on the tokenised, lowercased text "
                      "with BPE removed and the T- lines as references (what fairseq-generate --scoring sacrebleu "
@@ -589,11 +610,15 @@ class _Planner:
                      f"(raw/test.{self.pair.target})" + (", case-insensitive (the corpus is lowercased)"
                                                          if self.pair.lowercased else ""))
             scoring = self.scoring
+        if suffix:
+            title += f"; students of the {baseline} shape against {baseline}"
         command += ["--sidecar", str(sidecar), *scoring, "--title", title, "--out-prefix", str(prefix), "--overwrite"]
-        self.add("report-tokenized" if tokenized else "report", [(command, [])],
+        name = ("report-tokenized" if tokenized else "report") + suffix.replace("_", "-")
+        self.add(name, [(command, [])],
                  [self.score(system, tokenized) for system in systems] + [sidecar],
-                 [prefix.with_name(prefix.name + suffix) for suffix in (".md", ".csv", ".json")],
-                 description="results table" + (" (the paper's tokenised BLEU)" if tokenized else ""))
+                 [prefix.with_name(prefix.name + ending) for ending in (".md", ".csv", ".json")],
+                 description="results table" + (" (the paper's tokenised BLEU)" if tokenized else "")
+                 + (f" of the {baseline} shape" if suffix else ""))
 
 
 
@@ -660,7 +685,8 @@ def build_plan(options: RecipeOptions, executor: Optional[Callable[[Sequence[str
     planner = _Planner(options, pair, profile, world_size, methods, workdir, execute)
     steps = planner.plan()
     return RecipePlan(pair=pair, profile=profile, world_size=world_size, methods=methods, workdir=workdir,
-                      data=planner.data, steps=steps, report_prefix=workdir / "report" / "results",
+                      data=planner.data, steps=steps,
+                      report_prefixes=[workdir / "report" / f"results{suffix}" for suffix, _, _ in planner.report_groups()],
                       execute=execute)
 
 

@@ -121,7 +121,8 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{parser.prog}: error: {error}", file=sys.stderr)
             return 2
     print(f"ran {len(result.executed)} step(s), {len(result.skipped)} already done; results in {plan.workdir}")
-    sys.stdout.write(result.report_markdown.read_text(encoding="utf-8"))
+    for markdown in result.report_markdowns:
+        sys.stdout.write(markdown.read_text(encoding="utf-8"))
     return 0
 
 
