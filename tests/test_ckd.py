@@ -242,6 +242,14 @@ def test_ckd_fairseq_train_saves_resumes_and_restores_the_fusion(tiny_data_bin, 
     key = f"{module}.encoder.{names[1]}"
     assert (fresh.state_dict()[key] - saved["criterion"][key]).abs().max() > 1e-3
     fresh.load_state_dict(saved["criterion"], strict=True)
+    # Resuming with the maps on the other side is refused before fairseq loads anything, naming the
+    # flag (also for a checkpoint from before the flag existed, whose config cannot say it).
+    other = "student" if map_side == "teacher" else "teacher"
+    flags_other = [*flags[:-1], other]
+    refused = train_student(tiny_data_bin, tiny_teacher, tmp_path, flags_other, max_update=5, check=False)
+    assert refused.returncode != 0
+    assert re.search(f"trained with --ckd-map-side {map_side}, this run has --ckd-map-side {other}: "
+                     f"resume with --ckd-map-side {map_side}", refused.stderr)
 
     # The exported student carries none of the distillation-only parameters.
     run_module("fairseq_kd.cli.export_student", tmp_path / "checkpoint_last.pt", tmp_path / "student.pt")

@@ -179,6 +179,19 @@ class CombinatorialKDCriterion(HiddenStateKDCriterion):
             else:
                 self.projections[side] = StudentProjection(mapping, *widths)
 
+    def checkpoint_state_hint(self, saved_state: dict):
+        """Why a checkpoint's criterion parameters do not fit, when its learnable maps sit on the
+        other side (a CKD run saved before ``--ckd-map-side student`` became the default has
+        ``fusions.*``, and its config no ``ckd_map_side`` to compare); None otherwise."""
+        saved_sides = {key.split(".", 1)[0] for key in saved_state} & {"fusions", "projections"}
+        expected = "projections" if self.ckd_map_side == "student" else "fusions"
+        if not saved_sides or expected in saved_sides:
+            return None
+        saved = "teacher" if "fusions" in saved_sides else "student"
+        return (f"its CKD maps were trained with --ckd-map-side {saved}, this run has --ckd-map-side "
+                f"{self.ckd_map_side}: resume with --ckd-map-side {saved} (the default is student since the "
+                "paper's teacher-side fusion was found to collapse the student)")
+
     def layer_loss(self, side, student_states, teacher_states, padding_mask):
         if self.ckd_map_side == "student":
             return self.projections[side].loss(student_states, teacher_states, padding_mask)

@@ -406,7 +406,11 @@ def check_criterion_state_fits(state: dict, criterion, current_criterion_cfg, pa
     if not problems:
         return
     differences = _option_differences(_get(_get(state, "cfg"), "criterion"), current_criterion_cfg)
-    options = ("the criterion options that differ: " + "; ".join(differences) if differences else
+    # A criterion can name the cause itself (e.g. an option whose default changed, absent from an
+    # older checkpoint's config, so that the comparison above cannot see it).
+    hint = getattr(criterion, "checkpoint_state_hint", lambda saved_state: None)(saved or {})
+    options = (hint if hint else
+               "the criterion options that differ: " + "; ".join(differences) if differences else
                "no criterion option differs, so the student architecture or the teacher does")
     raise ResumeMismatchError(
         f"resume refused: the criterion state in {path} does not fit this run's criterion "
