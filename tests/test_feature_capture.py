@@ -83,11 +83,17 @@ def test_rows_sum_to_one_and_masked_entries_are_zero(kd_task, tiny_batch):
     assert causal[..., upper].abs().max() == 0
 
 
+MAPS_ONLY = CaptureRequest(attention_kinds=ATTENTION_KINDS)
+
+
+@pytest.mark.parametrize("request_", [EVERYTHING, MAPS_ONLY], ids=["recomputed", "explicit_path"])
 @pytest.mark.parametrize("training", [False, True])
-def test_probabilities_equal_fairseqs_own_per_head_weights(kd_task, tiny_batch, training):
+def test_probabilities_equal_fairseqs_own_per_head_weights(kd_task, tiny_batch, training, request_):
+    """Both ways of getting the maps: recomputed beside the fused path (when scores or values are
+    asked for too) and taken from fairseq's explicit path (maps only)."""
     model = build_tiny_student(kd_task, encoder_attention_heads=4, decoder_attention_heads=4)
     model.train(training)  # dropout is 0 in the tiny student, so both passes see the same inputs
-    _, feats = _capture(model, tiny_batch)
+    _, feats = _capture(model, tiny_batch, request_)
     reference = _fairseq_per_head_weights(model, tiny_batch)
     for kind in ATTENTION_KINDS:
         got = feats.attention[kind].probs
@@ -174,3 +180,24 @@ def test_last_layer_only_equals_the_top_layer_of_a_full_capture(kd_task, tiny_ba
         for field in ("probs", "scores", "values"):
             assert torch.allclose(getattr(top.attention[kind], field)[0], getattr(full.attention[kind], field)[-1],
                                   atol=1e-6), (kind, field)
+
+
+def test_maps_only_capture_leaves_the_output_and_the_modules_as_they_were(kd_task, tiny_batch):
+    """Taking fairseq's explicit attention path inside the block changes the forward pass only by
+    float rounding, and the modules get their fused path back afterwards."""
+    model = kd_task.teacher.model
+    modules = [m for kind in ATTENTION_KINDS for m in attention_modules(model, kind)]
+    plain = model(**tiny_batch["net_input"])[0]
+    with FeatureCapture(model, MAPS_ONLY) as capture:
+        assert all(m.skip_embed_dim_check for m in modules)
+        out = model(**tiny_batch["net_input"])[0]
+    assert torch.allclose(out, plain, atol=1e-5)
+    assert not any(m.skip_embed_dim_check for m in modules)
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in modules)
+    maps = capture.features().attention
+    assert all(maps[kind].scores is None and maps[kind].values is None for kind in ATTENTION_KINDS)
+    _, recomputed = _capture(model, tiny_batch)
+    for kind in ATTENTION_KINDS:
+        mask = maps[kind].attendable.unsqueeze(0).expand_as(maps[kind].probs)
+        assert torch.allclose(maps[kind].probs[mask], recomputed.attention[kind].probs[mask], atol=1e-5), kind
+

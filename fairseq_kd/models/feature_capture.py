@@ -13,11 +13,15 @@ Hidden states
 Attention maps
     fairseq's ``MultiheadAttention`` takes PyTorch's fused path for self-attention in training,
     which returns at most head-averaged, post-dropout weights (measured with fairseq 0.12.3).
-    Rather than forcing the slow path, the capture records each attention module's inputs (query,
-    key, masks) and recomputes ``softmax(q k^T / sqrt(d_head))`` afterwards with the module's own
-    projection weights, for all layers of a kind in one batched tensor operation. The result is
-    the pre-dropout per-head probability map the module used, differentiable with respect to the
-    student's parameters. The fast path stays in place for the forward pass itself.
+    When only the probability maps are asked for, the capture has the modules of the requested
+    kinds take fairseq's own explicit path inside the ``with`` block (``need_head_weights`` and
+    ``skip_embed_dim_check``, which routes around the fused call) and keeps the per-head,
+    pre-dropout float32 maps that path returns: the maps the module used, computed once and
+    differentiable with respect to the student's parameters. Cross attention takes that path in
+    fairseq anyway. When the pre-softmax scores (TinyBERT) or the value vectors (MiniLM) are asked
+    for too, the fused path stays and the capture records each module's inputs (query, key, masks)
+    and recomputes ``q k^T / sqrt(d_head)`` afterwards with the module's own projection weights,
+    for all layers of a kind in one batched tensor operation.
 
 All tensors are batch-first. Padding masks are ``True`` at padded positions.
 """
@@ -175,6 +179,10 @@ class FeatureCapture:
         self._source_padding_mask: Optional[Tensor] = None
         self._prev_output_tokens: Optional[Tensor] = None
         self._padding_idx: Optional[int] = None
+        # maps straight from fairseq's explicit attention path (see the module docstring)
+        self._direct_maps = bool(request.attention_kinds) and not (
+            request.attention_scores or request.attention_values)
+        self._skip_embed_dim_check: Dict[nn.Module, bool] = {}
 
     # ------------------------------------------------------------------ hooks
     def __enter__(self) -> "FeatureCapture":
@@ -190,8 +198,13 @@ class FeatureCapture:
                         "attention capture does not support add_bias_kv / add_zero_attn attention"
                     )
                 self._handles.append(
-                    module.register_forward_pre_hook(self._make_attention_hook(records), with_kwargs=True)
+                    module.register_forward_pre_hook(
+                        self._make_attention_hook(records, self._direct_maps), with_kwargs=True)
                 )
+                if self._direct_maps:
+                    self._handles.append(module.register_forward_hook(self._make_map_hook(records)))
+                    self._skip_embed_dim_check.setdefault(module, module.skip_embed_dim_check)
+                    module.skip_embed_dim_check = True
         self._handles.append(
             model.encoder.register_forward_pre_hook(self._encoder_pre_hook, with_kwargs=True)
         )
@@ -208,9 +221,12 @@ class FeatureCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for module, value in self._skip_embed_dim_check.items():
+            module.skip_embed_dim_check = value
+        self._skip_embed_dim_check.clear()
 
     @staticmethod
-    def _make_attention_hook(records: List[dict]):
+    def _make_attention_hook(records: List[dict], direct_maps: bool):
         def hook(module, args, kwargs):
             names = ("query", "key", "value", "key_padding_mask")
             call = dict(zip(names, args))
@@ -222,7 +238,19 @@ class FeatureCapture:
                 {"module": module, "query": call["query"], "key": call.get("key"),
                  "attn_mask": call.get("attn_mask")}
             )
+            if direct_maps:
+                return args, dict(kwargs, need_weights=True, need_head_weights=True)
             return None
+
+        return hook
+
+    @staticmethod
+    def _make_map_hook(records: List[dict]):
+        def hook(module, args, output):
+            if records and records[-1]["module"] is module and "probs" not in records[-1]:
+                weights = output[1] if isinstance(output, tuple) else None
+                if weights is not None:
+                    records[-1]["probs"] = weights  # (heads, batch, query_len, key_len), float32
 
         return hook
 
@@ -275,7 +303,9 @@ class FeatureCapture:
         if not records:
             raise RuntimeError(f"no {kind} attention call was recorded during the forward pass")
         modules = [r["module"] for r in records]
-        query = torch.stack([r["query"] for r in records], 0)  # (L, Tq, B, C)
+        direct = self._direct_maps and all("probs" in r for r in records)
+        # (L, Tq, B, C); the explicit path's maps need only its sizes
+        query = records[0]["query"].unsqueeze(0) if direct else torch.stack([r["query"] for r in records], 0)
         if kind == DECODER_CROSS:
             key = records[0]["key"]  # encoder output, shared by all layers
             key_padding_mask = features.source_padding_mask
@@ -293,15 +323,21 @@ class FeatureCapture:
         if query_padding_mask is None:
             query_padding_mask = torch.zeros(bsz, tq, dtype=torch.bool, device=query.device)
         attn_mask = records[0]["attn_mask"]
-        scores, values = stacked_attention_logits(
-            modules, query, key, need_values=self.request.attention_values
-        )
+        if direct:
+            scores = values = None
+        else:
+            scores, values = stacked_attention_logits(
+                modules, query, key, need_values=self.request.attention_values
+            )
         # blocked: (B or 1, 1, Tq, Tk) True where a query may not look.
         blocked = key_padding_mask[:, None, None, :]
         if attn_mask is not None:
             future = attn_mask.bool() if attn_mask.dtype == torch.bool else torch.isinf(attn_mask) & (attn_mask < 0)
             blocked = blocked | future[None, None, :tq, :tk]
-        probs = torch.softmax(scores.float().masked_fill(blocked.unsqueeze(0), float("-inf")), dim=-1)
+        if direct:
+            probs = torch.stack([r["probs"] for r in records], 0).transpose(1, 2).float()
+        else:
+            probs = torch.softmax(scores.float().masked_fill(blocked.unsqueeze(0), float("-inf")), dim=-1)
         attendable = ~blocked & ~query_padding_mask[:, None, :, None]
         return AttentionMaps(
             probs=probs,
