@@ -652,10 +652,11 @@ def test_each_student_shape_is_compared_with_its_own_no_kd_system(tmp_path):
     assert report_tables(iwslt)["report-tokenized-2l"] == (["no_kd_2l", "ckd_rc"], "no_kd_2l")
 
 
-def test_the_multi30k_benchmark_runs_ckd_against_no_kd_2l_and_tinybert_at_its_chosen_weights(tmp_path):
+def test_the_multi30k_benchmark_runs_ckd_against_no_kd_2l_and_tinybert_and_alp_at_their_chosen_weights(tmp_path):
     plan = plan_for(tmp_path, "multi30k_fr_en", profile="cpu")
     assert {"no_kd_2l", "ckd_rc"} <= {method.name for method in plan.methods}
     tinybert = parse_training_command(plan.step("train-tinybert").commands[0])
     assert (tinybert.tinybert_att_weight, tinybert.tinybert_hidden_weight, tinybert.tinybert_emb_weight) == (0.1, 0.1, 0.1)
+    assert parse_training_command(plan.step("train-alp_kd").commands[0]).layer_weight == 0.1
     ckd = parse_training_command(plan.step("train-ckd_rc").commands[0])
     assert ckd.ckd_map_side == "student" and ckd.encoder_layers == 2
