@@ -86,11 +86,9 @@ def test_rows_sum_to_one_and_masked_entries_are_zero(kd_task, tiny_batch):
 MAPS_ONLY = CaptureRequest(attention_kinds=ATTENTION_KINDS)
 
 
-@pytest.mark.parametrize("request_", [EVERYTHING, MAPS_ONLY], ids=["recomputed", "explicit_path"])
+@pytest.mark.parametrize("request_", [EVERYTHING, MAPS_ONLY], ids=["everything", "maps_only"])
 @pytest.mark.parametrize("training", [False, True])
 def test_probabilities_equal_fairseqs_own_per_head_weights(kd_task, tiny_batch, training, request_):
-    """Both ways of getting the maps: recomputed beside the fused path (when scores or values are
-    asked for too) and taken from fairseq's explicit path (maps only)."""
     model = build_tiny_student(kd_task, encoder_attention_heads=4, decoder_attention_heads=4)
     model.train(training)  # dropout is 0 in the tiny student, so both passes see the same inputs
     _, feats = _capture(model, tiny_batch, request_)

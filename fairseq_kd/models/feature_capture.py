@@ -13,15 +13,13 @@ Hidden states
 Attention maps
     fairseq's ``MultiheadAttention`` takes PyTorch's fused path for self-attention in training,
     which returns at most head-averaged, post-dropout weights (measured with fairseq 0.12.3).
-    When only the probability maps are asked for, the capture has the modules of the requested
-    kinds take fairseq's own explicit path inside the ``with`` block (``need_head_weights`` and
-    ``skip_embed_dim_check``, which routes around the fused call) and keeps the per-head,
-    pre-dropout float32 maps that path returns: the maps the module used, computed once and
-    differentiable with respect to the student's parameters. Cross attention takes that path in
-    fairseq anyway. When the pre-softmax scores (TinyBERT) or the value vectors (MiniLM) are asked
-    for too, the fused path stays and the capture records each module's inputs (query, key, masks)
-    and recomputes ``q k^T / sqrt(d_head)`` afterwards with the module's own projection weights,
-    for all layers of a kind in one batched tensor operation.
+    Inside the ``with`` block the modules of the requested kinds take fairseq's own explicit path
+    instead (``need_head_weights``, and ``skip_embed_dim_check``, which routes around the fused
+    call; cross attention takes that path in fairseq anyway), and the capture keeps what that path
+    computes: the per-head, pre-dropout float32 probability maps the module used, differentiable
+    with respect to the student's parameters, and, when asked, the outputs of the module's own
+    ``q_proj``/``k_proj`` (for TinyBERT's pre-softmax scores ``q k^T / sqrt(d_head)``, one batched
+    matmul per kind) and ``v_proj`` (MiniLM's values). Nothing is projected twice.
 
 All tensors are batch-first. Padding masks are ``True`` at padded positions.
 """
@@ -179,9 +177,7 @@ class FeatureCapture:
         self._source_padding_mask: Optional[Tensor] = None
         self._prev_output_tokens: Optional[Tensor] = None
         self._padding_idx: Optional[int] = None
-        # maps straight from fairseq's explicit attention path (see the module docstring)
-        self._direct_maps = bool(request.attention_kinds) and not (
-            request.attention_scores or request.attention_values)
+        # each module's skip_embed_dim_check before the block (see the module docstring)
         self._skip_embed_dim_check: Dict[nn.Module, bool] = {}
 
     # ------------------------------------------------------------------ hooks
@@ -192,19 +188,23 @@ class FeatureCapture:
         for kind in self.request.attention_kinds:
             records: List[dict] = []
             self._attention_inputs[kind] = records
-            for module in attention_modules(model, kind):
+            modules = attention_modules(model, kind)
+            for module in modules[-1:] if self.request.last_layer_attention_only else modules:
                 if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
                     raise NotATransformerError(
                         "attention capture does not support add_bias_kv / add_zero_attn attention"
                     )
                 self._handles.append(
-                    module.register_forward_pre_hook(
-                        self._make_attention_hook(records, self._direct_maps), with_kwargs=True)
+                    module.register_forward_pre_hook(self._make_attention_hook(records), with_kwargs=True)
                 )
-                if self._direct_maps:
-                    self._handles.append(module.register_forward_hook(self._make_map_hook(records)))
-                    self._skip_embed_dim_check.setdefault(module, module.skip_embed_dim_check)
-                    module.skip_embed_dim_check = True
+                self._handles.append(module.register_forward_hook(self._make_map_hook(records)))
+                projections = (("q", "k") if self.request.attention_scores else ()) + (
+                    ("v",) if self.request.attention_values else ())
+                for name in projections:
+                    self._handles.append(getattr(module, f"{name}_proj").register_forward_hook(
+                        self._make_projection_hook(records, module, name)))
+                self._skip_embed_dim_check.setdefault(module, module.skip_embed_dim_check)
+                module.skip_embed_dim_check = True
         self._handles.append(
             model.encoder.register_forward_pre_hook(self._encoder_pre_hook, with_kwargs=True)
         )
@@ -226,7 +226,7 @@ class FeatureCapture:
         self._skip_embed_dim_check.clear()
 
     @staticmethod
-    def _make_attention_hook(records: List[dict], direct_maps: bool):
+    def _make_attention_hook(records: List[dict]):
         def hook(module, args, kwargs):
             names = ("query", "key", "value", "key_padding_mask")
             call = dict(zip(names, args))
@@ -234,13 +234,8 @@ class FeatureCapture:
             if call.get("incremental_state") is not None:
                 # Incremental decoding (generation) is never distilled; recording it would be wrong.
                 return None
-            records.append(
-                {"module": module, "query": call["query"], "key": call.get("key"),
-                 "attn_mask": call.get("attn_mask")}
-            )
-            if direct_maps:
-                return args, dict(kwargs, need_weights=True, need_head_weights=True)
-            return None
+            records.append({"module": module, "attn_mask": call.get("attn_mask")})
+            return args, dict(kwargs, need_weights=True, need_head_weights=True)
 
         return hook
 
@@ -251,6 +246,15 @@ class FeatureCapture:
                 weights = output[1] if isinstance(output, tuple) else None
                 if weights is not None:
                     records[-1]["probs"] = weights  # (heads, batch, query_len, key_len), float32
+
+        return hook
+
+    @staticmethod
+    def _make_projection_hook(records: List[dict], attention: nn.Module, name: str):
+        def hook(projection, args, output):
+            if records and records[-1]["module"] is attention and "probs" not in records[-1]:
+                # a copy: fairseq scales the query projection in place right after this call
+                records[-1][name] = output.clone()  # (len, batch, embed_dim)
 
         return hook
 
@@ -302,96 +306,50 @@ class FeatureCapture:
     def _attention_maps(self, kind: str, records: List[dict], features: CapturedFeatures) -> AttentionMaps:
         if not records:
             raise RuntimeError(f"no {kind} attention call was recorded during the forward pass")
-        modules = [r["module"] for r in records]
-        direct = self._direct_maps and all("probs" in r for r in records)
-        # (L, Tq, B, C); the explicit path's maps need only its sizes
-        query = records[0]["query"].unsqueeze(0) if direct else torch.stack([r["query"] for r in records], 0)
+        if not all("probs" in r for r in records):
+            raise RuntimeError(f"{kind} attention did not return per-head weights: it did not take "
+                               "fairseq's explicit attention path")
+        # fairseq: (heads, batch, tgt, src) per layer -> (layers, batch, heads, tgt, src)
+        probs = torch.stack([r["probs"] for r in records], 0).transpose(1, 2).float()
+        num_layers, bsz, num_heads, tq, tk = probs.shape
         if kind == DECODER_CROSS:
-            key = records[0]["key"]  # encoder output, shared by all layers
             key_padding_mask = features.source_padding_mask
             query_padding_mask = features.target_padding_mask
+        elif kind == ENCODER_SELF:
+            key_padding_mask = query_padding_mask = features.source_padding_mask
         else:
-            key = None  # self-attention: key = query of the same layer
-            if kind == ENCODER_SELF:
-                key_padding_mask = query_padding_mask = features.source_padding_mask
-            else:
-                key_padding_mask = query_padding_mask = features.target_padding_mask
-        tq, bsz = query.size(1), query.size(2)
-        tk = tq if key is None else key.size(0)
+            key_padding_mask = query_padding_mask = features.target_padding_mask
         if key_padding_mask is None:
-            key_padding_mask = torch.zeros(bsz, tk, dtype=torch.bool, device=query.device)
+            key_padding_mask = torch.zeros(bsz, tk, dtype=torch.bool, device=probs.device)
         if query_padding_mask is None:
-            query_padding_mask = torch.zeros(bsz, tq, dtype=torch.bool, device=query.device)
-        attn_mask = records[0]["attn_mask"]
-        if direct:
-            scores = values = None
-        else:
-            scores, values = stacked_attention_logits(
-                modules, query, key, need_values=self.request.attention_values
-            )
+            query_padding_mask = torch.zeros(bsz, tq, dtype=torch.bool, device=probs.device)
         # blocked: (B or 1, 1, Tq, Tk) True where a query may not look.
         blocked = key_padding_mask[:, None, None, :]
+        attn_mask = records[0]["attn_mask"]
         if attn_mask is not None:
             future = attn_mask.bool() if attn_mask.dtype == torch.bool else torch.isinf(attn_mask) & (attn_mask < 0)
             blocked = blocked | future[None, None, :tq, :tk]
-        if direct:
-            probs = torch.stack([r["probs"] for r in records], 0).transpose(1, 2).float()
-        else:
-            probs = torch.softmax(scores.float().masked_fill(blocked.unsqueeze(0), float("-inf")), dim=-1)
         attendable = ~blocked & ~query_padding_mask[:, None, :, None]
+
+        def per_head(name: str) -> Tensor:
+            """(layers, len, batch, C) projections -> (layers, batch, heads, len, d_head)."""
+            stacked = torch.stack([r[name] for r in records], 0)
+            return stacked.view(num_layers, stacked.size(1), bsz, num_heads, -1).permute(0, 2, 3, 1, 4)
+
+        scores = values = None
+        if self.request.attention_scores:
+            q, k = per_head("q"), per_head("k")
+            scores = torch.matmul(q * (q.size(-1) ** -0.5), k.transpose(-1, -2))
+        if self.request.attention_values:
+            values = per_head("v")
         return AttentionMaps(
             probs=probs,
             query_padding_mask=query_padding_mask,
             key_padding_mask=key_padding_mask,
             attendable=attendable,
-            scores=scores if self.request.attention_scores else None,
+            scores=scores,
             values=values,
         )
-
-
-def stacked_attention_logits(
-    modules: List[nn.Module], query: Tensor, key: Optional[Tensor], need_values: bool = False
-) -> Tuple[Tensor, Optional[Tensor]]:
-    """Per-head attention logits of several ``MultiheadAttention`` layers at once.
-
-    query: ``(L, Tq, B, C)`` (one input per layer); key: ``(Tk, B, C)`` shared by all layers, or
-    None for self-attention (each layer's key is its query). Returns logits
-    ``(L, B, H, Tq, Tk)`` = ``(W_q x + b_q) * d_head^-0.5 . (W_k y + b_k)`` as fairseq computes them,
-    and, when asked, values ``(L, B, H, Tk, d_head)``.
-    """
-    first = modules[0]
-    num_heads, head_dim = first.num_heads, first.head_dim
-    if any(m.num_heads != num_heads or m.head_dim != head_dim for m in modules):
-        raise NotATransformerError("attention layers of one kind differ in head count or size")
-    num_layers, tq, bsz, _ = query.shape
-    w_q = torch.stack([m.q_proj.weight for m in modules])  # (L, D, C)
-    w_k = torch.stack([m.k_proj.weight for m in modules])
-    b_q = _stacked_bias(modules, "q_proj", w_q)
-    b_k = _stacked_bias(modules, "k_proj", w_k)
-    keys_in = query if key is None else key.unsqueeze(0).expand(num_layers, -1, -1, -1)
-    tk = keys_in.size(1)
-    # One batched matmul over layers: (L, T*B, C) x (L, C, D).
-    q = torch.baddbmm(b_q, query.reshape(num_layers, tq * bsz, -1), w_q.transpose(1, 2))
-    k = torch.baddbmm(b_k, keys_in.reshape(num_layers, tk * bsz, -1), w_k.transpose(1, 2))
-    q = q.view(num_layers, tq, bsz, num_heads, head_dim).permute(0, 2, 3, 1, 4)
-    k = k.view(num_layers, tk, bsz, num_heads, head_dim).permute(0, 2, 3, 1, 4)
-    scores = torch.matmul(q * (head_dim ** -0.5), k.transpose(-1, -2))
-    values = None
-    if need_values:
-        w_v = torch.stack([m.v_proj.weight for m in modules])
-        b_v = _stacked_bias(modules, "v_proj", w_v)
-        v = torch.baddbmm(b_v, keys_in.reshape(num_layers, tk * bsz, -1), w_v.transpose(1, 2))
-        values = v.view(num_layers, tk, bsz, num_heads, head_dim).permute(0, 2, 3, 1, 4)
-    return scores, values
-
-
-def _stacked_bias(modules: List[nn.Module], name: str, weight: Tensor) -> Tensor:
-    biases = [getattr(m, name).bias for m in modules]
-    if any(b is None for b in biases):
-        bias = torch.zeros(weight.shape[:2], dtype=weight.dtype, device=weight.device)
-    else:
-        bias = torch.stack(biases)
-    return bias.unsqueeze(1)  # (L, 1, D) broadcasts over T*B rows
 
 
 __all__ = [
@@ -405,6 +363,5 @@ __all__ = [
     "FeatureCapture",
     "NotATransformerError",
     "attention_modules",
-    "stacked_attention_logits",
     "unwrap_model",
 ]
