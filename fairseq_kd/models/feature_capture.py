@@ -171,7 +171,7 @@ class FeatureCapture:
         self.model = unwrap_model(model)
         self.request = request
         self._handles: list = []
-        self._attention_inputs: Dict[str, List[dict]] = {}
+        self._attention_records: Dict[str, List[dict]] = {}
         self._encoder_out: Optional[dict] = None
         self._decoder_inner_states: Optional[List[Tensor]] = None
         self._source_padding_mask: Optional[Tensor] = None
@@ -187,7 +187,7 @@ class FeatureCapture:
         model = self.model
         for kind in self.request.attention_kinds:
             records: List[dict] = []
-            self._attention_inputs[kind] = records
+            self._attention_records[kind] = records
             modules = attention_modules(model, kind)
             for module in modules[-1:] if self.request.last_layer_attention_only else modules:
                 if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
@@ -297,9 +297,8 @@ class FeatureCapture:
             if not self._decoder_inner_states:
                 raise RuntimeError("the decoder returned no inner_states although they were requested")
             features.decoder_hidden = torch.stack(self._decoder_inner_states, 0).transpose(1, 2)
-        for kind, records in self._attention_inputs.items():
-            if self.request.last_layer_attention_only:
-                records = records[-1:]
+        for kind, records in self._attention_records.items():
+            # (only the top layer's module is hooked under last_layer_attention_only)
             features.attention[kind] = self._attention_maps(kind, records, features)
         return features
 
