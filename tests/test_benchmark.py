@@ -50,3 +50,24 @@ def test_plain_and_limit_are_always_measured(child_calls, tmp_path):
                         "--output-dir", str(tmp_path)])
     assert child_calls == [("plain", False), ("limit", True), ("word_kd", False)]
     assert "| limit |" in (tmp_path / "benchmark.md").read_text()
+
+
+def test_cpu_step_peak_counts_the_bytes_a_step_holds_at_once():
+    """Two 4 MB tensors alive together, then a third after both are freed: the peak is 8 MB (plus
+    the few bytes torch allocates on its own), and a tensor made before the step and freed inside
+    it does not lower the count."""
+    import torch
+
+    before = torch.empty(2**20)  # 4 MB from before the measured step
+    megabyte_floats = 2**18
+
+    def step():
+        nonlocal before
+        before = None
+        first = torch.ones(4 * megabyte_floats)
+        second = first * 2
+        del first, second
+        third = torch.zeros(4 * megabyte_floats)
+        return third.sum()
+
+    assert benchmark.cpu_step_peak_mb(step) == pytest.approx(8.0, abs=0.01)

@@ -18,10 +18,13 @@ from the same flags. It reports per method
   batch, timed in the same run. No distillation step can cost less than ``limit`` (the student's
   forward and backward plus the teacher's forward), so ``vs limit`` is what a method pays for its
   own loss: feature capture, alignment modules, divergences and their backward;
-* the peak memory of the training steps and its ratio to ``plain``: on CUDA
-  ``torch.cuda.max_memory_allocated``; on CPU the growth of the process's peak resident set size
-  over its size before the first step (the shared Python/torch baseline is excluded so the ratio
-  reflects what training costs);
+* the peak memory of a training step and its ratio to ``plain``: on CUDA
+  ``torch.cuda.max_memory_allocated`` over the timed steps; on CPU the peak of the tensor bytes
+  allocated during one more step (the first timed batch again) and still alive, from the torch
+  profiler's allocation events. That counts what the step allocates (activations kept for the
+  backward pass, the teacher's and the loss's transient tensors, gradients) above what lives
+  across steps (parameters, optimiser state), exactly and repeatably; the process's peak resident
+  set size, measured before, moved by tens of percent with the allocator's reuse of freed memory;
 
 and, per configuration, the student's beam-search decoding speed relative to the teacher's, with
 both forced to the same output length (``min_len = max_len``) so the comparison measures model
@@ -34,7 +37,6 @@ Ratios are taken within one run on one machine; absolute numbers are only compar
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -199,33 +201,69 @@ def measure_training(flags: List[str], steps: int, warmup: int, teacher_forward:
     from fairseq_kd.models.feature_capture import CaptureRequest
 
     nothing = CaptureRequest()
-    times, rss_before = [], _peak_rss_mb()
-    for step, sample in enumerate(batches):
-        if step >= warmup + steps:
+    teacher_outputs = []
+    if teacher_forward:
+        # What a distillation criterion adds to the student's step (criterions/base.py): right after
+        # the student's forward pass, with the student's activations alive, the teacher's forward
+        # under no_grad, whose output the loss holds until the step ends.
+        def run_teacher(module, args, kwargs, output):
+            task.teacher.follow(next(model.parameters()))
+            teacher_outputs.append(task.teacher.forward(kwargs, nothing))
+
+        model.register_forward_hook(run_teacher, with_kwargs=True)
+
+    def step(sample):
+        trainer.train_step([sample])
+        teacher_outputs.clear()
+
+    times, first_timed = [], None
+    for index, sample in enumerate(batches):
+        if index >= warmup + steps:
             break
-        if cuda and step == warmup:
+        if cuda and index == warmup:
             torch.cuda.reset_peak_memory_stats()
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        trainer.train_step([sample])
-        if teacher_forward:
-            # what a distillation criterion does on top of the student's step (criterions/base.py)
-            task.teacher.follow(next(model.parameters()))
-            task.teacher.forward((utils.move_to_cuda(sample) if cuda else sample)["net_input"], nothing)
+        step(sample)
         if cuda:
             torch.cuda.synchronize()
-        if step >= warmup:
+        if index >= warmup:
             times.append(time.perf_counter() - start)
+            first_timed = sample if first_timed is None else first_timed
     if len(times) < steps:
         raise SystemExit(f"only {len(times)} timed steps: the corpus has too few batches")
-    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _peak_rss_mb() - rss_before
-    return {"step_ms": 1000 * statistics.median(times), "peak_mb": peak,
-            "memory_measure": "cuda_max_allocated" if cuda else "cpu_peak_rss_growth"}
+    if cuda:
+        peak, measure = torch.cuda.max_memory_allocated() / 2**20, "cuda_max_allocated"
+    else:
+        peak, measure = cpu_step_peak_mb(lambda: step(first_timed)), "cpu_step_peak_allocated"
+    return {"step_ms": 1000 * statistics.median(times), "peak_mb": peak, "memory_measure": measure}
 
 
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+def cpu_step_peak_mb(run_step) -> float:
+    """Peak of the CPU tensor bytes allocated by ``run_step()`` and alive at the same time, in MB.
+
+    The torch profiler reports every CPU allocation and the release of every block it saw allocated
+    (blocks from before profiling are not reported when freed), so the running sum of its
+    ``[memory]`` events is the bytes the step holds above what lives across steps.
+    """
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_step()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    allocations = sorted((e["ts"], e["args"]["Bytes"]) for e in events
+                         if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0)
+    live = peak = 0
+    for _, nbytes in allocations:
+        live += nbytes
+        peak = max(peak, live)
+    return peak / 2**20
 
 
 def measure_decoding(paths: Dict[str, str], student_arch: str, student_args: List[str], sentences: int,
@@ -342,6 +380,13 @@ def add_ratios(rows: Dict[str, dict], rounds: Dict[str, List[float]]) -> None:
             row[f"memory_ratio{suffix}"] = row["peak_mb"] / base["peak_mb"] if base["peak_mb"] > 0 else float("nan")
 
 
+MEMORY_MEASURES = {
+    "cuda_max_allocated": "torch.cuda.max_memory_allocated over the timed steps",
+    "cpu_step_peak_allocated": "peak of the tensor bytes one step allocates and holds at once "
+                               "(torch profiler), above parameters and optimiser state",
+}
+
+
 def to_markdown(report: dict) -> str:
     lines = []
     for config_name, result in report.items():
@@ -365,6 +410,9 @@ def to_markdown(report: dict) -> str:
         lines.append("")
         lines.append("limit = plain step + teacher forward under no_grad (the least a distillation step can "
                      "cost); spread = slowest / fastest of the interleaved rounds.")
+        measures = {row.get("memory_measure") for row in result["methods"].values()} - {None}
+        if measures:
+            lines.append("peak mem: " + ", ".join(MEMORY_MEASURES.get(m, m) for m in sorted(measures)) + ".")
         dec = result["decoding"]
         lines.append("")
         lines.append(f"Decoding (beam 5, equal output length): teacher {dec['teacher']:.1f} sent/s, "
