@@ -116,6 +116,44 @@ def test_scores_and_values_are_consistent_with_the_module(kd_task, tiny_batch):
     assert torch.allclose(maps.values[0], expected, atol=1e-5)
 
 
+def test_scores_are_q_k_over_sqrt_d_at_attendable_entries_and_zero_elsewhere(kd_task, tiny_batch):
+    """Every kind's scores, recomputed here from the module's own projections of the layer inputs
+    (hooked separately), equal ``q k^T / sqrt(d_head)`` where a real query may look and are 0
+    elsewhere (fairseq adds -inf to the decoder's future keys in place: none may leak out); a loss
+    on them backpropagates finitely; the modules' ``apply_sparse_mask`` is the class's again after."""
+    model = build_tiny_student(kd_task)
+    model.train()
+    inputs = {kind: [] for kind in ATTENTION_KINDS}
+    handles = [module.register_forward_pre_hook(
+        lambda m, a, kw, kind=kind: inputs[kind].append((m, kw.get("query", a[0] if a else None),
+                                                         kw.get("key", a[1] if len(a) > 1 else None))),
+        with_kwargs=True) for kind in ATTENTION_KINDS for module in attention_modules(model, kind)]
+    try:
+        _, feats = _capture(model, tiny_batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for kind in ATTENTION_KINDS:
+        maps = feats.attention[kind]
+        expected = []
+        for module, query, key in inputs[kind]:
+            heads = module.num_heads
+            q = module.q_proj(query) * module.head_dim ** -0.5  # (Tq, B, C)
+            k = module.k_proj(key)
+            q = q.view(q.size(0), q.size(1), heads, -1).permute(1, 2, 0, 3)
+            k = k.view(k.size(0), k.size(1), heads, -1).permute(1, 2, 0, 3)
+            expected.append(q @ k.transpose(-1, -2))
+        expected = torch.stack(expected)
+        attendable = maps.attendable.unsqueeze(0).expand_as(expected)
+        assert attendable.any() and (~attendable).any(), kind
+        assert torch.allclose(maps.scores[attendable], expected[attendable], atol=1e-5), kind
+        assert (maps.scores[~attendable] == 0).all(), kind
+    feats.attention[DECODER_SELF].scores.square().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert not any("apply_sparse_mask" in vars(module)
+                   for kind in ATTENTION_KINDS for module in attention_modules(model, kind))
+
+
 def test_nothing_requested_installs_no_hook_and_changes_nothing(kd_task, tiny_batch):
     model = kd_task.teacher.model
     modules = [model.encoder, model.decoder] + [m for kind in ATTENTION_KINDS for m in attention_modules(model, kind)]

@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from ..modules.layer_mapping import CKD_STRATEGIES, LayerMapping, resolve_mapping
 from ..modules.projection import StackedLinear
 from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion, in_param_dtype
-from .losses import masked_mse_sum
+from .losses import masked_mse_sum, sum_of_squares
 
 CKD_MAPPING_CHOICES = ChoiceEnum(list(CKD_STRATEGIES))
 CKD_MAP_SIDES = ChoiceEnum(["student", "teacher"])
@@ -146,11 +146,13 @@ class StudentProjection(nn.Module):
         )
 
     def loss(self, student_states: Tensor, teacher_states: Tensor, padding_mask: Tensor) -> Tensor:
-        projected = in_param_dtype(self.blocks, student_states.index_select(0, self.pair_student_layer))
-        target = teacher_states.index_select(0, self.pair_teacher_layer).float()
-        per_position = (projected - target).pow(2).mean(-1)  # (P, B, T)
-        per_position = per_position * self.pair_weight[:, None, None]
-        return per_position.masked_fill(padding_mask, 0.0).sum()
+        # Only real positions are projected: padding would cost the matmuls and be masked anyway.
+        batch_index, time_index = padding_mask.logical_not().nonzero(as_tuple=True)
+        inputs = student_states[self.pair_student_layer[:, None], batch_index, time_index]  # (P, N, d_S)
+        targets = teacher_states[self.pair_teacher_layer[:, None], batch_index, time_index]  # (P, N, d_T)
+        residual = self.blocks.residual(inputs, targets)  # W h_S + b - h_T
+        per_pair = sum_of_squares(residual, dims=(1, 2)) / residual.size(-1)
+        return (per_pair * self.pair_weight).sum()
 
 
 @register_criterion("ckd", dataclass=CombinatorialKDConfig)

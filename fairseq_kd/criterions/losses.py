@@ -81,8 +81,18 @@ def masked_mse_sum(a: Tensor, b: Tensor, padding_mask: Tensor) -> Tensor:
 
     a, b: ``(..., batch, len, dim)``; the sum also runs over the leading (layer) dimensions.
     """
-    per_position = (a.float() - b.float()).pow(2).mean(-1)  # (..., batch, len)
-    return per_position.masked_fill(padding_mask, 0.0).sum()
+    difference = a.float() - b.float()
+    # In place: the subtraction's backward does not need its output, and the norm's backward reads
+    # the masked difference, so no second (layers x batch x len x dim) tensor is made or kept.
+    difference.masked_fill_(padding_mask.unsqueeze(-1), 0.0)
+    return sum_of_squares(difference) / difference.size(-1)
+
+
+def sum_of_squares(values: Tensor, dims=None) -> Tensor:
+    """``sum(values ** 2)`` over ``dims`` (all by default), as a squared vector norm: one reduction
+    without an elementwise square, and a backward of one pass that reads only ``values`` (zero
+    gradient where the norm is 0)."""
+    return torch.linalg.vector_norm(values, dim=dims).square()
 
 
 def masked_row_kl(student_log_probs: Tensor, mask: Tensor, teacher_probs: Tensor = None,

@@ -40,7 +40,7 @@ from ..modules.layer_mapping import LayerMappingError, uniform_mapping
 from ..modules.projection import width_projection
 from ._attention import check_capturable, check_equal_heads
 from .base import KDCriterionBase, KDCriterionConfig
-from .losses import word_level_kd
+from .losses import masked_mse_sum, sum_of_squares, word_level_kd
 
 #: the side whose layer mapping each attention kind follows
 KIND_SIDE = {ENCODER_SELF: "encoder", DECODER_SELF: "decoder", DECODER_CROSS: "decoder"}
@@ -150,10 +150,9 @@ def attention_score_mse(student_scores: Tensor, teacher_scores: Tensor, attendab
     Per real query: the mean of ``(s - t)^2`` over heads and the keys it may attend to; summed
     over queries, sentences and layer pairs.
     """
-    teacher_mapped = teacher_scores[[layer - 1 for layer in mapping]].float()
-    squared = (student_scores.float() - teacher_mapped).pow(2)
-    mask = attendable.unsqueeze(0)  # (1, B, 1, Tq, Tk)
-    per_row = torch.where(mask, squared, 0.0).sum(-1)  # (m, B, H, Tq)
+    difference = student_scores.float() - teacher_scores[[layer - 1 for layer in mapping]].float()
+    difference.masked_fill_(~attendable.unsqueeze(0), 0.0)  # in place: sub's backward needs no output
+    per_row = sum_of_squares(difference, dims=-1)  # (m, B, H, Tq)
     keys = attendable.sum(-1).clamp_min(1).unsqueeze(0)  # (1, B, 1, Tq); 0 only on padded queries
     return (per_row / keys).mean(dim=2).sum()
 
@@ -166,6 +165,4 @@ def hidden_mse(student_states: Tensor, teacher_states: Tensor, padding_mask: Ten
     ``mapping`` element; teacher_states: ``(n + 1, B, T, d_T)`` with index 0 the embedding output;
     mapping: teacher index of each student entry; padding_mask: ``(B, T)`` True at padding.
     """
-    teacher_mapped = teacher_states[list(mapping)].float()
-    per_position = (student_states.float() - teacher_mapped).pow(2).mean(-1)  # (m, B, T)
-    return torch.where(padding_mask.unsqueeze(0), 0.0, per_position).sum()
+    return masked_mse_sum(student_states, teacher_states[list(mapping)], padding_mask)

@@ -17,9 +17,12 @@ Attention maps
     instead (``need_head_weights``, and ``skip_embed_dim_check``, which routes around the fused
     call; cross attention takes that path in fairseq anyway), and the capture keeps what that path
     computes: the per-head, pre-dropout float32 probability maps the module used, differentiable
-    with respect to the student's parameters, and, when asked, the outputs of the module's own
-    ``q_proj``/``k_proj`` (for TinyBERT's pre-softmax scores ``q k^T / sqrt(d_head)``, one batched
-    matmul per kind) and ``v_proj`` (MiniLM's values). Nothing is projected twice.
+    with respect to the student's parameters, and, when asked, the pre-softmax scores
+    ``q k^T / sqrt(d_head)`` that path computed (TinyBERT, MiniLM, internal KD) and the output of
+    the module's own ``v_proj`` (MiniLM's values). Nothing is projected or multiplied twice. The
+    scores are no module's output: fairseq hands them, before any mask, to the module's
+    ``apply_sparse_mask`` (the identity for dense attention), which the capture wraps per module
+    instance inside the block.
 
 All tensors are batch-first. Padding masks are ``True`` at padded positions.
 """
@@ -79,7 +82,8 @@ class AttentionMaps:
 
     probs:  ``(layers, batch, heads, query_len, key_len)``, float32, rows sum to 1 over the keys a
             query may attend to (padded keys and, for decoder self-attention, future keys get 0).
-    scores: same shape, pre-softmax logits ``q k^T / sqrt(d_head)`` without masking (or None).
+    scores: same shape, pre-softmax logits ``q k^T / sqrt(d_head)`` where ``attendable`` is True,
+            0 elsewhere (or None).
     values: ``(layers, batch, heads, key_len, head_dim)`` (or None).
     query_padding_mask: ``(batch, query_len)``, True at padded queries.
     key_padding_mask: ``(batch, key_len)``, True at padded keys.
@@ -179,6 +183,7 @@ class FeatureCapture:
         self._padding_idx: Optional[int] = None
         # each module's skip_embed_dim_check before the block (see the module docstring)
         self._skip_embed_dim_check: Dict[nn.Module, bool] = {}
+        self._wrapped_score_modules: List[nn.Module] = []
 
     # ------------------------------------------------------------------ hooks
     def __enter__(self) -> "FeatureCapture":
@@ -198,11 +203,12 @@ class FeatureCapture:
                     module.register_forward_pre_hook(self._make_attention_hook(records), with_kwargs=True)
                 )
                 self._handles.append(module.register_forward_hook(self._make_map_hook(records)))
-                projections = (("q", "k") if self.request.attention_scores else ()) + (
-                    ("v",) if self.request.attention_values else ())
-                for name in projections:
-                    self._handles.append(getattr(module, f"{name}_proj").register_forward_hook(
-                        self._make_projection_hook(records, module, name)))
+                if self.request.attention_values:
+                    self._handles.append(module.v_proj.register_forward_hook(
+                        self._make_value_hook(records, module)))
+                if self.request.attention_scores and "apply_sparse_mask" not in vars(module):
+                    module.apply_sparse_mask = self._make_score_recorder(records, module)
+                    self._wrapped_score_modules.append(module)
                 self._skip_embed_dim_check.setdefault(module, module.skip_embed_dim_check)
                 module.skip_embed_dim_check = True
         self._handles.append(
@@ -224,6 +230,9 @@ class FeatureCapture:
         for module, value in self._skip_embed_dim_check.items():
             module.skip_embed_dim_check = value
         self._skip_embed_dim_check.clear()
+        for module in self._wrapped_score_modules:
+            del module.apply_sparse_mask  # the class's method again
+        self._wrapped_score_modules.clear()
 
     @staticmethod
     def _make_attention_hook(records: List[dict]):
@@ -250,13 +259,26 @@ class FeatureCapture:
         return hook
 
     @staticmethod
-    def _make_projection_hook(records: List[dict], attention: nn.Module, name: str):
+    def _make_value_hook(records: List[dict], attention: nn.Module):
         def hook(projection, args, output):
             if records and records[-1]["module"] is attention and "probs" not in records[-1]:
-                # a copy: fairseq scales the query projection in place right after this call
-                records[-1][name] = output.clone()  # (len, batch, embed_dim)
+                records[-1]["v"] = output  # (len, batch, embed_dim); fairseq only reshapes it
 
         return hook
+
+    @staticmethod
+    def _make_score_recorder(records: List[dict], attention: nn.Module):
+        apply_sparse_mask = attention.apply_sparse_mask  # the class's (bound) method
+
+        def record(attn_weights, tgt_len: int, src_len: int, bsz: int):
+            attn_weights = apply_sparse_mask(attn_weights, tgt_len, src_len, bsz)
+            if records and records[-1]["module"] is attention and "probs" not in records[-1]:
+                # (batch * heads, tgt, src). fairseq then adds a causal attn_mask in place (-inf at
+                # future keys); _attention_maps zeroes every entry outside ``attendable``.
+                records[-1]["scores"] = attn_weights
+            return attn_weights
+
+        return record
 
     def _encoder_pre_hook(self, module, args, kwargs):
         if self.request.encoder_hidden:
@@ -330,17 +352,18 @@ class FeatureCapture:
             blocked = blocked | future[None, None, :tq, :tk]
         attendable = ~blocked & ~query_padding_mask[:, None, :, None]
 
-        def per_head(name: str) -> Tensor:
-            """(layers, len, batch, C) projections -> (layers, batch, heads, len, d_head)."""
-            stacked = torch.stack([r[name] for r in records], 0)
-            return stacked.view(num_layers, stacked.size(1), bsz, num_heads, -1).permute(0, 2, 3, 1, 4)
-
         scores = values = None
         if self.request.attention_scores:
-            q, k = per_head("q"), per_head("k")
-            scores = torch.matmul(q * (q.size(-1) ** -0.5), k.transpose(-1, -2))
+            if not all("scores" in r for r in records):
+                raise RuntimeError(f"{kind} attention did not pass its scores through apply_sparse_mask")
+            scores = torch.stack([r["scores"] for r in records], 0).view(num_layers, bsz, num_heads, tq, tk)
+            # In place on the stacked copy (stack's backward does not need it): no -inf is left for
+            # a loss to turn into a NaN gradient, and the modules' tensors stay as fairseq made them.
+            scores.masked_fill_(~attendable.unsqueeze(0), 0.0)
         if self.request.attention_values:
-            values = per_head("v")
+            # (layers, len, batch, C) -> (layers, batch, heads, len, d_head)
+            stacked = torch.stack([r["v"] for r in records], 0)
+            values = stacked.view(num_layers, stacked.size(1), bsz, num_heads, -1).permute(0, 2, 3, 1, 4)
         return AttentionMaps(
             probs=probs,
             query_padding_mask=query_padding_mask,
