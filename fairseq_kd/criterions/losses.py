@@ -20,10 +20,52 @@ def word_level_kd(
     True at real target tokens. The ``tau^2`` factor keeps gradient magnitudes comparable across
     temperatures (Hinton et al., Sec. 2). Computed in float32 whatever the model dtype.
     """
-    student_lp = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    teacher_lp = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    per_position = F.kl_div(student_lp, teacher_lp, reduction="none", log_target=True).sum(-1)
-    return (temperature**2) * per_position.masked_select(target_mask).sum()
+    if teacher_logits.requires_grad:
+        # a teacher trained jointly (self-distillation) needs the gradient on its side too, which
+        # the fused function below does not form
+        student_lp = _log_softmax_at(student_logits, temperature)
+        teacher_lp = _log_softmax_at(teacher_logits, temperature)
+        per_position = F.kl_div(student_lp, teacher_lp, reduction="none", log_target=True).sum(-1)
+        return (temperature**2) * per_position.masked_select(target_mask).sum()
+    return _WordLevelKD.apply(student_logits, teacher_logits, target_mask, float(temperature))
+
+
+class _WordLevelKD(torch.autograd.Function):
+    """:func:`word_level_kd` with its gradient formed in the forward pass.
+
+    The gradient with respect to the student's logits is ``tau (p_S^tau - p_T^tau)`` at the masked
+    positions, so the forward pass, which has both distributions at hand, keeps that one
+    ``(batch, len, vocab)`` tensor for the backward pass instead of the student's and the
+    teacher's log-probabilities that autograd through ``log_softmax`` and ``kl_div`` would keep
+    (plus their elementwise KL). At a real vocabulary (10k types, 4k target tokens: 160 MB per such
+    float32 tensor) this is most of what word-level KD adds to a step's memory.
+    """
+
+    @staticmethod
+    def forward(ctx, student_logits, teacher_logits, target_mask, temperature):
+        student_lp = _log_softmax_at(student_logits, temperature)
+        teacher_lp = _log_softmax_at(teacher_logits, temperature)
+        teacher_p = teacher_lp.exp()
+        # in place from here on: the three tensors are this function's own
+        per_position = teacher_lp.sub_(student_lp).mul_(teacher_p).sum(-1)
+        loss = (temperature**2) * per_position.masked_select(target_mask).sum()
+        if ctx.needs_input_grad[0]:
+            gradient = student_lp.exp_().sub_(teacher_p).mul_(temperature)
+            gradient.masked_fill_(~target_mask.unsqueeze(-1), 0.0)
+            ctx.save_for_backward(gradient)
+            ctx.student_dtype = student_logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (gradient,) = ctx.saved_tensors
+        return (gradient * grad_loss).to(ctx.student_dtype), None, None, None
+
+
+def _log_softmax_at(logits: Tensor, temperature: float) -> Tensor:
+    """``log_softmax(logits / tau)`` in float32, without a scaled copy when ``tau = 1``."""
+    logits = logits.float()
+    return F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
 
 
 def topk_word_level_kd(
