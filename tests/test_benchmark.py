@@ -27,8 +27,8 @@ def child_calls(monkeypatch):
     """Child training runs stubbed: records (method, teacher_forward) per call."""
     calls = []
 
-    def fake_child(flags, steps, warmup, teacher_forward=False):
-        calls.append((flags[0], teacher_forward))
+    def fake_child(flags, steps, warmup, teacher_forward=False, epoch=1):
+        calls.append((flags[0], teacher_forward) if epoch == 1 else (flags[0], teacher_forward, epoch))
         return {"step_ms": 30.0 if teacher_forward else 20.0, "peak_mb": 1.0}
 
     monkeypatch.setattr(benchmark, "prepare_config", lambda name, workdir: {})
@@ -43,6 +43,15 @@ def test_only_the_limit_row_runs_the_teacher_forward(child_calls):
     report = benchmark.run(["tiny"], ["plain", "limit", "word_kd"], steps=1, warmup=0, repeats=1, workdir=None)
     assert child_calls == [("plain", False), ("limit", True), ("word_kd", False)]
     assert report["tiny"]["methods"]["word_kd"]["time_ratio_vs_limit"] == pytest.approx(20.0 / 30.0)
+
+
+def test_a_row_is_timed_in_the_epoch_its_method_names(child_calls):
+    """A2D from the cache is timed after its attention epochs (--a2d-attention-epochs 1: epoch 2),
+    when no teacher runs; every other row in epoch 1."""
+    assert "--a2d-attention-epochs" in benchmark.METHODS["a2d_kd_cached"]
+    benchmark.run(["tiny"], ["plain", "limit", "a2d_kd", "a2d_kd_cached"], steps=1, warmup=0, repeats=1,
+                  workdir=None)
+    assert child_calls == [("plain", False), ("limit", True), ("a2d_kd", False), ("a2d_kd_cached", False, 2)]
 
 
 def test_plain_and_limit_are_always_measured(child_calls, tmp_path):

@@ -316,3 +316,114 @@ def test_a_rerun_reads_only_the_inputs_whose_size_or_time_changed(tiny_data_bin,
     torch.save(state, teacher)
     with pytest.raises(TeacherCacheError, match="holds a cache of another teacher, data or k"):
         build_cache(config, log=logs.append)
+
+
+# ----------------------------------------------------------------------------- A2D after its attention epochs
+
+
+def _full_vocabulary_cache(data, teacher, folder):
+    vocab = sum(1 for _ in open(data / "dict.tgt.txt")) + 4  # the symbols plus bos/pad/eos/unk
+    build(data, teacher, folder, "--k", str(vocab))
+    return folder
+
+
+def test_a2d_runs_the_teacher_until_its_attention_epochs_end_and_reads_the_cache_after(
+        tiny_data_bin, tiny_teacher, tmp_path):
+    """With --a2d-attention-epochs 1 and a full-vocabulary cache: epoch 1 runs the teacher (attention
+    terms and word KD), epoch 2 runs no teacher and captures nothing, and its word-KD term equals a
+    slow per-position KL against the teacher run by hand; the alignment modules still get a (zero)
+    gradient, as DistributedDataParallel needs."""
+    import math
+
+    import fairseq_kd
+    from fairseq_kd.criterions.a2d_kd import A2DConfig, AlignToDistillCriterion
+    from fairseq_kd.tasks.translation_kd import TranslationKDConfig, TranslationKDTask
+    from conftest import build_tiny_student
+
+    fairseq_kd.register()
+    cache = _full_vocabulary_cache(tiny_data_bin, tiny_teacher, tmp_path / "cache")
+    task = TranslationKDTask.setup_task(TranslationKDConfig(
+        data=str(tiny_data_bin), source_lang="src", target_lang="tgt", teacher_checkpoint=str(tiny_teacher),
+        teacher_cache=str(cache), train_subset="train", dataset_impl=None, required_seq_len_multiple=1))
+    student = build_tiny_student(task)
+    task.load_dataset("train")
+    dataset = task.dataset("train")
+    sample = dataset.collater([dataset[i] for i in range(5)])
+    criterion = AlignToDistillCriterion.build_criterion(
+        A2DConfig(sentence_avg=False, a2d_attention_epochs=1), task)
+    teacher_runs = []
+    original_forward = criterion.teacher.forward
+    criterion.teacher.forward = lambda *args: teacher_runs.append(args[1]) or original_forward(*args)
+    student.train()
+
+    criterion.begin_epoch(1)
+    _, _, first = criterion(student, sample)
+    assert len(teacher_runs) == 1 and teacher_runs[0].attention_kinds
+    assert all(first[f"{term}_loss"] > 0 for term in ("enc_self_att", "dec_self_att", "dec_cross_att", "word_kd"))
+
+    criterion.begin_epoch(2)
+    assert criterion.loss_weights()["enc_self_att"] == 0.0
+    loss, sample_size, second = criterion(student, sample)
+    assert len(teacher_runs) == 1, "the teacher ran after the attention epochs although the cache serves word KD"
+    assert all(second[f"{term}_loss"] == 0 for term in ("enc_self_att", "dec_self_att", "dec_cross_att"))
+
+    with torch.no_grad():
+        student_logits = student(**sample["net_input"])[0]
+        teacher_logits = original_forward(sample["net_input"], criterion.teacher_request)[0][0]
+    pad = task.target_dictionary.pad()
+    reference = 0.0
+    for b, row in enumerate(sample["target"].tolist()):
+        for t, token in enumerate(row):
+            if token != pad:
+                log_p = torch.log_softmax(teacher_logits[b, t].double(), -1)
+                log_q = torch.log_softmax(student_logits[b, t].double(), -1)
+                reference += float((log_p.exp() * (log_p - log_q)).sum())
+    assert float(second["word_kd_loss"]) == pytest.approx(reference, rel=1e-4)
+    assert math.isclose(loss.item(), float(second["ce_loss"]) + float(second["word_kd_loss"]), rel_tol=1e-5)
+
+    loss.backward()
+    alignment_grads = [p.grad for p in criterion.alignments.parameters()]
+    assert alignment_grads and all(g is not None and (g == 0).all() for g in alignment_grads)
+
+
+def test_a2d_with_the_cache_after_its_attention_epochs_trains_like_the_live_teacher(
+        tiny_data_bin, tiny_teacher, tmp_path):
+    """Through fairseq-train, two epochs with --a2d-attention-epochs 1: reading a full-vocabulary
+    cache in epoch 2 gives the live teacher's losses step for step."""
+    cache = _full_vocabulary_cache(tiny_data_bin, tiny_teacher, tmp_path / "cache")
+    common = ["--user-dir", USER_DIR, "--task", "translation_kd", *TINY_STUDENT_ARGS, "--criterion", "a2d_kd",
+              "--a2d-attention-epochs", "1", *COMMON_TRAIN_ARGS, "--max-epoch", "2", "--dropout", "0",
+              "--teacher-checkpoint", tiny_teacher]
+    live = run_cli("fairseq-train", tiny_data_bin, *common, "--save-dir", tmp_path / "live")
+    cached = run_cli("fairseq-train", tiny_data_bin, *common, "--teacher-cache", cache, "--save-dir", tmp_path / "cached")
+
+    def per_step(stdout, key):
+        return [(int(m.group(1)), float(m.group(2)))
+                for m in re.finditer(r"epoch (\d+):.*?" + key + r"=([\d.]+)", stdout)]
+
+    live_log, cached_log = live.stdout + live.stderr, cached.stdout + cached.stderr
+    live_kd, cached_kd = per_step(live_log, "word_kd_loss"), per_step(cached_log, "word_kd_loss")
+    assert {epoch for epoch, _ in live_kd} == {1, 2} and len(live_kd) == len(cached_kd)
+    assert [e for e, _ in live_kd] == [e for e, _ in cached_kd]
+    assert [v for _, v in live_kd] == pytest.approx([v for _, v in cached_kd], abs=2e-3)
+    # the attention term is on in epoch 1 only
+    attention = per_step(cached_log, "enc_self_att_loss")
+    assert any(v > 0 for e, v in attention if e == 1) and all(v == 0 for e, v in attention if e == 2)
+
+
+def test_a2d_reads_a_cache_only_after_its_attention_epochs_and_with_the_teacher(tiny_data_bin, tiny_teacher, tmp_path):
+    cache = tmp_path / "cache"
+    build(tiny_data_bin, tiny_teacher, cache, "--k", "2")
+    common = ["--user-dir", USER_DIR, "--task", "translation_kd", *TINY_STUDENT_ARGS, *COMMON_TRAIN_ARGS,
+              "--max-update", "1", "--save-dir", tmp_path / "save", "--criterion", "a2d_kd", "--teacher-cache", cache]
+
+    def refused(*args):
+        proc = run_cli("fairseq-train", tiny_data_bin, *common, *args, check=False)
+        assert proc.returncode != 0
+        return proc.stdout + proc.stderr
+
+    assert "--a2d-attention-epochs" in refused("--teacher-checkpoint", tiny_teacher)
+    assert "pass --teacher-checkpoint PATH as well" in refused("--a2d-attention-epochs", "2")
+    assert "--a2d-attention-epochs must be >= 1" in refused("--a2d-attention-epochs", "0",
+                                                            "--teacher-checkpoint", tiny_teacher)
+    assert not (tmp_path / "save").exists() or not any((tmp_path / "save").iterdir())

@@ -81,6 +81,14 @@ Choices the paper leaves open, documented here:
   ``--a2d-lambda-decay`` override the preset; ``--kd-weight 0`` (alias ``--a2d-mu 0``) is Table 2's
 "A2D w/o L_KD".
 
+* **Ending the attention phase** (``--a2d-attention-epochs N``, not in the paper, whose lambda
+  decays for ever): ``lambda_e = 0`` after epoch ``N``, leaving ``L_CE + mu * L_KD``. Word-level KD
+  needs only the teacher's output distribution, so with ``--teacher-cache`` (made by
+  ``fairseq-kd-teacher-cache`` from the same ``--teacher-checkpoint``) the epochs after ``N`` read
+  the teacher's top k from the cache and run no teacher at all: those steps cost what word KD from
+  the cache costs. With lambda decaying by 0.9 per epoch, epoch 30 weighs the attention at 0.05 of
+  epoch 1.
+
 The alignment weights can be drawn as the paper's Figure 2: ``fairseq-kd-plot alignment
 --checkpoint CKPT --output aam.png``.
 """
@@ -96,7 +104,7 @@ from ..models.feature_capture import DECODER_CROSS, DECODER_SELF, ENCODER_SELF, 
 from ..modules.attention_alignment import AttentionAlignment
 from ._attention import check_capturable
 from .base import KDCriterionBase, KDCriterionConfig
-from .losses import masked_row_kl, word_level_kd
+from .losses import masked_row_kl, word_kd_term
 
 #: ``--a2d-attention-kinds`` -> weight of each kind's loss inside L_att (Eq. 11, Table 4).
 KIND_WEIGHTS = {
@@ -169,6 +177,12 @@ class A2DConfig(KDCriterionConfig):
                   "(default): mean, or sum with --a2d-normalization authors (the authors' code). "
                   "mean won the real-corpus comparison on validation (docs/results/)"},
     )
+    a2d_attention_epochs: Optional[int] = field(
+        default=None,
+        metadata={"help": "last epoch with the attention loss: lambda_e = 0 after it (default: every "
+                  "epoch, the paper's exponential decay). With --teacher-cache as well, the epochs "
+                  "after it read word-level KD from the cache instead of running the teacher"},
+    )
     a2d_alpha: float = field(
         default=0.5,
         metadata={"help": "--a2d-normalization authors only: the authors' --alpha, CE weight 1 - alpha "
@@ -195,6 +209,7 @@ class AlignToDistillCriterion(KDCriterionBase):
         self.map_reduction = resolve_map_reduction(str(cfg.a2d_map_reduction), self.normalization)
         self.average_maps = self.map_reduction == "mean"
         self.kind_weights = KIND_WEIGHTS[str(cfg.a2d_attention_kinds)]
+        self.attention_epochs = cfg.a2d_attention_epochs
         self._check_options()
 
         teacher_shape = self.teacher.shape
@@ -228,10 +243,18 @@ class AlignToDistillCriterion(KDCriterionBase):
         if not 0 <= self.alpha <= 1:
             raise ValueError(f"--a2d-alpha must be in [0, 1] ((1 - alpha) CE + alpha KD), got {self.alpha}")
 
+    def last_live_teacher_epoch(self) -> Optional[int]:
+        """Under ``--a2d-attention-epochs N`` only word-level KD is left after epoch N, which
+        ``--teacher-cache`` serves."""
+        return self.cfg.a2d_attention_epochs
+
     # ------------------------------------------------------------ weights
     def attention_weight(self, epoch: Optional[int] = None) -> float:
-        """``lambda_e = lambda_0 * decay^(e - 1)`` (epochs count from 1)."""
+        """``lambda_e = lambda_0 * decay^(e - 1)`` (epochs count from 1), 0 after
+        ``--a2d-attention-epochs``."""
         epoch = self.epoch if epoch is None else epoch
+        if self.attention_epochs is not None and epoch > self.attention_epochs:
+            return 0.0
         return self.lambda_0 * self.lambda_decay ** (max(epoch, 1) - 1)
 
     def loss_weights(self) -> Dict[str, float]:
@@ -243,6 +266,14 @@ class AlignToDistillCriterion(KDCriterionBase):
         for kind, term in KIND_TERMS.items():
             weights[term] = lam * self.kind_weights.get(kind, 0.0)
         return weights
+
+    def capture_requests(self, weights: Dict[str, float]):
+        """Only the kinds whose loss has a non-zero weight this epoch (none after
+        ``--a2d-attention-epochs``): the teacher then runs, if at all, for word-level KD alone."""
+        kinds = tuple(kind for kind in self.student_request.attention_kinds if weights[KIND_TERMS[kind]] != 0)
+        if kinds == tuple(self.student_request.attention_kinds):
+            return self.student_request, self.teacher_request
+        return CaptureRequest(attention_kinds=kinds), CaptureRequest(attention_kinds=kinds)
 
     # -------------------------------------------------------------- terms
     def distillation_terms(self, batch) -> Dict[str, Tensor]:
@@ -256,9 +287,7 @@ class AlignToDistillCriterion(KDCriterionBase):
                 if self.normalization == "authors":
                     terms[KIND_TERMS[kind]] = terms[KIND_TERMS[kind]] * batch.target_mask.numel()
         if weights["word_kd"] != 0:
-            terms["word_kd"] = word_level_kd(
-                batch.student_logits, batch.teacher_logits, batch.target_mask, self.kd_temperature
-            )
+            terms["word_kd"] = word_kd_term(batch, batch.target_mask, self.kd_temperature)
         return terms
 
     def attention_term(self, kind: str, student: AttentionMaps, teacher: AttentionMaps) -> Tensor:

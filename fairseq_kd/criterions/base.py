@@ -88,6 +88,8 @@ _RANGES = {
     "word_rate": (0.0, False, 1.0, True, "the share of words distilled"),
     "a2d_alpha": (0.0, True, 1.0, True, "(1 - alpha) CE + alpha KD"),
     "a2d_lambda_decay": (0.0, False, 1.0, True, "lambda_e = lambda_0 * decay^(e-1); 1 keeps it constant"),
+    "a2d_attention_epochs": (1, True, None, False, "the last epoch with the attention loss; --a2d-lambda 0 "
+                             "trains without it"),
     "internal_cos_threshold": (0.0, True, None, False, "a cosine-distance threshold"),
     "internal_epochs_per_layer": (1, True, None, False, "a number of epochs"),
     "queue_size": (1, True, None, False, "a number of tokens"),
@@ -242,6 +244,9 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
     #: whether the method's terms can come from the cached top-k teacher (--teacher-cache): only
     #: word-level KD terms, which need the teacher's output distribution and nothing else
     SUPPORTS_TEACHER_CACHE: bool = False
+    #: the terms a --teacher-cache can supply: a method whose other terms all have weight 0 from some
+    #: epoch on (see :meth:`last_live_teacher_epoch`) reads the cache from then on
+    CACHE_SERVED_TERMS: Tuple[str, ...] = ("word_kd",)
 
     #: the config field that names ``--kd-weight`` after the method's paper (see the module
     #: docstring); when set it replaces ``kd_weight``
@@ -270,14 +275,23 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
         self.teacher_cache = getattr(task, "teacher_cache", None)
         if self.teacher_cache is None:
             self.teacher = require_teacher(self.criterion_name())
-        elif not self.SUPPORTS_TEACHER_CACHE:
+        elif self.SUPPORTS_TEACHER_CACHE:
+            self.teacher = None  # the cache replaces the teacher's forward pass
+        elif self.last_live_teacher_epoch() is not None:
+            # the live teacher for the epochs that need its features, the cache for the rest
+            if getattr(task, "teacher", None) is None:
+                raise ValueError(
+                    f"criterion {self.criterion_name()!r} runs the teacher until epoch "
+                    f"{self.last_live_teacher_epoch()} and reads --teacher-cache after it: pass "
+                    "--teacher-checkpoint PATH as well (the teacher the cache was made by)"
+                )
+            self.teacher = require_teacher(self.criterion_name())
+        else:
             raise ValueError(
                 f"criterion {self.criterion_name()!r} needs the teacher's features or full output, which "
-                "--teacher-cache does not hold (it serves word_kd and selective_kd): pass "
-                "--teacher-checkpoint without --teacher-cache"
+                "--teacher-cache does not hold (it serves word_kd, selective_kd, and a2d_kd after "
+                "--a2d-attention-epochs): pass --teacher-checkpoint without --teacher-cache"
             )
-        else:
-            self.teacher = None  # the cache replaces the teacher's forward pass
         self.epoch = 1
         # True while fairseq trains on a dummy batch (a data-parallel worker out of data, whose
         # loss is zeroed): stateful methods must not learn from it. Set by the task.
@@ -324,6 +338,19 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
                 raise ValueError(f"{flag} must be >= 0, got {weight} (criterion {self.criterion_name()})")
         return weights
 
+    def last_live_teacher_epoch(self) -> Optional[int]:
+        """For a method with terms the cache cannot serve: the last epoch in which any of them has a
+        non-zero weight, after which ``--teacher-cache`` can replace the teacher; None (the default)
+        when there is no such epoch. Called from the base's ``__init__``, so it may read only
+        ``self.cfg``."""
+        return None
+
+    def capture_requests(self, weights: Dict[str, float]) -> Tuple[CaptureRequest, CaptureRequest]:
+        """What to capture from the student and from the teacher in a step with these loss weights:
+        ``student_request`` and ``teacher_request`` unless the method narrows them to the terms whose
+        weight is not 0."""
+        return self.student_request, self.teacher_request
+
     def distillation_terms(self, batch: DistillationBatch) -> Dict[str, Tensor]:
         """Each active term as an unnormalised sum (see the module docstring); a
         :class:`DistillationTerms` when the method also logs values of its own (``LOG_KEYS``)."""
@@ -354,11 +381,19 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
         if not reduce:
             raise ValueError("distillation criterions only compute reduced losses")
         weights = self.checked_loss_weights()
-        distilling = any(weights[name] != 0 for name in self.TERM_NAMES)
+        active_terms = {name for name in self.TERM_NAMES if weights[name] != 0}
+        distilling = bool(active_terms)
         # The cache holds the training split only: validation reports CE and nll without KD terms.
         if self.teacher_cache is not None and not model.training:
             distilling = False
-        student_request = self.student_request if distilling else CaptureRequest()
+        from_cache = self.teacher_cache is not None and (
+            self.SUPPORTS_TEACHER_CACHE or active_terms <= set(self.CACHE_SERVED_TERMS))
+        if distilling and not from_cache and self.teacher is None:
+            raise RuntimeError(
+                f"{self.criterion_name()}: terms {sorted(active_terms)} at epoch {self.epoch} need the live "
+                "teacher, but only --teacher-cache was loaded (last_live_teacher_epoch disagrees with loss_weights)"
+            )
+        student_request, teacher_request = self.capture_requests(weights) if distilling else (CaptureRequest(),) * 2
         with FeatureCapture(model, student_request) as capture:
             net_output = model(**sample["net_input"])
         ce_loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=True)
@@ -367,12 +402,12 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
         extra_logs: Dict[str, object] = {}
         if distilling:
             teacher_topk = None
-            if self.teacher_cache is not None:
+            if from_cache:
                 teacher_output, teacher_features = None, CapturedFeatures()
                 teacher_topk = self.teacher_cache.lookup(sample["id"], sample["target"].ne(self.padding_idx))
             else:
                 self.teacher.follow(next(model.parameters()))
-                teacher_output, teacher_features = self.teacher.forward(sample["net_input"], self.teacher_request)
+                teacher_output, teacher_features = self.teacher.forward(sample["net_input"], teacher_request)
             batch = DistillationBatch(
                 sample=sample,
                 student_output=net_output,
@@ -393,6 +428,15 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
         for name in self.TERM_NAMES:
             if name in terms and weights[name] != 0:
                 loss = loss + weights[name] * terms[name]
+        if model.training and torch.is_grad_enabled():
+            # The criterion's own parameters (projections, A2D's alignment) join the graph even in a
+            # step whose terms leave them out (a term's weight at 0, word KD from the cache): fairseq
+            # wraps a criterion with parameters in DistributedDataParallel, which expects a gradient
+            # for every parameter in every step. Zero gradients change nothing else; one element of
+            # each (in float32) is enough to put the whole tensor in the graph, and cannot overflow.
+            trainable = [p for p in self.parameters() if p.requires_grad]
+            if trainable:
+                loss = loss + 0.0 * sum(p.reshape(-1)[0].float() for p in trainable)
 
         logging_output = {
             "loss": loss.data,

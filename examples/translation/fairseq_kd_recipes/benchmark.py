@@ -69,6 +69,8 @@ METHODS: Dict[str, List[str]] = {
     LIMIT: PLAIN_FLAGS,
     **{name: method_flags(method) for name, method in METHOD_TABLE.items() if method.data == "original"},
 }
+#: the epoch each row's step is timed in (1 but for rows whose method says otherwise)
+TIMED_EPOCHS: Dict[str, int] = {name: method.timed_epoch for name, method in METHOD_TABLE.items()}
 #: what runs without --methods: the reference rows and the table's rows marked ``benchmarked``
 DEFAULT_METHODS = [PLAIN, LIMIT, *(name for name, method in METHOD_TABLE.items() if method.benchmarked)]
 
@@ -166,7 +168,8 @@ def training_flags(config_name: str, paths: Dict[str, str], method: str) -> List
     ]
 
 
-def measure_training(flags: List[str], steps: int, warmup: int, teacher_forward: bool = False) -> dict:
+def measure_training(flags: List[str], steps: int, warmup: int, teacher_forward: bool = False,
+                     epoch: int = 1) -> dict:
     """Run in a child process: build what fairseq-train builds and time ``train_step`` (followed,
     with ``teacher_forward``, by the teacher's forward pass on the same batch: the ``limit`` row)."""
     import torch
@@ -189,7 +192,7 @@ def measure_training(flags: List[str], steps: int, warmup: int, teacher_forward:
     model = task.build_model(cfg.model)
     criterion = task.build_criterion(cfg.criterion)
     trainer = Trainer(cfg, task, model, criterion)
-    trainer.begin_epoch(1)
+    trainer.begin_epoch(epoch)
     batches = task.get_batch_iterator(
         dataset=task.dataset(cfg.dataset.train_subset), max_tokens=cfg.dataset.max_tokens,
         max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
@@ -311,10 +314,12 @@ def measure_decoding(paths: Dict[str, str], student_arch: str, student_args: Lis
     return results
 
 
-def _train_in_child(flags: List[str], steps: int, warmup: int, teacher_forward: bool = False) -> dict:
+def _train_in_child(flags: List[str], steps: int, warmup: int, teacher_forward: bool = False,
+                    epoch: int = 1) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "fairseq_kd_recipes.benchmark", "--child-train", json.dumps(flags),
-         "--steps", str(steps), "--warmup", str(warmup), *(["--child-teacher-forward"] if teacher_forward else [])],
+         "--steps", str(steps), "--warmup", str(warmup), "--child-epoch", str(epoch),
+         *(["--child-teacher-forward"] if teacher_forward else [])],
         capture_output=True, text=True, env=_quiet_env(),
     )
     if proc.returncode != 0:
@@ -344,7 +349,7 @@ def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats
                     bar.update()
                     continue
                 result = _train_in_child(training_flags(config_name, paths, method), steps, warmup,
-                                         teacher_forward=method == LIMIT)
+                                         teacher_forward=method == LIMIT, epoch=TIMED_EPOCHS.get(method, 1))
                 bar.update()
                 if "error" in result:
                     rows[method] = result
@@ -439,10 +444,11 @@ def cli_main(argv=None):
                         help="writes benchmark.json and benchmark.md here")
     parser.add_argument("--child-train", help=argparse.SUPPRESS)
     parser.add_argument("--child-teacher-forward", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-epoch", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child_train:
         result = measure_training(json.loads(args.child_train), args.steps, args.warmup,
-                                  teacher_forward=args.child_teacher_forward)
+                                  teacher_forward=args.child_teacher_forward, epoch=args.child_epoch)
         print(json.dumps(result))
         return
     methods = args.methods or DEFAULT_METHODS

@@ -54,6 +54,9 @@ class Method:
     in_recipes: bool = True
     #: measured by default by the benchmark (step time and memory against plain training)
     benchmarked: bool = False
+    #: the epoch whose training step the benchmark times (a later one for a method whose terms
+    #: change with the epoch)
+    timed_epoch: int = 1
 
     def __post_init__(self) -> None:
         if self.student not in STUDENT_ROLES:
@@ -126,6 +129,10 @@ _METHOD_LIST = (
            "a2d_kd", ("--a2d-granularity", "head", "--a2d-attention-kinds", "all"), figure="alignment"),
     Method("a2d_kd", "Align-to-Distill, the criterion's defaults", "student_4h", "a2d_kd", in_recipes=False,
            benchmarked=True),
+    Method("a2d_kd_cached", "Align-to-Distill after its attention epochs (--a2d-attention-epochs 1, timed "
+           "in epoch 2): word KD read from the teacher's top-8 cache, no teacher run", "student_4h", "a2d_kd",
+           ("--a2d-attention-epochs", "1"), teacher_cache=True, in_recipes=False, benchmarked=True,
+           timed_epoch=2),
     Method("a2d_kd_layerwise", "Align-to-Distill, layer-wise AAM", "student_4h", "a2d_kd",
            ("--a2d-granularity", "layer"), in_recipes=False, benchmarked=True),
     Method("a2d_kd_row", "Align-to-Distill, signed AAM (Eq. 9), row-wise log-softmax of both maps",
@@ -225,7 +232,7 @@ CRITERIA: tuple[Criterion, ...] = (
                ("--a2d-granularity", "head", "layer"),
                ("--a2d-attention-kinds", "all", "enc_self", "dec_all", "dec_self", "dec_cross"),
                ("--a2d-normalization", "mixture", "row", "flat", "authors"),
-               ("--a2d-map-reduction", "auto", "mean", "sum"))),
+               ("--a2d-map-reduction", "auto", "mean", "sum"), ("--a2d-attention-epochs", "N"))),
 )
 #: fairseq's own criterion, which the methods without a distillation term train with
 PLAIN_CRITERION = "label_smoothed_cross_entropy"
