@@ -232,7 +232,7 @@ CRITERIA: tuple[Criterion, ...] = (
                ("--a2d-granularity", "head", "layer"),
                ("--a2d-attention-kinds", "all", "enc_self", "dec_all", "dec_self", "dec_cross"),
                ("--a2d-normalization", "mixture", "row", "flat", "authors"),
-               ("--a2d-map-reduction", "auto", "mean", "sum"), ("--a2d-attention-epochs", "N"))),
+               ("--a2d-map-reduction", "auto", "mean", "sum"), ("--a2d-attention-epochs", "10"))),
 )
 #: fairseq's own criterion, which the methods without a distillation term train with
 PLAIN_CRITERION = "label_smoothed_cross_entropy"
