@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import COMMON_TRAIN_ARGS, TINY_STUDENT_ARGS, TINY_TEACHER_ARGS, USER_DIR, run_cli, run_module
+from conftest import (COMMON_TRAIN_ARGS, TINY_STUDENT_ARGS, TINY_TEACHER_ARGS, USER_DIR, build_tiny_student, run_cli,
+                      run_module)
 from fairseq_kd.criterions.losses import topk_word_level_kd, word_level_kd
 
 
@@ -338,7 +339,6 @@ def test_a2d_runs_the_teacher_until_its_attention_epochs_end_and_reads_the_cache
     import fairseq_kd
     from fairseq_kd.criterions.a2d_kd import A2DConfig, AlignToDistillCriterion
     from fairseq_kd.tasks.translation_kd import TranslationKDConfig, TranslationKDTask
-    from conftest import build_tiny_student
 
     fairseq_kd.register()
     cache = _full_vocabulary_cache(tiny_data_bin, tiny_teacher, tmp_path / "cache")

@@ -277,12 +277,12 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
             self.teacher = require_teacher(self.criterion_name())
         elif self.SUPPORTS_TEACHER_CACHE:
             self.teacher = None  # the cache replaces the teacher's forward pass
-        elif self.last_live_teacher_epoch() is not None:
+        elif (last_live_epoch := self.last_live_teacher_epoch()) is not None:
             # the live teacher for the epochs that need its features, the cache for the rest
             if getattr(task, "teacher", None) is None:
                 raise ValueError(
                     f"criterion {self.criterion_name()!r} runs the teacher until epoch "
-                    f"{self.last_live_teacher_epoch()} and reads --teacher-cache after it: pass "
+                    f"{last_live_epoch} and reads --teacher-cache after it: pass "
                     "--teacher-checkpoint PATH as well (the teacher the cache was made by)"
                 )
             self.teacher = require_teacher(self.criterion_name())

@@ -81,8 +81,8 @@ def topk_word_level_kd(
     teacher_topk_logprobs, teacher_topk_ids: ``(batch, tgt_len, k)``; the rest as
     :func:`word_level_kd`. Computed in float32.
     """
-    student_lp = F.log_softmax(student_logits.float() / temperature, dim=-1).gather(-1, teacher_topk_ids)
-    teacher_lp = F.log_softmax(teacher_topk_logprobs.float() / temperature, dim=-1)
+    student_lp = _log_softmax_at(student_logits, temperature).gather(-1, teacher_topk_ids)
+    teacher_lp = _log_softmax_at(teacher_topk_logprobs, temperature)
     per_position = (teacher_lp.exp() * (teacher_lp - student_lp)).sum(-1)
     return (temperature**2) * per_position.masked_select(target_mask).sum()
 
