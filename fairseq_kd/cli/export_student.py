@@ -1,9 +1,12 @@
-"""Export a trained student as a plain fairseq ``transformer`` checkpoint.
+"""Export a trained model as a plain fairseq ``transformer`` checkpoint or a CTranslate2 model.
 
     fairseq-kd-export checkpoints/student/checkpoint_best.pt student.pt
+    fairseq-kd-export checkpoints/student/checkpoint_best.pt student-int8 --format ctranslate2 --quantization int8
 
-The output has no distillation-only parameters or options and loads in stock fairseq
-(``fairseq-generate DATA --path student.pt``) without ``--user-dir``.
+The fairseq output has no distillation-only parameters or options and loads in stock fairseq
+(``fairseq-generate DATA --path student.pt``, ``TransformerModel.from_pretrained``) without
+``--user-dir``. The CTranslate2 output is a model folder for ``fairseq-kd-translate`` and
+CTranslate2's own ``Translator`` (``fairseq_kd/deploy/export_ctranslate2.py``).
 """
 import argparse
 import json
@@ -11,14 +14,31 @@ import sys
 
 from fairseq_kd.cli.user_errors import exits_on_user_error
 
+FORMATS = ("fairseq", "ctranslate2")
+
 
 @exits_on_user_error("fairseq-kd-export")
 def cli_main(argv=None):
+    from fairseq_kd.deploy.export_ctranslate2 import QUANTIZATIONS
+
     parser = argparse.ArgumentParser(prog="fairseq-kd-export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="student checkpoint written by fairseq-train --user-dir fairseq_kd")
-    parser.add_argument("output", help="path of the exported checkpoint (.pt), or an existing folder (or a path ending in /) to write a file named like CHECKPOINT into")
+    parser.add_argument("checkpoint", help="checkpoint written by fairseq-train (a student, a teacher, an averaged "
+                                           "or exported one)")
+    parser.add_argument("output", help="fairseq: path of the exported checkpoint (.pt), or an existing folder (or a "
+                                       "path ending in /) to write a file named like CHECKPOINT into; ctranslate2: "
+                                       "the model folder to create")
+    parser.add_argument("--format", choices=FORMATS, default="fairseq",
+                        help="fairseq: a plain transformer checkpoint; ctranslate2: a CTranslate2 model folder "
+                             "(default: %(default)s)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                        help="CTranslate2 weight type (--format ctranslate2 only; default: int8)")
+    parser.add_argument("--data", default=None, metavar="DIR",
+                        help="--format ctranslate2: the binarised data folder holding the model's dictionaries "
+                             "(default: the folder the checkpoint records)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
     args = parser.parse_args(argv)
+    if args.format == "fairseq" and (args.quantization is not None or args.data is not None):
+        parser.error("--quantization and --data apply to --format ctranslate2 only")
 
     import fairseq_kd
 
@@ -27,7 +47,13 @@ def cli_main(argv=None):
     from fairseq_kd.models.export import ExportError, export_student
 
     try:
-        summary = export_student(args.checkpoint, args.output, overwrite=args.overwrite)
+        if args.format == "ctranslate2":
+            from fairseq_kd.deploy.export_ctranslate2 import export_ctranslate2
+
+            summary = export_ctranslate2(args.checkpoint, args.output, quantization=args.quantization or "int8",
+                                         data=args.data, overwrite=args.overwrite)
+        else:
+            summary = export_student(args.checkpoint, args.output, overwrite=args.overwrite)
     except (ExportError, UnsafeCheckpointError) as err:
         parser.error(str(err))
     json.dump(summary, sys.stdout, indent=2)

@@ -14,6 +14,8 @@ import sys
 # matched by name so that the scoring commands import neither torch nor fairseq.
 USER_ERRORS = (ValueError, OSError)
 USER_RUNTIME_ERRORS = ("UnsafeCheckpointError",)
+# A missing optional dependency is the user's to install: the error names the fix.
+USER_IMPORT_ERRORS = ("CTranslate2MissingError", "FairseqMissingError")
 
 
 def message_of(error: BaseException) -> str:
@@ -34,8 +36,8 @@ def exits_on_user_error(prog: str):
             except USER_ERRORS as error:
                 sys.stderr.write(f"{prog}: error: {message_of(error)}\n")
                 sys.exit(2)
-            except RuntimeError as error:
-                if type(error).__name__ not in USER_RUNTIME_ERRORS:
+            except (RuntimeError, ImportError) as error:
+                if type(error).__name__ not in USER_RUNTIME_ERRORS + USER_IMPORT_ERRORS:
                     raise
                 sys.stderr.write(f"{prog}: error: {message_of(error)}\n")
                 sys.exit(2)

@@ -23,6 +23,9 @@ from ..checkpoint_safety import load_fairseq_checkpoint, safe_load
 # Config groups a stock fairseq loader reads; the rest of the training config is dropped.
 _KEPT_GROUPS = ("common", "common_eval", "distributed_training", "dataset", "optimization",
                 "checkpoint", "bmuf", "generation", "eval_lm", "interactive", "ema")
+# Groups fairseq's hub interface (TransformerModel.from_pretrained) reads even when they are unset
+# (None: no tokenizer, no BPE, default scorer); kept as the training run had them.
+_HUB_GROUPS = ("tokenizer", "bpe", "scoring")
 
 
 class ExportError(ValueError):
@@ -105,6 +108,7 @@ def export_student(checkpoint: str, output: str, overwrite: bool = False) -> dic
     task_cfg.pop("teacher_checkpoint", None)
     task_cfg["_name"] = "translation"
     plain_cfg = {group: _plain(cfg[group]) for group in _KEPT_GROUPS if group in cfg and cfg[group] is not None}
+    plain_cfg.update({group: _plain(cfg[group]) if group in cfg else None for group in _HUB_GROUPS})
     plain_cfg.update(
         model=model_cfg,
         task=task_cfg,

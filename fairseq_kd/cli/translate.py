@@ -1,0 +1,187 @@
+"""Decode a binarised split with a CTranslate2 model, in fairseq-generate's output format.
+
+    fairseq-kd-export checkpoints/student/checkpoint_best.pt student-int8 --format ctranslate2
+    fairseq-kd-translate data-bin/iwslt14.de-en --model student-int8 --gen-subset test --beam 5 \\
+        --batch-size 32 --threads 2 --remove-bpe --results-path gen/student-int8
+
+The output (``RESULTS_PATH/generate-SUBSET.txt``, or standard output) has fairseq-generate's
+``S-``/``T-``/``H-``/``D-`` lines, its ``Translated N sentences ... (X sentences/s, Y tokens/s)``
+line (decoding time only, as fairseq-generate counts it) and its closing ``Generate SUBSET with
+beam=N:`` line, so ``fairseq-kd-score`` and ``fairseq-kd-report`` read it like a fairseq-generate
+file and put CTranslate2 models beside fairseq ones with paired tests. Sentences are batched as
+fairseq-generate batches them (by length, ``--batch-size``/``--max-tokens``) and decoded with its
+rules (:mod:`fairseq_kd.deploy.ctranslate2_engine`).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from fairseq_kd.cli.user_errors import exits_on_user_error
+
+logger = logging.getLogger("fairseq_kd.cli.translate")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fairseq_kd.deploy.ctranslate2_engine import COMPUTE_TYPES, DEVICES
+
+    parser = argparse.ArgumentParser(prog="fairseq-kd-translate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("data", help="binarised data folder (fairseq-preprocess --destdir) with the split to decode")
+    parser.add_argument("--model", required=True, metavar="DIR",
+                        help="CTranslate2 model folder (fairseq-kd-export CKPT DIR --format ctranslate2)")
+    parser.add_argument("--gen-subset", default="test", help="split to decode (default: %(default)s)")
+    parser.add_argument("-s", "--source-lang", default=None, help="source language (default: from the file names)")
+    parser.add_argument("-t", "--target-lang", default=None, help="target language (default: from the file names)")
+    parser.add_argument("--beam", type=int, default=5, help="beam size (default: %(default)s)")
+    parser.add_argument("--lenpen", type=float, default=1.0,
+                        help="length penalty: scores are divided by length**lenpen (default: %(default)s)")
+    parser.add_argument("--max-len-a", type=float, default=0.0,
+                        help="at most max_len_a * S + max_len_b target tokens, S the batch's longest source "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-len-b", type=int, default=200, help="see --max-len-a (default: %(default)s)")
+    parser.add_argument("--min-len", type=int, default=1, help="at least this many tokens before </s> (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=None, metavar="N", help="sentences per batch")
+    parser.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                        help="source tokens per batch (default: 12000 when --batch-size is not given either)")
+    parser.add_argument("--threads", type=int, default=0, metavar="N",
+                        help="CTranslate2 threads (0: CTranslate2's default, one per core)")
+    parser.add_argument("--device", default="cpu", choices=DEVICES, help="where to decode (default: %(default)s)")
+    parser.add_argument("--compute-type", default="default", choices=COMPUTE_TYPES,
+                        help="CTranslate2 compute type (default: the type the model was exported in)")
+    parser.add_argument("--remove-bpe", "--post-process", dest="post_process", nargs="?", const="@@ ", default=None,
+                        help="remove BPE from the H-/D- lines as fairseq-generate does (subword_nmt, sentencepiece, "
+                             "or a continuation marker; bare flag: '@@ ')")
+    parser.add_argument("--results-path", default=None, metavar="DIR",
+                        help="write DIR/generate-SUBSET.txt (default: standard output)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing RESULTS_PATH/generate-SUBSET.txt")
+    return parser
+
+
+@exits_on_user_error("fairseq-kd-translate")
+def cli_main(argv: Optional[Sequence[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
+    translate(args)
+
+
+def _output_path(args) -> Optional[Path]:
+    if args.results_path is None:
+        return None
+    folder = Path(args.results_path)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--results-path {args.results_path!r} is a file; give a folder (the output is "
+                         f"FOLDER/generate-{args.gen_subset}.txt)")
+    path = folder / f"generate-{args.gen_subset}.txt"
+    if path.exists() and not args.overwrite:
+        raise ValueError(f"--results-path: {path} already exists; choose another folder or pass --overwrite")
+    return path
+
+
+def translate(args) -> dict:
+    """Decode ``args.gen_subset`` of ``args.data`` with ``args.model``; returns the timing summary."""
+    if args.beam < 1:
+        raise ValueError(f"--beam must be >= 1, got {args.beam}")
+    if (args.batch_size is not None and args.batch_size < 1) or (args.max_tokens is not None and args.max_tokens < 1):
+        raise ValueError("--batch-size and --max-tokens must be positive")
+    if args.max_len_b < 1 or args.max_len_a < 0 or args.min_len < 0:
+        raise ValueError("--max-len-b must be >= 1, --max-len-a and --min-len >= 0")
+    data = Path(args.data)
+    if data.is_file():
+        raise ValueError(f"DATA {args.data!r} is a file; give the binarised data folder (fairseq-preprocess --destdir)")
+    if not data.is_dir():
+        raise ValueError(f"DATA {args.data!r}: no such folder (a fairseq-preprocess --destdir is expected)")
+    output_path = _output_path(args)
+
+    import fairseq_kd
+
+    fairseq_kd.register()
+    import torch
+    from fairseq import utils
+    from fairseq.data import data_utils
+    from fairseq.tasks.translation import TranslationConfig, TranslationTask
+
+    from fairseq_kd.deploy.ctranslate2_engine import CTranslate2Engine, DecodingSettings
+
+    src, tgt = args.source_lang, args.target_lang
+    if src is None or tgt is None:
+        src, tgt = data_utils.infer_language_pair(str(data))
+        if src is None or tgt is None:
+            raise ValueError(f"DATA {data}: cannot infer the language pair; pass --source-lang and --target-lang")
+    for lang in (src, tgt):
+        if not (data / f"dict.{lang}.txt").is_file():
+            raise ValueError(f"DATA {data}: no dict.{lang}.txt")
+    if not any(data.glob(f"{args.gen_subset}.*-*.{src}.idx")):
+        raise ValueError(f"--gen-subset {args.gen_subset}: no binarised {args.gen_subset} split in {data}")
+    task = TranslationTask.setup_task(TranslationConfig(
+        data=str(data), source_lang=src, target_lang=tgt, dataset_impl=None, required_seq_len_multiple=1))
+    engine = CTranslate2Engine(args.model, task.source_dictionary, task.target_dictionary, device=args.device,
+                               threads=args.threads, compute_type=args.compute_type)
+    task.load_dataset(args.gen_subset)
+    dataset = task.dataset(args.gen_subset)
+    max_tokens = args.max_tokens if args.max_tokens is not None or args.batch_size is not None else 12000
+    with data_utils.numpy_seed(1):  # fairseq-generate's order: by length, ties shuffled with --seed 1
+        ordered = dataset.ordered_indices()
+    if max_tokens is not None and len(dataset):
+        longest = int(dataset.num_tokens_vec(ordered).max())
+        if longest > max_tokens:
+            raise ValueError(f"--max-tokens {max_tokens} is smaller than the longest sentence ({longest} tokens)")
+    batches = dataset.batch_by_size(ordered, max_tokens=max_tokens, max_sentences=args.batch_size,
+                                    required_batch_size_multiple=1)
+    settings = DecodingSettings(beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
+                                max_len_b=args.max_len_b, min_len=args.min_len)
+    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
+    eos = {tgt_dict.eos()}
+    lines, sentences, tokens, seconds = [], 0, 0, 0.0
+    for batch in batches:
+        items = [dataset[int(i)] for i in batch]
+        longest_source = max(len(item["source"]) for item in items)
+        start = time.perf_counter()
+        hypotheses = engine.translate([item["source"].tolist() for item in items], settings,
+                                      longest_source=longest_source)
+        seconds += time.perf_counter() - start
+        for item, hypothesis in zip(items, hypotheses):
+            sentence_id = int(item["id"])
+            # the strings fairseq-generate prints (fairseq_cli/generate.py), without --tokenizer/--bpe
+            src_str = src_dict.string(item["source"], args.post_process)
+            lines.append(f"S-{sentence_id}\t{src_str}")
+            if item.get("target") is not None:
+                target_str = tgt_dict.string(item["target"], args.post_process, escape_unk=True,
+                                             extra_symbols_to_ignore=eos)
+                lines.append(f"T-{sentence_id}\t{target_str}")
+            _, hypo_str, _ = utils.post_process_prediction(
+                hypo_tokens=torch.tensor(hypothesis.tokens, dtype=torch.int), src_str=src_str, alignment=None,
+                align_dict=None, tgt_dict=tgt_dict, remove_bpe=args.post_process, extra_symbols_to_ignore=eos)
+            score = hypothesis.score / math.log(2)  # base 2, as fairseq-generate prints scores
+            lines.append(f"H-{sentence_id}\t{score}\t{hypo_str}")
+            lines.append(f"D-{sentence_id}\t{score}\t{hypo_str}")
+            sentences += 1
+            tokens += len(hypothesis.tokens)
+    rate, token_rate = (sentences / seconds, tokens / seconds) if seconds > 0 else (0.0, 0.0)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    lines.append(f"{stamp} | INFO | fairseq_kd.cli.translate | Translated {sentences:,} sentences ({tokens:,} tokens) "
+                 f"in {seconds:.1f}s ({rate:.2f} sentences/s, {token_rate:.2f} tokens/s)")
+    quantization = engine.record.get("quantization", "unknown")
+    lines.append(f"Generate {args.gen_subset} with beam={args.beam}: CTranslate2 model {args.model} "
+                 f"({quantization}, compute type {args.compute_type}, {args.device}); score with fairseq-kd-score")
+    text = "\n".join(lines) + "\n"
+    if output_path is None:
+        sys.stdout.write(text)
+    else:
+        output_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = output_path.with_name(output_path.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, output_path)
+        print(f"Translated {sentences:,} sentences ({tokens:,} tokens) in {seconds:.1f}s ({rate:.2f} sentences/s, "
+              f"{token_rate:.2f} tokens/s): {output_path}", file=sys.stderr)
+    return {"sentences": sentences, "tokens": tokens, "seconds": seconds}
+
+
+if __name__ == "__main__":
+    cli_main()

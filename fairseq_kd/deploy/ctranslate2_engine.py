@@ -1,0 +1,126 @@
+"""Decoding fairseq-binarised data with a CTranslate2 model: token ids in, token ids out.
+
+One engine serves ``fairseq-kd-translate`` (a test set, output the scorer reads), sequence-level
+KD (``fairseq-kd-seqkd --engine ctranslate2``) and the deploy benchmark. It is given fairseq's own
+batches (sentences ordered by length, ``batch_by_size``) and applies fairseq-generate's decoding
+rules, so that a CTranslate2 model decodes what ``fairseq-generate`` would:
+
+* the source is the binarised ids without the final ``</s>``, which CTranslate2 appends
+  (``add_source_eos``, set by the export); decoding starts from ``</s>``;
+* the length limit is fairseq's: ``max_len_a * S + max_len_b`` tokens before ``</s>``, where ``S``
+  is the length of the batch's longest source (with its ``</s>``), capped by the model's target
+  positions minus one (``SequenceGenerator``); CTranslate2 gets that per batch as
+  ``max_decoding_length``, and a hypothesis cut there ends with ``</s>`` as fairseq forces it;
+* at least one token before ``</s>`` (fairseq's ``--min-len 1``: ``min_decoding_length``);
+* scores normalised by length to the power ``lenpen`` (CTranslate2's ``length_penalty``).
+
+What still differs by design: CTranslate2's beam search stops when its best ``beam`` hypotheses
+have finished, while fairseq's keeps ``beam`` finalised hypotheses from the ``2 * beam`` candidates
+of each step; on ties and near-ties the two may choose differently. Greedy decoding (beam 1) in
+float32 gives fairseq's tokens; beam search agrees on most sentences (the tests bound it).
+
+The hypotheses come back as target dictionary ids ending with ``</s>``, exactly what fairseq's
+generator hands ``fairseq-generate`` and ``fairseq-kd-seqkd``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from . import import_ctranslate2
+from .export_ctranslate2 import ctranslate2_vocabulary, dictionary_fits_vocabulary, read_record
+
+#: where CTranslate2 may run
+DEVICES = ("cpu", "cuda", "auto")
+#: CTranslate2's compute types (``default``: the type the model was saved in, or the nearest the
+#: device supports)
+COMPUTE_TYPES = ("default", "auto", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16",
+                 "float16", "bfloat16", "float32")
+
+
+class CTranslate2ModelError(ValueError):
+    """The CTranslate2 model folder cannot decode this data."""
+
+
+@dataclass(frozen=True)
+class DecodingSettings:
+    """fairseq-generate's search settings (same names, same defaults)."""
+
+    beam: int = 5
+    lenpen: float = 1.0
+    max_len_a: float = 0.0
+    max_len_b: int = 200
+    min_len: int = 1
+
+
+@dataclass
+class Hypothesis:
+    tokens: List[int]  # target dictionary ids, ending with </s>
+    score: float  # CTranslate2's length-normalised log-probability (natural log)
+
+
+class CTranslate2Engine:
+    """A CTranslate2 ``Translator`` over a model folder, bound to the data's dictionaries."""
+
+    def __init__(self, model_dir: str, source_dictionary, target_dictionary, device: str = "cpu",
+                 threads: int = 0, compute_type: str = "default", flag: str = "--model"):
+        ctranslate2 = import_ctranslate2()
+        folder = Path(model_dir)
+        if folder.is_file():
+            raise CTranslate2ModelError(f"{flag} {model_dir!r} is a file; give a CTranslate2 model folder "
+                                        "(fairseq-kd-export CKPT OUT --format ctranslate2)")
+        if not (folder / "model.bin").is_file():
+            raise CTranslate2ModelError(f"{flag} {model_dir!r}: no CTranslate2 model there (no model.bin); "
+                                        "make one with fairseq-kd-export CKPT OUT --format ctranslate2")
+        if device not in DEVICES:
+            raise CTranslate2ModelError(f"--device {device!r}: choose one of {', '.join(DEVICES)}")
+        if compute_type not in COMPUTE_TYPES:
+            raise CTranslate2ModelError(f"--compute-type {compute_type!r}: choose one of {', '.join(COMPUTE_TYPES)}")
+        if threads < 0:
+            raise CTranslate2ModelError(f"--threads must be >= 0 (0: CTranslate2's default), got {threads}")
+        for side, dictionary in (("source", source_dictionary), ("target", target_dictionary)):
+            fits, why = dictionary_fits_vocabulary(dictionary, model_dir, side)
+            if not fits:
+                raise CTranslate2ModelError(f"{flag} {model_dir}: {why}; decode data binarised with the model's "
+                                            "dictionaries")
+        self.record = read_record(model_dir) or {}
+        self.source_symbols = ctranslate2_vocabulary(source_dictionary)
+        self.target_index = {symbol: i for i, symbol in enumerate(ctranslate2_vocabulary(target_dictionary))}
+        self.source_eos = source_dictionary.eos()
+        self.target_eos = target_dictionary.eos()
+        self.max_target_positions = self.record.get("max_target_positions")
+        self.translator = ctranslate2.Translator(str(folder), device=device, compute_type=compute_type,
+                                                 intra_threads=threads, inter_threads=1)
+
+    def max_length(self, longest_source: int, settings: DecodingSettings) -> int:
+        """fairseq's ``SequenceGenerator`` limit for a batch whose longest source (with ``</s>``)
+        has ``longest_source`` tokens."""
+        limit = int(settings.max_len_a * longest_source + settings.max_len_b)
+        if self.max_target_positions:
+            limit = min(limit, int(self.max_target_positions) - 1)
+        return limit
+
+    def source_tokens(self, ids: Sequence[int]) -> List[str]:
+        ids = list(ids)
+        if ids and ids[-1] == self.source_eos:
+            ids = ids[:-1]  # CTranslate2 appends </s> itself (add_source_eos)
+        return [self.source_symbols[i] for i in ids]
+
+    def translate(self, sources: Sequence[Sequence[int]], settings: DecodingSettings,
+                  longest_source: Optional[int] = None) -> List[Hypothesis]:
+        """Decode one fairseq batch of source id sequences (each ending with ``</s>``)."""
+        if not sources:
+            return []
+        longest = longest_source if longest_source is not None else max(len(s) for s in sources)
+        limit = self.max_length(longest, settings)
+        results = self.translator.translate_batch(
+            [self.source_tokens(s) for s in sources], beam_size=settings.beam, length_penalty=settings.lenpen,
+            max_decoding_length=limit, min_decoding_length=settings.min_len, return_scores=True,
+            max_batch_size=0)
+        hypotheses = []
+        for result in results:
+            words = result.hypotheses[0]
+            ids = [self.target_index[word] for word in words if word != "</s>"][:limit]
+            hypotheses.append(Hypothesis(ids + [self.target_eos], float(result.scores[0])))
+        return hypotheses

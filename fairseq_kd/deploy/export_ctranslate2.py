@@ -1,0 +1,337 @@
+"""Export a fairseq Transformer translation checkpoint as a CTranslate2 model folder.
+
+    fairseq-kd-export CKPT OUT --format ctranslate2 --quantization int8
+
+CTranslate2 (Klein et al., 2020, OpenNMT's inference engine) runs Transformer translation models
+with layer fusion, padding removal and int8/int16/float16 weights; it is what distillation
+pipelines that ship small students (Bergamot / mozilla-translations, OPUS-MT) deploy with.
+
+CTranslate2's own ``ct2-fairseq-converter`` unpickles the checkpoint's config as fairseq's
+``argparse.Namespace`` and so cannot read a plain export (``fairseq-kd-export``'s config is plain
+containers, loadable with ``weights_only=True``). This module does the conversion in-process
+through CTranslate2's converter API instead:
+
+1. the checkpoint is read with ``weights_only=True`` (:mod:`fairseq_kd.checkpoint_safety`; nothing
+   is ever unpickled beyond the allow-list), its model built by fairseq with the plugin's
+   architectures registered, and the data's dictionaries checked against it;
+2. everything CTranslate2's ``TransformerSpec`` cannot express is refused in one line naming what
+   differs (:func:`unsupported_features`), before any file is written;
+3. the spec is filled by CTranslate2's own fairseq layer mapping (``set_transformer_encoder`` /
+   ``set_transformer_decoder``), with fairseq's decoding conventions: the source ends with
+   ``</s>`` (``add_source_eos``) and the decoder starts from ``</s>`` (fairseq's BOS for
+   translation);
+4. the folder is written under a temporary name and renamed, so an interrupted export leaves no
+   half-written model, and nothing a user had is replaced without ``--overwrite``.
+
+Beside CTranslate2's files the folder holds ``fairseq_kd_export.json`` (:data:`RECORD_NAME`): the
+source checkpoint's SHA-256, the quantisation, the languages and the SHA-256 of both dictionaries,
+which decoding (:mod:`.ctranslate2_engine`) checks against the data it is given.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import import_ctranslate2
+
+#: CTranslate2's weight types (``ct2-*-converter --quantization``); the *_float16/bfloat16 ones
+#: compute in that type on a GPU and fall back to what the CPU supports.
+QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16",
+                 "float32")
+RECORD_NAME = "fairseq_kd_export.json"
+RECORD_FORMAT = "fairseq-kd-ctranslate2/1"
+
+#: fairseq's --activation-fn values and CTranslate2's equivalents (by name: ``common_spec.Activation``)
+_ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "gelu_fast": "GELUTanh", "gelu_accurate": "GELUTanh",
+                "swish": "SWISH"}
+
+
+class CTranslate2ExportError(ValueError):
+    """The checkpoint, the data or the output folder cannot give a CTranslate2 model."""
+
+
+@dataclass
+class LoadedTransformer:
+    """A checkpoint's model, built by fairseq, with the dictionaries it was checked against."""
+
+    model: torch.nn.Module
+    source_dictionary: object
+    target_dictionary: object
+    source_lang: str
+    target_lang: str
+    data: str
+    activation_fn: str
+    num_updates: int
+
+
+def load_transformer(checkpoint: str, data: Optional[str] = None) -> LoadedTransformer:
+    """Read ``checkpoint`` (weights only) and build its Transformer on the dictionaries of
+    ``data`` (default: the data folder the checkpoint records), checking that they fit it."""
+    import fairseq_kd
+
+    fairseq_kd.register()  # the checkpoint may name one of the plugin's architectures
+    from fairseq import models
+    from fairseq.data import Dictionary
+    from fairseq.data.data_utils import infer_language_pair
+    from fairseq.models.transformer import TransformerModelBase
+
+    from ..checkpoint_safety import load_fairseq_checkpoint
+    from ..tasks.translation_kd import dictionary_sha256
+
+    if os.path.isdir(checkpoint):
+        raise CTranslate2ExportError(f"checkpoint {checkpoint!r} is a folder; give the checkpoint file "
+                                     "(e.g. checkpoints/student/checkpoint_best.pt)")
+    if not os.path.isfile(checkpoint):
+        raise CTranslate2ExportError(f"checkpoint {checkpoint!r}: no such file")
+    state = load_fairseq_checkpoint(checkpoint)  # weights_only=True, explicitly
+    cfg = state.get("cfg")
+    if cfg is None or "model" not in state:
+        raise CTranslate2ExportError(f"{checkpoint!r} is not a fairseq training checkpoint (no cfg/model)")
+    arch = getattr(cfg.model, "_name", None) or getattr(cfg.model, "arch", None)
+    model_class = models.ARCH_MODEL_REGISTRY.get(arch) or models.MODEL_REGISTRY.get(arch)
+    if model_class is None or not issubclass(model_class, TransformerModelBase):
+        raise CTranslate2ExportError(f"{checkpoint!r} holds a {arch!r} model; only fairseq's encoder-decoder "
+                                     "Transformers can be exported to CTranslate2")
+
+    task_cfg = cfg.get("task") or {}
+    recorded = task_cfg.get("data")
+    folder = data or (str(recorded).split(os.pathsep)[0] if recorded else None)
+    flag = "--data" if data else f"the data folder the checkpoint records ({folder!r}; pass --data DIR)"
+    if not folder or not os.path.isdir(folder):
+        if data and os.path.isfile(data):
+            raise CTranslate2ExportError(f"--data {data!r} is a file; give the binarised data folder holding "
+                                         "dict.SRC.txt and dict.TGT.txt (fairseq-preprocess --destdir)")
+        raise CTranslate2ExportError(
+            f"{flag if data else 'the checkpoint'}: no data folder {folder!r} on this machine; pass --data DIR, "
+            "the folder holding the dictionaries the model was trained with (dict.SRC.txt, dict.TGT.txt)")
+    src, tgt = task_cfg.get("source_lang"), task_cfg.get("target_lang")
+    if not src or not tgt:
+        src, tgt = infer_language_pair(folder)
+    if not src or not tgt:
+        raise CTranslate2ExportError(f"{flag}: cannot tell the language pair (the checkpoint records none and "
+                                     f"{folder} has no <split>.<src>-<tgt>.* files)")
+    dictionaries = []
+    for lang in (src, tgt):
+        path = Path(folder) / f"dict.{lang}.txt"
+        if not path.is_file():
+            raise CTranslate2ExportError(f"{flag}: no dict.{lang}.txt in {folder}")
+        dictionaries.append(Dictionary.load(str(path)))
+    for side, prefix, dictionary in (("source", "encoder", dictionaries[0]), ("target", "decoder", dictionaries[1])):
+        weight = state["model"].get(f"{prefix}.embed_tokens.weight")
+        if weight is not None and weight.size(0) != len(dictionary):
+            raise CTranslate2ExportError(
+                f"{flag}: its {side} dictionary has {len(dictionary)} symbols but the model's {side} embedding "
+                f"{weight.size(0)}; give the data folder the model was trained on")
+    binding = ((state.get("extra_state") or {}).get("TranslationKDTask") or {}).get("binding") or {}
+    for side, dictionary in (("source", dictionaries[0]), ("target", dictionaries[1])):
+        recorded_hash = binding.get(f"{side}_dictionary_sha256")
+        if recorded_hash and recorded_hash != dictionary_sha256(dictionary):
+            raise CTranslate2ExportError(
+                f"{flag}: its {side} dictionary differs from the one the checkpoint was trained with "
+                f"(sha256 {dictionary_sha256(dictionary)[:12]} vs {recorded_hash[:12]} recorded)")
+
+    class _Dictionaries:  # what build_model reads of a translation task
+        source_dictionary, target_dictionary = dictionaries
+
+    model = models.build_model(cfg.model, _Dictionaries(), from_checkpoint=True)
+    try:
+        model.load_state_dict(state["model"], strict=True, model_cfg=cfg.model)
+    except RuntimeError as err:
+        raise CTranslate2ExportError(f"{checkpoint!r}: weights do not fit its own config: {err}") from err
+    model.eval()
+    history = state.get("optimizer_history") or [{}]
+    return LoadedTransformer(model, dictionaries[0], dictionaries[1], src, tgt, str(Path(folder).resolve()),
+                             str(getattr(cfg.model, "activation_fn", None) or "relu"),
+                             int(history[-1].get("num_updates", 0) or 0))
+
+
+def unsupported_features(loaded: LoadedTransformer) -> List[str]:
+    """What this model has that CTranslate2's ``TransformerSpec`` cannot express (empty: exportable)."""
+    model = loaded.model
+    encoder, decoder = model.encoder, model.decoder
+    found = []
+    if loaded.activation_fn not in _ACTIVATIONS:
+        found.append(f"--activation-fn {loaded.activation_fn} (CTranslate2: {', '.join(_ACTIVATIONS)})")
+    heads = {layer.self_attn.num_heads for layer in encoder.layers} | {
+        attention.num_heads for layer in decoder.layers for attention in (layer.self_attn, layer.encoder_attn)}
+    if len(heads) > 1:
+        found.append(f"attention heads differ between layers or between encoder and decoder ({sorted(heads)}); "
+                     "CTranslate2 has one head count")
+    pre_norm = {layer.normalize_before for layer in list(encoder.layers) + list(decoder.layers)}
+    if len(pre_norm) > 1:
+        found.append("--encoder-normalize-before and --decoder-normalize-before differ")
+    elif pre_norm == {True} and (encoder.layer_norm is None or decoder.layer_norm is None):
+        found.append("a pre-norm model without a final layer norm (--no-decoder-final-norm)")
+    if (getattr(encoder, "layernorm_embedding", None) is None) != (getattr(decoder, "layernorm_embedding", None) is None):
+        found.append("--layernorm-embedding on one side only")
+    if encoder.embed_positions is None or decoder.embed_positions is None:
+        found.append("--no-token-positional-embeddings")
+    if getattr(decoder, "adaptive_softmax", None) is not None:
+        found.append("an adaptive softmax (--adaptive-softmax-cutoff)")
+    if getattr(decoder, "project_in_dim", None) is not None or getattr(decoder, "project_out_dim", None) is not None:
+        found.append("decoder input/output dimensions other than its embedding dimension")
+    if getattr(decoder, "cross_self_attention", False):
+        found.append("--cross-self-attention")
+    if encoder.embed_tokens.embedding_dim != decoder.embed_tokens.embedding_dim:
+        found.append(f"encoder width {encoder.embed_tokens.embedding_dim} differs from decoder width "
+                     f"{decoder.embed_tokens.embedding_dim}")
+    normformer = sorted({name for layer in list(encoder.layers) + list(decoder.layers)
+                         for name in ("attn_ln", "ffn_layernorm", "c_attn", "w_resid")
+                         if getattr(layer, name, None) is not None})
+    if normformer:
+        found.append(f"NormFormer layers ({', '.join(normformer)}: --scale-attn/--scale-fc/--scale-heads/"
+                     "--scale-resids)")
+    for side, dictionary in (("source", loaded.source_dictionary), ("target", loaded.target_dictionary)):
+        if len(set(dictionary.symbols)) != len(dictionary.symbols):
+            found.append(f"the {side} dictionary repeats a symbol")
+        if (dictionary.unk_word, dictionary.bos_word, dictionary.eos_word) != ("<unk>", "<s>", "</s>"):
+            found.append(f"the {side} dictionary's special symbols are not <unk>, <s>, </s>")
+    return found
+
+
+def ctranslate2_vocabulary(dictionary) -> List[str]:
+    """A fairseq dictionary as CTranslate2's vocabulary, index for index (``<pad>`` is CTranslate2's
+    ``<blank>``), as CTranslate2's fairseq converter registers it."""
+    return ["<blank>" if symbol == "<pad>" else symbol for symbol in dictionary.symbols]
+
+
+def build_spec(loaded: LoadedTransformer):
+    """CTranslate2's ``TransformerSpec`` for ``loaded`` (call :func:`unsupported_features` first)."""
+    import_ctranslate2()
+    from ctranslate2.converters import fairseq as ct2_fairseq
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    model = loaded.model
+    encoder, decoder = model.encoder, model.decoder
+    spec = transformer_spec.TransformerSpec.from_config(
+        (len(encoder.layers), len(decoder.layers)),
+        encoder.layers[0].self_attn.num_heads,
+        pre_norm=bool(encoder.layers[0].normalize_before),
+        activation=getattr(common_spec.Activation, _ACTIVATIONS[loaded.activation_fn]),
+        layernorm_embedding=getattr(encoder, "layernorm_embedding", None) is not None,
+    )
+    with torch.no_grad():
+        ct2_fairseq.set_transformer_encoder(spec.encoder, encoder)
+        ct2_fairseq.set_transformer_decoder(spec.decoder, decoder)
+    spec.register_source_vocabulary(ctranslate2_vocabulary(loaded.source_dictionary))
+    spec.register_target_vocabulary(ctranslate2_vocabulary(loaded.target_dictionary))
+    # fairseq's translation conventions: every source ends with </s>, decoding starts from </s>
+    spec.config.decoder_start_token = spec.config.eos_token
+    spec.config.add_source_eos = True
+    return spec
+
+
+def _check_output(checkpoint: str, output: str, overwrite: bool) -> Path:
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise CTranslate2ExportError(f"output {output!r} is a file; a CTranslate2 model is a folder: give a "
+                                     "new folder path")
+    if out.resolve() == Path(checkpoint).resolve().parent or Path(checkpoint).resolve().is_relative_to(out.resolve()):
+        raise CTranslate2ExportError(f"output {output!r} holds the input checkpoint; choose another folder "
+                                     "(the export never replaces its input)")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise CTranslate2ExportError(f"output {output!r} already exists and is not empty; choose another folder "
+                                     "or pass --overwrite")
+    if out.is_dir() and any(out.iterdir()) and not (out / "model.bin").is_file():
+        raise CTranslate2ExportError(f"output {output!r} holds files that are not a CTranslate2 model; "
+                                     "--overwrite replaces only a model folder: choose another folder")
+    return out
+
+
+def export_ctranslate2(checkpoint: str, output: str, quantization: str = "int8", data: Optional[str] = None,
+                       overwrite: bool = False) -> dict:
+    """Write the CTranslate2 model folder ``output`` from ``checkpoint``; return a summary."""
+    from ..data.fingerprint import fingerprint
+    from ..models.export import count_parameters
+    from ..tasks.translation_kd import dictionary_sha256
+
+    if quantization not in QUANTIZATIONS:
+        raise CTranslate2ExportError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+    ct2 = import_ctranslate2()  # before any work: a missing extra is one line naming the fix
+    out = _check_output(checkpoint, output, overwrite)
+    loaded = load_transformer(checkpoint, data)
+    missing = unsupported_features(loaded)
+    if missing:
+        raise CTranslate2ExportError(f"{checkpoint!r} cannot be expressed in CTranslate2: {'; '.join(missing)}")
+    spec = build_spec(loaded)
+
+    class _BuiltSpec(ct2.converters.Converter):
+        """CTranslate2's converter API over a spec built in this process (quantisation, checks, save)."""
+
+        def _load(self):
+            return spec
+
+    staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
+    try:
+        _BuiltSpec().convert(str(staging), quantization=None if quantization == "float32" else quantization,
+                             force=True)
+        record = {
+            "format": RECORD_FORMAT,
+            "checkpoint": str(Path(checkpoint).resolve()),
+            "checkpoint_sha256": fingerprint(Path(checkpoint))["sha256"],
+            "num_updates": loaded.num_updates,
+            "quantization": quantization,
+            "source_lang": loaded.source_lang,
+            "target_lang": loaded.target_lang,
+            "source_dictionary_sha256": dictionary_sha256(loaded.source_dictionary),
+            "target_dictionary_sha256": dictionary_sha256(loaded.target_dictionary),
+            "data": loaded.data,
+            "encoder_layers": len(loaded.model.encoder.layers),
+            "decoder_layers": len(loaded.model.decoder.layers),
+            "parameters": count_parameters(loaded.model.state_dict()),
+            "max_source_positions": int(loaded.model.max_positions()[0]),
+            "max_target_positions": int(loaded.model.max_positions()[1]),
+            "ctranslate2_version": ct2.__version__,
+        }
+        (staging / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
+        if out.exists():  # --overwrite of a model folder (checked above): swap, then delete the old one
+            retired = out.parent / f".{out.name}.replaced-{uuid.uuid4().hex[:8]}"
+            os.replace(out, retired)
+            os.replace(staging, out)
+            shutil.rmtree(retired)
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    return {"output": str(out), "format": "ctranslate2", "quantization": quantization, "bytes": size,
+            **{k: record[k] for k in ("parameters", "num_updates", "encoder_layers", "decoder_layers",
+                                      "source_lang", "target_lang")}}
+
+
+def read_record(model_dir: str) -> Optional[dict]:
+    """The export record of a CTranslate2 folder written by :func:`export_ctranslate2` (None for a
+    folder converted by other tools)."""
+    path = Path(model_dir) / RECORD_NAME
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def dictionary_fits_vocabulary(dictionary, model_dir: str, side: str) -> Tuple[bool, str]:
+    """Whether a fairseq dictionary is, index for index, the model folder's ``side`` vocabulary
+    (``source``/``target``), read from CTranslate2's vocabulary files; and a reason if not."""
+    folder = Path(model_dir)
+    for name in (f"{side}_vocabulary.json", "shared_vocabulary.json", f"{side}_vocabulary.txt",
+                 "shared_vocabulary.txt"):
+        path = folder / name
+        if path.is_file():
+            if path.suffix == ".json":
+                vocabulary = json.loads(path.read_text())
+            else:
+                vocabulary = path.read_text(encoding="utf-8").split("\n")[:-1]
+            expected = ctranslate2_vocabulary(dictionary)
+            if vocabulary == expected:
+                return True, ""
+            first = next((i for i, (a, b) in enumerate(zip(vocabulary, expected)) if a != b),
+                         min(len(vocabulary), len(expected)))
+            return False, (f"the model's {side} vocabulary ({path.name}, {len(vocabulary)} tokens) differs from the "
+                           f"data's {side} dictionary ({len(expected)} symbols; first difference at index {first})")
+    return False, f"{model_dir} has no {side} vocabulary file; is it a CTranslate2 translation model?"
