@@ -127,6 +127,16 @@ def test_export(gadget, tmp_path):
     assert not (tmp_path / "out.pt").exists()
 
 
+def test_ctranslate2_export(gadget, tiny_data_bin, tmp_path):
+    pytest.importorskip("ctranslate2")
+    evil, marker = gadget
+    proc = _run([BIN / "fairseq-kd-export", evil, tmp_path / "out", "--format", "ctranslate2",
+                 "--data", tiny_data_bin])
+    _refused(proc, marker, "error:")
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_seqkd(gadget, tiny_data_bin, tmp_path):
     evil, marker = gadget
     proc = _run([BIN / "fairseq-kd-seqkd", "--data", tiny_data_bin, "--teacher-checkpoint", evil,

@@ -3,12 +3,21 @@
 Usage::
 
     fairseq-kd-seqkd --data data-bin/iwslt14.de-en --teacher-checkpoint checkpoints/teacher/checkpoint_best.pt \\
-        --output data-bin/iwslt14.de-en.seqkd [--beam 5] [--max-tokens 4096] [--shard-size 10000]
+        --output data-bin/iwslt14.de-en.seqkd [--beam 5] [--max-tokens 4096] [--shard-size 10000] \\
+        [--engine ctranslate2 [--ct2-quantization float32] [--threads 0]]
 
 (or ``python -m fairseq_kd.cli.seqkd_decode``). The output folder is a binarised dataset for
 ``fairseq-train`` (any criterion): the teacher's beam-search outputs as training targets, the
 original valid/test splits and dictionaries. An interrupted run resumes from its finished shards
-when re-run with the same flags; a finished one is a no-op. See ``fairseq_kd/data/seqkd.py``.
+when re-run with the same flags; a finished one is a no-op.
+
+``--engine ctranslate2`` decodes with CTranslate2 instead of fairseq's ``SequenceGenerator`` (the
+``deploy`` extra): the teacher is converted once per run into ``OUTPUT/seqkd_work/`` with
+``--ct2-quantization`` weights (float32 by default, which gives fairseq's tokens with beam 1 and on
+most sentences with beam 5; float16 or int8_float16 on CUDA instead of ``--fp16``), decoded with
+``--threads`` intra-op threads, on CUDA when available and not ``--cpu``. Same batches, length
+limits, shards and output; the engine is part of what a resumed run must repeat. See
+``fairseq_kd/data/seqkd.py``.
 """
 from __future__ import annotations
 
@@ -36,12 +45,16 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
     from fairseq_kd.checkpoint_safety import UnsafeCheckpointError
+    from fairseq_kd.deploy import CTranslate2MissingError
+    from fairseq_kd.deploy.ctranslate2_engine import CTranslate2ModelError
+    from fairseq_kd.deploy.export_ctranslate2 import CTranslate2ExportError
     from fairseq_kd.models.teacher import TeacherCheckpointError
 
     config = seqkd.SeqKDConfig(**vars(args))
     try:
         result = seqkd.run(config, log=lambda line: print(line, flush=True))
-    except (seqkd.SeqKDError, TeacherCheckpointError, UnsafeCheckpointError) as error:
+    except (seqkd.SeqKDError, TeacherCheckpointError, UnsafeCheckpointError, CTranslate2MissingError,
+            CTranslate2ExportError, CTranslate2ModelError) as error:
         parser.error(str(error))
     if result.status == "partial":
         print(f"stopped after --max-shards: {result.shards_done}/{result.shards_total} shards done; "

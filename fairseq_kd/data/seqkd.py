@@ -38,8 +38,26 @@ then ``status``, counts, paths and, once complete, the output files' sizes. A ma
 (no ``format``; SHA-256 digests in ``parameters``, written before fingerprints) is checked the old
 way once and rewritten in format 2, so work it records is not redone.
 
+Engines (``engine``). ``fairseq`` (the default) decodes with fairseq's ``SequenceGenerator`` as
+above. ``ctranslate2`` converts the teacher once per run into a CTranslate2 model folder,
+``<output>/seqkd_work/ctranslate2_teacher/`` (:func:`fairseq_kd.deploy.export_ctranslate2`, weights
+``ct2_quantization``; a resumed run reuses it when its record names the same checkpoint SHA-256 and
+quantisation, and converts anew otherwise), and decodes the same fairseq batches with it
+(:class:`fairseq_kd.deploy.ctranslate2_engine.CTranslate2Engine`: same beam, length penalty and
+per-batch length limit, ``threads`` intra-op threads, CUDA when available and not ``cpu``). Shards,
+binaries and manifest are the same. In float32 its hypotheses are fairseq's token for token with
+beam 1; with a larger beam most sentences agree, the rest differ on near-ties and on hypotheses cut
+by the length limit (fairseq lets a forced ``</s>`` at the limit compete in the beam; CTranslate2
+stops). The engine and, for ``ctranslate2``, the quantisation are part of the identity; a manifest
+written before engines existed has none and counts as ``fairseq``. ``fp16`` is fairseq's only: use
+``ct2_quantization`` ``float16`` or ``int8_float16`` on CUDA. The complete manifest's ``decoding``
+section records the engine, the quantisation and CTranslate2's version. CTranslate2 is the
+``deploy`` extra; without it ``--engine ctranslate2`` is refused before decoding, naming the fix.
+
 Every check (flags, data folder and split, dictionaries, output folder, teacher checkpoint and its
-dictionaries, source lengths) happens before decoding starts.
+dictionaries, source lengths, CTranslate2's presence) happens before decoding starts; the
+CTranslate2 conversion's own refusals (a teacher it cannot express) leave a fresh output folder as
+it was.
 """
 from __future__ import annotations
 
@@ -57,6 +75,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import torch
 
+from ..deploy.export_ctranslate2 import QUANTIZATIONS
 from ..progress import print_above_bars, progress_bar
 from .fingerprint import content, fingerprint, fingerprint_files, read_json, write_json
 
@@ -65,6 +84,13 @@ WORK_DIR_NAME = "seqkd_work"
 FORMAT_VERSION = 2  # seqkd.json's "format"; a manifest without one is format 1 (_legacy_parameters)
 #: seed of the tie-breaking shuffle in ``ordered_indices`` (fairseq-generate's default --seed)
 ORDER_SEED = 1
+#: decoding engines (``--engine``)
+ENGINES = ("fairseq", "ctranslate2")
+#: the CTranslate2 teacher's folder inside the work folder
+CT2_TEACHER_DIR = "ctranslate2_teacher"
+#: identity parameters a manifest may lack because it was written before they existed, and the value
+#: such a manifest was made with
+PARAMETER_DEFAULTS = {"engine": "fairseq"}
 
 
 class SeqKDError(ValueError):
@@ -119,6 +145,14 @@ class SeqKDConfig:
     max_shards: Optional[int] = field(default=None, metadata=_help(
         "decode at most this many not-yet-written shards, then stop without binarising (re-run to "
         "continue); splits a long job across sessions (default: all)"))
+    engine: str = field(default="fairseq", metadata=_help(
+        "decoding engine: fairseq (SequenceGenerator) or ctranslate2 (the teacher converted to CTranslate2 "
+        "once per run; needs the deploy extra)", metavar="{fairseq,ctranslate2}"))
+    ct2_quantization: str = field(default="float32", metadata=_help(
+        f"with --engine ctranslate2: weight type of the converted teacher, one of {', '.join(QUANTIZATIONS)} "
+        "(float32 gives fairseq's tokens most closely)", metavar="TYPE"))
+    threads: int = field(default=0, metadata=_help(
+        "with --engine ctranslate2: CTranslate2 intra-op threads (0: its default)"))
 
 
 @dataclass
@@ -218,6 +252,16 @@ class _Plan:
 
 
 def _check_flags(config: SeqKDConfig) -> None:
+    if config.engine not in ENGINES:
+        raise SeqKDError(f"--engine {config.engine!r}: choose one of {', '.join(ENGINES)}")
+    if config.ct2_quantization not in QUANTIZATIONS:
+        raise SeqKDError(f"--ct2-quantization {config.ct2_quantization!r}: choose one of "
+                         f"{', '.join(QUANTIZATIONS)}")
+    if config.threads < 0:
+        raise SeqKDError(f"--threads must be >= 0 (0: CTranslate2's default), got {config.threads}")
+    if config.fp16 and config.engine == "ctranslate2":
+        raise SeqKDError("--fp16 is for --engine fairseq; with --engine ctranslate2 use --ct2-quantization "
+                         "float16 or int8_float16 on CUDA")
     if config.beam < 1:
         raise SeqKDError(f"--beam must be >= 1, got {config.beam}")
     if config.shard_size < 1:
@@ -295,7 +339,10 @@ def plan(config: SeqKDConfig) -> _Plan:
         "lenpen": config.lenpen,
         "fp16": config.fp16,
         "shard_size": config.shard_size,
+        "engine": config.engine,
     }
+    if config.engine == "ctranslate2":
+        parameters["ct2_quantization"] = config.ct2_quantization
     inputs = {
         "split_files": fingerprint_files(split_files, recorded.get("split_files")),
         "dictionaries": fingerprint_files(dictionaries, recorded.get("dictionaries")),
@@ -308,8 +355,10 @@ def plan(config: SeqKDConfig) -> _Plan:
 
 
 def _identity(record: dict) -> dict:
-    """The settings and the inputs' contents of a format-2 record (not the files' times)."""
-    return {**record.get("parameters", {}), **{name: content(fp) for name, fp in record.get("inputs", {}).items()}}
+    """The settings and the inputs' contents of a format-2 record (not the files' times); a
+    parameter the record predates counts with its :data:`PARAMETER_DEFAULTS` value."""
+    return {**PARAMETER_DEFAULTS, **record.get("parameters", {}),
+            **{name: content(fp) for name, fp in record.get("inputs", {}).items()}}
 
 
 def _legacy_parameters(parameters: dict, split_files: List[Path], dictionaries: List[Path], teacher: Path) -> dict:
@@ -333,7 +382,7 @@ def _check_output_folder(plan_: _Plan, manifest: Optional[dict],
     if manifest is None:
         old = new = {}
     elif "format" not in manifest:  # format 1
-        old, new = manifest.get("parameters", {}), legacy_parameters()
+        old, new = {**PARAMETER_DEFAULTS, **manifest.get("parameters", {})}, legacy_parameters()
     elif manifest["format"] == FORMAT_VERSION:
         old, new = _identity(manifest), _identity(plan_.record)
     else:
@@ -398,10 +447,81 @@ def _load(plan_: _Plan):
         raise SeqKDError(too_small)
     use_cuda = torch.cuda.is_available() and not plan_.config.cpu
     device = torch.device("cuda" if use_cuda else "cpu")
+    if plan_.config.engine == "ctranslate2":
+        from ..deploy import import_ctranslate2
+
+        ctranslate2 = import_ctranslate2()  # a missing extra: one line naming the fix, before any work
+        if use_cuda and ctranslate2.get_cuda_device_count() == 0:
+            raise SeqKDError("--engine ctranslate2: this CTranslate2 build sees no CUDA device; pass --cpu "
+                             "or install a CUDA build of CTranslate2")
+        return task, dataset, teacher.model, device  # the torch model stays on the CPU, unused
     model = teacher.model.to(device)
     if plan_.config.fp16:
         model = model.half()
     return task, dataset, model, device
+
+
+def _ctranslate2_teacher(plan_: _Plan) -> Path:
+    """The teacher as a CTranslate2 model folder in the work folder: the one a previous run of
+    this output converted when its record names the same checkpoint content and quantisation, else
+    converted now (:func:`fairseq_kd.deploy.export_ctranslate2`, which checks the dictionaries of
+    ``--data`` against the checkpoint and refuses what CTranslate2 cannot express)."""
+    from ..deploy.export_ctranslate2 import export_ctranslate2, read_record
+
+    folder = plan_.work / CT2_TEACHER_DIR
+    for stale in itertools.chain(plan_.work.glob(f".{CT2_TEACHER_DIR}.export-*"),
+                                 plan_.work.glob(f".{CT2_TEACHER_DIR}.replaced-*")):
+        shutil.rmtree(stale, ignore_errors=True)  # left by a run killed while converting
+    if folder.exists():
+        record = read_record(str(folder)) if (folder / "model.bin").is_file() else None
+        if (record and record.get("checkpoint_sha256") == plan_.inputs["teacher"]["sha256"]
+                and record.get("quantization") == plan_.config.ct2_quantization):
+            return folder
+        shutil.rmtree(folder)
+    export_ctranslate2(plan_.config.teacher_checkpoint, str(folder), quantization=plan_.config.ct2_quantization,
+                       data=str(plan_.data))
+    return folder
+
+
+#: one decoding batch (a collated fairseq sample) -> the best hypothesis of each sentence, in the
+#: order of ``sample["id"]``, as int32 target ids ending with ``</s>``
+Decoder = Callable[[dict], List[torch.Tensor]]
+
+
+def make_decoder(plan_: _Plan, task, dataset, model, device, ct2_model: Optional[Path] = None) -> Decoder:
+    """The engine's batch decoder: fairseq's ``SequenceGenerator`` over ``model``, or CTranslate2
+    over the converted teacher folder ``ct2_model``, with the same search settings."""
+    config = plan_.config
+    if config.engine == "ctranslate2":
+        from ..deploy.ctranslate2_engine import CTranslate2Engine, DecodingSettings
+
+        engine = CTranslate2Engine(str(ct2_model), task.source_dictionary, task.target_dictionary,
+                                   device=device.type, threads=config.threads)
+        settings = DecodingSettings(beam=config.beam, lenpen=config.lenpen, max_len_a=config.max_len_a,
+                                    max_len_b=config.max_len_b)
+
+        def decode_ctranslate2(sample: dict) -> List[torch.Tensor]:
+            sources = [dataset[int(i)]["source"].tolist() for i in sample["id"].tolist()]
+            # fairseq's length limit comes from the padded batch's source length
+            longest = sample["net_input"]["src_tokens"].size(1)
+            hypotheses = engine.translate(sources, settings, longest_source=longest)
+            return [torch.tensor(h.tokens, dtype=torch.int32) for h in hypotheses]
+
+        return decode_ctranslate2
+
+    from fairseq import utils
+    from fairseq.dataclass.configs import GenerationConfig
+
+    generator = task.build_generator([model], GenerationConfig(
+        beam=config.beam, nbest=1, max_len_a=config.max_len_a, max_len_b=config.max_len_b,
+        lenpen=config.lenpen))
+
+    def decode_fairseq(sample: dict) -> List[torch.Tensor]:
+        sample = utils.move_to_cuda(sample, device=device) if device.type == "cuda" else sample
+        outputs = task.inference_step(generator, [model], sample)
+        return [nbest[0]["tokens"].int().cpu() for nbest in outputs]
+
+    return decode_fairseq
 
 
 def length_ordered_indices(dataset):
@@ -439,22 +559,22 @@ def _shard_sentences(index: int, shard_size: int, sentences: int) -> int:
     return min(sentences, (index + 1) * shard_size) - index * shard_size
 
 
-def _decode_shard(plan_: _Plan, task, dataset, generator, model, device, ordered, index: int,
+def _decode_shard(plan_: _Plan, dataset, decode: Decoder, ordered, index: int,
                   on_batch: Callable[[int], None] = lambda sentences: None) -> int:
-    """Decode sentences ``[index * shard_size, (index + 1) * shard_size)`` and write the shard;
-    ``on_batch(n)`` after each batch of ``n`` sentences (the progress bar)."""
-    from fairseq import utils
-
+    """Decode sentences ``[index * shard_size, (index + 1) * shard_size)`` with ``decode``
+    (:func:`make_decoder`) and write the shard; ``on_batch(n)`` after each batch of ``n`` sentences
+    (the progress bar)."""
     first = index * plan_.config.shard_size
     last = min(len(dataset), first + plan_.config.shard_size)
     batches = shard_batches(dataset, ordered, first, last, plan_.config.max_tokens, plan_.config.batch_size)
     hypotheses: Dict[int, torch.Tensor] = {}
     for batch in batches:
         sample = dataset.collater([dataset[int(i)] for i in batch])
-        sample = utils.move_to_cuda(sample, device=device) if device.type == "cuda" else sample
-        outputs = task.inference_step(generator, [model], sample)
-        for sentence_id, nbest in zip(sample["id"].tolist(), outputs):
-            hypotheses[sentence_id] = nbest[0]["tokens"].int().cpu()
+        sentence_ids = sample["id"].tolist()
+        tokens = decode(sample)
+        if len(tokens) != len(sentence_ids):
+            raise RuntimeError(f"shard {index}: {len(tokens)} hypotheses for a batch of {len(sentence_ids)}")
+        hypotheses.update(zip(sentence_ids, tokens))
         on_batch(len(batch))
     ids = list(range(first, last))
     if sorted(hypotheses) != ids:
@@ -562,9 +682,9 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
         return SeqKDResult("up_to_date", plan_.output, sentences, 0, 0.0, shards, shards)
 
     task, dataset, model, device = _load(plan_)  # teacher and length checks: still before any work
-    from fairseq.dataclass.configs import GenerationConfig
-
-    if plan_.manifest is None and plan_.output.exists():
+    fresh = plan_.manifest is None
+    output_existed = plan_.output.exists()
+    if fresh and output_existed:
         # a fresh start in an existing folder: it is empty, or plan() allowed it with --force
         _clear_for_force(plan_)
     plan_.work.mkdir(parents=True, exist_ok=True)
@@ -575,11 +695,24 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
     manifest = {**plan_.record, "status": "decoding", "sentences": sentences,
                 "shards": shard_count, "data": str(plan_.data),
                 "teacher_checkpoint": str(Path(config.teacher_checkpoint).resolve())}
-    write_json(plan_.output / MANIFEST_NAME, manifest)
+    write_json(plan_.output / MANIFEST_NAME, manifest)  # first: a run killed while converting resumes
+    ct2_model = None
+    if config.engine == "ctranslate2":
+        try:
+            ct2_model = _ctranslate2_teacher(plan_)
+        except Exception:
+            if fresh:  # a refused conversion leaves no trace of a fresh start (--force has cleared already)
+                (plan_.output / MANIFEST_NAME).unlink(missing_ok=True)
+                shutil.rmtree(plan_.work, ignore_errors=True)
+                if not output_existed:
+                    try:
+                        plan_.output.rmdir()
+                    except OSError:
+                        pass
+            raise
 
-    generator = task.build_generator([model], GenerationConfig(
-        beam=config.beam, nbest=1, max_len_a=config.max_len_a, max_len_b=config.max_len_b,
-        lenpen=config.lenpen))
+    decode = make_decoder(plan_, task, dataset, model, device, ct2_model)
+    del model  # the CTranslate2 engine holds its own copy of the teacher; fairseq's decoder keeps its own
     ordered = length_ordered_indices(dataset)
     pending = [i for i in range(shard_count) if _read_shard(plan_, i, sentences) is None]
     if len(pending) < shard_count:
@@ -592,8 +725,7 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
         log_line = print_above_bars(log) if not bar.disable else log
         for index in to_decode:
             start = time.perf_counter()
-            count = _decode_shard(plan_, task, dataset, generator, model, device, ordered, index,
-                                  on_batch=bar.update)
+            count = _decode_shard(plan_, dataset, decode, ordered, index, on_batch=bar.update)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
@@ -608,9 +740,16 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
     copied = _copy_other_splits(plan_)
     written = [p.name for lang in (plan_.src, plan_.tgt) for p in
                (Path(str(plan_.output_prefix(lang)) + ".bin"), Path(str(plan_.output_prefix(lang)) + ".idx"))]
+    decoding = asdict(config) | {"output": str(plan_.output)}
+    if config.engine == "ctranslate2":
+        from ..deploy import import_ctranslate2
+
+        decoding["ctranslate2_version"] = import_ctranslate2().__version__
+    else:  # settings of the other engine, not used
+        decoding = {k: v for k, v in decoding.items() if k not in ("ct2_quantization", "threads")}
     manifest.update(status="complete", **stats, copied=copied,
                     files={name: (plan_.output / name).stat().st_size for name in written + copied},
-                    device=str(device), decoding=asdict(config) | {"output": str(plan_.output)})
+                    device=str(device), decoding=decoding)
     write_json(plan_.output / MANIFEST_NAME, manifest)
     shutil.rmtree(plan_.work)
     return SeqKDResult("complete", plan_.output, sentences, decoded_now, seconds, shard_count, shard_count)
