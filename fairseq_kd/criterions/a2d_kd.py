@@ -34,8 +34,7 @@ Choices the paper leaves open, documented here:
     uniform (a one-hot teacher row of length 10 becomes a distribution whose largest entry is
     0.23), so the attention signal they give is weak; and the old ``row`` mode (raw teacher
     probabilities against a log-softmax of ``H^I``) had its minimum away from the teacher's maps.
-    The real-data comparison of the modes is recorded in ``docs/results/`` as it is run (the
-    issue tracker's closing notes say which modes have been compared so far).
+    The real-data comparison of the modes is recorded in ``docs/results/README.md`` as it is run.
   - ``row``: Eq. 9 as written (signed weights, bias); a log-softmax over each query's attendable
     keys is applied to ``H^I`` and to the teacher's probabilities alike, so the minimum is at
     ``H^I = A_T`` (up to a constant per row).
@@ -58,13 +57,12 @@ Choices the paper leaves open, documented here:
   maps, so ``lambda`` weighs one map's KL whatever the teacher's depth and head count), except
   under ``--a2d-normalization authors``, which reproduces the authors' code and so sums. Why
   ``mean`` is the default: with the paper's ``lambda_0 = 1`` and a 6-layer, 4-head teacher the
-  summed terms are 24 KLs per token, four to five times the CE at the start; they dominate the
-  gradient until lambda has decayed, and the student learns the task later than without KD. On
-  the real-corpus benchmark (Multi30k Fr-En, 6+6 teacher, 3+3 students, 6 epochs;
-  ``docs/results/multi30k_fr_en_cpu.md``), chosen on validation nll: ``mean`` 3.51 bits per
-  token, word-level KD alone 3.63, no KD 3.78, ``sum`` behind no KD for most of the run. The
-  presets keep the paper's lambda values, which the paper states for the sum: ``sum`` gives the
-  paper's scale. Each KL is summed over real query positions (``mixture``, ``row``) or sentences
+  summed terms are 24 KLs per token, several times the CE at the start; they dominate the
+  gradient until lambda has decayed, and the student learns the task later than without KD. The
+  real-corpus comparison that chose ``mean`` on validation nll (against ``sum``, word-level KD
+  alone and no KD), with the measured sizes of the terms, is in ``docs/results/README.md``
+  (Multi30k Fr-En, CPU budget). The presets keep the paper's lambda values, which the paper
+  states for the sum: ``sum`` gives the paper's scale. Each KL is summed over real query positions (``mixture``, ``row``) or sentences
   (``flat``), and the criterion base divides by fairseq's ``sample_size`` as it does for CE. The terms are logged
   unweighted per kind as ``enc_self_att_loss``, ``dec_self_att_loss``, ``dec_cross_att_loss``,
   next to ``word_kd_loss``; with ``all`` kinds, ``L_att = enc + (dec_self + dec_cross) / 2``.
@@ -93,7 +91,7 @@ The alignment weights can be drawn as the paper's Figure 2: ``fairseq-kd-plot al
 --checkpoint CKPT --output aam.png``.
 """
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from fairseq.criterions import register_criterion
@@ -120,8 +118,108 @@ KIND_TERMS = {ENCODER_SELF: "enc_self_att", DECODER_SELF: "dec_self_att", DECODE
 PRESETS = {"low_resource": (1.0, 0.9), "wmt": (0.1, 0.9)}
 #: ``--a2d-map-reduction`` values; ``auto`` resolves to :func:`resolve_map_reduction`'s choice
 MAP_REDUCTIONS = ("auto", "sum", "mean")
-#: ``--a2d-normalization`` -> how the AAM combines student maps (see the module docstring)
-NORMALIZATIONS = {"mixture": "mixture", "row": "signed", "flat": "signed", "authors": "signed"}
+
+
+# ------------------------------------------------------- --a2d-normalization: the modes' KLs
+# Each takes float32 maps ``(C, B, Tq, Tk)`` and the attendable mask broadcast over maps
+# ``(1, B, Tq, Tk)``, and returns ``sum_c KL(A_T^c || H^I_c)`` (Eq. 10), unnormalised.
+def _mixture_kl(intermediate: Tensor, teacher_maps: Tensor, mask: Tensor) -> Tensor:
+    """``intermediate`` rows are distributions already; one KL per (map, sentence, real query)."""
+    # Student softmax rows are strictly positive on attendable keys; the clamp only guards an
+    # underflow, so a teacher entry can never meet log(0).
+    log_q = intermediate.clamp_min(torch.finfo(torch.float32).tiny).log()
+    return masked_row_kl(log_q, mask, teacher_probs=teacher_maps).sum()
+
+
+def _masked_log_softmax_kl(intermediate: Tensor, teacher_maps: Tensor, entry_mask: Tensor) -> Tensor:
+    """A log-softmax of both sides over the last axis's ``entry_mask`` entries, then their KL."""
+    fill = torch.finfo(torch.float32).min
+    log_q = torch.log_softmax(intermediate.masked_fill(~entry_mask, fill), dim=-1)
+    log_p = torch.log_softmax(teacher_maps.masked_fill(~entry_mask, fill), dim=-1)
+    return masked_row_kl(log_q, entry_mask, teacher_log_probs=log_p).sum()
+
+
+def _row_kl(intermediate: Tensor, teacher_maps: Tensor, mask: Tensor) -> Tensor:
+    """Log-softmax over each query's attendable keys, both sides; one KL per real query."""
+    return _masked_log_softmax_kl(intermediate, teacher_maps, mask)
+
+
+def _flat_kl(intermediate: Tensor, teacher_maps: Tensor, mask: Tensor) -> Tensor:
+    """Log-softmax over all attendable entries of each map, both sides; one KL per map and sentence."""
+    return _masked_log_softmax_kl(intermediate.flatten(-2), teacher_maps.flatten(-2), mask.flatten(-2))
+
+
+def _authors_kl(intermediate: Tensor, teacher_maps: Tensor, mask: Tensor) -> Tensor:
+    """Log-softmax over every entry of each map, padded and future ones included (no mask)."""
+    log_q = torch.log_softmax(intermediate.flatten(-2), dim=-1)
+    log_p = torch.log_softmax(teacher_maps.flatten(-2), dim=-1)
+    return masked_row_kl(log_q, torch.ones_like(log_q, dtype=torch.bool), teacher_log_probs=log_p).sum()
+
+
+def _ce_and_mu_kd(mu: float, alpha: float) -> Tuple[float, float]:
+    """Eq. 12: ``L_CE + mu * L_KD``."""
+    return 1.0, mu
+
+
+def _authors_alpha(mu: float, alpha: float) -> Tuple[float, float]:
+    """The authors' code: ``(1 - alpha) CE + alpha KD`` (``--a2d-alpha`` replaces ``mu``)."""
+    return 1.0 - alpha, alpha
+
+
+@dataclass(frozen=True)
+class NormalizationMode:
+    """Everything one ``--a2d-normalization`` value decides (the module docstring says why)."""
+
+    name: str
+    #: how the AAM combines the student maps (``AttentionAlignment``'s ``combination``)
+    combination: str
+    #: how the AAM is initialised (``AttentionAlignment``'s ``init``)
+    init: str
+    #: what ``--a2d-map-reduction auto`` resolves to
+    default_reduction: str
+    #: ``(intermediate, teacher_maps, mask) -> sum_c KL``, see ``_mixture_kl``
+    kl: Callable[[Tensor, Tensor, Tensor], Tensor]
+    #: ``(mu, alpha) -> (CE weight, word-KD weight)``
+    ce_kd_weights: Callable[[float, float], Tuple[float, float]]
+    #: multiply each attention term by the batch's ``B x T`` target positions (the authors' balance
+    #: of a summed KL against CE and KD averaged over positions, kept under fairseq's per-token
+    #: normalisation)
+    scales_by_positions: bool = False
+    #: why ``--a2d-map-reduction mean`` is refused (completes "cannot be combined with
+    #: --a2d-normalization NAME, ..."); None: it is allowed
+    mean_refusal: Optional[str] = None
+
+    @property
+    def allows_mean(self) -> bool:
+        return self.mean_refusal is None
+
+    def divergence(self, intermediate: Tensor, teacher_maps: Tensor, attendable: Tensor) -> Tensor:
+        """``sum_c KL(A_T^c || H^I_c)`` in float32 (see :func:`alignment_kl`)."""
+        return self.kl(intermediate.float(), teacher_maps.float(), attendable.unsqueeze(0))
+
+
+#: ``--a2d-normalization`` -> its mode (see the module docstring)
+NORMALIZATION_MODES = {mode.name: mode for mode in (
+    NormalizationMode("mixture", combination="mixture", init="mean", default_reduction="mean",
+                      kl=_mixture_kl, ce_kd_weights=_ce_and_mu_kd),
+    NormalizationMode("row", combination="signed", init="mean", default_reduction="mean",
+                      kl=_row_kl, ce_kd_weights=_ce_and_mu_kd),
+    NormalizationMode("flat", combination="signed", init="mean", default_reduction="mean",
+                      kl=_flat_kl, ce_kd_weights=_ce_and_mu_kd),
+    NormalizationMode("authors", combination="signed", init="conv", default_reduction="sum",
+                      kl=_authors_kl, ce_kd_weights=_authors_alpha, scales_by_positions=True,
+                      mean_refusal="which reproduces the authors' code (a KL summed over maps)"),
+)}
+
+
+def normalization_mode(normalization: str) -> NormalizationMode:
+    """The :class:`NormalizationMode` of ``--a2d-normalization normalization``."""
+    try:
+        return NORMALIZATION_MODES[normalization]
+    except KeyError:
+        raise ValueError(
+            f"--a2d-normalization must be one of {sorted(NORMALIZATION_MODES)}, got {normalization!r}"
+        ) from None
 
 
 @dataclass
@@ -159,7 +257,7 @@ class A2DConfig(KDCriterionConfig):
         metadata={"help": "head: align every head's map (the paper's A2D); layer: average each "
                   "layer's heads first (layer-wise A2D, Table 6)"},
     )
-    a2d_normalization: ChoiceEnum(list(NORMALIZATIONS)) = field(
+    a2d_normalization: ChoiceEnum(list(NORMALIZATION_MODES)) = field(
         default="mixture",
         metadata={"help": "how intermediate maps become distributions (every mode is 0 when they equal "
                   "the teacher's): mixture = convex AAM, KL of attention rows per real query; row = "
@@ -204,10 +302,9 @@ class AlignToDistillCriterion(KDCriterionBase):
         self.lambda_decay = preset_decay if cfg.a2d_lambda_decay is None else float(cfg.a2d_lambda_decay)
         self.mu = self.kd_weight
         self.layerwise = str(cfg.a2d_granularity) == "layer"
-        self.normalization = str(cfg.a2d_normalization)
+        self.mode = normalization_mode(str(cfg.a2d_normalization))
         self.alpha = float(cfg.a2d_alpha)
-        self.map_reduction = resolve_map_reduction(str(cfg.a2d_map_reduction), self.normalization)
-        self.average_maps = self.map_reduction == "mean"
+        self.map_reduction = resolve_map_reduction(str(cfg.a2d_map_reduction), self.mode.name)
         self.kind_weights = KIND_WEIGHTS[str(cfg.a2d_attention_kinds)]
         self.attention_epochs = cfg.a2d_attention_epochs
         self._check_options()
@@ -224,8 +321,7 @@ class AlignToDistillCriterion(KDCriterionBase):
                 student_heads = teacher_heads = 1
             self.alignments[kind] = AttentionAlignment(
                 student_layers, student_heads, teacher_layers, teacher_heads,
-                combination=NORMALIZATIONS[self.normalization],
-                init="conv" if self.normalization == "authors" else "mean",
+                combination=self.mode.combination, init=self.mode.init,
             )
 
         # Instance-level requests: only the kinds in use are captured, and nothing when lambda_0 = 0.
@@ -259,10 +355,8 @@ class AlignToDistillCriterion(KDCriterionBase):
 
     def loss_weights(self) -> Dict[str, float]:
         lam = self.attention_weight()
-        if self.normalization == "authors":
-            weights = {"ce": 1.0 - self.alpha, "word_kd": self.alpha}
-        else:
-            weights = {"ce": 1.0, "word_kd": self.mu}
+        ce_weight, kd_weight = self.mode.ce_kd_weights(self.mu, self.alpha)
+        weights = {"ce": ce_weight, "word_kd": kd_weight}
         for kind, term in KIND_TERMS.items():
             weights[term] = lam * self.kind_weights.get(kind, 0.0)
         return weights
@@ -284,7 +378,7 @@ class AlignToDistillCriterion(KDCriterionBase):
                 terms[KIND_TERMS[kind]] = self.attention_term(
                     kind, batch.student.attention[kind], batch.teacher.attention[kind]
                 )
-                if self.normalization == "authors":
+                if self.mode.scales_by_positions:
                     terms[KIND_TERMS[kind]] = terms[KIND_TERMS[kind]] * batch.target_mask.numel()
         if weights["word_kd"] != 0:
             terms["word_kd"] = word_kd_term(batch, batch.target_mask, self.kd_temperature)
@@ -299,8 +393,8 @@ class AlignToDistillCriterion(KDCriterionBase):
         intermediate = self.alignments[kind](student_probs)
         # (n, B, H_T, Tq, Tk) -> (n * H_T, B, Tq, Tk), layer-major like the AAM's output.
         teacher_maps = teacher_probs.transpose(1, 2).flatten(0, 1)
-        divergence = alignment_kl(intermediate, teacher_maps, student.attendable[:, 0], self.normalization)
-        return divergence / teacher_maps.shape[0] if self.average_maps else divergence
+        divergence = self.mode.divergence(intermediate, teacher_maps, student.attendable[:, 0])
+        return divergence / teacher_maps.shape[0] if self.map_reduction == "mean" else divergence
 
 
 def resolve_map_reduction(requested: str, normalization: str) -> str:
@@ -312,15 +406,13 @@ def resolve_map_reduction(requested: str, normalization: str) -> str:
     """
     if requested not in MAP_REDUCTIONS:
         raise ValueError(f"--a2d-map-reduction must be one of {', '.join(MAP_REDUCTIONS)}, got {requested!r}")
-    if normalization == "authors":
-        if requested == "mean":
-            raise ValueError(
-                "--a2d-map-reduction mean cannot be combined with --a2d-normalization authors, which "
-                "reproduces the authors' code (a KL summed over maps); drop --a2d-map-reduction or "
-                "choose another --a2d-normalization"
-            )
-        return "sum"
-    return "mean" if requested == "auto" else requested
+    mode = normalization_mode(normalization)
+    if requested == "mean" and not mode.allows_mean:
+        raise ValueError(
+            f"--a2d-map-reduction mean cannot be combined with --a2d-normalization {mode.name}, "
+            f"{mode.mean_refusal}; drop --a2d-map-reduction or choose another --a2d-normalization"
+        )
+    return mode.default_reduction if requested == "auto" else requested
 
 
 def alignment_kl(intermediate: Tensor, teacher_maps: Tensor, attendable: Tensor, normalization: str = "mixture") -> Tensor:
@@ -336,25 +428,4 @@ def alignment_kl(intermediate: Tensor, teacher_maps: Tensor, attendable: Tensor,
     log-softmax over every entry of each map, no mask. Excluded entries are removed by selection,
     never by multiplying an infinite log by zero.
     """
-    mask = attendable.unsqueeze(0)  # broadcast over maps
-    fill = torch.finfo(torch.float32).min
-    intermediate, teacher_maps = intermediate.float(), teacher_maps.float()
-    if normalization == "mixture":
-        # Student softmax rows are strictly positive on attendable keys; the clamp only guards an
-        # underflow, so a teacher entry can never meet log(0).
-        log_q = intermediate.clamp_min(torch.finfo(torch.float32).tiny).log()
-        return masked_row_kl(log_q, mask, teacher_probs=teacher_maps).sum()
-    if normalization == "authors":
-        log_q = torch.log_softmax(intermediate.flatten(-2), dim=-1)
-        log_p = torch.log_softmax(teacher_maps.flatten(-2), dim=-1)
-        return masked_row_kl(log_q, torch.ones_like(log_q, dtype=torch.bool), teacher_log_probs=log_p).sum()
-    if normalization == "row":
-        entry_mask = mask
-    elif normalization == "flat":
-        intermediate, teacher_maps = intermediate.flatten(-2), teacher_maps.flatten(-2)
-        entry_mask = mask.flatten(-2)
-    else:
-        raise ValueError(f"--a2d-normalization must be one of {sorted(NORMALIZATIONS)}, got {normalization!r}")
-    log_q = torch.log_softmax(intermediate.masked_fill(~entry_mask, fill), dim=-1)
-    log_p = torch.log_softmax(teacher_maps.masked_fill(~entry_mask, fill), dim=-1)
-    return masked_row_kl(log_q, entry_mask, teacher_log_probs=log_p).sum()
+    return normalization_mode(normalization).divergence(intermediate, teacher_maps, attendable)
