@@ -3,7 +3,8 @@
 #   synthetic corpus -> fairseq-preprocess -> teacher -> students (no KD, word-level KD, Align-to-
 #   Distill, sequence-level KD) -> export -> decode the test set -> BLEU report with 95% intervals
 #   and paired tests against no KD -> figures (every model's validation nll on one axis, A2D's loss
-#   terms, A2D's alignment heatmap).
+#   terms, A2D's alignment heatmap) -> deploy table: the A2D student exported to CTranslate2 (float32,
+#   int8) against the teacher under fairseq, speed and BLEU.
 # Runs in under 10 minutes on 2 CPU cores; everything lands in $DEMO_DIR (default demo_output/).
 # Re-running skips finished steps; an interrupted training run resumes from its last checkpoint.
 #
@@ -22,6 +23,7 @@ OUT="$(mkdir -p "${DEMO_DIR:-$ROOT/demo_output}" && cd "${DEMO_DIR:-$ROOT/demo_o
 USER_DIR="$ROOT/fairseq_kd"
 export PYTHONWARNINGS=ignore  # fairseq-fixed's deprecation warnings drown its progress output
 export ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 KMP_DETERMINISTIC_REDUCTION=yes
+export CT2_FORCE_CPU_ISA=AVX2  # CTranslate2's kernels too (its int8 GEMM differs between ISAs)
 START=$SECONDS
 
 step() { printf '\n==== [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
@@ -53,11 +55,11 @@ EVAL_SIZE=${EVAL_SIZE:-300}  # sentences of the validation and of the test set
 MAX_LEN=${MAX_LEN:-200}  # longest output of beam search (fairseq's default; the suite's short run: 10)
 STUDENT=(--arch transformer_kd_tiny_student --lr 8e-3)
 
-step "1/7 synthetic corpus (SVO source -> SOV target with agreement; fairseq_kd/data/synthetic.py)"
+step "1/8 synthetic corpus (SVO source -> SOV target with agreement; fairseq_kd/data/synthetic.py)"
 "$PY" -m fairseq_kd.cli.make_corpus --output-dir "$OUT/corpus" --seed 1 \
     --train-size "$TRAIN_SIZE" --valid-size "$EVAL_SIZE" --test-size "$EVAL_SIZE"
 
-step "2/7 fairseq-preprocess (joined dictionary)"
+step "2/8 fairseq-preprocess (joined dictionary)"
 done_or_run preprocess "$BIN/fairseq-preprocess" --source-lang src --target-lang tgt \
     --trainpref "$OUT/corpus/train" --validpref "$OUT/corpus/valid" --testpref "$OUT/corpus/test" \
     --destdir "$OUT/data-bin" --joined-dictionary --workers 2 >"$OUT/preprocess.log"
@@ -78,12 +80,12 @@ in_parallel() {  # in_parallel "CMD1" "CMD2": two trainings at once, one core ea
 }
 mkdir -p "$OUT/logs"
 
-step "3/7 teacher: transformer_kd_tiny_teacher (4+4 layers, 4 heads, d=128), plain CE"
+step "3/8 teacher: transformer_kd_tiny_teacher (4+4 layers, 4 heads, d=128), plain CE"
 train teacher 2 "$OUT/data-bin" --task translation --arch transformer_kd_tiny_teacher \
     --lr 2e-3 --criterion label_smoothed_cross_entropy --label-smoothing 0.1 --max-update "$TEACHER_UPDATES"
 TEACHER="$OUT/checkpoints/teacher/checkpoint_best.pt"
 
-step "4/7 students: transformer_kd_tiny_student (2+2 layers, 2 heads, d=64), two at a time"
+step "4/8 students: transformer_kd_tiny_student (2+2 layers, 2 heads, d=64), two at a time"
 echo "-- no KD (plain label-smoothed CE) and word-level KD (criterion word_kd, a=0.5, tau=1)"
 in_parallel \
     'train no_kd 1 "$OUT/data-bin" --task translation "${STUDENT[@]}" \
@@ -91,7 +93,7 @@ in_parallel \
     'train word_kd 1 "$OUT/data-bin" --task translation_kd --teacher-checkpoint "$TEACHER" "${STUDENT[@]}" \
         --criterion word_kd --kd-weight 0.5 --max-update "$STUDENT_UPDATES"'
 
-step "5/7 sequence-level KD data (the teacher beam-decodes the training set), then A2D and seq KD"
+step "5/8 sequence-level KD data (the teacher beam-decodes the training set), then A2D and seq KD"
 done_or_run seqkd_data threads 2 "$BIN/fairseq-kd-seqkd" --data "$OUT/data-bin" --teacher-checkpoint "$TEACHER" \
     --output "$OUT/data-bin-seqkd" --beam 5 --max-tokens 8192 --max-len-a 0 --max-len-b "$MAX_LEN"
 echo "-- Align-to-Distill (criterion a2d_kd, its defaults: all three attention kinds, head-wise AAM)"
@@ -102,7 +104,7 @@ in_parallel \
     'train seq_kd 1 "$OUT/data-bin-seqkd" --task translation "${STUDENT[@]}" \
         --criterion label_smoothed_cross_entropy --label-smoothing 0.1 --max-update "$STUDENT_UPDATES"'
 
-step "6/7 export each model as a stock fairseq transformer and decode the test set (beam 5)"
+step "6/8 export each model as a stock fairseq transformer and decode the test set (beam 5)"
 SYSTEMS=(teacher no_kd word_kd a2d_kd seq_kd)
 PARAMS=()
 for name in "${SYSTEMS[@]}"; do
@@ -121,7 +123,7 @@ for name in "${SYSTEMS[@]}"; do
     echo "$name: $(grep -o 'Translated.*sentences' "$OUT/generate/$name.log")"
 done
 
-step "7/7 BLEU report (sacreBLEU, 95% intervals, paired tests vs no_kd) and figures"
+step "7/8 BLEU report (sacreBLEU, 95% intervals, paired tests vs no_kd) and figures"
 ARGS=()
 for name in "${SYSTEMS[@]}"; do ARGS+=(--system "$name=$OUT/generate/$name.txt"); done
 # The synthetic language is whitespace-tokenised by design (its references too), so sacreBLEU's
@@ -137,8 +139,47 @@ for name in "${SYSTEMS[@]}"; do LOGS+=(--log "$name=$OUT/logs/$name.log"); done
 "$PY" -m fairseq_kd.cli.plot curves --log "$OUT/logs/a2d_kd.log" --output "$OUT/a2d_kd_training_curves.png" --overwrite
 "$PY" -m fairseq_kd.cli.plot alignment --checkpoint "$OUT/checkpoints/a2d_kd/checkpoint_best.pt" \
     --weights-output "$OUT/a2d_kd_alignment.json" --output "$OUT/a2d_kd_alignment.png" --overwrite
+
+step "8/8 ship the A2D student: CTranslate2 float32 and int8 against the teacher under fairseq (2 threads)"
+# Timings are decoding time only, one process at a time, on whatever else the machine is doing;
+# BLEU and the paired tests are exact and repeatable.
+"$BIN/fairseq-kd-deploy-benchmark" --data "$OUT/data-bin" --teacher "$OUT/models/teacher.pt" \
+    --student "a2d_kd=$OUT/models/a2d_kd.pt" --quantizations float32,int8 --threads 2 --batch-sizes 100 \
+    --beam 5 --max-len-a 0 --max-len-b "$MAX_LEN" --bootstrap 1000 --workdir "$OUT/deploy" \
+    --output-md "$OUT/deploy.md" --output-json "$OUT/deploy.json" --overwrite \
+    --title "Demo deploy table: the A2D student under fairseq and CTranslate2 against the teacher" >"$OUT/deploy.log" 2>&1 \
+    || { tail -20 "$OUT/deploy.log" >&2; exit 1; }
+"$PY" - "$OUT" <<'PYEOF'
+# The deploy summary, and the README's demo tables (readme_section.md) from report.json and deploy.json
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+report, deploy = (json.loads((out / name).read_text()) for name in ("report.json", "deploy.json"))
+names = {"teacher": "teacher (4+4, d 128)", "no_kd": "no KD (2+2, d 64)", "word_kd": "word-level KD",
+         "a2d_kd": "Align-to-Distill", "seq_kd": "sequence-level KD"}
+lines = ["| system | parameters | BLEU | 95% CI | Δ vs no KD | p |", "|---|---:|---:|---:|---:|---:|"]
+for row in report["systems"]:
+    base = row["is_baseline"]
+    lines.append(f"| {names[row['system']]} | {row['params']:,} | {row['bleu']:.2f} | ± {row['ci']:.2f} | "
+                 + ("" if base else f"{row['difference']:+.2f}") + " | " + ("" if base else f"{row['p_bootstrap']:.3f}") + " |")
+teacher = next(row for row in deploy["rows"] if row["role"] == "teacher")
+speed = lambda row: row["measurements"][0]
+lines += ["", f"| A2D student shipped | BLEU | Δ vs fairseq student | p | sentences/s ({speed(teacher)['threads']} threads, "
+          f"batch {speed(teacher)['batch_size']}) | vs teacher | size on disk |", "|---|---:|---:|---:|---:|---:|---:|"]
+for row in deploy["rows"]:
+    engine = {"fairseq": "fairseq", "ctranslate2": "CTranslate2"}[row["engine"]]
+    label = "teacher, fairseq float32" if row["role"] == "teacher" else f"{engine} {row['weights']}"
+    identical = (row.get("paired") or {}).get("sentences_differing") == 0
+    delta = "" if row["delta"] is None or row["role"] == "teacher" else f"{row['delta']:+.2f}"
+    p = "" if row["role"] == "teacher" or row["p_bootstrap"] is None else ("identical" if identical else f"{row['p_bootstrap']:.3f}")
+    lines.append(f"| {label} | {row['bleu']:.2f} | {delta} | {p} | {speed(row)['sentences_per_s']:.0f} | "
+                 f"{speed(row)['speedup_vs_teacher']:.1f}x | {row['size_mb']:.2f} MB |")
+    print(f"{label:>26}: BLEU {row['bleu']:6.2f}, {speed(row)['sentences_per_s']:7.1f} sentences/s "
+          f"({speed(row)['speedup_vs_teacher']:.1f}x the teacher under fairseq), {row['size_mb']:.2f} MB")
+(out / "readme_section.md").write_text("\n".join(lines) + "\n")
+PYEOF
 echo
-echo "Report: $OUT/report.md (.csv, .json)"
+echo "Report: $OUT/report.md (.csv, .json); deploy table: $OUT/deploy.md (.json); README tables: $OUT/readme_section.md"
 echo "Figures: $OUT/validation_nll.png (every model's validation nll against updates),"
 echo "         $OUT/a2d_kd_training_curves.png (A2D's loss terms), $OUT/a2d_kd_alignment.png (its AAM weights)"
 echo "Models: $OUT/models/ (stock fairseq transformers); total $((SECONDS - START)) s"
