@@ -123,18 +123,17 @@ def tiny_teacher(tiny_data_bin, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def hashed_files(monkeypatch):
-    """Names of the files read to hash them from now on, in order: by a fingerprint
-    (fairseq_kd.data.fingerprint) or by the teacher's own hash (FrozenTeacher.sha256)."""
-    from fairseq_kd.data import fingerprint
-    from fairseq_kd.models import teacher
+    """Names of the files read to hash them from now on, in order: by a fingerprint or by the
+    teacher's own hash (FrozenTeacher.sha256), both in fairseq_kd.fingerprint."""
+    from fairseq_kd import fingerprint
 
     hashed = []
-    for module, name in ((fingerprint, "_digests"), (teacher, "file_sha256")):
-        def counted(path, *args, hash_file=getattr(module, name)):
-            hashed.append(Path(path).name)
-            return hash_file(path, *args)
 
-        monkeypatch.setattr(module, name, counted)
+    def counted(path, *args, hash_file=fingerprint._digests):
+        hashed.append(Path(path).name)
+        return hash_file(path, *args)
+
+    monkeypatch.setattr(fingerprint, "_digests", counted)
     return hashed
 
 

@@ -11,7 +11,7 @@ from conftest import TINY_STUDENT_ARGS, build_tiny_student, make_batch, run_modu
 from hidden_kd_support import allowed_entries, assert_invariant_to_batch_padding
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 
-from fairseq_kd.checkpoint_safety import safe_load
+from fairseq_kd.checkpoints import safe_load
 from fairseq_kd.cli.plot import figure_weights_from_checkpoint
 from fairseq_kd.criterions.a2d_kd import A2DConfig, AlignToDistillCriterion, alignment_kl, resolve_map_reduction
 from fairseq_kd.models.feature_capture import ATTENTION_KINDS, CaptureRequest, FeatureCapture

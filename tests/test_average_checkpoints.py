@@ -10,7 +10,7 @@ EPOCH_ARGS = [arg for arg in COMMON_TRAIN_ARGS if arg != "--no-epoch-checkpoints
 
 def load(path):
     """Plain data and fairseq's argparse.Namespace only (the plugin's loader, weights_only=True)."""
-    from fairseq_kd.checkpoint_safety import safe_load
+    from fairseq_kd.checkpoints import safe_load
 
     return safe_load(path)
 

@@ -86,7 +86,7 @@ def test_checkpoint_needing_an_unlisted_class_is_refused_never_unpickled(tiny_da
     import fairseq_kd
     from fairseq import checkpoint_utils
 
-    from fairseq_kd.checkpoint_safety import UnsafeCheckpointError
+    from fairseq_kd.checkpoints import UnsafeCheckpointError
 
     fairseq_kd.register()
     with pytest.raises(UnsafeCheckpointError, match="posix.mkdir|os.mkdir|mkdir"):

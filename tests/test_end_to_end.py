@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import TINY_STUDENT_ARGS, USER_DIR, run_cli, run_module, train_student
-from fairseq_kd.checkpoint_safety import safe_load
+from fairseq_kd.checkpoints import safe_load
 
 
 def _hypotheses(generate_stdout: str):

@@ -281,12 +281,27 @@ def test_cli_alp_from_checkpoint_divides_the_saved_sums_by_the_positions(tmp_pat
     positions = {"encoder": torch.tensor(10.0, dtype=torch.float64), "decoder": torch.tensor(10.0, dtype=torch.float64)}
     checkpoint = save_training_checkpoint(
         tmp_path / "checkpoint_last.pt",
-        task_criterion_state={"alpha_epoch": 1, "alpha_sum": sums, "alpha_positions": positions})
+        task_criterion_state={"alpha_sums": {"epoch": 1, "sums": {
+            **{f"alpha/{side}": total for side, total in sums.items()},
+            **{f"positions/{side}": count for side, count in positions.items()}}}})
     weights_json = tmp_path / "alp.json"
     run_plot("alp", "--checkpoint", checkpoint, "--output", tmp_path / "alp.png", "--weights-output", weights_json)
     assert (tmp_path / "alp.png").read_bytes()[:8] == PNG_MAGIC
     assert json.loads(weights_json.read_text()) == {"encoder": [[0.6, 0.4, 0.0], [0.0, 0.1, 0.9]],
                                                      "decoder": [[0.2, 0.3, 0.5], [0.1, 0.1, 0.8]]}
+
+
+def test_cli_alp_refuses_the_state_of_an_older_format_in_one_line(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("fairseq")
+    checkpoint = save_training_checkpoint(
+        tmp_path / "checkpoint_last.pt",
+        task_criterion_state={"alpha_epoch": 1, "alpha_sum": {"encoder": torch.ones(2, 3, dtype=torch.float64)},
+                              "alpha_positions": {"encoder": torch.tensor(1.0, dtype=torch.float64)}})
+    with pytest.raises(SystemExit) as raised:
+        run_plot("alp", "--checkpoint", checkpoint, "--output", tmp_path / "alp.png")
+    assert raised.value.code == 2
+    assert "older fairseq-kd format" in capsys.readouterr().err and not (tmp_path / "alp.png").exists()
 
 
 def test_cli_checkpoint_errors_name_the_flag_and_write_nothing(tmp_path, capsys):

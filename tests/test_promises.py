@@ -45,7 +45,7 @@ def test_resume_is_bound_to_its_teacher(tiny_data_bin, tiny_teacher, other_teach
     assert recorded["teacher_sha256"] == _sha(tiny_teacher)
     from fairseq.data import Dictionary
 
-    from fairseq_kd.tasks.translation_kd import dictionary_sha256
+    from fairseq_kd.fingerprint import dictionary_sha256
 
     assert recorded["source_dictionary_sha256"] == dictionary_sha256(Dictionary.load(str(tiny_data_bin / "dict.src.txt")))
     assert recorded["target_dictionary_sha256"] == dictionary_sha256(Dictionary.load(str(tiny_data_bin / "dict.tgt.txt")))
@@ -75,7 +75,7 @@ def test_resume_is_bound_to_its_teacher(tiny_data_bin, tiny_teacher, other_teach
 
 
 def test_resume_with_other_dictionaries_is_refused(kd_task):
-    from fairseq_kd.tasks.translation_kd import ResumeMismatchError
+    from fairseq_kd.checkpoints import ResumeMismatchError
 
     recorded = kd_task.run_binding()
     kd_task.check_resumed_binding(recorded)  # the same run: fine

@@ -32,16 +32,16 @@ def moved_teacher(tiny_teacher, tmp_path):
 
 def _dictionary_check(kd_task, state, **kwargs):
     from fairseq_kd.models.teacher import check_dictionaries
-    from fairseq_kd.checkpoint_safety import load_fairseq_checkpoint  # noqa: F401 (allow-list)
+    from fairseq_kd.checkpoints import load_fairseq_checkpoint  # noqa: F401 (allow-list)
 
     return check_dictionaries("T.pt", state, kd_task.source_dictionary, kd_task.target_dictionary, state["cfg"],
                               data_langs=("src", "tgt"), **kwargs)
 
 
 def test_dictionaries_are_never_skipped_silently(kd_task, moved_teacher, tiny_data_bin, tmp_path):
-    from fairseq_kd.checkpoint_safety import load_fairseq_checkpoint
+    from fairseq_kd.checkpoints import load_fairseq_checkpoint
     from fairseq_kd.models.teacher import TeacherCheckpointError
-    from fairseq_kd.tasks.translation_kd import dictionary_sha256
+    from fairseq_kd.fingerprint import dictionary_sha256
 
     state = load_fairseq_checkpoint(moved_teacher)
     # nothing to verify against: refused, naming the flag and the missing folder

@@ -63,7 +63,7 @@ def test_numeric_numpy_arrays_load_but_object_arrays_stay_refused(tiny_teacher, 
     carrying the gadget is refused, and the gadget does not run."""
     import numpy as np
 
-    from fairseq_kd.checkpoint_safety import UnsafeCheckpointError, safe_load
+    from fairseq_kd.checkpoints import UnsafeCheckpointError, safe_load
 
     state = torch.load(tiny_teacher, weights_only=False)  # our own test file, trusted
     state["extra_state"]["counts"] = np.array([5, 3, 1, 0])
@@ -84,7 +84,7 @@ def test_fairseq_loader_passes_weights_only_explicitly_once_the_plugin_is_import
     code = (
         "import fairseq_kd; fairseq_kd.register()\n"
         "from fairseq import checkpoint_utils\n"
-        "from fairseq_kd.checkpoint_safety import UnsafeCheckpointError, fairseq_loader_is_safe\n"
+        "from fairseq_kd.checkpoints import UnsafeCheckpointError, fairseq_loader_is_safe\n"
         "assert fairseq_loader_is_safe()\n"
         f"try:\n    checkpoint_utils.load_checkpoint_to_cpu({str(evil)!r})\n"
         "except UnsafeCheckpointError as err:\n    import sys; print(err, file=sys.stderr); sys.exit(3)\n"
@@ -156,7 +156,7 @@ def test_figures_from_checkpoints(gadget, tmp_path, figure):
 
 
 def test_safe_load_ignores_the_variable_in_process(gadget, monkeypatch):
-    from fairseq_kd.checkpoint_safety import UnsafeCheckpointError, safe_load
+    from fairseq_kd.checkpoints import UnsafeCheckpointError, safe_load
 
     evil, marker = gadget
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
@@ -170,7 +170,7 @@ def test_the_allow_list_survives_torchs_safe_globals_context(tiny_teacher):
     load afterwards (in the same process) still reads fairseq's Namespace."""
     import argparse
 
-    from fairseq_kd.checkpoint_safety import install_checkpoint_allow_list, safe_load
+    from fairseq_kd.checkpoints import install_checkpoint_allow_list, safe_load
 
     install_checkpoint_allow_list()
     with torch.serialization.safe_globals([argparse.Namespace]):

@@ -21,8 +21,8 @@ from conftest import BIN, COMMON_TRAIN_ARGS, QUIET_ENV, REPO, TINY_STUDENT_ARGS,
 
 import fairseq_kd
 from fairseq.data import Dictionary, indexed_dataset
-from fairseq_kd.checkpoint_safety import safe_load
-from fairseq_kd.data import seqkd
+from fairseq_kd.checkpoints import safe_load
+from fairseq_kd.teacher_pass import seqkd
 from fairseq_kd.models.teacher import TeacherCheckpointError
 
 # short length limits keep the undertrained tiny teacher fast; 400 sentences -> 7 shards of 64
@@ -272,32 +272,21 @@ def _as_format_1(output: Path, data: Path, teacher: Path) -> dict:
     return legacy
 
 
-def test_a_format_1_manifest_is_checked_once_and_rewritten(tiny_data_bin, tiny_teacher, straight_run, tmp_path):
+def test_a_format_1_manifest_is_refused_in_one_line_saying_to_decode_anew(tiny_data_bin, tiny_teacher,
+                                                                          straight_run, tmp_path):
     straight, _ = straight_run
-    done = tmp_path / "done"
-    shutil.copytree(straight, done)
-    legacy = _as_format_1(done, tiny_data_bin, tiny_teacher)
-    with pytest.raises(seqkd.SeqKDError, match=r"other settings \(differing: beam;"):  # checked the old way
-        seqkd.run(config(tiny_data_bin, tiny_teacher, done, beam=4))
-    written = {name: (done / name).stat().st_mtime_ns for name in legacy["files"]}
-    result = seqkd.run(config(tiny_data_bin, tiny_teacher, done), log=quiet)
-    assert result.status == "up_to_date" and result.decoded_now == 0
-    assert {name: (done / name).stat().st_mtime_ns for name in written} == written
-    manifest = json.loads((done / seqkd.MANIFEST_NAME).read_text())
-    assert manifest["format"] == 2 and set(manifest["inputs"]) == {"split_files", "dictionaries", "teacher"}
-    assert manifest["parameters"] == {k: v for k, v in legacy["parameters"].items()
-                                      if k not in ("format_version", "split_sha256", "dictionaries_sha256",
-                                                   "teacher_sha256")}
-    assert {k: v for k, v in manifest.items() if k not in ("format", "parameters", "inputs")} == {
-        k: v for k, v in legacy.items() if k != "parameters"}
-    # an interrupted run of the old format resumes its shards
-    partial = tmp_path / "partial"
-    seqkd.run(config(tiny_data_bin, tiny_teacher, partial, max_shards=2), log=quiet)
-    _as_format_1(partial, tiny_data_bin, tiny_teacher)
-    lines = []
-    result = seqkd.run(config(tiny_data_bin, tiny_teacher, partial, max_shards=1), log=lines.append)
-    assert "resuming: 2 of 7 shards already decoded" in lines and (result.status, result.decoded_now) == ("partial", 64)
-    assert json.loads((partial / seqkd.MANIFEST_NAME).read_text())["format"] == 2
+    for name, source in (("done", straight), ("partial", None)):
+        output = tmp_path / name
+        if source is not None:
+            shutil.copytree(source, output)
+        else:
+            seqkd.run(config(tiny_data_bin, tiny_teacher, output, max_shards=1), log=quiet)
+        _as_format_1(output, tiny_data_bin, tiny_teacher)
+        before = {path.name: path.stat().st_mtime_ns for path in output.iterdir()}
+        with pytest.raises(seqkd.SeqKDError, match=r"older or unknown format \(no format.*pass --force") as refused:
+            seqkd.run(config(tiny_data_bin, tiny_teacher, output), log=quiet)
+        assert "\n" not in str(refused.value)
+        assert {path.name: path.stat().st_mtime_ns for path in output.iterdir()} == before
 
 
 def test_a_rerun_reads_only_the_inputs_whose_size_or_time_changed(tiny_data_bin, tiny_teacher, straight_run,

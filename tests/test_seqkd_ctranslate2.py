@@ -20,7 +20,7 @@ pytest.importorskip("ctranslate2")
 import fairseq_kd  # noqa: E402
 from fairseq.data import indexed_dataset  # noqa: E402
 from fairseq_kd import deploy  # noqa: E402
-from fairseq_kd.data import seqkd  # noqa: E402
+from fairseq_kd.teacher_pass import seqkd  # noqa: E402
 from fairseq_kd.deploy import export_ctranslate2 as export_module  # noqa: E402
 
 fairseq_kd.register()

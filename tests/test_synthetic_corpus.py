@@ -239,7 +239,7 @@ def test_bad_arguments_fail_before_writing(tmp_path, bad_flags):
     assert exit_info.value.code == 2 and not out.exists()
 
 
-def test_a_format_1_manifest_is_reused_once_checked_and_rewritten(tmp_path):
+def test_a_format_1_manifest_is_refused_in_one_line_naming_force(tmp_path):
     out = tmp_path / "corpus"
     write_corpus(out, seed=1, **SMALL)
     manifest = json.loads((out / "corpus.json").read_text())
@@ -250,16 +250,13 @@ def test_a_format_1_manifest_is_reused_once_checked_and_rewritten(tmp_path):
               "sha256": {name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in corpus_files}}
     (out / "corpus.json").write_text(json.dumps(legacy, indent=2) + "\n")
     stamps = {name: (out / name).stat().st_mtime_ns for name in corpus_files}
-    assert write_corpus(out, seed=1, **SMALL) == "reused"
-    assert {name: (out / name).stat().st_mtime_ns for name in corpus_files} == stamps  # nothing rewritten
-    upgraded = json.loads((out / "corpus.json").read_text())
-    assert upgraded["format"] == 2 and "sha256" not in upgraded and upgraded["parameters"] == legacy["parameters"]
-    assert {name: recorded["sha256"] for name, recorded in upgraded["files"]["files"].items()} == legacy["sha256"]
-    assert write_corpus(out, seed=1, **SMALL) == "reused"
-    # a format-1 manifest whose files changed since is not reused
-    (out / "corpus.json").write_text(json.dumps({**legacy, "sha256": {**legacy["sha256"], "train.src": "0" * 64}}))
-    with pytest.raises(FileExistsError):
+    with pytest.raises(FileExistsError, match=r"older format .*re-run with --force") as refused:
         write_corpus(out, seed=1, **SMALL)
+    assert "\n" not in str(refused.value)
+    assert {name: (out / name).stat().st_mtime_ns for name in corpus_files} == stamps  # nothing rewritten
+    assert write_corpus(out, seed=1, force=True, **SMALL) == "written"
+    assert json.loads((out / "corpus.json").read_text())["format"] == 2
+    assert write_corpus(out, seed=1, **SMALL) == "reused"
 
 
 def test_reuse_reads_only_the_files_whose_size_or_time_changed(tmp_path, hashed_files):

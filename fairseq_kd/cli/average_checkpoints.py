@@ -53,7 +53,7 @@ def last_checkpoints(save_dir: Path, kind: str, count: int) -> List[Path]:
 
 def average_checkpoints(paths: List[Path]) -> dict:
     """The newest checkpoint's state with every model parameter replaced by the mean over ``paths``."""
-    from fairseq_kd.checkpoint_safety import load_fairseq_checkpoint
+    from fairseq_kd.checkpoints import load_fairseq_checkpoint
 
     sums, newest = None, None
     for path in paths:
@@ -118,7 +118,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         import fairseq_kd
 
         fairseq_kd.register()
-        from fairseq_kd.checkpoint_safety import UnsafeCheckpointError
+        from fairseq_kd.checkpoints import UnsafeCheckpointError
 
         try:
             state = average_checkpoints(paths)

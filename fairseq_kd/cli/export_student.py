@@ -43,7 +43,7 @@ def cli_main(argv=None):
     import fairseq_kd
 
     fairseq_kd.register()
-    from fairseq_kd.checkpoint_safety import UnsafeCheckpointError
+    from fairseq_kd.checkpoints import UnsafeCheckpointError
     from fairseq_kd.models.export import ExportError, export_student
 
     try:

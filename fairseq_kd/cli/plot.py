@@ -57,7 +57,7 @@ def figure_weights_from_checkpoint(figure: str, checkpoint: Path) -> dict:
             return layer_weights_from_checkpoint(checkpoint)
         except ValueError as error:
             raise ValueError(f"--checkpoint {error}") from None
-    from fairseq_kd.checkpoint_safety import load_fairseq_checkpoint
+    from fairseq_kd.checkpoints import load_fairseq_checkpoint
     from fairseq_kd.modules.attention_alignment import AlignmentShapeError, alignment_weights_from_state
 
     criterion_state = load_fairseq_checkpoint(checkpoint).get("criterion")

@@ -17,7 +17,7 @@ when re-run with the same flags; a finished one is a no-op.
 most sentences with beam 5; float16 or int8_float16 on CUDA instead of ``--fp16``), decoded with
 ``--threads`` intra-op threads, on CUDA when available and not ``--cpu``. Same batches, length
 limits, shards and output; the engine is part of what a resumed run must repeat. See
-``fairseq_kd/data/seqkd.py``.
+``fairseq_kd/teacher_pass/seqkd.py``.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import sys
 from typing import Optional, Sequence
 
 from fairseq_kd.cli.config_flags import add_config_flags
-from fairseq_kd.data import seqkd
+from fairseq_kd.teacher_pass import seqkd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +44,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
-    from fairseq_kd.checkpoint_safety import UnsafeCheckpointError
+    from fairseq_kd.checkpoints import UnsafeCheckpointError
     from fairseq_kd.deploy import CTranslate2MissingError
     from fairseq_kd.deploy.ctranslate2_engine import CTranslate2ModelError
     from fairseq_kd.deploy.export_ctranslate2 import CTranslate2ExportError

@@ -6,7 +6,7 @@ selective_kd) without a teacher forward pass per step.
         --output data-bin/iwslt14.de-en/teacher-top8 --k 8
 
 Resumable: re-running after an interruption finishes the shards not yet written; re-running on a
-finished cache of the same teacher, data and k does nothing. Format: ``fairseq_kd/data/teacher_cache.py``.
+finished cache of the same teacher, data and k does nothing. Format: ``fairseq_kd/teacher_pass/teacher_cache.py``.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from fairseq_kd.cli.user_errors import exits_on_user_error
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fairseq_kd.data.teacher_cache import CacheConfig
+    from fairseq_kd.teacher_pass.teacher_cache import CacheConfig
 
     parser = argparse.ArgumentParser(prog="fairseq-kd-teacher-cache", description=__doc__.split("\n\n")[0])
     add_config_flags(parser, CacheConfig)
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cli_main(argv: Optional[List[str]] = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from fairseq_kd.data.teacher_cache import CacheConfig, TeacherCacheError, build_cache
+    from fairseq_kd.teacher_pass.teacher_cache import CacheConfig, TeacherCacheError, build_cache
     from fairseq_kd.models.teacher import TeacherCheckpointError
 
     if not args.data.is_dir():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import sys
 
-# ValueError and OSError, plus fairseq_kd.checkpoint_safety.UnsafeCheckpointError (a RuntimeError),
+# ValueError and OSError, plus fairseq_kd.checkpoints.UnsafeCheckpointError (a RuntimeError),
 # matched by name so that the scoring commands import neither torch nor fairseq.
 USER_ERRORS = (ValueError, OSError)
 USER_RUNTIME_ERRORS = ("UnsafeCheckpointError",)

@@ -142,25 +142,24 @@ def mean_alpha(sums: Dict[str, Tensor]) -> Dict[str, List[List[float]]]:
 
 
 def saved_alpha_sums(state: dict) -> dict:
-    """The :class:`~.base.EpochSums` state in a criterion's checkpoint state, also from checkpoints
-    written before it existed (``alpha_epoch``, ``alpha_sum``, ``alpha_positions``)."""
-    if "alpha_sums" in state:
-        return state["alpha_sums"]
-    sums = {f"alpha/{side}": total for side, total in state.get("alpha_sum", {}).items()}
-    sums.update({f"positions/{side}": count for side, count in state.get("alpha_positions", {}).items()})
-    return {"epoch": state.get("alpha_epoch"), "sums": sums}
+    """The :class:`~.base.EpochSums` state in a criterion's checkpoint state; a state of the format
+    before it (``alpha_sum``, ``alpha_positions``) is refused."""
+    if "alpha_sum" in state and "alpha_sums" not in state:
+        raise ValueError("the ALP-KD state in this checkpoint is of an older fairseq-kd format (alpha_sum); "
+                         "re-run the training to write it anew")
+    return state.get("alpha_sums") or {}
 
 
 def layer_weights_from_checkpoint(path) -> Dict[str, List[List[float]]]:
     """The ALP-KD layer weights saved in a checkpoint of a ``--criterion alp_kd`` run."""
-    import fairseq_kd
-    from fairseq_kd.checkpoint_safety import load_fairseq_checkpoint
-
-    fairseq_kd.register()  # allow-lists the classes fairseq checkpoints hold for torch.load
+    from ..checkpoints import load_fairseq_checkpoint, task_state
 
     state = load_fairseq_checkpoint(path)  # weights_only=True, explicitly
-    saved = (state.get("extra_state") or {}).get("TranslationKDTask", {}).get("criterion", {})
-    weights = mean_alpha(saved_alpha_sums(saved).get("sums", {}))
+    saved = task_state(state).get("criterion", {})
+    try:
+        weights = mean_alpha(saved_alpha_sums(saved).get("sums", {}))
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
     if not weights:
         raise ValueError(
             f"{path}: no ALP-KD layer weights in this checkpoint (it must come from fairseq-train "

@@ -81,8 +81,8 @@ LEXICON_SEED = 20240611
 MIN_TOKENS, MAX_TOKENS = 3, 20
 SPLITS = ("train", "valid", "test")
 MANIFEST_NAME = "corpus.json"
-#: corpus.json's "format": 2 records the files' fingerprints (``files``); a manifest without one
-#: (format 1) records their bare SHA-256 (``sha256``) and is checked and rewritten once
+#: corpus.json's "format": 2 records the files' fingerprints (``files``); a manifest of another
+#: format (format 1 had none) is refused: write the corpus anew with --force
 MANIFEST_FORMAT = 2
 
 GENDERS = ("m", "f", "n")
@@ -354,41 +354,30 @@ def generate_corpus(seed: int, sizes: Mapping[str, int]) -> dict[str, list[tuple
     return splits
 
 
-def _existing_corpus_matches(out_dir: Path, parameters: dict) -> bool:
+def _existing_corpus_matches(out_dir: Path, parameters: dict, force: bool) -> bool:
     """Whether ``out_dir`` holds the corpus of ``parameters``, its files unchanged (files of the
-    recorded sizes and modification times are not read again)."""
-    from .fingerprint import content, fingerprint_files, read_json  # here: the generator also runs standalone
+    recorded sizes and modification times are not read again). A manifest of an older format is
+    refused (FileExistsError) naming --force, unless ``force``."""
+    from ..fingerprint import content, fingerprint_files, read_json  # here: the generator also runs standalone
 
     try:
         manifest = read_json(out_dir / MANIFEST_NAME)
     except (OSError, ValueError):
         return False
-    if (not isinstance(manifest, dict) or manifest.get("grammar_version") != GRAMMAR_VERSION
-            or manifest.get("parameters") != parameters):
+    if not isinstance(manifest, dict):
         return False
-    if "format" not in manifest:
-        return _legacy_corpus_matches(out_dir, manifest)
+    if manifest.get("format") != MANIFEST_FORMAT:
+        if force:
+            return False
+        raise FileExistsError(
+            f"{out_dir / MANIFEST_NAME} is of an older format ({manifest.get('format') or 'no format'}; this "
+            f"version writes {MANIFEST_FORMAT}); write the corpus anew: re-run with --force")
+    if manifest.get("grammar_version") != GRAMMAR_VERSION or manifest.get("parameters") != parameters:
+        return False
     recorded = manifest.get("files") or {}
     paths = [out_dir / name for name in recorded.get("files", {})]
-    return (manifest["format"] == MANIFEST_FORMAT and bool(paths) and all(path.is_file() for path in paths)
+    return (bool(paths) and all(path.is_file() for path in paths)
             and content(fingerprint_files(paths, recorded)) == content(recorded))
-
-
-def _legacy_corpus_matches(out_dir: Path, manifest: dict) -> bool:
-    """The check of a format-1 manifest (``"sha256": {file name: SHA-256}``, the digests that
-    fingerprints hold); a corpus that passes it gets a format-2 manifest."""
-    from .fingerprint import content, fingerprint_files, write_json
-
-    checksums = manifest.get("sha256") or {}
-    paths = [out_dir / name for name in checksums]
-    if not paths or not all(path.is_file() for path in paths):
-        return False
-    files = fingerprint_files(paths)
-    if content(files) != checksums:
-        return False
-    upgraded = {key: value for key, value in manifest.items() if key != "sha256"}
-    write_json(out_dir / MANIFEST_NAME, {**upgraded, "format": MANIFEST_FORMAT, "files": files})
-    return True
 
 
 def write_corpus(out_dir: Union[str, Path], seed: int = 1, train_size: int = 20000,
@@ -420,7 +409,7 @@ def write_corpus(out_dir: Union[str, Path], seed: int = 1, train_size: int = 200
     parameters = {"seed": seed, "train_size": train_size, "valid_size": valid_size,
                   "test_size": test_size, "source_lang": source_lang, "target_lang": target_lang}
     if out_dir.is_dir() and any(out_dir.iterdir()):
-        if _existing_corpus_matches(out_dir, parameters):
+        if _existing_corpus_matches(out_dir, parameters, force):
             return "reused"
         if not force:
             raise FileExistsError(
@@ -435,7 +424,7 @@ def write_corpus(out_dir: Union[str, Path], seed: int = 1, train_size: int = 200
             path = out_dir / f"{split}.{lang}"
             path.write_text("".join(pair[side] + "\n" for pair in pairs), encoding="utf-8")
             written.append(path)
-    from .fingerprint import fingerprint_files, write_json
+    from ..fingerprint import fingerprint_files, write_json
 
     # the manifest is written last, so an interrupted run is never mistaken for a finished one
     manifest = {"format": MANIFEST_FORMAT, "generator": __name__, "grammar_version": GRAMMAR_VERSION,

@@ -11,7 +11,7 @@ CTranslate2's own ``ct2-fairseq-converter`` unpickles the checkpoint's config as
 containers, loadable with ``weights_only=True``). This module does the conversion in-process
 through CTranslate2's converter API instead:
 
-1. the checkpoint is read with ``weights_only=True`` (:mod:`fairseq_kd.checkpoint_safety`; nothing
+1. the checkpoint is read with ``weights_only=True`` (:mod:`fairseq_kd.checkpoints`; nothing
    is ever unpickled beyond the allow-list), its model built by fairseq with the plugin's
    architectures registered, and the data's dictionaries checked against it;
 2. everything CTranslate2's ``TransformerSpec`` cannot express is refused in one line naming what
@@ -74,16 +74,14 @@ class LoadedTransformer:
 def load_transformer(checkpoint: str, data: Optional[str] = None) -> LoadedTransformer:
     """Read ``checkpoint`` (weights only) and build its Transformer on the dictionaries of
     ``data`` (default: the data folder the checkpoint records), checking that they fit it."""
-    import fairseq_kd
-
-    fairseq_kd.register()  # the checkpoint may name one of the plugin's architectures
     from fairseq import models
     from fairseq.data import Dictionary
     from fairseq.data.data_utils import infer_language_pair
     from fairseq.models.transformer import TransformerModelBase
 
-    from ..checkpoint_safety import load_fairseq_checkpoint
-    from ..tasks.translation_kd import dictionary_sha256
+    from ..checkpoints import load_fairseq_checkpoint, task_state
+    from ..fingerprint import dictionary_sha256
+    from ..models import architectures  # noqa: F401  (registers the plugin's architectures a checkpoint may name)
 
     if os.path.isdir(checkpoint):
         raise CTranslate2ExportError(f"checkpoint {checkpoint!r} is a folder; give the checkpoint file "
@@ -129,7 +127,7 @@ def load_transformer(checkpoint: str, data: Optional[str] = None) -> LoadedTrans
             raise CTranslate2ExportError(
                 f"{flag}: its {side} dictionary has {len(dictionary)} symbols but the model's {side} embedding "
                 f"{weight.size(0)}; give the data folder the model was trained on")
-    binding = ((state.get("extra_state") or {}).get("TranslationKDTask") or {}).get("binding") or {}
+    binding = task_state(state).get("binding") or {}
     for side, dictionary in (("source", dictionaries[0]), ("target", dictionaries[1])):
         recorded_hash = binding.get(f"{side}_dictionary_sha256")
         if recorded_hash and recorded_hash != dictionary_sha256(dictionary):
@@ -248,9 +246,8 @@ def _check_output(checkpoint: str, output: str, overwrite: bool) -> Path:
 def export_ctranslate2(checkpoint: str, output: str, quantization: str = "int8", data: Optional[str] = None,
                        overwrite: bool = False) -> dict:
     """Write the CTranslate2 model folder ``output`` from ``checkpoint``; return a summary."""
-    from ..data.fingerprint import fingerprint
+    from ..fingerprint import dictionary_sha256, fingerprint
     from ..models.export import count_parameters
-    from ..tasks.translation_kd import dictionary_sha256
 
     if quantization not in QUANTIZATIONS:
         raise CTranslate2ExportError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")

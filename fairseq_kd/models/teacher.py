@@ -8,7 +8,6 @@ student's device and dtype (fp16 and bf16 included) on the first forward pass af
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from pathlib import Path
@@ -18,6 +17,8 @@ import torch
 from fairseq.data import Dictionary
 from torch import nn
 
+from ..checkpoints import UnsafeCheckpointError, load_fairseq_checkpoint, task_state
+from ..fingerprint import dictionary_sha256, file_sha256
 from .feature_capture import CapturedFeatures, CaptureRequest, FeatureCapture, NotATransformerError
 from .shape import TransformerShape
 
@@ -50,13 +51,11 @@ class FrozenTeacher:
         ``teacher_data`` (``--teacher-data``) is read from the task's config when not given; a task
         without that option (stock ``translation``) must be given it by its caller, and a teacher
         whose dictionaries cannot be verified is refused either way. ``sha256``: the checkpoint's
-        SHA-256 when the caller has just taken its fingerprint (:mod:`fairseq_kd.data.fingerprint`),
+        SHA-256 when the caller has just taken its fingerprint (:mod:`fairseq_kd.fingerprint`),
         so that it is not read twice; hashed here otherwise.
         """
         from fairseq import models
         from fairseq.models.transformer import TransformerModelBase
-
-        from ..checkpoint_safety import UnsafeCheckpointError, load_fairseq_checkpoint
 
         if not path or not os.path.isfile(path):
             raise TeacherCheckpointError(
@@ -125,14 +124,6 @@ class FrozenTeacher:
             with FeatureCapture(self.model, request) as capture:
                 net_output = self.model(**net_input)
             return net_output, capture.features()
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _embedding_rows(state_dict: dict, prefix: str) -> Optional[int]:
@@ -216,10 +207,8 @@ def check_dictionaries(path: str, state: dict, src_dict: Dictionary, tgt_dict: D
                 "(its fairseq-preprocess --destdir)."
             ) from None
 
-    binding = ((state.get("extra_state") or {}).get("TranslationKDTask") or {}).get("binding") or {}
+    binding = task_state(state).get("binding") or {}
     if binding.get("source_dictionary_sha256") and binding.get("target_dictionary_sha256"):
-        from ..tasks.translation_kd import dictionary_sha256
-
         for side, dictionary in (("source", src_dict), ("target", tgt_dict)):
             recorded = binding[f"{side}_dictionary_sha256"]
             if recorded != dictionary_sha256(dictionary):

@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from fairseq_kd.fingerprint import file_sha256  # the one hasher; imports neither torch nor fairseq
+
 PROG = "fairseq-kd-deploy-benchmark"
 FORMAT = "fairseq-kd-deploy-benchmark/1"
 LOGGER = "fairseq_kd_recipes.deploy_benchmark"
@@ -323,14 +325,6 @@ def build_rows(teacher: str, students: Sequence[Tuple[str, str]], quantizations:
 
 
 # --------------------------------------------------------------------------- machine and hashing
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _version(module: str) -> Optional[str]:

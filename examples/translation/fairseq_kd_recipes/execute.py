@@ -4,7 +4,7 @@ outputs and its settings: re-running the recipe skips every finished step, and a
 re-runs exactly what depends on it.
 
 Training checkpoints are never overwritten. Before fairseq-train starts, the recipe writes the
-training settings and its inputs' fingerprints (the step runner's, :mod:`fairseq_kd.data.fingerprint`)
+training settings and its inputs' fingerprints (the step runner's, :mod:`fairseq_kd.fingerprint`)
 into the save folder (``recipe_train.json``); a folder that already holds checkpoints is used only
 when that record matches (same settings, inputs of the same content), which is an interrupted
 run of the same training (fairseq resumes it from ``checkpoint_last.pt``). Anything else (other
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
-from fairseq_kd.data.fingerprint import content, fingerprint, read_json
+from fairseq_kd.fingerprint import content, fingerprint, read_json
 
 from .prepare.errors import PrepareError
 from .prepare.pipeline import Step, StepRunner
@@ -139,7 +139,7 @@ def tail(path: Path, lines: int = 25) -> str:
 
 def training_record(settings: Mapping, inputs: Sequence[Path], previous: Optional[Mapping] = None) -> dict:
     """What identifies one training run: its settings and its inputs' fingerprints (the scheme of
-    every resumable step, :mod:`fairseq_kd.data.fingerprint`; None for an input not there yet). A
+    every resumable step, :mod:`fairseq_kd.fingerprint`; None for an input not there yet). A
     ``previous`` record of this format spares re-hashing files whose size and time are unchanged."""
     recorded = previous.get("inputs") or {} if previous and previous.get("format") == TRAIN_RECORD_FORMAT else {}
     return {"format": TRAIN_RECORD_FORMAT, "settings": json.loads(json.dumps(dict(settings))),

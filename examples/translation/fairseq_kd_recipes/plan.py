@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import fairseq_kd
-from fairseq_kd.data.fingerprint import write_json
+from fairseq_kd.fingerprint import write_json
 
 from .execute import (MANIFEST_NAME, TRAIN_RECORD_NAME, CommandExecutor, RecipeError, check_checkpoint_folder,
                       console_script, python_module)

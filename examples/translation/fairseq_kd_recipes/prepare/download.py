@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from fairseq_kd.data.fingerprint import fingerprint, read_json, write_json
+from fairseq_kd.fingerprint import fingerprint, read_json, write_json
 
 from .errors import PrepareError
 
@@ -94,7 +94,7 @@ class FileDigest:
 
     @classmethod
     def of(cls, recorded: Mapping) -> "FileDigest":
-        """From a file's fingerprint (:mod:`fairseq_kd.data.fingerprint`) taken with ``md5=True``."""
+        """From a file's fingerprint (:mod:`fairseq_kd.fingerprint`) taken with ``md5=True``."""
         return cls(size=recorded["size"], sha256=recorded["sha256"], md5=recorded["md5"])
 
 

@@ -2,7 +2,7 @@
 
 A :class:`Step` declares its input files, its output files and its parameters. After the step
 succeeds, :class:`StepRunner` writes a stamp ``<stamp_dir>/<step name>.json`` holding the sha256,
-size and modification time of every input and output (:mod:`fairseq_kd.data.fingerprint`, the one
+size and modification time of every input and output (:mod:`fairseq_kd.fingerprint`, the one
 scheme of every resumable record) and the parameters. On the next run the step is skipped when the stamp exists, the
 parameters are equal, every input still has the recorded sha256 and every output still exists with
 the recorded content. Checksums are recomputed only for files whose size or modification time
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from fairseq_kd.data.fingerprint import content, fingerprint, read_json, write_json
+from fairseq_kd.fingerprint import content, fingerprint, read_json, write_json
 
 from .errors import PrepareError
 

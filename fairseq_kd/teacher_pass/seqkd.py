@@ -26,7 +26,7 @@ What identifies the output (a re-run with other values is refused unless ``force
 data (split, languages, and the content of the split's binaries and of the dictionaries), the
 teacher checkpoint's content, beam, length limits, length penalty, fp16 and shard size; contents,
 not paths, so moved folders still resume (the paths are recorded in the manifest too). The inputs
-are recorded as fingerprints (:mod:`.fingerprint`: size, modification time, SHA-256), so a re-run
+are recorded as fingerprints (:mod:`fairseq_kd.fingerprint`: size, modification time, SHA-256), so a re-run
 re-reads only files whose size or time changed, never an unchanged teacher checkpoint. Batch size,
 max tokens and the device are not part of the identity: they change the hypotheses only through
 floating-point rounding and through fairseq's length limit, which ``SequenceGenerator`` derives from
@@ -34,9 +34,10 @@ the longest (padded) source of a batch (``max_len_a * src_len + max_len_b``), as
 
 ``seqkd.json`` (format 2): ``format``, ``parameters`` (the settings above), ``inputs``
 (``split_files``, ``dictionaries``: fingerprints of those files; ``teacher``: the checkpoint's),
-then ``status``, counts, paths and, once complete, the output files' sizes. A manifest of format 1
-(no ``format``; SHA-256 digests in ``parameters``, written before fingerprints) is checked the old
-way once and rewritten in format 2, so work it records is not redone.
+then ``status``, counts, paths and, once complete, the output files' sizes. A manifest of another
+format (format 1 had none) is refused in one line: decode anew with ``--force`` or into another
+folder. Set-up, shards and the record's identity are the teacher pass's
+(:mod:`fairseq_kd.teacher_pass.common`), shared with the teacher cache.
 
 Engines (``engine``). ``fairseq`` (the default) decodes with fairseq's ``SequenceGenerator`` as
 above. ``ctranslate2`` converts the teacher once per run into a CTranslate2 model folder,
@@ -61,7 +62,6 @@ it was.
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 import os
@@ -72,18 +72,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-import numpy as np
 import torch
 
 from ..deploy.export_ctranslate2 import QUANTIZATIONS
-from ..progress import print_above_bars, progress_bar
-from .fingerprint import content, fingerprint, fingerprint_files, read_json, write_json
+from ..fingerprint import fingerprint, fingerprint_files, write_json
+from .common import (check_max_tokens, identity, infer_languages, length_ordered_indices, load_split,
+                     load_teacher, on_device, pick_device, read_record, refuse_older_format, shard_batches,
+                     shard_progress, shard_range, split_files, translation_task)
 
 MANIFEST_NAME = "seqkd.json"
 WORK_DIR_NAME = "seqkd_work"
-FORMAT_VERSION = 2  # seqkd.json's "format"; a manifest without one is format 1 (_legacy_parameters)
-#: seed of the tie-breaking shuffle in ``ordered_indices`` (fairseq-generate's default --seed)
-ORDER_SEED = 1
+FORMAT_VERSION = 2  # seqkd.json's "format"
 #: decoding engines (``--engine``)
 ENGINES = ("fairseq", "ctranslate2")
 #: the CTranslate2 teacher's folder inside the work folder
@@ -171,36 +170,6 @@ class SeqKDResult:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _legacy_sha256_of_files(paths: List[Path]) -> str:
-    """One SHA-256 over the files' names and bytes: how format-1 manifests (``seqkd.json`` before
-    format 2, ``fairseq-kd-teacher-cache/1``) recorded their inputs. Only to check such a manifest;
-    records now hold fingerprints (:mod:`.fingerprint`)."""
-    digest = hashlib.sha256()
-    for path in paths:
-        digest.update(path.name.encode() + b"\0")
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
-def _split_files(data: Path, split: str, src: str, tgt: str) -> List[Path]:
-    """Binary files of ``split`` and its fairseq continuation parts ``split1``, ``split2``, ...
-    (either language-pair naming), in the order fairseq's translation task concatenates them."""
-    files: List[Path] = []
-    for k in itertools.count():
-        name = split + (str(k) if k > 0 else "")
-        found = False
-        for pair in (f"{src}-{tgt}", f"{tgt}-{src}"):
-            stem = data / f"{name}.{pair}"
-            if (data / f"{stem.name}.{src}.idx").is_file():
-                files += sorted(p for p in data.glob(f"{stem.name}.*") if p.suffix in (".bin", ".idx"))
-                found = True
-                break
-        if not found:
-            return files
-
-
 def _is_split_part(name: str, split: str) -> bool:
     return re.fullmatch(re.escape(split) + r"\d*", name) is not None
 
@@ -281,19 +250,6 @@ def _check_flags(config: SeqKDConfig) -> None:
         raise SeqKDError("--fp16 needs a CUDA device (and no --cpu)")
 
 
-def _resolve_languages(config: SeqKDConfig, data: Path):
-    from fairseq.data import data_utils
-
-    src, tgt = config.source_lang, config.target_lang
-    if src is None or tgt is None:
-        # fairseq's own rule (TranslationTask.setup_task): the first <split>.<a>-<b>.* file found
-        src, tgt = data_utils.infer_language_pair(str(data))
-        if src is None or tgt is None:
-            raise SeqKDError(f"--data {data}: cannot infer the language pair (no <split>.<src>-<tgt>.* "
-                             "files); pass --source-lang and --target-lang")
-    return src, tgt
-
-
 def plan(config: SeqKDConfig) -> _Plan:
     """Every check that needs no model: flags, data, split, output folder. Raises SeqKDError."""
     _check_flags(config)
@@ -302,15 +258,15 @@ def plan(config: SeqKDConfig) -> _Plan:
     data = Path(config.data).resolve()
     if not data.is_dir():
         raise SeqKDError(f"--data {config.data}: no such folder (a fairseq-preprocess --destdir is expected)")
-    src, tgt = _resolve_languages(config, data)
+    src, tgt = infer_languages(data, config.source_lang, config.target_lang, SeqKDError)
     for lang, flag in ((src, "--source-lang"), (tgt, "--target-lang")):
         if not (data / f"dict.{lang}.txt").is_file():
             raise SeqKDError(f"--data {data}: no dict.{lang}.txt; is {flag} {lang} right?")
-    split_files = _split_files(data, config.split, src, tgt)
-    if not any(p.name.endswith(f".{src}.idx") for p in split_files):
+    files = split_files(data, config.split, src, tgt)
+    if not any(p.name.endswith(f".{src}.idx") for p in files):
         raise SeqKDError(f"--split {config.split}: no binarised {config.split}.{src}-{tgt}.{src} in {data}; "
                          "binarise it with fairseq-preprocess or pick another split")
-    source_bins = [p for p in split_files if p.name.endswith(f".{src}.bin")]
+    source_bins = [p for p in files if p.name.endswith(f".{src}.bin")]
     if sum(p.stat().st_size for p in source_bins) == 0:  # every sentence holds at least </s>
         raise SeqKDError(f"--split {config.split}: the split in {data} has no sentences "
                          f"({', '.join(p.name for p in source_bins) or 'no .bin file'})")
@@ -323,8 +279,7 @@ def plan(config: SeqKDConfig) -> _Plan:
     if output.exists() and not output.is_dir():
         raise SeqKDError(f"--output {config.output} exists and is not a folder")
 
-    manifest_path = output / MANIFEST_NAME
-    manifest = read_json(manifest_path) if manifest_path.is_file() else None
+    manifest = read_record(output / MANIFEST_NAME)
     recorded = (manifest or {}).get("inputs") or {}  # their checksums are reused for unchanged files
     dictionaries = [data / f"dict.{src}.txt", data / f"dict.{tgt}.txt"]
     teacher = Path(config.teacher_checkpoint)
@@ -344,49 +299,35 @@ def plan(config: SeqKDConfig) -> _Plan:
     if config.engine == "ctranslate2":
         parameters["ct2_quantization"] = config.ct2_quantization
     inputs = {
-        "split_files": fingerprint_files(split_files, recorded.get("split_files")),
+        "split_files": fingerprint_files(files, recorded.get("split_files")),
         "dictionaries": fingerprint_files(dictionaries, recorded.get("dictionaries")),
         "teacher": fingerprint(teacher, recorded.get("teacher")),
     }
     plan_ = _Plan(config, data, output, src, tgt, parameters, inputs, manifest=None)
-    plan_.manifest = _check_output_folder(
-        plan_, manifest, lambda: _legacy_parameters(parameters, split_files, dictionaries, teacher))
+    plan_.manifest = _check_output_folder(plan_, manifest)
     return plan_
 
 
 def _identity(record: dict) -> dict:
-    """The settings and the inputs' contents of a format-2 record (not the files' times); a
-    parameter the record predates counts with its :data:`PARAMETER_DEFAULTS` value."""
-    return {**PARAMETER_DEFAULTS, **record.get("parameters", {}),
-            **{name: content(fp) for name, fp in record.get("inputs", {}).items()}}
+    """The settings and the inputs' contents of a record; a parameter the record predates counts
+    with its :data:`PARAMETER_DEFAULTS` value."""
+    return identity({**PARAMETER_DEFAULTS, **record.get("parameters", {})}, record.get("inputs", {}))
 
 
-def _legacy_parameters(parameters: dict, split_files: List[Path], dictionaries: List[Path], teacher: Path) -> dict:
-    """``parameters`` as a format-1 manifest (no ``format``) records them for these inputs, hashed
-    the way it hashed them; only to check such a manifest (a digest over names and bytes is no
-    fingerprint's)."""
-    return {"format_version": 1, **parameters, "split_sha256": _legacy_sha256_of_files(split_files),
-            "dictionaries_sha256": _legacy_sha256_of_files(dictionaries),
-            "teacher_sha256": _legacy_sha256_of_files([teacher])}
-
-
-def _check_output_folder(plan_: _Plan, manifest: Optional[dict],
-                         legacy_parameters: Callable[[], dict]) -> Optional[dict]:
-    """The manifest to resume from (None: start afresh); refuses a folder holding other data.
-    A format-1 manifest is checked the old way, against ``legacy_parameters()``; :func:`run`
-    rewrites it in format 2."""
+def _check_output_folder(plan_: _Plan, manifest: Optional[dict]) -> Optional[dict]:
+    """The manifest to resume from (None: start afresh); refuses a folder holding other data or
+    a manifest of another format."""
     output = plan_.output
     if not output.exists() or not any(output.iterdir()):
         return None
     manifest_path = output / MANIFEST_NAME
+    if manifest is not None and not plan_.config.force:
+        refuse_older_format(manifest.get("format"), FORMAT_VERSION, f"--output {output}: {MANIFEST_NAME}",
+                            "decode anew: pass --force, or choose another folder", SeqKDError)
     if manifest is None:
         old = new = {}
-    elif "format" not in manifest:  # format 1
-        old, new = {**PARAMETER_DEFAULTS, **manifest.get("parameters", {})}, legacy_parameters()
-    elif manifest["format"] == FORMAT_VERSION:
-        old, new = _identity(manifest), _identity(plan_.record)
     else:
-        old, new = {"format": manifest["format"]}, {"format": FORMAT_VERSION}
+        old, new = _identity(manifest), _identity(plan_.record)
     if manifest is not None and old == new:
         return manifest
     if plan_.config.force:
@@ -418,23 +359,12 @@ def _clear_for_force(plan_: _Plan) -> None:
 # ------------------------------------------------------------------------------ decoding
 def _load(plan_: _Plan):
     """Task with the split loaded, the frozen teacher (dictionary checks) and the device."""
-    import fairseq_kd
-
-    fairseq_kd.register()  # the teacher may use one of the plugin's named architectures
-    from fairseq.tasks.translation import TranslationConfig, TranslationTask
-
-    from ..models.teacher import FrozenTeacher
-
-    cfg = TranslationConfig(data=str(plan_.data), source_lang=plan_.src, target_lang=plan_.tgt,
-                            train_subset=plan_.config.split, dataset_impl=None,
-                            required_seq_len_multiple=1)  # dataset_impl None: inferred per file
-    task = TranslationTask.setup_task(cfg)
-    task.load_dataset(plan_.config.split, combine=True)
-    dataset = task.dataset(plan_.config.split)
+    task = translation_task(plan_.data, plan_.src, plan_.tgt, plan_.config.split)
+    dataset = load_split(task, plan_.config.split)
     if len(dataset) == 0:
         raise SeqKDError(f"--split {plan_.config.split}: the split in {plan_.data} has no sentences")
-    teacher = FrozenTeacher.load(plan_.config.teacher_checkpoint, task, teacher_data=plan_.config.teacher_data,
-                                 sha256=plan_.inputs["teacher"]["sha256"])  # fingerprinted by plan()
+    teacher = load_teacher(task, plan_.config.teacher_checkpoint, plan_.config.teacher_data,
+                           plan_.inputs["teacher"]["sha256"])  # fingerprinted by plan()
     max_source = teacher.model.max_positions()[0]
     too_long = (dataset.src_sizes > max_source).nonzero()[0]
     if len(too_long):
@@ -445,8 +375,8 @@ def _load(plan_: _Plan):
     too_small = check_max_tokens(dataset, plan_.config.max_tokens, plan_.config.split)
     if too_small:
         raise SeqKDError(too_small)
-    use_cuda = torch.cuda.is_available() and not plan_.config.cpu
-    device = torch.device("cuda" if use_cuda else "cpu")
+    device = pick_device(plan_.config.cpu)
+    use_cuda = device.type == "cuda"
     if plan_.config.engine == "ctranslate2":
         from ..deploy import import_ctranslate2
 
@@ -455,10 +385,7 @@ def _load(plan_: _Plan):
             raise SeqKDError("--engine ctranslate2: this CTranslate2 build sees no CUDA device; pass --cpu "
                              "or install a CUDA build of CTranslate2")
         return task, dataset, teacher.model, device  # the torch model stays on the CPU, unused
-    model = teacher.model.to(device)
-    if plan_.config.fp16:
-        model = model.half()
-    return task, dataset, model, device
+    return task, dataset, on_device(teacher.model, device, plan_.config.fp16), device
 
 
 def _ctranslate2_teacher(plan_: _Plan) -> Path:
@@ -524,48 +451,12 @@ def make_decoder(plan_: _Plan, task, dataset, model, device, ct2_model: Optional
     return decode_fairseq
 
 
-def length_ordered_indices(dataset):
-    """fairseq-generate's sentence order: by length, ties shuffled with a fixed seed."""
-    from fairseq.data import data_utils
-
-    with data_utils.numpy_seed(ORDER_SEED):
-        return dataset.ordered_indices()
-
-
-def shard_batches(dataset, ordered, first: int, last: int, max_tokens: Optional[int],
-                  max_sentences: Optional[int] = None):
-    """fairseq's ``batch_by_size`` over the sentence ids ``first..last-1`` of a shard, taken in the
-    order ``ordered`` (:func:`length_ordered_indices`): a shard's batches do not depend on which
-    other shards are decoded in the same run, so a resumed run batches as an uninterrupted one."""
-    indices = ordered[(ordered >= first) & (ordered < last)]
-    return dataset.batch_by_size(indices, max_tokens=max_tokens, max_sentences=max_sentences,
-                                 required_batch_size_multiple=1)
-
-
-def check_max_tokens(dataset, max_tokens: Optional[int], split: str) -> Optional[str]:
-    """Why ``--max-tokens`` cannot batch ``dataset`` (fairseq's ``batch_by_size`` asserts that
-    every sentence fits in one batch), or None."""
-    if max_tokens is None or len(dataset) == 0:
-        return None
-    lengths = dataset.num_tokens_vec(np.arange(len(dataset)))
-    longest = int(lengths.argmax())
-    if lengths[longest] <= max_tokens:
-        return None
-    return (f"--max-tokens {max_tokens} is smaller than sentence {longest} of --split {split} "
-            f"({int(lengths[longest])} tokens); raise it to at least that")
-
-
-def _shard_sentences(index: int, shard_size: int, sentences: int) -> int:
-    return min(sentences, (index + 1) * shard_size) - index * shard_size
-
-
 def _decode_shard(plan_: _Plan, dataset, decode: Decoder, ordered, index: int,
                   on_batch: Callable[[int], None] = lambda sentences: None) -> int:
     """Decode sentences ``[index * shard_size, (index + 1) * shard_size)`` with ``decode``
     (:func:`make_decoder`) and write the shard; ``on_batch(n)`` after each batch of ``n`` sentences
     (the progress bar)."""
-    first = index * plan_.config.shard_size
-    last = min(len(dataset), first + plan_.config.shard_size)
+    first, last = shard_range(index, plan_.config.shard_size, len(dataset))
     batches = shard_batches(dataset, ordered, first, last, plan_.config.max_tokens, plan_.config.batch_size)
     hypotheses: Dict[int, torch.Tensor] = {}
     for batch in batches:
@@ -602,8 +493,8 @@ def _read_shard(plan_: _Plan, index: int, sentences: int) -> Optional[List[torch
         shard = torch.load(path, map_location="cpu", weights_only=True)
     except Exception:  # noqa: BLE001 - an unreadable shard is decoded again
         return None
-    first = index * plan_.config.shard_size
-    expected = min(sentences, first + plan_.config.shard_size) - first
+    first, last = shard_range(index, plan_.config.shard_size, sentences)
+    expected = last - first
     if (not isinstance(shard, dict) or shard.get("first_id") != first or shard.get("count") != expected
             or int(shard["lengths"].sum()) != shard["tokens"].numel()):
         return None
@@ -673,7 +564,7 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
         if not _complete_output_ok(plan_):
             raise SeqKDError(f"--output {plan_.output}: {MANIFEST_NAME} says complete but output files are "
                              "missing or changed; pass --force to decode anew")
-        refreshed = {**plan_.manifest, **plan_.record}  # format 2, the inputs' fingerprints as they are now
+        refreshed = {**plan_.manifest, **plan_.record}  # the inputs' fingerprints as they are now
         if refreshed != plan_.manifest:
             write_json(plan_.output / MANIFEST_NAME, refreshed)
         sentences = plan_.manifest["sentences"]
@@ -719,13 +610,10 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
         log(f"resuming: {shard_count - len(pending)} of {shard_count} shards already decoded")
     decoded_now, seconds = 0, 0.0
     to_decode = pending if config.max_shards is None else pending[:config.max_shards]
-    # per-sentence progress with rate and time left on stderr, only when it is a terminal
-    with progress_bar(total=sum(_shard_sentences(i, config.shard_size, sentences) for i in to_decode),
-                      desc="seq-KD decoding", unit="sent") as bar:
-        log_line = print_above_bars(log) if not bar.disable else log
+    with shard_progress(to_decode, config.shard_size, sentences, "seq-KD decoding", log) as (on_batch, log_line):
         for index in to_decode:
             start = time.perf_counter()
-            count = _decode_shard(plan_, dataset, decode, ordered, index, on_batch=bar.update)
+            count = _decode_shard(plan_, dataset, decode, ordered, index, on_batch=on_batch)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - start

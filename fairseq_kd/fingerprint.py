@@ -1,7 +1,13 @@
-"""The one fingerprint scheme of every resumable record: the plugin's ``seqkd.json``
-(:mod:`.seqkd`), the teacher cache's ``cache.json`` and ``progress.json`` (:mod:`.teacher_cache`)
-and the synthetic corpus's ``corpus.json`` (:mod:`.synthetic`); the recipes' preparation stamps,
-the record of a training run (``recipe_train.json``) and the downloads' digest cache.
+"""The one place where the plugin hashes: SHA-256 of files (:func:`file_sha256`, and the
+fingerprints below) and of fairseq dictionaries (:func:`dictionary_sha256`).
+
+The fingerprint scheme of every resumable record: ``seqkd.json``
+(:mod:`fairseq_kd.teacher_pass.seqkd`), the teacher cache's ``cache.json`` and ``progress.json``
+(:mod:`fairseq_kd.teacher_pass.teacher_cache`) and the synthetic corpus's ``corpus.json``
+(:mod:`fairseq_kd.data.synthetic`); the recipes' preparation stamps, the record of a training run
+(``recipe_train.json``) and the downloads' digest cache. A teacher checkpoint's SHA-256 (what binds
+a student's run to its teacher) and the dictionary hashes of the run's binding
+(:mod:`fairseq_kd.checkpoints`) are taken here too. Imports neither torch nor fairseq.
 
 A file's fingerprint is its size, modification time and sha256 (and md5 where a download manifest
 pins one); a folder's is its files' fingerprints, and so is that of a list of files (a binarised
@@ -53,6 +59,16 @@ def content(recorded: Mapping[str, Any]) -> Any:
     if recorded.get("kind") in ("dir", "files"):
         return {name: content(child) for name, child in recorded["files"].items()}
     return recorded.get("sha256")
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file's bytes."""
+    return _digests(Path(path), False)["sha256"]
+
+
+def dictionary_sha256(dictionary) -> str:
+    """SHA-256 of a fairseq dictionary's symbols in index order (counts are irrelevant to a model)."""
+    return hashlib.sha256("\n".join(dictionary.symbols).encode("utf-8")).hexdigest()
 
 
 def _digests(path: Path, md5: bool) -> dict[str, str]:

@@ -11,7 +11,7 @@ stores, per target token in sentence-id order, the ``k`` largest log-probabiliti
 temperature 1) and their token ids (int32), memory-mapped numpy arrays beside a manifest::
 
     DIR/cache.json          format, k, split, sentence and token counts, the dictionaries' hashes,
-                            and ``inputs``: the fingerprints (:mod:`.fingerprint`: size,
+                            and ``inputs``: the fingerprints (:mod:`fairseq_kd.fingerprint`: size,
                             modification time, SHA-256) of the teacher checkpoint and of the
                             split's binarised files
     DIR/offsets.npy         int64 (sentences + 1,): sentence i's tokens are rows offsets[i]:offsets[i+1]
@@ -28,10 +28,10 @@ times recorded at build time they are the files that were hashed (a rewrite chan
 made with ``cp -p``, ``rsync -a`` or a move keep it); other sizes are refused at once, and only files
 of the same sizes but other times (e.g. a plain ``cp``) are hashed again and compared by content.
 
-A cache of format ``fairseq-kd-teacher-cache/1`` (one SHA-256 over the split's files, the teacher's
-SHA-256 and the files' sizes and times, written before fingerprints) is still read for training as
-it was, and a re-run of the build checks it (or its ``progress.json``) the old way once and rewrites
-it in the current format, keeping the finished work.
+A cache (or ``progress.json``) of another format (``fairseq-kd-teacher-cache/1`` before
+fingerprints) is refused in one line, by training and by the build: build it anew. Set-up, shards
+and the record's identity are the teacher pass's (:mod:`fairseq_kd.teacher_pass.common`), shared
+with sequence-level KD.
 
 With the cache, the teacher distribution at temperature tau is the top-k one renormalised,
 ``q_i = exp(l_i / tau) / sum_j exp(l_j / tau)`` over the stored log-probabilities ``l``: exact when
@@ -49,12 +49,12 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..tasks.translation_kd import dictionary_sha256
-from .fingerprint import content, fingerprint, fingerprint_files, read_json, write_json
-from .seqkd import _legacy_sha256_of_files, _split_files, check_max_tokens, length_ordered_indices, shard_batches
+from ..fingerprint import content, dictionary_sha256, fingerprint, fingerprint_files, write_json
+from .common import (check_max_tokens, identity, infer_languages, length_ordered_indices, load_split,
+                     load_teacher, on_device, pick_device, read_record, refuse_older_format, shard_batches,
+                     shard_count, shard_progress, shard_range, split_files, translation_task)
 
 CACHE_FORMAT = "fairseq-kd-teacher-cache/2"
-LEGACY_CACHE_FORMAT = "fairseq-kd-teacher-cache/1"  # before fingerprints: read, checked and rewritten
 #: what a cache is made with besides its inputs (whose contents are compared: :func:`_identity`)
 SETTINGS = ("format", "k", "split", "source_lang", "target_lang", "source_dictionary_sha256",
             "target_dictionary_sha256")
@@ -90,20 +90,9 @@ class CacheConfig:
         "help": "target language (default: inferred from --data)"})
 
 
-def _languages(data: Path, source_lang: Optional[str], target_lang: Optional[str]) -> Tuple[str, str]:
-    if source_lang and target_lang:
-        return source_lang, target_lang
-    from fairseq.data import data_utils
-
-    src, tgt = data_utils.infer_language_pair(str(data))
-    if src is None:
-        raise TeacherCacheError(f"--data {data}: cannot infer the language pair; pass --source-lang and --target-lang")
-    return src, tgt
-
-
-def split_files(data: Path, split: str, src: str, tgt: str) -> List[Path]:
+def _split_of(data: Path, split: str, src: str, tgt: str) -> List[Path]:
     """The split's binarised files (both languages, continuation parts included)."""
-    files = _split_files(Path(data), split, src, tgt)
+    files = split_files(Path(data), split, src, tgt)
     if not files:
         raise TeacherCacheError(f"--data {data}: no binarised {split} split for {src}-{tgt}")
     return files
@@ -112,48 +101,37 @@ def split_files(data: Path, split: str, src: str, tgt: str) -> List[Path]:
 def _identity(record: dict) -> dict:
     """What a cache (``cache.json``, or ``progress.json``'s parameters) is a function of: its
     settings and its inputs' contents, not the files' times."""
-    inputs = record.get("inputs") or {}
-    return {**{key: record.get(key) for key in SETTINGS}, **{name: content(fp) for name, fp in inputs.items()}}
+    return identity({key: record.get(key) for key in SETTINGS}, record.get("inputs") or {})
 
 
-def _legacy_parameters(parameters: dict, data_files: List[Path]) -> dict:
-    """``parameters`` as a ``fairseq-kd-teacher-cache/1`` record holds them: the teacher's SHA-256
-    (the digest in its fingerprint) and one SHA-256 over the split's files, hashed the old way; only
-    to check such a record."""
-    settings = {key: parameters[key] for key in SETTINGS}
-    return {**settings, "format": LEGACY_CACHE_FORMAT, "teacher_sha256": parameters["inputs"]["teacher"]["sha256"],
-            "data_sha256": _legacy_sha256_of_files(data_files)}
+def _refuse_older_format(record: dict, what: str) -> None:
+    refuse_older_format(record.get("format"), CACHE_FORMAT, what,
+                        "build the cache anew: re-run fairseq-kd-teacher-cache into another folder", TeacherCacheError)
 
 
 def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path:
     """Run the teacher over ``config.split`` of ``config.data`` and write the cache (resumably)."""
-    import fairseq_kd
-
-    fairseq_kd.register()
-    from fairseq.tasks.translation import TranslationConfig, TranslationTask
-
-    from ..models.teacher import FrozenTeacher
-
     if config.k < 1:
         raise TeacherCacheError(f"--k must be at least 1, got {config.k}")
     if config.shard_size < 1 or config.max_tokens < 1:
         raise TeacherCacheError("--shard-size and --max-tokens must be positive")
     data, output = Path(config.data), Path(config.output)
-    src, tgt = _languages(data, config.source_lang, config.target_lang)
-    data_files = split_files(data, config.split, src, tgt)
-    existing = read_json(output / MANIFEST) if (output / MANIFEST).is_file() else None
-    interrupted = read_json(output / PROGRESS) if (output / PROGRESS).is_file() else None
+    src, tgt = infer_languages(data, config.source_lang, config.target_lang, TeacherCacheError)
+    data_files = _split_of(data, config.split, src, tgt)
+    existing, interrupted = read_record(output / MANIFEST), read_record(output / PROGRESS)
+    if existing is not None:
+        _refuse_older_format(existing, f"--output {output}: {MANIFEST}")
+    if interrupted is not None:
+        _refuse_older_format(interrupted.get("parameters") or {}, f"--output {output}: {PROGRESS}")
     recorded = (existing or (interrupted or {}).get("parameters") or {}).get("inputs") or {}
     teacher_path = Path(config.teacher_checkpoint)
     # fingerprinted first, so that a recorded checksum saves reading an unchanged checkpoint; a
     # missing or unreadable one is left to FrozenTeacher.load's message
     teacher_fingerprint = (fingerprint(teacher_path, recorded.get("teacher"))
                            if teacher_path.is_file() and os.access(teacher_path, os.R_OK) else None)
-    task = TranslationTask.setup_task(TranslationConfig(
-        data=str(data), source_lang=src, target_lang=tgt, train_subset=config.split, dataset_impl=None,
-        required_seq_len_multiple=1))
-    teacher = FrozenTeacher.load(str(config.teacher_checkpoint), task, teacher_data=config.teacher_data,
-                                 sha256=teacher_fingerprint and teacher_fingerprint["sha256"])
+    task = translation_task(data, src, tgt, config.split)
+    teacher = load_teacher(task, config.teacher_checkpoint, config.teacher_data,
+                           teacher_fingerprint and teacher_fingerprint["sha256"])
     if config.k > len(task.target_dictionary):
         raise TeacherCacheError(f"--k {config.k} exceeds the target vocabulary ({len(task.target_dictionary)} symbols)")
     parameters = {
@@ -164,16 +142,12 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
     }
 
     def same_cache(record: dict) -> bool:
-        if record.get("format") == LEGACY_CACHE_FORMAT:  # checked the old way, once: rewritten below
-            legacy = _legacy_parameters(parameters, data_files)
-            return {key: record.get(key) for key in legacy} == legacy
         return _identity(record) == _identity(parameters)
 
     if existing is not None:
         if same_cache(existing):
-            refreshed = {**{key: value for key, value in existing.items()
-                            if key not in ("teacher_sha256", "data_sha256", "data_files")}, **parameters}
-            if refreshed != existing:  # format 1, or inputs touched since: their fingerprints now
+            refreshed = {**existing, **parameters}
+            if refreshed != existing:  # inputs touched since: their fingerprints now
                 write_json(output / MANIFEST, refreshed)
             log(f"{output}: the cache is already complete (same teacher, data and k); nothing to do")
             return output
@@ -187,11 +161,10 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
             raise TeacherCacheError(f"--output {output}: holds an interrupted cache of another teacher, data or k; "
                                     "choose another folder")
         progress = {"parameters": parameters, "done_shards": interrupted["done_shards"]}
-        if progress != interrupted:  # format 1, or inputs touched since
+        if progress != interrupted:  # inputs touched since
             write_json(output / PROGRESS, progress)
 
-    task.load_dataset(config.split, combine=True)
-    dataset = task.dataset(config.split)
+    dataset = load_split(task, config.split)
     too_small = check_max_tokens(dataset, config.max_tokens, config.split)
     if too_small:
         raise TeacherCacheError(too_small)
@@ -206,33 +179,19 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
     logprobs = np.lib.format.open_memmap(output / "topk_logprobs.npy", mode=mode, dtype=np.float32,
                                          shape=(n_tokens, config.k))
     token_ids = np.lib.format.open_memmap(output / "topk_ids.npy", mode=mode, dtype=np.int32, shape=(n_tokens, config.k))
-    device = torch.device("cuda" if torch.cuda.is_available() and not config.cpu else "cpu")
-    model = teacher.model.to(device)
-    if config.fp16:
-        model = model.half()
+    device = pick_device(config.cpu)
+    model = on_device(teacher.model, device, config.fp16)
     pad = task.target_dictionary.pad()
-    n_shards = (len(sizes) + config.shard_size - 1) // config.shard_size
+    n_shards = shard_count(len(sizes), config.shard_size)
     ordered = length_ordered_indices(dataset)
-    for shard in range(n_shards):
-        if shard in progress["done_shards"]:
-            continue
-        first, last = shard * config.shard_size, min(len(sizes), (shard + 1) * config.shard_size)
-        for batch_ids in shard_batches(dataset, ordered, first, last, config.max_tokens):
-            sample = dataset.collater([dataset[int(i)] for i in batch_ids])
-            net_input = {key: value.to(device) for key, value in sample["net_input"].items()}
-            with torch.no_grad():
-                logits = model(**net_input)[0]
-            values, indices = torch.log_softmax(logits.float(), dim=-1).topk(config.k, dim=-1)
-            target = sample["target"]
-            mask = target.ne(pad).numpy()
-            rows = offsets[sample["id"].numpy()][:, None] + np.arange(target.size(1))[None, :]
-            logprobs[rows[mask]] = values.cpu().numpy()[mask]
-            token_ids[rows[mask]] = indices.cpu().numpy().astype(np.int32)[mask]
-        logprobs.flush()
-        token_ids.flush()
-        progress["done_shards"].append(shard)
-        write_json(output / PROGRESS, progress)
-        log(f"shard {shard + 1}/{n_shards}: sentences {first}..{last - 1}")
+    pending = [shard for shard in range(n_shards) if shard not in progress["done_shards"]]
+    with shard_progress(pending, config.shard_size, len(sizes), "teacher cache", log) as (on_batch, log_line):
+        for shard in pending:
+            _cache_shard(model, dataset, ordered, offsets, logprobs, token_ids, pad, device, config, shard, on_batch)
+            progress["done_shards"].append(shard)
+            write_json(output / PROGRESS, progress)
+            first, last = shard_range(shard, config.shard_size, len(sizes))
+            log_line(f"shard {shard + 1}/{n_shards}: sentences {first}..{last - 1}")
     del logprobs, token_ids
     write_json(output / MANIFEST, {**parameters, "n_sentences": len(sizes), "n_tokens": n_tokens,
                                    "teacher_path": str(config.teacher_checkpoint)})
@@ -242,37 +201,34 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
     return output
 
 
+def _cache_shard(model, dataset, ordered, offsets, logprobs, token_ids, pad: int, device, config: CacheConfig,
+             shard: int, on_batch: Callable[[int], None]) -> None:
+    """Run the teacher over shard ``shard`` and write its rows of the top-k arrays (flushed)."""
+    first, last = shard_range(shard, config.shard_size, len(offsets) - 1)
+    for batch_ids in shard_batches(dataset, ordered, first, last, config.max_tokens):
+        sample = dataset.collater([dataset[int(i)] for i in batch_ids])
+        net_input = {key: value.to(device) for key, value in sample["net_input"].items()}
+        with torch.no_grad():
+            logits = model(**net_input)[0]
+        values, indices = torch.log_softmax(logits.float(), dim=-1).topk(config.k, dim=-1)
+        target = sample["target"]
+        mask = target.ne(pad).numpy()
+        rows = offsets[sample["id"].numpy()][:, None] + np.arange(target.size(1))[None, :]
+        logprobs[rows[mask]] = values.cpu().numpy()[mask]
+        token_ids[rows[mask]] = indices.cpu().numpy().astype(np.int32)[mask]
+        on_batch(len(batch_ids))
+    logprobs.flush()
+    token_ids.flush()
+
+
 def _same_data(manifest: dict, files: List[Path]) -> bool:
     """Whether ``files`` hold the data the cache was built from (see the module's docstring);
     re-hashes only files of the recorded sizes whose modification times differ."""
-    if manifest["format"] == LEGACY_CACHE_FORMAT:
-        return _legacy_same_data(manifest, files)
     recorded = manifest["inputs"]["data"]
     sizes = {path.name: path.stat().st_size for path in files}
     if {name: fp["size"] for name, fp in recorded["files"].items()} != sizes:
         return False  # other names or sizes: other data, known without reading a file
     return content(fingerprint_files(files, recorded)) == content(recorded)
-
-
-def _legacy_same_data(manifest: dict, files: List[Path]) -> bool:
-    """:func:`_same_data` of a ``fairseq-kd-teacher-cache/1`` manifest, as it was checked: its
-    ``data_files`` (sizes and times, absent from the first caches) and one SHA-256 of all files."""
-    recorded = manifest.get("data_files")
-    current = {path.name: [stat.st_size, stat.st_mtime_ns] for path in files for stat in (path.stat(),)}
-    if recorded is not None:
-        if {name: stat[0] for name, stat in recorded.items()} != {name: stat[0] for name, stat in current.items()}:
-            return False
-        if recorded == current:
-            return True
-    return manifest["data_sha256"] == _legacy_sha256_of_files(files)
-
-
-def _teacher_sha256(manifest: dict) -> str:
-    """The teacher checkpoint's SHA-256: the digest of its fingerprint, or of a format-1 manifest's
-    ``teacher_sha256`` (the same digest)."""
-    if manifest["format"] == LEGACY_CACHE_FORMAT:
-        return manifest["teacher_sha256"]
-    return manifest["inputs"]["teacher"]["sha256"]
 
 
 class TeacherCache:
@@ -288,7 +244,8 @@ class TeacherCache:
 
     @property
     def teacher_sha256(self) -> str:
-        return _teacher_sha256(self.manifest)
+        """The teacher checkpoint's SHA-256 (the digest of its fingerprint)."""
+        return self.manifest["inputs"]["teacher"]["sha256"]
 
     @classmethod
     def open(cls, path: str, task, teacher_sha256: Optional[str] = None) -> "TeacherCache":
@@ -300,8 +257,7 @@ class TeacherCache:
                    if (folder / PROGRESS).is_file() else "run fairseq-kd-teacher-cache to make one")
             raise TeacherCacheError(f"{FLAG} {path}: no finished cache there ({MANIFEST} missing; {why})")
         manifest = json.loads(manifest_path.read_text())
-        if manifest.get("format") not in (CACHE_FORMAT, LEGACY_CACHE_FORMAT):
-            raise TeacherCacheError(f"{FLAG} {path}: {MANIFEST} is not a {CACHE_FORMAT} manifest")
+        _refuse_older_format(manifest, f"{FLAG} {path}: {MANIFEST}")
         missing = [name for name in ARRAYS if not (folder / name).is_file()]
         if missing:
             raise TeacherCacheError(f"{FLAG} {path}: {', '.join(missing)} missing; rebuild the cache")
@@ -313,15 +269,16 @@ class TeacherCache:
             if manifest[f"{side}_dictionary_sha256"] != dictionary_sha256(dictionary):
                 raise TeacherCacheError(f"{FLAG} {path} was made with another {side} dictionary than the data's "
                                         f"({task.cfg.data}): its token ids would index other symbols")
-        if not _same_data(manifest, split_files(Path(task.cfg.data.split(os.pathsep)[0]), split,
-                                                task.cfg.source_lang, task.cfg.target_lang)):
+        if not _same_data(manifest, _split_of(Path(task.cfg.data.split(os.pathsep)[0]), split,
+                                              task.cfg.source_lang, task.cfg.target_lang)):
             raise TeacherCacheError(f"{FLAG} {path} was made for other {split} data than {task.cfg.data} holds "
                                     "(the binarised files differ); rebuild it for this data")
-        if teacher_sha256 is not None and teacher_sha256 != _teacher_sha256(manifest):
+        cache = cls(folder, manifest)
+        if teacher_sha256 is not None and teacher_sha256 != cache.teacher_sha256:
             raise TeacherCacheError(
-                f"{FLAG} {path} was made by teacher sha256 {_teacher_sha256(manifest)[:12]} "
+                f"{FLAG} {path} was made by teacher sha256 {cache.teacher_sha256[:12]} "
                 f"({manifest.get('teacher_path')}), not by --teacher-checkpoint (sha256 {teacher_sha256[:12]})")
-        return cls(folder, manifest)
+        return cache
 
     def lookup(self, sentence_ids: torch.Tensor, target_mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """The teacher's top-k ``(log-probabilities, token ids)`` at every target position:
