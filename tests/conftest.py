@@ -150,6 +150,44 @@ def kd_task(tiny_data_bin, tiny_teacher):
     return TranslationKDTask.setup_task(cfg)
 
 
+# ------------------------------------------------------------ the registered criterions, for test lists
+def kd_criterions() -> dict:
+    """Every registered distillation criterion (a class on ``KDCriterionBase``), name -> class,
+    sorted by name: test lists derive from this, so a new criterion file is picked up by them."""
+    import fairseq_kd.criterions  # noqa: F401 - registers every criterion
+    from fairseq.criterions import CRITERION_REGISTRY
+
+    from fairseq_kd.criterions.base import KDCriterionBase
+
+    return {name: cls for name, cls in sorted(CRITERION_REGISTRY.items())
+            if isinstance(cls, type) and issubclass(cls, KDCriterionBase)}
+
+
+def hidden_state_criterions() -> dict:
+    """The registered criterions on ``HiddenStateKDCriterion`` (a layer term on hidden states)."""
+    from fairseq_kd.criterions.hidden_state import HiddenStateKDCriterion
+
+    return {name: cls for name, cls in kd_criterions().items() if issubclass(cls, HiddenStateKDCriterion)}
+
+
+def criterion_test_module(name: str):
+    """``tests/test_<name>.py``, the test file every criterion has."""
+    import importlib
+
+    return importlib.import_module(f"test_{name}")
+
+
+def criterion_maker(name: str):
+    """``make_<name without _kd>(task, **overrides)`` of the criterion's test file: the criterion with
+    the options its tests use on the tiny models (shared tests build it through this)."""
+    short = name[:-3] if name.endswith("_kd") else name
+    module = criterion_test_module(name)
+    maker = getattr(module, f"make_{short}", None)
+    if maker is None:
+        raise AssertionError(f"tests/test_{name}.py must define make_{short}(task, **overrides)")
+    return maker
+
+
 def build_tiny_student(task, **overrides):
     """Build (and register the shape of) an in-process student like TINY_STUDENT_ARGS."""
     from argparse import Namespace

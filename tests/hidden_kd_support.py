@@ -157,7 +157,7 @@ def allowed_entries(sample, pad):
 
 def train_four_head_student(data, teacher, folder, criterion, max_update=3):
     """fairseq-train's ``train_inner`` records of a tiny student with the teacher's 4 heads."""
-    from fairseq_kd.scoring.plots import parse_fairseq_log
+    from fairseq_kd.figures.training_log import parse_fairseq_log
 
     student_args = list(TINY_STUDENT_ARGS)
     student_args[student_args.index("--encoder-attention-heads") + 1] = "4"

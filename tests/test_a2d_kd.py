@@ -21,9 +21,13 @@ from fairseq_kd.modules.attention_alignment import (
     AttentionAlignment,
     alignment_weights_from_state,
 )
-from fairseq_kd.scoring.plots import parse_fairseq_log, plot_alignment_heatmaps
+from fairseq_kd.figures.draw import plot_alignment_heatmaps
+from fairseq_kd.figures.training_log import parse_fairseq_log
 
 TERM_OF_KIND = {"encoder_self": "enc_self_att", "decoder_self": "dec_self_att", "decoder_cross": "dec_cross_att"}
+#: tests/test_multirank.py's runs of this criterion (2 CPU ranks equal 1 rank with --update-freq 2):
+#: run name -> flags after --criterion NAME
+MULTI_RANK_RUNS = {"a2d_kd": []}
 
 
 def build_a2d(task, **overrides):

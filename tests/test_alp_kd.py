@@ -11,7 +11,7 @@ from conftest import build_tiny_student, run_module, train_student
 from fairseq_kd.criterions.alp_kd import ALPKDCriterion, layer_weights_from_checkpoint
 from fairseq_kd.models.feature_capture import CaptureRequest
 from fairseq_kd.modules.layer_mapping import LayerMappingError
-from fairseq_kd.scoring.plots import plot_alp_weights
+from fairseq_kd.figures.draw import plot_alp_weights
 from hidden_kd_support import (
     build_criterion,
     COMMON,

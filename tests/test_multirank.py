@@ -14,6 +14,8 @@ includes the other rank's concurrent batch, while with ``--update-freq 2`` the f
 selected before the second one is seen. The queue after the updates is the same (gathered in rank
 order = micro-batch order) and so are the CE/NLL terms and sample sizes; the KD term, the total
 loss and the parameters differ.
+
+The runs are those each registered criterion's test file declares in ``MULTI_RANK_RUNS``.
 """
 import socket
 import subprocess
@@ -21,16 +23,14 @@ import subprocess
 import pytest
 import torch
 
-from conftest import BIN, COMMON_TRAIN_ARGS, QUIET_ENV, TINY_STUDENT_ARGS, USER_DIR
+from conftest import (BIN, COMMON_TRAIN_ARGS, QUIET_ENV, TINY_STUDENT_ARGS, USER_DIR, criterion_test_module,
+                      kd_criterions)
 
 NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0"]
 UPDATES = 3
-CRITERIONS = {
-    "word_kd": ["--criterion", "word_kd"],
-    "selective_kd_global": ["--criterion", "selective_kd", "--selection", "global", "--queue-size", "2000"],
-    "rail_kd": ["--criterion", "rail_kd"],
-    "a2d_kd": ["--criterion", "a2d_kd"],
-}
+#: run name -> criterion flags, from every registered criterion's test file
+CRITERIONS = {run: ["--criterion", name, *flags] for name in kd_criterions()
+              for run, flags in getattr(criterion_test_module(name), "MULTI_RANK_RUNS", {}).items()}
 # terms whose value depends on the selection threshold (see the module docstring)
 SELECTION_DEPENDENT = {"selective_kd_global": {"loss", "selective_kd_loss", "gnorm"}}
 
@@ -48,7 +48,7 @@ def _command(data, teacher, save, criterion_args, extra):
 
 
 def _records(stdout):
-    from fairseq_kd.scoring.plots import parse_fairseq_log
+    from fairseq_kd.figures.training_log import parse_fairseq_log
 
     return [r for r in parse_fairseq_log(stdout.splitlines()) if r.split == "train_inner"]
 

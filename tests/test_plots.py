@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 
 from fairseq_kd.cli import plot as plot_cli
-from fairseq_kd.scoring.plots import (
-    parse_fairseq_log,
+from fairseq_kd.figures.draw import (
     plot_alignment_heatmaps,
     plot_alp_weights,
     plot_run_comparison,
     plot_training_curves,
-    validation_series,
 )
+from fairseq_kd.figures.training_log import parse_fairseq_log, validation_series
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -101,12 +101,13 @@ def _kd_configs():
 
 
 def _numeric_fields(config_class):
-    from fairseq_kd.criterions.base import numeric_option_range
+    from fairseq_kd.criterions.base import option_ranges
 
+    ranges = option_ranges(config_class=config_class)
     for f in dataclasses.fields(config_class):
         if f.type in (float, int) or str(f.type) in ("Optional[float]", "typing.Optional[float]"):
             if f.name != "seed":
-                yield f.name, numeric_option_range(f.name)
+                yield f.name, ranges.get(f.name)
 
 
 def test_every_default_passes_and_every_non_finite_value_is_refused():
@@ -118,6 +119,8 @@ def test_every_default_passes_and_every_non_finite_value_is_refused():
         config = config_class()
         check_numeric_options(config, name)
         for field_name, rule in _numeric_fields(config_class):
+            # every number of a criterion's config declares its range in its field (base.ranged)
+            assert rule is not None, f"{name}: --{field_name.replace('_', '-')} declares no range"
             for bad in (math.nan, math.inf, -math.inf):
                 with pytest.raises(ValueError, match="--" + field_name.replace("_", "-")):
                     check_numeric_options(dataclasses.replace(config, **{field_name: bad}), name)

@@ -20,6 +20,10 @@ from hidden_kd_support import (
     teacher_copy,
 )
 
+#: tests/test_multirank.py's runs of this criterion (2 CPU ranks equal 1 rank with --update-freq 2):
+#: run name -> flags after --criterion NAME
+MULTI_RANK_RUNS = {"rail_kd": []}
+
 
 def make_rail(task, **overrides):
     args = dict(COMMON, kd_weight=1 / 3, layer_weight=1 / 3, layer_sides="both", rail_variant="layerwise",

@@ -406,7 +406,7 @@ def _import_scoring_modules_in_subprocess(bypass_package_init):
             else ""
         )
         + "import fairseq_kd.scoring.bleu, fairseq_kd.scoring.detok, fairseq_kd.scoring.report\n"
-        "import fairseq_kd.scoring.plots, fairseq_kd.cli.score, fairseq_kd.cli.report, fairseq_kd.cli.plot\n"
+        "import fairseq_kd.figures.draw, fairseq_kd.figures.training_log, fairseq_kd.cli.score, fairseq_kd.cli.report, fairseq_kd.cli.plot\n"
         "print(sorted(name for name in ('torch', 'fairseq') if name in sys.modules))\n"
     )
     completed = subprocess.run(

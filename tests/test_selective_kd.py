@@ -29,6 +29,10 @@ from fairseq_kd.criterions.word_kd import WordKDCriterion
 
 fairseq_kd.register()
 
+#: tests/test_multirank.py's runs of this criterion (2 CPU ranks equal 1 rank with --update-freq 2):
+#: run name -> flags after --criterion NAME
+MULTI_RANK_RUNS = {"selective_kd_global": ["--selection", "global", "--queue-size", "2000"]}
+
 
 def selective(task, **overrides):
     args = dict(sentence_avg=False, label_smoothing=0.1, kd_weight=0.5, kd_temperature=1.0,

@@ -41,7 +41,7 @@ def test_every_kd_term_reaches_tensorboard_and_json_log(tiny_data_bin, tiny_teac
     import fairseq_kd
     from fairseq.criterions import CRITERION_REGISTRY
 
-    from fairseq_kd.scoring.plots import parse_fairseq_log
+    from fairseq_kd.figures.training_log import parse_fairseq_log
 
     fairseq_kd.register()
     terms = CRITERION_REGISTRY[criterion].TERM_NAMES  # what the criterion says it logs

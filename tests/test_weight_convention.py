@@ -4,22 +4,16 @@ both accept, the temperature lives in the base config, and the base refuses any 
 import dataclasses
 
 import pytest
-from fairseq.criterions import CRITERION_REGISTRY
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 
-from conftest import build_tiny_student
-from fairseq_kd.criterions.base import KDCriterionBase, KDCriterionConfig
+from conftest import build_tiny_student, kd_criterions
+from fairseq_kd.criterions.base import KDCriterionConfig
 from hidden_kd_support import build_criterion
 
 FOUR_HEADS = {"encoder_attention_heads": 4, "decoder_attention_heads": 4}
-#: criterion -> (the paper's name for --kd-weight, its flag)
-ALIASES = {"a2d_kd": ("a2d_mu", "--a2d-mu"), "minilm": ("minilm_kd_weight", "--minilm-kd-weight"),
-           "tinybert": ("tinybert_pred_weight", "--tinybert-pred-weight")}
-
-
-def kd_criterions():
-    return {name: cls for name, cls in CRITERION_REGISTRY.items()
-            if isinstance(cls, type) and issubclass(cls, KDCriterionBase)}
+#: criterion -> (the paper's name for --kd-weight, its flag), from each class's KD_WEIGHT_ALIAS
+ALIASES = {name: (cls.KD_WEIGHT_ALIAS, "--" + cls.KD_WEIGHT_ALIAS.replace("_", "-"))
+           for name, cls in kd_criterions().items() if cls.KD_WEIGHT_ALIAS}
 
 
 def test_every_criterion_has_kd_weight_and_temperature_from_the_base_config():

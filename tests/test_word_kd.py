@@ -12,6 +12,10 @@ from fairseq_kd.criterions.base import KDCriterionBase
 from fairseq_kd.criterions.losses import word_level_kd
 from fairseq_kd.criterions.word_kd import WordKDCriterion
 
+#: tests/test_multirank.py's runs of this criterion (2 CPU ranks equal 1 rank with --update-freq 2):
+#: run name -> flags after --criterion NAME
+MULTI_RANK_RUNS = {"word_kd": []}
+
 
 def _criterion(task, kd_weight=0.5, temperature=1.0):
     return build_criterion(WordKDCriterion, task, label_smoothing=0.1, kd_weight=kd_weight,

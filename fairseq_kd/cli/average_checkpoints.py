@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 from typing import List, Optional
 
+from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
 
 PATTERNS = {
@@ -107,7 +108,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
                         help="epoch checkpoints (checkpointE.pt) or update checkpoints (checkpoint_E_U.pt) "
                         "(default: %(default)s)")
     parser.add_argument("--output", type=Path, required=True, help="the averaged checkpoint (.pt)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    add_overwrite_flag(parser, "an existing --output")
     args = parser.parse_args(argv)
     try:
         if args.output.exists() and not args.overwrite:

@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
 
 FORMATS = ("fairseq", "ctranslate2")
@@ -35,7 +36,7 @@ def cli_main(argv=None):
     parser.add_argument("--data", default=None, metavar="DIR",
                         help="--format ctranslate2: the binarised data folder holding the model's dictionaries "
                              "(default: the folder the checkpoint records)")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
+    add_overwrite_flag(parser, "OUTPUT if it exists")
     args = parser.parse_args(argv)
     if args.format == "fairseq" and (args.quantization is not None or args.data is not None):
         parser.error("--quantization and --data apply to --format ctranslate2 only")

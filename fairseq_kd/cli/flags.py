@@ -1,18 +1,67 @@
-"""List the flags of the ``translation_kd`` task and of a distillation criterion, with their help.
+"""Command-line flags: the one place that turns a dataclass of settings into argparse flags, and
+the one command that lists the plugin's fairseq-train flags.
 
-``fairseq-train --help`` cannot: fairseq prints its help before it adds the flags of the chosen
-task, criterion and architecture (``fairseq.options.parse_args_and_arch`` parses once with
-``--help`` still active), so ``fairseq-train --help --user-dir fairseq_kd --criterion NAME`` lists
-only the generic flags. This prints what it leaves out:
+:func:`add_config_flags` makes a command's flags from its config dataclass, so that each setting's
+name, default and help are written once, beside the code that uses it:
+``add_config_flags(parser, SeqKDConfig)`` adds ``--field-name`` for every field: its help from
+``field(metadata={"help": ...})`` (fairseq's convention; ``"metavar"`` too), its default from the
+field (a field without one is a required flag), ``store_true`` for a ``bool`` that defaults to
+False, and the type of ``Optional[T]`` fields as ``T``. Then ``Config(**vars(parser.parse_args()))``.
+Not fairseq's ``gen_parser_from_dataclass``: it turns a field named ``data`` into a positional
+argument (fairseq-train's ``DATA``), which would change these commands' ``--data`` flag, and it
+needs a ``FairseqDataclass``, whose import loads fairseq even for fairseq-free commands.
+
+:func:`cli_main` lists the flags of the ``translation_kd`` task and of a distillation criterion,
+with their help. ``fairseq-train --help`` cannot: fairseq prints its help before it adds the flags
+of the chosen task, criterion and architecture (``fairseq.options.parse_args_and_arch`` parses
+once with ``--help`` still active), so ``fairseq-train --help --user-dir fairseq_kd --criterion
+NAME`` lists only the generic flags. This prints what it leaves out:
 
     python -m fairseq_kd.cli.flags --criterion a2d_kd
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import typing
 from typing import List, Optional
 
 from fairseq_kd.cli.user_errors import exits_on_user_error
+
+
+def add_config_flags(parser: argparse.ArgumentParser, config_class) -> None:
+    hints = typing.get_type_hints(config_class)
+    for field in dataclasses.fields(config_class):
+        kind = hints[field.name]
+        if typing.get_origin(kind) is typing.Union:  # Optional[T]
+            kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+        flag = "--" + field.name.replace("_", "-")
+        options = {"help": field.metadata.get("help")}
+        if field.default is dataclasses.MISSING:
+            options["required"] = True
+        else:
+            options["default"] = field.default
+            if options["help"] is not None and field.default is not None and kind is not bool:
+                options["help"] += " (default: %(default)s)"
+        if kind is bool:
+            if field.default is not False:
+                raise TypeError(f"{config_class.__name__}.{field.name}: a bool flag must default to False")
+            options["action"] = "store_true"
+        else:
+            options["type"] = kind
+            if "metavar" in field.metadata:
+                options["metavar"] = field.metadata["metavar"]
+        parser.add_argument(flag, **options)
+
+
+def add_overwrite_flag(parser: argparse.ArgumentParser, replaces: str) -> None:
+    """``--overwrite``, every command's permission to replace its existing outputs
+    (``replaces``: which, as its help says after "replace")."""
+    parser.add_argument("--overwrite", action="store_true", help=f"replace {replaces}")
+
+
+#: what ``python -m fairseq_kd.cli.flags --help`` says it does
+LIST_DESCRIPTION = "List the flags of the ``translation_kd`` task and of a distillation criterion, with their help."
 
 
 @exits_on_user_error("python -m fairseq_kd.cli.flags")
@@ -26,7 +75,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     from fairseq_kd.criterions.base import KDCriterionBase
 
     names = sorted(n for n, c in CRITERION_REGISTRY.items() if isinstance(c, type) and issubclass(c, KDCriterionBase))
-    parser = argparse.ArgumentParser(prog="python -m fairseq_kd.cli.flags", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fairseq_kd.cli.flags", description=LIST_DESCRIPTION)
     parser.add_argument("--criterion", choices=names, help="the criterion whose flags to list (default: "
                         "only the task's flags)")
     args = parser.parse_args(argv)

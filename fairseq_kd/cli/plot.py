@@ -29,6 +29,7 @@ import logging
 from pathlib import Path
 from typing import List, Optional
 
+from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
 from fairseq_kd.scoring.files import not_a_file
 
@@ -91,9 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     def add_common(subparser: argparse.ArgumentParser) -> None:
         subparser.add_argument("--output", type=Path, required=True, help="PNG file to write")
         subparser.add_argument("--dpi", type=int, default=150, help="resolution of the PNG")
-        subparser.add_argument(
-            "--overwrite", action="store_true", help="replace existing output files (--output, --weights-output)"
-        )
+        add_overwrite_flag(subparser, "existing output files (--output, --weights-output)")
 
     def add_weight_sources(subparser: argparse.ArgumentParser, criterion: str) -> None:
         source = subparser.add_mutually_exclusive_group(required=True)
@@ -139,14 +138,14 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     # print hundreds of lines. Hence also the import of matplotlib only after this line.
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     from fairseq_kd.scoring.files import load_json
-    from fairseq_kd.scoring.plots import (
+    from fairseq_kd.figures.draw import (
         plot_alignment_heatmaps,
         plot_alp_weights,
         plot_run_comparison,
         plot_training_curves,
-        read_fairseq_log,
         save_figure,
     )
+    from fairseq_kd.figures.training_log import read_fairseq_log
 
     parser = build_parser()
     args = parser.parse_args(argv)

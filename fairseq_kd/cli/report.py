@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 from fairseq_kd.cli.score import (add_completeness_arguments, add_scoring_arguments, check_outputs_are_not_inputs,
                                   expected_sentence_count, scoring_settings, split_name_and_path)
 from fairseq_kd.scoring.files import not_a_file
+from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
 from fairseq_kd.scoring.report import (
     build_report,
@@ -87,15 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_scoring_arguments(parser)
     add_completeness_arguments(parser)
-    parser.add_argument(
-        "--out-prefix",
-        type=Path,
-        metavar="PATH",
-        help="also write PATH.md, PATH.csv and PATH.json",
-    )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace existing --out-prefix files"
-    )
+    parser.add_argument("--out-prefix", type=Path, metavar="PATH", help="also write PATH.md, PATH.csv and PATH.json")
+    add_overwrite_flag(parser, "existing --out-prefix files")
     return parser
 
 

@@ -27,6 +27,7 @@ from fairseq_kd.scoring.bleu import (DEFAULT_N_BOOTSTRAP, DEFAULT_N_TRIALS, DEFA
                                      check_n_trials)
 from fairseq_kd.scoring.detok import BPE_SCHEMES, count_lines
 from fairseq_kd.scoring.files import not_a_file
+from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
 from fairseq_kd.scoring.report import (
     TextProcessing,
@@ -216,15 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--output-json", type=Path, metavar="FILE", help="write the score record (JSON) here"
     )
-    parser.add_argument(
-        "--output-md",
-        type=Path,
-        metavar="FILE",
-        help="append a row to this Markdown table (header written if the file is new)",
-    )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace an existing --output-json file"
-    )
+    parser.add_argument("--output-md", type=Path, metavar="FILE",
+                        help="append a row to this Markdown table (header written if the file is new)")
+    add_overwrite_flag(parser, "an existing --output-json file")
     return parser
 
 

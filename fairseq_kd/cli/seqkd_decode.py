@@ -26,7 +26,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from fairseq_kd.cli.config_flags import add_config_flags
+from fairseq_kd.cli.flags import add_config_flags
 from fairseq_kd.teacher_pass import seqkd
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
-from fairseq_kd.cli.config_flags import add_config_flags
+from fairseq_kd.cli.flags import add_config_flags
 from fairseq_kd.cli.user_errors import exits_on_user_error
 
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
 
 logger = logging.getLogger("fairseq_kd.cli.translate")
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "or a continuation marker; bare flag: '@@ ')")
     parser.add_argument("--results-path", default=None, metavar="DIR",
                         help="write DIR/generate-SUBSET.txt (default: standard output)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing RESULTS_PATH/generate-SUBSET.txt")
+    add_overwrite_flag(parser, "an existing RESULTS_PATH/generate-SUBSET.txt")
     return parser
 
 
@@ -86,12 +87,7 @@ def _output_path(args) -> Optional[Path]:
 
 def translate(args) -> dict:
     """Decode ``args.gen_subset`` of ``args.data`` with ``args.model``; returns the timing summary."""
-    if args.beam < 1:
-        raise ValueError(f"--beam must be >= 1, got {args.beam}")
-    if (args.batch_size is not None and args.batch_size < 1) or (args.max_tokens is not None and args.max_tokens < 1):
-        raise ValueError("--batch-size and --max-tokens must be positive")
-    if args.max_len_b < 1 or args.max_len_a < 0 or args.min_len < 0:
-        raise ValueError("--max-len-b must be >= 1, --max-len-a and --min-len >= 0")
+    _check_settings(args)
     data = Path(args.data)
     if data.is_file():
         raise ValueError(f"DATA {args.data!r} is a file; give the binarised data folder (fairseq-preprocess --destdir)")
@@ -102,42 +98,16 @@ def translate(args) -> dict:
     import fairseq_kd
 
     fairseq_kd.register()
-    import torch
-    from fairseq import utils
-    from fairseq.data import data_utils
-    from fairseq.tasks.translation import TranslationConfig, TranslationTask
-
     from fairseq_kd.deploy.ctranslate2_engine import CTranslate2Engine, DecodingSettings
 
-    src, tgt = args.source_lang, args.target_lang
-    if src is None or tgt is None:
-        src, tgt = data_utils.infer_language_pair(str(data))
-        if src is None or tgt is None:
-            raise ValueError(f"DATA {data}: cannot infer the language pair; pass --source-lang and --target-lang")
-    for lang in (src, tgt):
-        if not (data / f"dict.{lang}.txt").is_file():
-            raise ValueError(f"DATA {data}: no dict.{lang}.txt")
-    if not any(data.glob(f"{args.gen_subset}.*-*.{src}.idx")):
-        raise ValueError(f"--gen-subset {args.gen_subset}: no binarised {args.gen_subset} split in {data}")
-    task = TranslationTask.setup_task(TranslationConfig(
-        data=str(data), source_lang=src, target_lang=tgt, dataset_impl=None, required_seq_len_multiple=1))
+    task = _translation_task(args, data)
     engine = CTranslate2Engine(args.model, task.source_dictionary, task.target_dictionary, device=args.device,
                                threads=args.threads, compute_type=args.compute_type)
     task.load_dataset(args.gen_subset)
     dataset = task.dataset(args.gen_subset)
-    max_tokens = args.max_tokens if args.max_tokens is not None or args.batch_size is not None else 12000
-    with data_utils.numpy_seed(1):  # fairseq-generate's order: by length, ties shuffled with --seed 1
-        ordered = dataset.ordered_indices()
-    if max_tokens is not None and len(dataset):
-        longest = int(dataset.num_tokens_vec(ordered).max())
-        if longest > max_tokens:
-            raise ValueError(f"--max-tokens {max_tokens} is smaller than the longest sentence ({longest} tokens)")
-    batches = dataset.batch_by_size(ordered, max_tokens=max_tokens, max_sentences=args.batch_size,
-                                    required_batch_size_multiple=1)
+    batches = _batches(dataset, args)
     settings = DecodingSettings(beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
                                 max_len_b=args.max_len_b, min_len=args.min_len)
-    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
-    eos = {tgt_dict.eos()}
     lines, sentences, tokens, seconds = [], 0, 0, 0.0
     for batch in batches:
         items = [dataset[int(i)] for i in batch]
@@ -147,20 +117,7 @@ def translate(args) -> dict:
                                       longest_source=longest_source)
         seconds += time.perf_counter() - start
         for item, hypothesis in zip(items, hypotheses):
-            sentence_id = int(item["id"])
-            # the strings fairseq-generate prints (fairseq_cli/generate.py), without --tokenizer/--bpe
-            src_str = src_dict.string(item["source"], args.post_process)
-            lines.append(f"S-{sentence_id}\t{src_str}")
-            if item.get("target") is not None:
-                target_str = tgt_dict.string(item["target"], args.post_process, escape_unk=True,
-                                             extra_symbols_to_ignore=eos)
-                lines.append(f"T-{sentence_id}\t{target_str}")
-            _, hypo_str, _ = utils.post_process_prediction(
-                hypo_tokens=torch.tensor(hypothesis.tokens, dtype=torch.int), src_str=src_str, alignment=None,
-                align_dict=None, tgt_dict=tgt_dict, remove_bpe=args.post_process, extra_symbols_to_ignore=eos)
-            score = hypothesis.score / math.log(2)  # base 2, as fairseq-generate prints scores
-            lines.append(f"H-{sentence_id}\t{score}\t{hypo_str}")
-            lines.append(f"D-{sentence_id}\t{score}\t{hypo_str}")
+            lines.extend(_generate_lines(item, hypothesis, task, args.post_process))
             sentences += 1
             tokens += len(hypothesis.tokens)
     rate, token_rate = (sentences / seconds, tokens / seconds) if seconds > 0 else (0.0, 0.0)
@@ -181,6 +138,75 @@ def translate(args) -> dict:
         print(f"Translated {sentences:,} sentences ({tokens:,} tokens) in {seconds:.1f}s ({rate:.2f} sentences/s, "
               f"{token_rate:.2f} tokens/s): {output_path}", file=sys.stderr)
     return {"sentences": sentences, "tokens": tokens, "seconds": seconds}
+
+
+def _check_settings(args) -> None:
+    """The decoding and batching settings, checked before anything is read."""
+    if args.beam < 1:
+        raise ValueError(f"--beam must be >= 1, got {args.beam}")
+    if (args.batch_size is not None and args.batch_size < 1) or (args.max_tokens is not None and args.max_tokens < 1):
+        raise ValueError("--batch-size and --max-tokens must be positive")
+    if args.max_len_b < 1 or args.max_len_a < 0 or args.min_len < 0:
+        raise ValueError("--max-len-b must be >= 1, --max-len-a and --min-len >= 0")
+
+
+def _translation_task(args, data: Path):
+    """fairseq's translation task on ``data`` (languages given or inferred), which must hold both
+    dictionaries and the ``--gen-subset`` split."""
+    from fairseq.data import data_utils
+    from fairseq.tasks.translation import TranslationConfig, TranslationTask
+
+    src, tgt = args.source_lang, args.target_lang
+    if src is None or tgt is None:
+        src, tgt = data_utils.infer_language_pair(str(data))
+        if src is None or tgt is None:
+            raise ValueError(f"DATA {data}: cannot infer the language pair; pass --source-lang and --target-lang")
+    for lang in (src, tgt):
+        if not (data / f"dict.{lang}.txt").is_file():
+            raise ValueError(f"DATA {data}: no dict.{lang}.txt")
+    if not any(data.glob(f"{args.gen_subset}.*-*.{src}.idx")):
+        raise ValueError(f"--gen-subset {args.gen_subset}: no binarised {args.gen_subset} split in {data}")
+    return TranslationTask.setup_task(TranslationConfig(
+        data=str(data), source_lang=src, target_lang=tgt, dataset_impl=None, required_seq_len_multiple=1))
+
+
+def _batches(dataset, args):
+    """fairseq-generate's batches: sentences by length (ties shuffled with --seed 1), cut by
+    ``--max-tokens`` (default 12000 when neither it nor ``--batch-size`` is given) and ``--batch-size``."""
+    from fairseq.data import data_utils
+
+    max_tokens = args.max_tokens if args.max_tokens is not None or args.batch_size is not None else 12000
+    with data_utils.numpy_seed(1):  # fairseq-generate's order: by length, ties shuffled with --seed 1
+        ordered = dataset.ordered_indices()
+    if max_tokens is not None and len(dataset):
+        longest = int(dataset.num_tokens_vec(ordered).max())
+        if longest > max_tokens:
+            raise ValueError(f"--max-tokens {max_tokens} is smaller than the longest sentence ({longest} tokens)")
+    return dataset.batch_by_size(ordered, max_tokens=max_tokens, max_sentences=args.batch_size,
+                                 required_batch_size_multiple=1)
+
+
+def _generate_lines(item: dict, hypothesis, task, post_process) -> list:
+    """The S-, T-, H- and D- lines fairseq-generate prints for one sentence (fairseq_cli/generate.py),
+    without --tokenizer/--bpe."""
+    import torch
+    from fairseq import utils
+
+    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
+    eos = {tgt_dict.eos()}
+    sentence_id = int(item["id"])
+    src_str = src_dict.string(item["source"], post_process)
+    lines = [f"S-{sentence_id}\t{src_str}"]
+    if item.get("target") is not None:
+        target_str = tgt_dict.string(item["target"], post_process, escape_unk=True, extra_symbols_to_ignore=eos)
+        lines.append(f"T-{sentence_id}\t{target_str}")
+    _, hypo_str, _ = utils.post_process_prediction(
+        hypo_tokens=torch.tensor(hypothesis.tokens, dtype=torch.int), src_str=src_str, alignment=None,
+        align_dict=None, tgt_dict=tgt_dict, remove_bpe=post_process, extra_symbols_to_ignore=eos)
+    score = hypothesis.score / math.log(2)  # base 2, as fairseq-generate prints scores
+    lines.append(f"H-{sentence_id}\t{score}\t{hypo_str}")
+    lines.append(f"D-{sentence_id}\t{score}\t{hypo_str}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -100,8 +100,8 @@ from torch import Tensor, nn
 
 from ..models.feature_capture import DECODER_CROSS, DECODER_SELF, ENCODER_SELF, AttentionMaps, CaptureRequest
 from ..modules.attention_alignment import AttentionAlignment
-from ._attention import check_capturable
-from .base import KDCriterionBase, KDCriterionConfig
+from .startup_checks import check_capturable
+from .base import KDCriterionBase, KDCriterionConfig, ranged, weight
 from .losses import masked_row_kl, word_kd_term
 
 #: ``--a2d-attention-kinds`` -> weight of each kind's loss inside L_att (Eq. 11, Table 4).
@@ -117,7 +117,7 @@ KIND_TERMS = {ENCODER_SELF: "enc_self_att", DECODER_SELF: "dec_self_att", DECODE
 #: ``--a2d-preset`` -> (lambda_0, per-epoch decay of lambda), Sec. 5.2
 PRESETS = {"low_resource": (1.0, 0.9), "wmt": (0.1, 0.9)}
 #: ``--a2d-map-reduction`` values; ``auto`` resolves to :func:`resolve_map_reduction`'s choice
-MAP_REDUCTIONS = ("auto", "sum", "mean")
+MAP_REDUCTIONS = ("auto", "mean", "sum")
 
 
 # ------------------------------------------------------- --a2d-normalization: the modes' KLs
@@ -229,22 +229,20 @@ class A2DConfig(KDCriterionConfig):
         metadata={"help": "paper settings for lambda (Sec. 5.2): low_resource = lambda 1 decayed "
                   "x0.9 per epoch; wmt = lambda 0.1 decayed x0.9 per epoch"},
     )
-    a2d_lambda: Optional[float] = field(
-        default=None,
-        metadata={"help": "initial weight lambda_0 of the attention loss L_att (Eq. 12); overrides "
-                  "--a2d-preset; 0 disables attention distillation"},
+    a2d_lambda: Optional[float] = weight(
+        None, help="initial weight lambda_0 of the attention loss L_att (Eq. 12); overrides --a2d-preset; "
+        "0 disables attention distillation",
     )
-    a2d_lambda_decay: Optional[float] = field(
-        default=None,
-        metadata={"help": "lambda at epoch e is lambda_0 * decay^(e-1); in (0, 1], 1 = constant; "
-                  "overrides --a2d-preset (whose value is 0.9)"},
+    a2d_lambda_decay: Optional[float] = ranged(
+        None, 0.0, 1.0, low_open=True, meaning="lambda_e = lambda_0 * decay^(e-1); 1 keeps it constant",
+        example="0.9", help="lambda at epoch e is lambda_0 * decay^(e-1); in (0, 1], 1 = constant; "
+        "overrides --a2d-preset (whose value is 0.9)",
     )
-    kd_weight: float = field(
-        default=1.0,
-        metadata={"help": "weight mu of word-level KD (Eq. 12), CE weight 1; 0 = 'A2D w/o L_KD' (Table 2)"},
+    kd_weight: float = weight(
+        1.0, help="weight mu of word-level KD (Eq. 12), CE weight 1; 0 = 'A2D w/o L_KD' (Table 2)",
     )
-    a2d_mu: Optional[float] = field(
-        default=None, metadata={"help": "the paper's name for --kd-weight (mu, Eq. 12); when given, it replaces it"},
+    a2d_mu: Optional[float] = weight(
+        None, help="the paper's name for --kd-weight (mu, Eq. 12); when given, it replaces it",
     )
     a2d_attention_kinds: ChoiceEnum(list(KIND_WEIGHTS)) = field(
         default="all",
@@ -275,16 +273,16 @@ class A2DConfig(KDCriterionConfig):
                   "(default): mean, or sum with --a2d-normalization authors (the authors' code). "
                   "mean won the real-corpus comparison on validation (docs/results/)"},
     )
-    a2d_attention_epochs: Optional[int] = field(
-        default=None,
-        metadata={"help": "last epoch with the attention loss: lambda_e = 0 after it (default: every "
-                  "epoch, the paper's exponential decay). With --teacher-cache as well, the epochs "
-                  "after it read word-level KD from the cache instead of running the teacher"},
+    a2d_attention_epochs: Optional[int] = ranged(
+        None, 1, meaning="the last epoch with the attention loss; --a2d-lambda 0 trains without it", example="10",
+        help="last epoch with the attention loss: lambda_e = 0 after it (default: every epoch, the paper's "
+        "exponential decay). With --teacher-cache as well, the epochs after it read word-level KD from the "
+        "cache instead of running the teacher",
     )
-    a2d_alpha: float = field(
-        default=0.5,
-        metadata={"help": "--a2d-normalization authors only: the authors' --alpha, CE weight 1 - alpha "
-                  "and word-KD weight alpha (replaces --a2d-mu)"},
+    a2d_alpha: float = ranged(
+        0.5, 0.0, 1.0, meaning="(1 - alpha) CE + alpha KD",
+        help="--a2d-normalization authors only: the authors' --alpha, CE weight 1 - alpha and word-KD "
+        "weight alpha (replaces --a2d-mu)",
     )
 
 
@@ -294,6 +292,9 @@ class AlignToDistillCriterion(KDCriterionBase):
     KD_WEIGHT_ALIAS = "a2d_mu"
     WEIGHT_FLAGS = {"ce": "1 - --a2d-alpha", "word_kd": "--kd-weight",
                     **{term: "--a2d-lambda" for term in KIND_TERMS.values()}}
+    PAPER = "Align-to-Distill (Jin et al. 2024)"
+    MAIN_FLAGS = ("a2d_preset", "a2d_lambda_decay", "a2d_granularity", "a2d_attention_kinds", "a2d_normalization",
+                  "a2d_map_reduction", "a2d_attention_epochs")
 
     def __init__(self, cfg: A2DConfig, task):
         super().__init__(cfg, task)
@@ -307,7 +308,6 @@ class AlignToDistillCriterion(KDCriterionBase):
         self.map_reduction = resolve_map_reduction(str(cfg.a2d_map_reduction), self.mode.name)
         self.kind_weights = KIND_WEIGHTS[str(cfg.a2d_attention_kinds)]
         self.attention_epochs = cfg.a2d_attention_epochs
-        self._check_options()
 
         teacher_shape = self.teacher.shape
         student_shape = task.require_student_shape(self.criterion_name())
@@ -329,15 +329,6 @@ class AlignToDistillCriterion(KDCriterionBase):
         self.student_request = CaptureRequest(attention_kinds=kinds)
         self.teacher_request = CaptureRequest(attention_kinds=kinds)
         check_capturable(self.teacher, self.teacher_request, self.criterion_name())
-
-    def _check_options(self) -> None:
-        if not 0 < self.lambda_decay <= 1:
-            raise ValueError(
-                f"--a2d-lambda-decay must be in (0, 1] (lambda_e = lambda_0 * decay^(e-1); 1 keeps it "
-                f"constant), got {self.lambda_decay}"
-            )
-        if not 0 <= self.alpha <= 1:
-            raise ValueError(f"--a2d-alpha must be in [0, 1] ((1 - alpha) CE + alpha KD), got {self.alpha}")
 
     def last_live_teacher_epoch(self) -> Optional[int]:
         """Under ``--a2d-attention-epochs N`` only word-level KD is left after epoch N, which

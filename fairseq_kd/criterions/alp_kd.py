@@ -51,7 +51,7 @@ class ALPKDConfig(HiddenStateKDConfig):
         default=None,
         metadata={"help": "explicit buckets overriding --alp-buckets: one comma-separated group of "
                   "1-based teacher layers per student layer, groups separated by '|', e.g. "
-                  "'1,2,3,4|5,6,7,8|9,10,11,12'"},
+                  "'1,2,3,4|5,6,7,8|9,10,11,12'", "example": "1,2,3,4|5,6,7,8|9,10,11,12"},
     )
 
 
@@ -59,6 +59,8 @@ class ALPKDConfig(HiddenStateKDConfig):
 class ALPKDCriterion(HiddenStateKDCriterion):
     LAYER_TERM = "alp"
     TERM_NAMES = ("word_kd", "alp")
+    PAPER = "ALP-KD (Passban et al. 2021)"
+    MAIN_FLAGS = ("alp_buckets", "alp_bucket_map")
 
     def __init__(self, cfg: ALPKDConfig, task):
         super().__init__(cfg, task)

@@ -61,94 +61,125 @@ from torch import Tensor
 from ..models.feature_capture import CapturedFeatures, CaptureRequest, FeatureCapture
 
 
+# --------------------------------------------------------------- option ranges
+# Every number of a criterion's config declares its range once, in its dataclass field
+# (``ranged`` / ``weight``); :func:`check_numeric_options` checks them all, once: the task calls it
+# before building any criterion (fairseq's own included) and the base class when a criterion is
+# built. A number without a declared range must only be finite.
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values an option takes: ``low`` .. ``high`` (None = unbounded), each end open or not,
+    and what the number is (said in the refusal)."""
+
+    low: float
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+    meaning: str = ""
+
+    def text(self) -> str:
+        """``>= 0``, ``> 0`` or ``in [0, 1)``: what follows "must be" in a message."""
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+    def __contains__(self, value) -> bool:
+        above_low = value > self.low if self.low_open else value >= self.low
+        below_high = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above_low and below_high
+
+
+def ranged(default, low, high=None, *, help: str, meaning: str, low_open=False, high_open=False, **metadata):
+    """A config field whose value must lie in a :class:`Range` (checked by the base)."""
+    return field(default=default, metadata={"help": help, "range": Range(low, high, low_open, high_open, meaning),
+                                            **metadata})
+
+
+def weight(default, *, help: str, **metadata):
+    """A config field holding a loss weight: >= 0, 0 switching its term off."""
+    return ranged(default, 0.0, help=help, meaning="a loss weight (0 switches the term off)", **metadata)
+
+
 @dataclass
 class KDCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
-    label_smoothing: float = field(
-        default=0.1,
-        metadata={"help": "epsilon for label smoothing of the CE term (0.1 in all papers implemented)"},
+    label_smoothing: float = ranged(
+        0.1, 0.0, 1.0, high_open=True, meaning="the share of probability mass spread over the vocabulary",
+        help="epsilon for label smoothing of the CE term (0.1 in all papers implemented)",
     )
-    kd_weight: float = field(
-        default=1.0,
-        metadata={"help": "weight of the word-level KD term in every criterion; the CE weight follows "
-                  "from the method's objective (see criterions/base.py); 0 switches KD off"},
+    kd_weight: float = weight(
+        1.0, help="weight of the word-level KD term in every criterion; the CE weight follows "
+        "from the method's objective (see criterions/base.py); 0 switches KD off",
     )
-    kd_temperature: float = field(
-        default=1.0,
-        metadata={"help": "softmax temperature tau of teacher and student in word-level KD (> 0; the "
-                  "term is scaled by tau^2)"},
+    kd_temperature: float = ranged(
+        1.0, 0.0, low_open=True, meaning="a softmax temperature",
+        help="softmax temperature tau of teacher and student in word-level KD (> 0; the term is scaled by tau^2)",
     )
+    ignore_prefix_size: int = ranged(0, 0, meaning="a number of tokens", help="Ignore first N tokens")
 
 
-# --------------------------------------------------------------- numeric option validation
-# Every weight, temperature and rate of every criterion is checked here, once, at start-up (the
-# task calls check_numeric_options before building the criterion): finite, and in its range.
-# (low, low_inclusive, high, high_inclusive, meaning); None = unbounded on that side.
-_RANGES = {
-    "label_smoothing": (0.0, True, 1.0, False, "the share of probability mass spread over the vocabulary"),
-    "word_rate": (0.0, False, 1.0, True, "the share of words distilled"),
-    "a2d_alpha": (0.0, True, 1.0, True, "(1 - alpha) CE + alpha KD"),
-    "a2d_lambda_decay": (0.0, False, 1.0, True, "lambda_e = lambda_0 * decay^(e-1); 1 keeps it constant"),
-    "a2d_attention_epochs": (1, True, None, False, "the last epoch with the attention loss; --a2d-lambda 0 "
-                             "trains without it"),
-    "internal_cos_threshold": (0.0, True, None, False, "a cosine-distance threshold"),
-    "internal_epochs_per_layer": (1, True, None, False, "a number of epochs"),
-    "queue_size": (1, True, None, False, "a number of tokens"),
-    "rail_projection_dim": (1, True, None, False, "a dimension"),
-    "ignore_prefix_size": (0, True, None, False, "a number of tokens"),
-}
-_TEMPERATURE = (0.0, False, None, False, "a softmax temperature")
-_WEIGHT = (0.0, True, None, False, "a loss weight (0 switches the term off)")
+def declared_ranges(config_class) -> Dict[str, Range]:
+    """The :class:`Range` of every field of ``config_class`` that declares one."""
+    import dataclasses
+
+    return {f.name: f.metadata["range"] for f in dataclasses.fields(config_class) if "range" in f.metadata}
 
 
-def numeric_option_range(name: str):
-    """The range rule of a criterion option, by name (explicit table, then naming convention:
-    ``*temperature*`` > 0; ``*_weight``, ``*lambda*``, ``*_mu`` >= 0), or None for finiteness only."""
-    if name in _RANGES:
-        return _RANGES[name]
-    if "temperature" in name:
-        return _TEMPERATURE
-    if name.endswith("_weight") or "lambda" in name or name.endswith("_mu"):
-        return _WEIGHT
-    return None
+def option_ranges(criterion_name: str = "", config_class=None) -> Dict[str, Range]:
+    """The ranges of a criterion's options: those its config declares, over those of
+    :class:`KDCriterionConfig` (which also covers the fields it shares with fairseq's own
+    label-smoothed CE). Without a criterion, every registered KD config's, the base's first."""
+    from fairseq.criterions import CRITERION_DATACLASS_REGISTRY
+
+    ranges = declared_ranges(KDCriterionConfig)
+    config_class = config_class or CRITERION_DATACLASS_REGISTRY.get(criterion_name)
+    if config_class is not None:
+        ranges.update(declared_ranges(config_class))
+    elif not criterion_name:
+        for registered in CRITERION_DATACLASS_REGISTRY.values():
+            if isinstance(registered, type) and issubclass(registered, KDCriterionConfig):
+                for name, rule in declared_ranges(registered).items():
+                    ranges.setdefault(name, rule)
+    return ranges
 
 
-def _interval(low, low_inclusive, high, high_inclusive) -> str:
-    """``>= 0``, ``> 0`` or ``in [0, 1)``: what follows "must be" in a message."""
-    if high is None:
-        return f"{'>=' if low_inclusive else '>'} {low:g}"
-    return f"in {'[' if low_inclusive else '('}{low:g}, {high:g}{']' if high_inclusive else ')'}"
+def option_flag(name: str, criterion_name: str = "") -> str:
+    """``--name-with-dashes``, saying so when the option is the criterion's paper name for --kd-weight."""
+    from fairseq.criterions import CRITERION_REGISTRY
+
+    flag = "--" + name.replace("_", "-")
+    if getattr(CRITERION_REGISTRY.get(criterion_name), "KD_WEIGHT_ALIAS", None) == name:
+        flag += " (alias of --kd-weight)"
+    return flag
 
 
 def check_numeric_options(cfg, criterion_name: str = "") -> None:
     """Raise ValueError naming the flag if a numeric option of a criterion config is NaN,
-    infinite, or outside its range (see :func:`numeric_option_range`). ``None`` (unset optional
+    infinite, or outside its declared range (see :func:`option_ranges`). ``None`` (unset optional
     values) passes."""
     import dataclasses
 
-    keys = list(cfg.keys()) if hasattr(cfg, "keys") else [f.name for f in dataclasses.fields(cfg)]
+    if dataclasses.is_dataclass(cfg):
+        keys, config_class = [f.name for f in dataclasses.fields(cfg)], type(cfg)
+    else:
+        keys, config_class = list(cfg.keys()), None
+    ranges = option_ranges(criterion_name, config_class)
     for name in keys:
         try:
-            value = cfg[name] if hasattr(cfg, "keys") else getattr(cfg, name)
+            value = getattr(cfg, name) if config_class else cfg[name]
         except Exception:  # noqa: BLE001 - an unresolvable interpolation is not a number to check
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        flag = "--" + name.replace("_", "-")
+        flag = option_flag(name, criterion_name)
         where = f" (criterion {criterion_name})" if criterion_name else ""
-        rule = numeric_option_range(name)
+        rule = ranges.get(name)
         if not math.isfinite(value):
-            expected = f" {_interval(*rule[:4])}" if rule else ""
+            expected = f" {rule.text()}" if rule else ""
             raise ValueError(f"{flag} must be a finite number{expected}{where}, got {value}")
-        if rule is None:
-            continue
-        low, low_inclusive, high, high_inclusive, meaning = rule
-        below = value < low or (value == low and not low_inclusive)
-        above = high is not None and (value > high or (value == high and not high_inclusive))
-        if below or above:
-            raise ValueError(
-                f"{flag} must be {_interval(low, low_inclusive, high, high_inclusive)} ({meaning}){where}, "
-                f"got {value}"
-            )
+        if rule is not None and value not in rule:
+            raise ValueError(f"{flag} must be {rule.text()} ({rule.meaning}){where}, got {value}")
 
 
 @dataclass
@@ -257,12 +288,21 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
     #: methods whose objective is additive, ``L_CE + sum_i w_i L_i + kd_weight L_KD`` (the CE weight
     #: is 1): the config field holding each term's weight, read by :meth:`additive_weights`
     TERM_WEIGHT_FIELDS: Dict[str, str] = {}
+    #: whether the student needs the teacher's head count for every attention kind it distils
+    #: (methods that compare attention head by head)
+    NEEDS_TEACHER_HEADS: bool = False
+
+    #: the README's table of criterions (``python -m fairseq_kd_recipes.methods`` prints it): the
+    #: method and its paper, the config fields shown as its main flags (their choices, default and
+    #: ``example`` come from the config dataclass), and what the flags alone do not say (markdown)
+    PAPER: str = ""
+    MAIN_FLAGS: Tuple[str, ...] = ()
+    FLAGS_NOTE: str = ""
 
     def __init__(self, cfg: KDCriterionConfig, task):
+        check_numeric_options(cfg, self.criterion_name())  # every declared range, before any work
         super().__init__(task, cfg.sentence_avg, cfg.label_smoothing, cfg.ignore_prefix_size, cfg.report_accuracy)
         self.cfg = cfg
-        if not cfg.kd_temperature > 0:
-            raise ValueError(f"--kd-temperature must be > 0, got {cfg.kd_temperature}")
         self.kd_temperature = float(cfg.kd_temperature)
         alias = getattr(cfg, self.KD_WEIGHT_ALIAS) if self.KD_WEIGHT_ALIAS else None
         self.kd_weight = float(cfg.kd_weight if alias is None else alias)
@@ -332,9 +372,9 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
             if weight < 0:
                 flag = self.WEIGHT_FLAGS.get(name, f"the weight of {name}_loss")
                 if name in self.TERM_WEIGHT_FIELDS:
-                    flag = "--" + self.TERM_WEIGHT_FIELDS[name].replace("_", "-")
+                    flag = option_flag(self.TERM_WEIGHT_FIELDS[name])
                 elif name == "word_kd" and self.KD_WEIGHT_ALIAS and getattr(self.cfg, self.KD_WEIGHT_ALIAS) is not None:
-                    flag = f"--{self.KD_WEIGHT_ALIAS.replace('_', '-')} (alias of --kd-weight)"
+                    flag = option_flag(self.KD_WEIGHT_ALIAS, self.criterion_name())
                 raise ValueError(f"{flag} must be >= 0, got {weight} (criterion {self.criterion_name()})")
         return weights
 

@@ -70,7 +70,7 @@ class CombinatorialKDConfig(HiddenStateKDConfig):
         default=None,
         metadata={"help": "explicit mapping overriding --ckd-mapping: one comma-separated group of "
                   "1-based teacher layers per student layer, bottom-up, groups separated by '|', "
-                  "e.g. '1,2,3|4,5,6'"},
+                  "e.g. '1,2,3|4,5,6'", "example": "1,2,3|4,5,6"},
     )
     ckd_map_side: CKD_MAP_SIDES = field(
         default="student",
@@ -159,6 +159,10 @@ class StudentProjection(nn.Module):
 class CombinatorialKDCriterion(HiddenStateKDCriterion):
     LAYER_TERM = "ckd"
     TERM_NAMES = ("word_kd", "ckd")
+    PAPER = "combinatorial KD (Wu et al. 2020)"
+    MAIN_FLAGS = ("ckd_mapping", "ckd_layer_map", "ckd_map_side")
+    FLAGS_NOTE = ("(default: the student's states mapped to the teacher's; the paper's teacher-side fusion "
+                  "admits a collapsed student, see `docs/results/README.md`)")
 
     def __init__(self, cfg: CombinatorialKDConfig, task):
         super().__init__(cfg, task)

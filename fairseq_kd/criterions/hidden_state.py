@@ -25,7 +25,7 @@ from fairseq.dataclass import ChoiceEnum
 from torch import Tensor, nn
 
 from ..models.feature_capture import CaptureRequest
-from .base import DistillationBatch, KDCriterionBase, KDCriterionConfig
+from .base import DistillationBatch, KDCriterionBase, KDCriterionConfig, weight
 from .losses import word_level_kd
 
 LAYER_SIDES = ChoiceEnum(["encoder", "decoder", "both"])
@@ -34,15 +34,13 @@ SIDES_OF = {"encoder": ("encoder",), "decoder": ("decoder",), "both": ("encoder"
 
 @dataclass
 class HiddenStateKDConfig(KDCriterionConfig):
-    kd_weight: float = field(
-        default=0.1,
-        metadata={"help": "eta: weight of the word-level KD term; the CE weight is beta = 1 - eta - "
-                  "lambda (CKD and ALP-KD papers: eta = 0.1)"},
+    kd_weight: float = weight(
+        0.1, help="eta: weight of the word-level KD term; the CE weight is beta = 1 - eta - lambda "
+        "(CKD and ALP-KD papers: eta = 0.1)",
     )
-    layer_weight: float = field(
-        default=0.7,
-        metadata={"help": "lambda: weight of the method's intermediate-layer term (CKD and ALP-KD "
-                  "papers: 0.7); 0 together with --kd-weight 0 is plain label-smoothed CE"},
+    layer_weight: float = weight(
+        0.7, help="lambda: weight of the method's intermediate-layer term (CKD and ALP-KD papers: 0.7); "
+        "0 together with --kd-weight 0 is plain label-smoothed CE",
     )
     layer_sides: LAYER_SIDES = field(
         default="encoder",
@@ -74,7 +72,9 @@ class HiddenStateKDCriterion(KDCriterionBase):
 
     @classmethod
     def check_weights(cls, kd_weight: float, layer_weight: float) -> None:
-        if kd_weight < 0 or layer_weight < 0 or kd_weight + layer_weight > 1.0 + 1e-9:
+        """The CE weight ``1 - kd_weight - layer_weight`` must not be negative (each weight's own
+        range, >= 0, is checked by the base)."""
+        if kd_weight + layer_weight > 1.0 + 1e-9:
             raise ValueError(
                 f"--kd-weight ({kd_weight}) and --layer-weight ({layer_weight}) must be >= 0 with a sum "
                 "of at most 1, since the CE weight is 1 - kd_weight - layer_weight"

@@ -61,7 +61,7 @@ from ..models.feature_capture import DECODER_SELF, ENCODER_SELF, CaptureRequest
 from ..modules.layer_mapping import uniform_mapping, validate_mapping
 from ..modules.projection import width_projection
 from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion, in_param_dtype
-from .base import DistillationTerms, EpochSums
+from .base import DistillationTerms, EpochSums, ranged, weight
 from .losses import masked_mean_pool, masked_row_kl
 
 logger = logging.getLogger(__name__)
@@ -72,34 +72,30 @@ SELF_ATTENTION = {"encoder": ENCODER_SELF, "decoder": DECODER_SELF}
 
 @dataclass
 class InternalKDConfig(HiddenStateKDConfig):
-    kd_weight: float = field(
-        default=1.0,
-        metadata={"help": "weight of the soft labels (word-level KD) once the internal phase is over, "
-                  "throughout with --internal-schedule all or --internal-soft-labels-throughout"},
+    kd_weight: float = weight(
+        1.0, help="weight of the soft labels (word-level KD) once the internal phase is over, throughout "
+        "with --internal-schedule all or --internal-soft-labels-throughout",
     )
-    layer_weight: float = field(
-        default=1.0,
-        metadata={"help": "weight of each internal term (attention KL and cosine) while layers are "
-                  "distilled"},
+    layer_weight: float = weight(
+        1.0, help="weight of each internal term (attention KL and cosine) while layers are distilled",
     )
-    hard_label_weight: float = field(
-        default=0.0,
-        metadata={"help": "weight of the label-smoothed CE on the references, in every phase (the "
-                  "paper's 'hard labels'; 0 = soft labels only)"},
+    hard_label_weight: float = weight(
+        0.0, help="weight of the label-smoothed CE on the references, in every phase (the paper's "
+        "'hard labels'; 0 = soft labels only)",
     )
     internal_schedule: SCHEDULE_CHOICES = field(
         default="sid",
         metadata={"help": "all: every pair every epoch; pid: one pair at a time bottom-up; sid: "
                   "pairs stack up bottom-up (Algorithm 1); pid/sid end with soft labels only"},
     )
-    internal_epochs_per_layer: int = field(
-        default=5,
-        metadata={"help": "pid/sid: epochs spent on a pair before moving to the next one at the latest"},
+    internal_epochs_per_layer: int = ranged(
+        5, 1, meaning="a number of epochs",
+        help="pid/sid: epochs spent on a pair before moving to the next one at the latest",
     )
-    internal_cos_threshold: float = field(
-        default=0.05,
-        metadata={"help": "pid/sid: move to the next pair after an epoch whose mean cosine loss (1 - cos, "
-                  "over all workers' sentences) of the current pair is below this; 0 disables"},
+    internal_cos_threshold: float = ranged(
+        0.05, 0.0, meaning="a cosine-distance threshold",
+        help="pid/sid: move to the next pair after an epoch whose mean cosine loss (1 - cos, over all "
+        "workers' sentences) of the current pair is below this; 0 disables",
     )
     internal_soft_labels_throughout: bool = field(
         default=False,
@@ -132,14 +128,15 @@ class InternalKDCriterion(HiddenStateKDCriterion):
     WEIGHT_FLAGS = {"ce": "--hard-label-weight", "word_kd": "--kd-weight", "internal_kl": "--layer-weight",
                     "internal_cos": "--layer-weight"}
     SENTENCE_TERMS = ("internal_cos",)
+    PAPER = "internal-representation KD (Aguilar et al. 2020)"
+    MAIN_FLAGS = ("internal_schedule", "internal_epochs_per_layer", "internal_cos_threshold", "hard_label_weight",
+                  "internal_soft_labels_throughout")
+    FLAGS_NOTE = ("(a positive `--hard-label-weight` keeps CE on the references, "
+                  "`--internal-soft-labels-throughout` the soft labels, during the internal phase)")
 
     def __init__(self, cfg: InternalKDConfig, task):
         super().__init__(cfg, task)
         self.schedule = str(cfg.internal_schedule)
-        if cfg.internal_epochs_per_layer < 1:
-            raise ValueError(f"--internal-epochs-per-layer must be >= 1, got {cfg.internal_epochs_per_layer}")
-        if cfg.internal_cos_threshold < 0:
-            raise ValueError(f"--internal-cos-threshold must be >= 0, got {cfg.internal_cos_threshold}")
         self.hard_label_weight = float(cfg.hard_label_weight)
         self.epochs_per_layer = int(cfg.internal_epochs_per_layer)
         self.cos_threshold = float(cfg.internal_cos_threshold)
@@ -168,8 +165,7 @@ class InternalKDCriterion(HiddenStateKDCriterion):
 
     @classmethod
     def check_weights(cls, kd_weight, layer_weight):
-        if kd_weight < 0 or layer_weight < 0:
-            raise ValueError(f"--kd-weight ({kd_weight}) and --layer-weight ({layer_weight}) must be >= 0")
+        """No bound on the sum: the CE weight is --hard-label-weight (each weight's range is the base's)."""
 
     # ---------------------------------------------------------------- schedule
     def stage_at(self, epoch: int) -> int:

@@ -31,8 +31,8 @@ from fairseq.dataclass import ChoiceEnum
 from torch import Tensor
 
 from ..models.feature_capture import DECODER_CROSS, DECODER_SELF, ENCODER_SELF, AttentionMaps, CaptureRequest
-from ._attention import check_capturable, check_equal_heads
-from .base import KDCriterionBase, KDCriterionConfig
+from .startup_checks import check_capturable, check_equal_heads
+from .base import KDCriterionBase, KDCriterionConfig, weight
 from .losses import masked_row_kl, word_level_kd
 
 MINILM_KINDS = {"self": (ENCODER_SELF, DECODER_SELF), "all": (ENCODER_SELF, DECODER_SELF, DECODER_CROSS)}
@@ -40,16 +40,12 @@ MINILM_KINDS = {"self": (ENCODER_SELF, DECODER_SELF), "all": (ENCODER_SELF, DECO
 
 @dataclass
 class MiniLMConfig(KDCriterionConfig):
-    minilm_att_weight: float = field(
-        default=1.0, metadata={"help": "weight of the last layer's attention KL (MiniLM Eq. 6)"}
-    )
-    minilm_vr_weight: float = field(
-        default=1.0, metadata={"help": "weight of the last layer's value-relation KL (MiniLM Eq. 8)"}
-    )
-    minilm_kd_weight: Optional[float] = field(
-        default=None,
-        metadata={"help": "this method's name for --kd-weight, the weight mu of word-level KD added as in "
-                  "Align-to-Distill's baseline (default 1); when given, it replaces --kd-weight"},
+    minilm_att_weight: float = weight(1.0, help="weight of the last layer's attention KL (MiniLM Eq. 6)")
+    minilm_vr_weight: float = weight(1.0, help="weight of the last layer's value-relation KL (MiniLM Eq. 8)")
+    minilm_kd_weight: Optional[float] = weight(
+        None, example="1",
+        help="this method's name for --kd-weight, the weight mu of word-level KD added as in "
+        "Align-to-Distill's baseline (default 1); when given, it replaces --kd-weight",
     )
     minilm_attention_kinds: ChoiceEnum(list(MINILM_KINDS)) = field(
         default="self",
@@ -63,6 +59,9 @@ class MiniLMCriterion(KDCriterionBase):
     TERM_NAMES = ("attention_kl", "value_relation", "word_kd")
     KD_WEIGHT_ALIAS = "minilm_kd_weight"
     TERM_WEIGHT_FIELDS = {"attention_kl": "minilm_att_weight", "value_relation": "minilm_vr_weight"}
+    NEEDS_TEACHER_HEADS = True
+    PAPER = "MiniLM (Wang et al. 2020)"
+    MAIN_FLAGS = ("minilm_att_weight", "minilm_vr_weight", "minilm_kd_weight", "minilm_attention_kinds")
 
     def __init__(self, cfg: MiniLMConfig, task):
         super().__init__(cfg, task)

@@ -51,6 +51,9 @@ class PatientKDConfig(HiddenStateKDConfig):
 class PatientKDCriterion(HiddenStateKDCriterion):
     LAYER_TERM = "pkd"
     TERM_NAMES = ("word_kd", "pkd")
+    PAPER = "Patient KD (Sun et al. 2019)"
+    MAIN_FLAGS = ("pkd_mapping", "layer_sides", "pkd_include_top_layer")
+    FLAGS_NOTE = "(default: intermediate layers only, as the paper)"
 
     def __init__(self, cfg: PatientKDConfig, task):
         super().__init__(cfg, task)

@@ -36,6 +36,7 @@ from torch import nn
 
 from ..modules.layer_mapping import LayerMappingError, draw_layers
 from ..modules.projection import StackedLinear
+from .base import ranged, weight
 from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion, in_param_dtype
 from .losses import masked_mean_pool, normalized_squared_distance
 
@@ -46,23 +47,21 @@ RAIL_VARIANT_CHOICES = ChoiceEnum(["layerwise", "concatenated"])
 
 @dataclass
 class RailKDConfig(HiddenStateKDConfig):
-    kd_weight: float = field(
-        default=1.0 / 3.0,
-        metadata={"help": "lambda_2: weight of the word-level KD term; the CE weight is 1 - kd_weight "
-                  "- layer_weight (RAIL-KD paper: 1/3 each)"},
+    kd_weight: float = weight(
+        1.0 / 3.0, help="lambda_2: weight of the word-level KD term; the CE weight is 1 - kd_weight - "
+        "layer_weight (RAIL-KD paper: 1/3 each)",
     )
-    layer_weight: float = field(
-        default=1.0 / 3.0,
-        metadata={"help": "lambda_3: weight of the RAIL-KD term (paper: 1/3); 0 together with "
-                  "--kd-weight 0 is plain label-smoothed CE"},
+    layer_weight: float = weight(
+        1.0 / 3.0, help="lambda_3: weight of the RAIL-KD term (paper: 1/3); 0 together with --kd-weight 0 "
+        "is plain label-smoothed CE",
     )
     rail_variant: RAIL_VARIANT_CHOICES = field(
         default="layerwise",
         metadata={"help": "layerwise (Eq. 2: per-layer projections, distances summed) or "
                   "concatenated (Eq. 3: the layers' sentence vectors concatenated, one projection)"},
     )
-    rail_projection_dim: int = field(
-        default=128, metadata={"help": "u: width of the common space both models are projected to (paper: 128)"}
+    rail_projection_dim: int = ranged(
+        128, 1, meaning="a dimension", help="u: width of the common space both models are projected to (paper: 128)"
     )
     rail_include_top_layers: bool = field(
         default=False,
@@ -77,12 +76,12 @@ class RailKDCriterion(HiddenStateKDCriterion):
     LAYER_TERM = "rail"
     TERM_NAMES = ("word_kd", "rail")
     SENTENCE_TERMS = ("rail",)
+    PAPER = "RAIL-KD (Haidar et al. 2022)"
+    MAIN_FLAGS = ("rail_variant", "rail_projection_dim")
 
     def __init__(self, cfg: RailKDConfig, task):
         super().__init__(cfg, task)
         self.rail_variant = str(cfg.rail_variant)
-        if cfg.rail_projection_dim < 1:
-            raise ValueError(f"--rail-projection-dim must be >= 1, got {cfg.rail_projection_dim}")
         rail_projection_dim = cfg.rail_projection_dim
         self.seed = int(cfg.seed)
         self.include_top = bool(cfg.rail_include_top_layers)

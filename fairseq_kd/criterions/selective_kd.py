@@ -53,7 +53,7 @@ from fairseq.distributed import utils as distributed_utils
 from fairseq.logging import metrics
 from torch import Tensor
 
-from .base import DistillationTerms
+from .base import DistillationTerms, ranged
 from .losses import word_kd_term
 from .word_kd import WordKDConfig, WordKDCriterion
 
@@ -64,20 +64,20 @@ SELECTION_CHOICES = ChoiceEnum(["batch", "global"])
 
 @dataclass
 class SelectiveKDConfig(WordKDConfig):
-    word_rate: float = field(
-        default=0.5,
-        metadata={"help": "fraction r in (0, 1] of target tokens, the hardest by the student's CE, "
-                  "that receive word-level KD (Align-to-Distill: 0.5); 1 is word_kd"},
+    word_rate: float = ranged(
+        0.5, 0.0, 1.0, low_open=True, meaning="the share of words distilled",
+        help="fraction r in (0, 1] of target tokens, the hardest by the student's CE, that receive "
+        "word-level KD (Align-to-Distill: 0.5); 1 is word_kd",
     )
     selection: SELECTION_CHOICES = field(
         default="batch",
         metadata={"help": "'batch': the top r of each batch's tokens; 'global': tokens whose CE "
                   "reaches the (1-r) quantile of a FIFO queue of recent CE values (Wang et al. 2021)"},
     )
-    queue_size: int = field(
-        default=30000,
-        metadata={"help": "number of recent token CE values kept by --selection global, summed over "
-                  "all data-parallel workers (Wang et al. 2021: 30,000)"},
+    queue_size: int = ranged(
+        30000, 1, meaning="a number of tokens",
+        help="number of recent token CE values kept by --selection global, summed over all "
+        "data-parallel workers (Wang et al. 2021: 30,000)",
     )
 
 
@@ -158,12 +158,10 @@ class SelectiveKDCriterion(WordKDCriterion):
     TERM_NAMES = ("selective_kd",)
     WEIGHT_FLAGS = {"ce": "1 - --kd-weight", "selective_kd": "--kd-weight"}
     LOG_KEYS = ("kd_selected_tokens",)
+    PAPER = "selective KD (Wang et al. 2021)"
+    MAIN_FLAGS = ("word_rate", "selection", "queue_size")
 
     def __init__(self, cfg: SelectiveKDConfig, task):
-        if not 0.0 < cfg.word_rate <= 1.0:
-            raise ValueError(f"--word-rate must be in (0, 1] (the fraction of tokens distilled), got {cfg.word_rate}")
-        if cfg.selection == "global" and cfg.queue_size < 1:
-            raise ValueError(f"--queue-size must be a positive number of tokens, got {cfg.queue_size}")
         super().__init__(cfg, task)
         self.word_rate = cfg.word_rate
         self.selection = str(cfg.selection)

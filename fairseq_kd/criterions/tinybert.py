@@ -28,7 +28,7 @@ Head-by-head comparison needs equal head counts per kind; a mismatch is an error
 names ``--encoder-attention-heads`` / ``--decoder-attention-heads`` (use ``a2d_kd`` otherwise). The
 uniform mapping needs a teacher at least as deep as the student on each side.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
 import torch
@@ -38,8 +38,8 @@ from torch import Tensor, nn
 from ..models.feature_capture import ATTENTION_KINDS, DECODER_CROSS, DECODER_SELF, ENCODER_SELF, CaptureRequest
 from ..modules.layer_mapping import LayerMappingError, uniform_mapping
 from ..modules.projection import width_projection
-from ._attention import check_capturable, check_equal_heads
-from .base import KDCriterionBase, KDCriterionConfig
+from .startup_checks import check_capturable, check_equal_heads
+from .base import KDCriterionBase, KDCriterionConfig, weight
 from .losses import masked_mse_sum, sum_of_squares, word_level_kd
 
 #: the side whose layer mapping each attention kind follows
@@ -49,19 +49,13 @@ SIDES = ("encoder", "decoder")
 
 @dataclass
 class TinyBERTConfig(KDCriterionConfig):
-    tinybert_att_weight: float = field(
-        default=1.0, metadata={"help": "weight of the attention-score MSE (TinyBERT Eq. 7)"}
-    )
-    tinybert_hidden_weight: float = field(
-        default=1.0, metadata={"help": "weight of the hidden-state MSE through W_h (Eq. 8)"}
-    )
-    tinybert_emb_weight: float = field(
-        default=1.0, metadata={"help": "weight of the embedding-output MSE through W_e (Eq. 9)"}
-    )
-    tinybert_pred_weight: Optional[float] = field(
-        default=None,
-        metadata={"help": "this method's name for --kd-weight, the weight of the prediction loss, "
-                  "word-level KD (Eq. 10; default 1); when given, it replaces --kd-weight"},
+    tinybert_att_weight: float = weight(1.0, help="weight of the attention-score MSE (TinyBERT Eq. 7)")
+    tinybert_hidden_weight: float = weight(1.0, help="weight of the hidden-state MSE through W_h (Eq. 8)")
+    tinybert_emb_weight: float = weight(1.0, help="weight of the embedding-output MSE through W_e (Eq. 9)")
+    tinybert_pred_weight: Optional[float] = weight(
+        None, example="1",
+        help="this method's name for --kd-weight, the weight of the prediction loss, word-level KD "
+        "(Eq. 10; default 1); when given, it replaces --kd-weight",
     )
 
 
@@ -71,6 +65,9 @@ class TinyBERTCriterion(KDCriterionBase):
     KD_WEIGHT_ALIAS = "tinybert_pred_weight"
     TERM_WEIGHT_FIELDS = {"att_score": "tinybert_att_weight", "hidden": "tinybert_hidden_weight",
                           "embedding": "tinybert_emb_weight"}
+    NEEDS_TEACHER_HEADS = True
+    PAPER = "TinyBERT (Jiao et al. 2020)"
+    MAIN_FLAGS = ("tinybert_att_weight", "tinybert_hidden_weight", "tinybert_emb_weight", "tinybert_pred_weight")
 
     def __init__(self, cfg: TinyBERTConfig, task):
         super().__init__(cfg, task)

@@ -4,20 +4,19 @@
 target positions (Hinton et al. 2015, arXiv:1503.02531; Kim & Rush 2016, Sec. 3.1). The CKD paper uses a = 0.1; the
 Align-to-Distill code uses 0.5, our default.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fairseq.criterions import register_criterion
 
-from .base import KDCriterionBase, KDCriterionConfig
+from .base import KDCriterionBase, KDCriterionConfig, ranged
 from .losses import word_kd_term
 
 
 @dataclass
 class WordKDConfig(KDCriterionConfig):
-    kd_weight: float = field(
-        default=0.5,
-        metadata={"help": "a in (1-a)*CE + a*KD; 0 reduces to label_smoothed_cross_entropy "
-                  "(CKD paper 0.1, Align-to-Distill 0.5)"},
+    kd_weight: float = ranged(
+        0.5, 0.0, 1.0, meaning="a in (1-a) CE + a KD",
+        help="a in (1-a)*CE + a*KD; 0 reduces to label_smoothed_cross_entropy (CKD paper 0.1, Align-to-Distill 0.5)",
     )
 
 
@@ -26,11 +25,8 @@ class WordKDCriterion(KDCriterionBase):
     TERM_NAMES = ("word_kd",)
     WEIGHT_FLAGS = {"ce": "1 - --kd-weight", "word_kd": "--kd-weight"}
     SUPPORTS_TEACHER_CACHE = True
-
-    def __init__(self, cfg: WordKDConfig, task):
-        super().__init__(cfg, task)
-        if self.kd_weight > 1.0:
-            raise ValueError(f"--kd-weight must be in [0, 1] (a in (1-a) CE + a KD), got {self.kd_weight}")
+    PAPER = "word-level KD (Hinton et al. 2015)"
+    MAIN_FLAGS = ("kd_weight", "kd_temperature")
 
     def loss_weights(self):
         return {"ce": 1.0 - self.kd_weight, "word_kd": self.kd_weight}

@@ -74,31 +74,51 @@ class LoadedTransformer:
 def load_transformer(checkpoint: str, data: Optional[str] = None) -> LoadedTransformer:
     """Read ``checkpoint`` (weights only) and build its Transformer on the dictionaries of
     ``data`` (default: the data folder the checkpoint records), checking that they fit it."""
-    from fairseq import models
-    from fairseq.data import Dictionary
-    from fairseq.data.data_utils import infer_language_pair
-    from fairseq.models.transformer import TransformerModelBase
+    from ..models.from_checkpoint import WeightsMismatchError, build_checkpoint_model
 
-    from ..checkpoints import load_fairseq_checkpoint, task_state
-    from ..fingerprint import dictionary_sha256
-    from ..models import architectures  # noqa: F401  (registers the plugin's architectures a checkpoint may name)
+    state = _read_checkpoint(checkpoint)
+    cfg = state["cfg"]
+    task_cfg = cfg.get("task") or {}
+    folder, flag = _data_folder(task_cfg, data)
+    src, tgt, dictionaries = _data_dictionaries(task_cfg, folder, flag)
+    _check_dictionaries_fit(state, dictionaries, flag)
+
+    class _Dictionaries:  # what build_model reads of a translation task
+        source_dictionary, target_dictionary = dictionaries
+
+    try:
+        model = build_checkpoint_model(state, _Dictionaries())
+    except WeightsMismatchError as err:
+        raise CTranslate2ExportError(f"{checkpoint!r}: weights do not fit its own config: {err}") from err
+    model.eval()
+    history = state.get("optimizer_history") or [{}]
+    return LoadedTransformer(model, dictionaries[0], dictionaries[1], src, tgt, str(Path(folder).resolve()),
+                             str(getattr(cfg.model, "activation_fn", None) or "relu"),
+                             int(history[-1].get("num_updates", 0) or 0))
+
+
+def _read_checkpoint(checkpoint: str) -> dict:
+    """The checkpoint's state (:func:`fairseq_kd.models.from_checkpoint.read_transformer_checkpoint`),
+    its errors worded for the export's CHECKPOINT."""
+    from ..models.from_checkpoint import NoModelError, NotATransformerCheckpointError, read_transformer_checkpoint
 
     if os.path.isdir(checkpoint):
         raise CTranslate2ExportError(f"checkpoint {checkpoint!r} is a folder; give the checkpoint file "
                                      "(e.g. checkpoints/student/checkpoint_best.pt)")
     if not os.path.isfile(checkpoint):
         raise CTranslate2ExportError(f"checkpoint {checkpoint!r}: no such file")
-    state = load_fairseq_checkpoint(checkpoint)  # weights_only=True, explicitly
-    cfg = state.get("cfg")
-    if cfg is None or "model" not in state:
-        raise CTranslate2ExportError(f"{checkpoint!r} is not a fairseq training checkpoint (no cfg/model)")
-    arch = getattr(cfg.model, "_name", None) or getattr(cfg.model, "arch", None)
-    model_class = models.ARCH_MODEL_REGISTRY.get(arch) or models.MODEL_REGISTRY.get(arch)
-    if model_class is None or not issubclass(model_class, TransformerModelBase):
-        raise CTranslate2ExportError(f"{checkpoint!r} holds a {arch!r} model; only fairseq's encoder-decoder "
-                                     "Transformers can be exported to CTranslate2")
+    try:
+        return read_transformer_checkpoint(checkpoint)
+    except NoModelError:
+        raise CTranslate2ExportError(f"{checkpoint!r} is not a fairseq training checkpoint (no cfg/model)") from None
+    except NotATransformerCheckpointError as err:
+        raise CTranslate2ExportError(f"{checkpoint!r} holds a {err.model_type!r} model; only fairseq's "
+                                     "encoder-decoder Transformers can be exported to CTranslate2") from None
 
-    task_cfg = cfg.get("task") or {}
+
+def _data_folder(task_cfg, data: Optional[str]) -> Tuple[str, str]:
+    """The data folder whose dictionaries the model is built on (``--data``, else the one the
+    checkpoint records) and how to name it in an error."""
     recorded = task_cfg.get("data")
     folder = data or (str(recorded).split(os.pathsep)[0] if recorded else None)
     flag = "--data" if data else f"the data folder the checkpoint records ({folder!r}; pass --data DIR)"
@@ -109,6 +129,14 @@ def load_transformer(checkpoint: str, data: Optional[str] = None) -> LoadedTrans
         raise CTranslate2ExportError(
             f"{flag if data else 'the checkpoint'}: no data folder {folder!r} on this machine; pass --data DIR, "
             "the folder holding the dictionaries the model was trained with (dict.SRC.txt, dict.TGT.txt)")
+    return folder, flag
+
+
+def _data_dictionaries(task_cfg, folder: str, flag: str) -> Tuple[str, str, list]:
+    """The language pair (recorded, else inferred from ``folder``'s files) and its two dictionaries."""
+    from fairseq.data import Dictionary
+    from fairseq.data.data_utils import infer_language_pair
+
     src, tgt = task_cfg.get("source_lang"), task_cfg.get("target_lang")
     if not src or not tgt:
         src, tgt = infer_language_pair(folder)
@@ -121,6 +149,14 @@ def load_transformer(checkpoint: str, data: Optional[str] = None) -> LoadedTrans
         if not path.is_file():
             raise CTranslate2ExportError(f"{flag}: no dict.{lang}.txt in {folder}")
         dictionaries.append(Dictionary.load(str(path)))
+    return src, tgt, dictionaries
+
+
+def _check_dictionaries_fit(state: dict, dictionaries: list, flag: str) -> None:
+    """The dictionaries fit the model's embeddings and the hashes the checkpoint records, if any."""
+    from ..checkpoints import task_state
+    from ..fingerprint import dictionary_sha256
+
     for side, prefix, dictionary in (("source", "encoder", dictionaries[0]), ("target", "decoder", dictionaries[1])):
         weight = state["model"].get(f"{prefix}.embed_tokens.weight")
         if weight is not None and weight.size(0) != len(dictionary):
@@ -134,20 +170,6 @@ def load_transformer(checkpoint: str, data: Optional[str] = None) -> LoadedTrans
             raise CTranslate2ExportError(
                 f"{flag}: its {side} dictionary differs from the one the checkpoint was trained with "
                 f"(sha256 {dictionary_sha256(dictionary)[:12]} vs {recorded_hash[:12]} recorded)")
-
-    class _Dictionaries:  # what build_model reads of a translation task
-        source_dictionary, target_dictionary = dictionaries
-
-    model = models.build_model(cfg.model, _Dictionaries(), from_checkpoint=True)
-    try:
-        model.load_state_dict(state["model"], strict=True, model_cfg=cfg.model)
-    except RuntimeError as err:
-        raise CTranslate2ExportError(f"{checkpoint!r}: weights do not fit its own config: {err}") from err
-    model.eval()
-    history = state.get("optimizer_history") or [{}]
-    return LoadedTransformer(model, dictionaries[0], dictionaries[1], src, tgt, str(Path(folder).resolve()),
-                             str(getattr(cfg.model, "activation_fn", None) or "relu"),
-                             int(history[-1].get("num_updates", 0) or 0))
 
 
 def unsupported_features(loaded: LoadedTransformer) -> List[str]:

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..checkpoints import load_fairseq_checkpoint, safe_load
+from ..checkpoints import safe_load
+from .from_checkpoint import NoModelError, read_model_checkpoint
 
 # Config groups a stock fairseq loader reads; the rest of the training config is dropped.
 _KEPT_GROUPS = ("common", "common_eval", "distributed_training", "dataset", "optimization",
@@ -70,7 +71,44 @@ def export_student(checkpoint: str, output: str, overwrite: bool = False) -> dic
     like the input checkpoint inside it (``export/`` -> ``export/checkpoint_best.pt``)."""
     if not os.path.isfile(checkpoint):
         raise ExportError(f"checkpoint {checkpoint!r}: no such file")
-    output = str(output)
+    output = _output_path(checkpoint, str(output), overwrite)
+    try:
+        state = read_model_checkpoint(checkpoint)
+    except NoModelError:
+        raise ExportError(f"{checkpoint!r} is not a fairseq training checkpoint (no cfg/model)") from None
+    cfg = state["cfg"]
+    model_cfg = _stock_transformer_config(checkpoint, cfg.model)
+    history = state.get("optimizer_history") or [{}]
+    num_updates = history[-1].get("num_updates", 0)
+    weights = {name: tensor for name, tensor in state["model"].items()}
+    exported = {
+        "cfg": _stock_config(cfg, model_cfg),
+        "args": None,
+        "model": weights,
+        "optimizer_history": [{
+            "criterion_name": "LabelSmoothedCrossEntropyCriterion",
+            "optimizer_name": history[-1].get("optimizer_name", "FairseqAdam"),
+            "lr_scheduler_state": {"best": None},
+            "num_updates": num_updates,
+        }],
+        "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": 0}},
+        "last_optimizer_state": None,
+    }
+    _save_loadable(exported, output)
+    parameters = count_parameters(weights)
+    return {
+        "output": output,
+        "parameters": parameters,
+        "num_updates": num_updates,
+        "encoder_layers": model_cfg.get("encoder_layers"),
+        "decoder_layers": model_cfg.get("decoder_layers"),
+        "sha256": hashlib.sha256(Path(output).read_bytes()).hexdigest(),
+    }
+
+
+def _output_path(checkpoint: str, output: str, overwrite: bool) -> str:
+    """The file to write (a folder receives the checkpoint's file name), never the input and
+    never an existing file without ``overwrite``."""
     if os.path.isdir(output) or output.endswith(("/", os.sep)):
         output = os.path.join(output, os.path.basename(checkpoint))
     if os.path.isdir(output):
@@ -81,13 +119,15 @@ def export_student(checkpoint: str, output: str, overwrite: bool = False) -> dic
                           "(the export never replaces its input)")
     if os.path.exists(output) and not overwrite:
         raise ExportError(f"output {output!r} already exists; choose another path or pass --overwrite")
-    state = load_fairseq_checkpoint(checkpoint)  # weights_only=True, explicitly
-    cfg = state.get("cfg")
-    if cfg is None or "model" not in state:
-        raise ExportError(f"{checkpoint!r} is not a fairseq training checkpoint (no cfg/model)")
-    model_cfg = _plain(cfg.model)
+    return output
+
+
+def _stock_transformer_config(checkpoint: str, model_config) -> dict:
+    """The student's model config as plain containers with every size written out, naming the
+    stock ``transformer`` architecture; refuses a model that is not a Transformer."""
+    model_cfg = _plain(model_config)
     if not isinstance(model_cfg, dict):
-        raise ExportError(f"{checkpoint!r}: unexpected model config of type {type(cfg.model).__name__}")
+        raise ExportError(f"{checkpoint!r}: unexpected model config of type {type(model_config).__name__}")
     from fairseq.models import ARCH_MODEL_REGISTRY
     from fairseq.models.transformer import TransformerModelBase
 
@@ -103,7 +143,12 @@ def export_student(checkpoint: str, output: str, overwrite: bool = False) -> dic
     ARCH_CONFIG_REGISTRY[arch](resolved)
     model_cfg = {k: _plain(v) for k, v in vars(resolved).items()}
     model_cfg.update(arch="transformer", _name="transformer")
+    return model_cfg
 
+
+def _stock_config(cfg, model_cfg: dict) -> dict:
+    """The whole config a stock fairseq loader reads: the kept groups, task ``translation``
+    without the teacher, criterion ``label_smoothed_cross_entropy``."""
     task_cfg = _plain(cfg.task)
     task_cfg.pop("teacher_checkpoint", None)
     task_cfg["_name"] = "translation"
@@ -115,33 +160,13 @@ def export_student(checkpoint: str, output: str, overwrite: bool = False) -> dic
         criterion={"_name": "label_smoothed_cross_entropy", "label_smoothing": 0.1,
                    "report_accuracy": False, "ignore_prefix_size": 0, "sentence_avg": False},
     )
-    history = state.get("optimizer_history") or [{}]
-    num_updates = history[-1].get("num_updates", 0)
-    weights = {name: tensor for name, tensor in state["model"].items()}
-    exported = {
-        "cfg": plain_cfg,
-        "args": None,
-        "model": weights,
-        "optimizer_history": [{
-            "criterion_name": "LabelSmoothedCrossEntropyCriterion",
-            "optimizer_name": history[-1].get("optimizer_name", "FairseqAdam"),
-            "lr_scheduler_state": {"best": None},
-            "num_updates": num_updates,
-        }],
-        "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": 0}},
-        "last_optimizer_state": None,
-    }
+    return plain_cfg
+
+
+def _save_loadable(exported: dict, output: str) -> None:
+    """Write ``exported`` to ``output`` through a temporary file that must load safely first."""
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{output}.tmp"
     torch.save(exported, tmp)
     safe_load(tmp)  # refuse to leave behind anything stock fairseq could not load safely
     os.replace(tmp, output)
-    parameters = count_parameters(weights)
-    return {
-        "output": output,
-        "parameters": parameters,
-        "num_updates": num_updates,
-        "encoder_layers": model_cfg.get("encoder_layers"),
-        "decoder_layers": model_cfg.get("decoder_layers"),
-        "sha256": hashlib.sha256(Path(output).read_bytes()).hexdigest(),
-    }

@@ -11,15 +11,22 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from fairseq.data import Dictionary
 from torch import nn
 
-from ..checkpoints import UnsafeCheckpointError, load_fairseq_checkpoint, task_state
+from ..checkpoints import UnsafeCheckpointError, task_state
 from ..fingerprint import dictionary_sha256, file_sha256
 from .feature_capture import CapturedFeatures, CaptureRequest, FeatureCapture, NotATransformerError
+from .from_checkpoint import (
+    NoModelError,
+    NotATransformerCheckpointError,
+    WeightsMismatchError,
+    build_checkpoint_model,
+    read_transformer_checkpoint,
+)
 from .shape import TransformerShape
 
 FLAG = "--teacher-checkpoint"
@@ -54,9 +61,6 @@ class FrozenTeacher:
         SHA-256 when the caller has just taken its fingerprint (:mod:`fairseq_kd.fingerprint`),
         so that it is not read twice; hashed here otherwise.
         """
-        from fairseq import models
-        from fairseq.models.transformer import TransformerModelBase
-
         if not path or not os.path.isfile(path):
             raise TeacherCheckpointError(
                 f"{FLAG} {path!r}: no such file. Pass the path of a trained fairseq translation "
@@ -64,26 +68,8 @@ class FrozenTeacher:
             )
         if not os.access(path, os.R_OK):
             raise TeacherCheckpointError(f"{FLAG} {path!r}: the file is not readable (permissions).")
-        try:
-            state = load_fairseq_checkpoint(path)  # weights_only=True, explicitly
-        except UnsafeCheckpointError as err:
-            raise TeacherCheckpointError(f"{FLAG} {path!r}: {err}") from None
-        except Exception as err:  # noqa: BLE001 - every failure here means "not a usable checkpoint"
-            raise TeacherCheckpointError(
-                f"{FLAG} {path!r} is not a readable fairseq checkpoint: {type(err).__name__}: {err}"
-            ) from err
-        cfg = state.get("cfg")
-        if cfg is None or "model" not in state:
-            raise TeacherCheckpointError(
-                f"{FLAG} {path!r} has no fairseq model configuration/weights (keys: {sorted(state)})"
-            )
-        model_type = getattr(cfg.model, "_name", None) or getattr(cfg.model, "arch", None)
-        model_class = models.ARCH_MODEL_REGISTRY.get(model_type) or models.MODEL_REGISTRY.get(model_type)
-        if model_class is None or not issubclass(model_class, TransformerModelBase):
-            raise TeacherCheckpointError(
-                f"{FLAG} {path!r} holds a {model_type!r} model, not an encoder-decoder Transformer "
-                "(fairseq's transformer family); distillation needs a Transformer teacher."
-            )
+        state = _read_teacher_checkpoint(path)
+        cfg = state["cfg"]
         task_cfg = getattr(task, "cfg", None)
         verified = check_dictionaries(
             path, state, task.source_dictionary, task.target_dictionary, cfg,
@@ -91,10 +77,9 @@ class FrozenTeacher:
             data_langs=(getattr(task_cfg, "source_lang", None), getattr(task_cfg, "target_lang", None)),
         )
         logger.info(f"{FLAG} {path}: dictionaries {verified}")
-        model = models.build_model(cfg.model, task, from_checkpoint=True)
         try:
-            model.load_state_dict(state["model"], strict=True, model_cfg=cfg.model)
-        except RuntimeError as err:
+            model = build_checkpoint_model(state, task)
+        except WeightsMismatchError as err:
             raise TeacherCheckpointError(f"{FLAG} {path!r}: weights do not fit its own config: {err}") from err
         try:
             return cls(model, path, sha256 or file_sha256(path))
@@ -126,6 +111,28 @@ class FrozenTeacher:
             return net_output, capture.features()
 
 
+def _read_teacher_checkpoint(path: str) -> dict:
+    """The teacher's checkpoint state (:func:`.from_checkpoint.read_transformer_checkpoint`), its
+    errors worded for ``--teacher-checkpoint``."""
+    try:
+        return read_transformer_checkpoint(path)
+    except UnsafeCheckpointError as err:
+        raise TeacherCheckpointError(f"{FLAG} {path!r}: {err}") from None
+    except NoModelError as err:
+        raise TeacherCheckpointError(
+            f"{FLAG} {path!r} has no fairseq model configuration/weights (keys: {err.keys})"
+        ) from None
+    except NotATransformerCheckpointError as err:
+        raise TeacherCheckpointError(
+            f"{FLAG} {path!r} holds a {err.model_type!r} model, not an encoder-decoder Transformer "
+            "(fairseq's transformer family); distillation needs a Transformer teacher."
+        ) from None
+    except Exception as err:  # noqa: BLE001 - every failure here means "not a usable checkpoint"
+        raise TeacherCheckpointError(
+            f"{FLAG} {path!r} is not a readable fairseq checkpoint: {type(err).__name__}: {err}"
+        ) from err
+
+
 def _embedding_rows(state_dict: dict, prefix: str) -> Optional[int]:
     weight = state_dict.get(f"{prefix}.embed_tokens.weight")
     return None if weight is None else weight.size(0)
@@ -133,6 +140,14 @@ def _embedding_rows(state_dict: dict, prefix: str) -> Optional[int]:
 
 class _Unverifiable(Exception):
     """Internal: this source cannot say which dictionaries the teacher used."""
+
+
+#: what every refusal of a teacher whose dictionaries differ from the data's advises
+HOW_TO_FIX = (
+    "The teacher and the student must share dictionaries: binarise the student's data with "
+    "the teacher's (fairseq-preprocess --srcdict TEACHER_DATA/dict.SRC.txt --tgtdict "
+    "TEACHER_DATA/dict.TGT.txt)."
+)
 
 
 def check_dictionaries(path: str, state: dict, src_dict: Dictionary, tgt_dict: Dictionary, cfg,
@@ -153,84 +168,19 @@ def check_dictionaries(path: str, state: dict, src_dict: Dictionary, tgt_dict: D
     With none of them the teacher is refused (``refuse_unverifiable``; otherwise a warning is
     logged), naming ``--teacher-data``. Returns how the dictionaries were verified.
     """
-    how_to_fix = (
-        "The teacher and the student must share dictionaries: binarise the student's data with "
-        "the teacher's (fairseq-preprocess --srcdict TEACHER_DATA/dict.SRC.txt --tgtdict "
-        "TEACHER_DATA/dict.TGT.txt)."
-    )
-    for side, prefix, dictionary in (("source", "encoder", src_dict), ("target", "decoder", tgt_dict)):
-        rows = _embedding_rows(state["model"], prefix)
-        if rows is not None and rows != len(dictionary):
-            raise TeacherCheckpointError(
-                f"{FLAG} {path!r}: the teacher's {side} embedding has {rows} symbols but the data's "
-                f"{side} dictionary has {len(dictionary)}. {how_to_fix}"
-            )
+    dictionaries = {"source": src_dict, "target": tgt_dict}
+    _check_embedding_sizes(path, state, dictionaries)
     task_cfg = cfg.get("task") if hasattr(cfg, "get") else getattr(cfg, "task", None)
     teacher_langs = (getattr(task_cfg, "source_lang", None), getattr(task_cfg, "target_lang", None))
-
-    def compare_files(folder: str, origin: str) -> str:
-        src_lang, tgt_lang = teacher_langs
-        if not src_lang or not tgt_lang:
-            src_lang, tgt_lang = data_langs
-        if (not src_lang or not tgt_lang) and os.path.isdir(folder):
-            # trained without --source-lang/--target-lang: fairseq inferred them from the file names
-            from fairseq.data.data_utils import infer_language_pair
-
-            src_lang, tgt_lang = infer_language_pair(folder)
-        if not src_lang or not tgt_lang:
-            raise _Unverifiable(f"the languages of {origin} {folder!r} are unknown")
-        files = {side: Path(folder) / f"dict.{lang}.txt" for side, lang in (("source", src_lang), ("target", tgt_lang))}
-        missing = [str(f) for f in files.values() if not f.is_file()]
-        if missing:
-            raise _Unverifiable(f"{origin} {folder!r} has no {' and no '.join(missing)}")
-        for side, dictionary in (("source", src_dict), ("target", tgt_dict)):
-            teacher_dict = Dictionary.load(str(files[side]))
-            if teacher_dict.symbols != dictionary.symbols:
-                raise TeacherCheckpointError(
-                    f"{FLAG} {path!r}: the teacher's {side} dictionary ({files[side]}, {origin}) differs "
-                    f"from the data's ({len(teacher_dict)} vs {len(dictionary)} symbols, first difference "
-                    f"at index {_first_difference(teacher_dict.symbols, dictionary.symbols)}). {how_to_fix}"
-                )
-        return f"compared symbol for symbol with {origin} {folder}"
-
     if teacher_data:
-        if not os.path.isdir(teacher_data):
-            raise TeacherCheckpointError(
-                f"{TEACHER_DATA_FLAG} {teacher_data!r}: no such folder. Pass the folder holding the "
-                "teacher's dict.SRC.txt and dict.TGT.txt (its fairseq-preprocess --destdir)."
-            )
-        try:
-            return compare_files(teacher_data, TEACHER_DATA_FLAG)
-        except _Unverifiable as err:
-            raise TeacherCheckpointError(
-                f"{TEACHER_DATA_FLAG}: {err}; pass the folder holding the teacher's dictionaries "
-                "(its fairseq-preprocess --destdir)."
-            ) from None
-
+        return _compare_with_teacher_data(path, teacher_data, dictionaries, teacher_langs, data_langs)
     binding = task_state(state).get("binding") or {}
     if binding.get("source_dictionary_sha256") and binding.get("target_dictionary_sha256"):
-        for side, dictionary in (("source", src_dict), ("target", tgt_dict)):
-            recorded = binding[f"{side}_dictionary_sha256"]
-            if recorded != dictionary_sha256(dictionary):
-                raise TeacherCheckpointError(
-                    f"{FLAG} {path!r}: the teacher's {side} dictionary (sha256 {recorded[:12]}, recorded in "
-                    f"the checkpoint) differs from the data's (sha256 {dictionary_sha256(dictionary)[:12]}). "
-                    f"{how_to_fix}"
-                )
-        return "compared with the dictionary hashes the checkpoint records"
-
-    teacher_data_dir = getattr(task_cfg, "data", None) if task_cfg is not None else None
-    reason = "the checkpoint records no data folder"
-    if teacher_data_dir:
-        first_dir = str(teacher_data_dir).split(os.pathsep)[0]
-        if os.path.isdir(first_dir):
-            try:
-                return compare_files(first_dir, "the teacher's data folder")
-            except _Unverifiable as err:
-                reason = str(err)
-        else:
-            reason = (f"its data folder {first_dir!r} (recorded in the checkpoint) is not on this machine "
-                      f"(working directory {os.getcwd()!r})")
+        return _compare_with_recorded_hashes(path, binding, dictionaries)
+    try:
+        return _compare_with_teacher_data_folder(path, task_cfg, dictionaries, teacher_langs, data_langs)
+    except _Unverifiable as err:
+        reason = str(err)
     message = (
         f"{FLAG} {path!r}: cannot verify that the teacher uses the data's dictionaries: {reason}, and "
         "the checkpoint carries no dictionaries (equal sizes are not proof: a reordered dictionary has "
@@ -242,6 +192,92 @@ def check_dictionaries(path: str, state: dict, src_dict: Dictionary, tgt_dict: D
         raise TeacherCheckpointError(message)
     logger.warning(message)
     return "not verified"
+
+
+def _check_embedding_sizes(path: str, state: dict, dictionaries: Dict[str, Dictionary]) -> None:
+    """The teacher's embedding tables have as many rows as the data's dictionaries have symbols."""
+    for side, prefix in (("source", "encoder"), ("target", "decoder")):
+        rows = _embedding_rows(state["model"], prefix)
+        if rows is not None and rows != len(dictionaries[side]):
+            raise TeacherCheckpointError(
+                f"{FLAG} {path!r}: the teacher's {side} embedding has {rows} symbols but the data's "
+                f"{side} dictionary has {len(dictionaries[side])}. {HOW_TO_FIX}"
+            )
+
+
+def _compare_dictionary_files(path: str, folder: str, origin: str, dictionaries: Dict[str, Dictionary],
+                              teacher_langs, data_langs) -> str:
+    """Compare the data's dictionaries symbol for symbol with ``folder``'s ``dict.LANG.txt``,
+    named by the teacher's languages (else the data's, else those of ``folder``'s files)."""
+    src_lang, tgt_lang = teacher_langs
+    if not src_lang or not tgt_lang:
+        src_lang, tgt_lang = data_langs
+    if (not src_lang or not tgt_lang) and os.path.isdir(folder):
+        # trained without --source-lang/--target-lang: fairseq inferred them from the file names
+        from fairseq.data.data_utils import infer_language_pair
+
+        src_lang, tgt_lang = infer_language_pair(folder)
+    if not src_lang or not tgt_lang:
+        raise _Unverifiable(f"the languages of {origin} {folder!r} are unknown")
+    files = {side: Path(folder) / f"dict.{lang}.txt" for side, lang in (("source", src_lang), ("target", tgt_lang))}
+    missing = [str(f) for f in files.values() if not f.is_file()]
+    if missing:
+        raise _Unverifiable(f"{origin} {folder!r} has no {' and no '.join(missing)}")
+    for side, dictionary in dictionaries.items():
+        teacher_dict = Dictionary.load(str(files[side]))
+        if teacher_dict.symbols != dictionary.symbols:
+            raise TeacherCheckpointError(
+                f"{FLAG} {path!r}: the teacher's {side} dictionary ({files[side]}, {origin}) differs "
+                f"from the data's ({len(teacher_dict)} vs {len(dictionary)} symbols, first difference "
+                f"at index {_first_difference(teacher_dict.symbols, dictionary.symbols)}). {HOW_TO_FIX}"
+            )
+    return f"compared symbol for symbol with {origin} {folder}"
+
+
+def _compare_with_teacher_data(path: str, teacher_data: str, dictionaries: Dict[str, Dictionary],
+                               teacher_langs, data_langs) -> str:
+    """Source 1: the folder ``--teacher-data`` names, which must hold the teacher's dictionaries."""
+    if not os.path.isdir(teacher_data):
+        raise TeacherCheckpointError(
+            f"{TEACHER_DATA_FLAG} {teacher_data!r}: no such folder. Pass the folder holding the "
+            "teacher's dict.SRC.txt and dict.TGT.txt (its fairseq-preprocess --destdir)."
+        )
+    try:
+        return _compare_dictionary_files(path, teacher_data, TEACHER_DATA_FLAG, dictionaries, teacher_langs,
+                                         data_langs)
+    except _Unverifiable as err:
+        raise TeacherCheckpointError(
+            f"{TEACHER_DATA_FLAG}: {err}; pass the folder holding the teacher's dictionaries "
+            "(its fairseq-preprocess --destdir)."
+        ) from None
+
+
+def _compare_with_recorded_hashes(path: str, binding: dict, dictionaries: Dict[str, Dictionary]) -> str:
+    """Source 2: the dictionaries' SHA-256 a ``translation_kd`` checkpoint records."""
+    for side, dictionary in dictionaries.items():
+        recorded = binding[f"{side}_dictionary_sha256"]
+        if recorded != dictionary_sha256(dictionary):
+            raise TeacherCheckpointError(
+                f"{FLAG} {path!r}: the teacher's {side} dictionary (sha256 {recorded[:12]}, recorded in "
+                f"the checkpoint) differs from the data's (sha256 {dictionary_sha256(dictionary)[:12]}). "
+                f"{HOW_TO_FIX}"
+            )
+    return "compared with the dictionary hashes the checkpoint records"
+
+
+def _compare_with_teacher_data_folder(path: str, task_cfg, dictionaries: Dict[str, Dictionary],
+                                      teacher_langs, data_langs) -> str:
+    """Source 3: the teacher's own data folder as its checkpoint records it; raises
+    :class:`_Unverifiable` saying why when it cannot be used."""
+    teacher_data_dir = getattr(task_cfg, "data", None) if task_cfg is not None else None
+    if not teacher_data_dir:
+        raise _Unverifiable("the checkpoint records no data folder")
+    first_dir = str(teacher_data_dir).split(os.pathsep)[0]
+    if not os.path.isdir(first_dir):
+        raise _Unverifiable(f"its data folder {first_dir!r} (recorded in the checkpoint) is not on this machine "
+                            f"(working directory {os.getcwd()!r})")
+    return _compare_dictionary_files(path, first_dir, "the teacher's data folder", dictionaries, teacher_langs,
+                                     data_langs)
 
 
 def _first_difference(a, b) -> int:

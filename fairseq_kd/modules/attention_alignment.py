@@ -11,7 +11,7 @@ It is applied as one ``einsum`` over the stacked ``(layers, batch, heads, Tq, Tk
 
 Map order is layer-major everywhere: map ``(l, k)`` (1-based) has index ``(l - 1) * heads + k - 1``,
 for the student's inputs, the teacher's maps and the exported heatmap
-(:func:`fairseq_kd.scoring.plots.plot_alignment_heatmaps`).
+(:func:`fairseq_kd.figures.draw.plot_alignment_heatmaps`).
 
 Two parametrisations (``combination``):
 

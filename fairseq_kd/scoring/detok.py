@@ -156,81 +156,11 @@ def read_generate_output(path: Path, expected_sentences: Optional[int] = None,
     runs concatenated) are refused even then.
     """
     path = Path(path)
-    lines = read_lines(path, "fairseq-generate output")
-    hypotheses: Dict[str, Dict[int, str]] = {"H": {}, "D": {}}
-    references: Dict[int, str] = {}
-    duplicated: Dict[int, int] = {}
-    summary_lines: List[int] = []
-    last_sentence_line = 0
-    translated: Optional[int] = None
-    for line_number, line in enumerate(lines, start=1):
-        if _SUMMARY_LINE.match(line):
-            summary_lines.append(line_number)
-            continue
-        translated_match = _TRANSLATED_LINE.search(line)
-        if translated_match:
-            translated = int(translated_match.group(1).replace(",", ""))
-            continue
-        match = _GENERATE_LINE.match(line)
-        if match is None:
-            continue
-        last_sentence_line = line_number
-        kind, sentence_id, rest = match.group(1), int(match.group(2)), match.group(3)
-        if kind == "T":
-            if sentence_id in references:
-                duplicated.setdefault(sentence_id, line_number)
-            references[sentence_id] = rest
-        elif kind in hypotheses:
-            fields = rest.split("\t", 1)
-            text = fields[1] if len(fields) == 2 else ""
-            # n-best lists print the best hypothesis first; keep it.
-            hypotheses[kind].setdefault(sentence_id, text)
-    if duplicated:
-        first_id = min(duplicated)
-        raise IncompleteGenerateOutputError(
-            f"{path}:{duplicated[first_id]}: a second T- line for sentence id {first_id} "
-            f"({len(duplicated)} sentence ids appear more than once: {_first(duplicated)}); is this "
-            "the output of several fairseq-generate runs concatenated? Score one complete run."
-        )
-    source = "D" if hypotheses["D"] else "H"
-    chosen = hypotheses[source]
-    if not chosen:
-        raise ValueError(
-            f"{path}: no H- or D- lines found; is this a fairseq-generate output file "
-            "(written without --quiet)?"
-        )
-    for present, counterpart, unmatched_what, advice in (
-        (chosen, references, "hypotheses have no T- reference line",
-         "fairseq-generate prints T- lines only when the test set has a target side"),
-        (references, chosen, f"references have no {source}- hypothesis line", "the file looks truncated"),
-    ):
-        unmatched = sorted(set(present) - set(counterpart))
-        if unmatched:
-            raise ValueError(f"{path}: {len(unmatched)} {unmatched_what} (first ids: {unmatched[:5]}); {advice}")
+    scanned = _scan_generate_lines(read_lines(path, "fairseq-generate output"))
+    source, chosen = _paired_sentences(path, scanned)
     ids = sorted(chosen)
     n_expected = expected_sentences if expected_sentences is not None else ids[-1] + 1
-    problems = []
-    if not summary_lines:
-        problems.append(
-            "it does not end with fairseq-generate's summary line ('Generate <subset> with beam=N: "
-            "...'): the run was cut short or the file was truncated"
-        )
-    elif len(summary_lines) > 1:
-        problems.append(f"it holds {len(summary_lines)} summary lines (lines {_first(summary_lines)}): "
-                        "several runs concatenated?")
-    elif last_sentence_line > summary_lines[-1]:
-        problems.append(f"sentence lines follow the summary line (line {summary_lines[-1]})")
-    missing = set(range(n_expected)) - set(ids)
-    if missing:
-        problems.append(f"{len(missing)} sentence ids of 0..{n_expected - 1} have no hypothesis "
-                        f"(first: {_first(missing)})")
-    beyond = [i for i in ids if i >= n_expected]
-    if beyond:
-        problems.append(f"{len(beyond)} sentence ids are beyond the {n_expected} expected sentences "
-                        f"(first: {_first(beyond)}): another test set?")
-    if translated is not None and translated != len(ids):
-        problems.append(f"fairseq-generate logged 'Translated {translated} sentences' but the file "
-                        f"holds {len(ids)}")
+    problems = _completeness_problems(scanned, ids, n_expected)
     if problems and not allow_partial:
         how_many = (f"the test set has {n_expected} sentences" if expected_sentences is not None
                     else f"ids 0..{n_expected - 1} imply at least {n_expected} sentences")
@@ -244,11 +174,111 @@ def read_generate_output(path: Path, expected_sentences: Optional[int] = None,
     return GenerateOutput(
         ids=ids,
         hypotheses=[chosen[i] for i in ids],
-        references=[references[i] for i in ids],
+        references=[scanned.references[i] for i in ids],
         hypothesis_source=source,
         n_expected=n_expected,
         problems=problems,
     )
+
+
+@dataclass
+class _GenerateLines:
+    """What :func:`_scan_generate_lines` found in a fairseq-generate output: per sentence id the
+    first ``H-`` and ``D-`` hypothesis and the (last) ``T-`` reference; the line of each id's
+    second ``T-`` line; the summary lines' numbers, the last sentence line's number and the
+    ``Translated <n> sentences`` count."""
+
+    hypotheses: Dict[str, Dict[int, str]] = field(default_factory=lambda: {"H": {}, "D": {}})
+    references: Dict[int, str] = field(default_factory=dict)
+    duplicated: Dict[int, int] = field(default_factory=dict)
+    summary_lines: List[int] = field(default_factory=list)
+    last_sentence_line: int = 0
+    translated: Optional[int] = None
+
+
+def _scan_generate_lines(lines: Sequence[str]) -> _GenerateLines:
+    scanned = _GenerateLines()
+    for line_number, line in enumerate(lines, start=1):
+        if _SUMMARY_LINE.match(line):
+            scanned.summary_lines.append(line_number)
+            continue
+        translated_match = _TRANSLATED_LINE.search(line)
+        if translated_match:
+            scanned.translated = int(translated_match.group(1).replace(",", ""))
+            continue
+        match = _GENERATE_LINE.match(line)
+        if match is None:
+            continue
+        scanned.last_sentence_line = line_number
+        kind, sentence_id, rest = match.group(1), int(match.group(2)), match.group(3)
+        if kind == "T":
+            if sentence_id in scanned.references:
+                scanned.duplicated.setdefault(sentence_id, line_number)
+            scanned.references[sentence_id] = rest
+        elif kind in scanned.hypotheses:
+            fields = rest.split("\t", 1)
+            text = fields[1] if len(fields) == 2 else ""
+            # n-best lists print the best hypothesis first; keep it.
+            scanned.hypotheses[kind].setdefault(sentence_id, text)
+    return scanned
+
+
+def _paired_sentences(path: Path, scanned: _GenerateLines):
+    """Which hypotheses are scored (``D`` when the file has any, else ``H``) and those hypotheses
+    by id; refuses repeated references and a hypothesis or reference without its counterpart."""
+    duplicated = scanned.duplicated
+    if duplicated:
+        first_id = min(duplicated)
+        raise IncompleteGenerateOutputError(
+            f"{path}:{duplicated[first_id]}: a second T- line for sentence id {first_id} "
+            f"({len(duplicated)} sentence ids appear more than once: {_first(duplicated)}); is this "
+            "the output of several fairseq-generate runs concatenated? Score one complete run."
+        )
+    source = "D" if scanned.hypotheses["D"] else "H"
+    chosen = scanned.hypotheses[source]
+    if not chosen:
+        raise ValueError(
+            f"{path}: no H- or D- lines found; is this a fairseq-generate output file "
+            "(written without --quiet)?"
+        )
+    references = scanned.references
+    for present, counterpart, unmatched_what, advice in (
+        (chosen, references, "hypotheses have no T- reference line",
+         "fairseq-generate prints T- lines only when the test set has a target side"),
+        (references, chosen, f"references have no {source}- hypothesis line", "the file looks truncated"),
+    ):
+        unmatched = sorted(set(present) - set(counterpart))
+        if unmatched:
+            raise ValueError(f"{path}: {len(unmatched)} {unmatched_what} (first ids: {unmatched[:5]}); {advice}")
+    return source, chosen
+
+
+def _completeness_problems(scanned: _GenerateLines, ids: List[int], n_expected: int) -> List[str]:
+    """Why the sentences of ``ids`` are not a complete run of ``n_expected`` (empty when they are)."""
+    summary_lines = scanned.summary_lines
+    problems = []
+    if not summary_lines:
+        problems.append(
+            "it does not end with fairseq-generate's summary line ('Generate <subset> with beam=N: "
+            "...'): the run was cut short or the file was truncated"
+        )
+    elif len(summary_lines) > 1:
+        problems.append(f"it holds {len(summary_lines)} summary lines (lines {_first(summary_lines)}): "
+                        "several runs concatenated?")
+    elif scanned.last_sentence_line > summary_lines[-1]:
+        problems.append(f"sentence lines follow the summary line (line {summary_lines[-1]})")
+    missing = set(range(n_expected)) - set(ids)
+    if missing:
+        problems.append(f"{len(missing)} sentence ids of 0..{n_expected - 1} have no hypothesis "
+                        f"(first: {_first(missing)})")
+    beyond = [i for i in ids if i >= n_expected]
+    if beyond:
+        problems.append(f"{len(beyond)} sentence ids are beyond the {n_expected} expected sentences "
+                        f"(first: {_first(beyond)}): another test set?")
+    if scanned.translated is not None and scanned.translated != len(ids):
+        problems.append(f"fairseq-generate logged 'Translated {scanned.translated} sentences' but the file "
+                        f"holds {len(ids)}")
+    return problems
 
 
 def count_lines(path: Path, what: str) -> int:

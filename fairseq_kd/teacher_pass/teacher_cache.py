@@ -140,6 +140,30 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
         "target_dictionary_sha256": dictionary_sha256(task.target_dictionary),
         "inputs": {"teacher": teacher_fingerprint, "data": fingerprint_files(data_files, recorded.get("data"))},
     }
+    progress = _start_or_resume(output, parameters, existing, interrupted, log)
+    if progress is None:
+        return output
+    dataset = load_split(task, config.split)
+    too_small = check_max_tokens(dataset, config.max_tokens, config.split)
+    if too_small:
+        raise TeacherCacheError(too_small)
+    sizes = np.asarray(dataset.tgt_sizes, dtype=np.int64)
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    n_tokens = int(offsets[-1])
+    _cache_pending_shards(config, task, teacher, dataset, offsets, progress, log)
+    write_json(output / MANIFEST, {**parameters, "n_sentences": len(sizes), "n_tokens": n_tokens,
+                                   "teacher_path": str(config.teacher_checkpoint)})
+    os.remove(output / PROGRESS)
+    log(f"{output}: top-{config.k} teacher log-probabilities of {n_tokens} target tokens "
+        f"({len(sizes)} sentences of the {config.split} split)")
+    return output
+
+
+def _start_or_resume(output: Path, parameters: dict, existing: Optional[dict], interrupted: Optional[dict],
+                     log: Callable[[str], None]) -> Optional[dict]:
+    """The progress record to continue from (``done_shards`` empty for a new cache), or None when
+    ``output`` already holds this complete cache; refuses a folder that holds anything else."""
 
     def same_cache(record: dict) -> bool:
         return _identity(record) == _identity(parameters)
@@ -150,7 +174,7 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
             if refreshed != existing:  # inputs touched since: their fingerprints now
                 write_json(output / MANIFEST, refreshed)
             log(f"{output}: the cache is already complete (same teacher, data and k); nothing to do")
-            return output
+            return None
         raise TeacherCacheError(f"--output {output}: holds a cache of another teacher, data or k; choose another folder")
     if output.exists() and any(output.iterdir()) and not (output / PROGRESS).is_file():
         raise TeacherCacheError(f"--output {output}: the folder is not empty and holds no cache; choose another folder")
@@ -163,15 +187,15 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
         progress = {"parameters": parameters, "done_shards": interrupted["done_shards"]}
         if progress != interrupted:  # inputs touched since
             write_json(output / PROGRESS, progress)
+    return progress
 
-    dataset = load_split(task, config.split)
-    too_small = check_max_tokens(dataset, config.max_tokens, config.split)
-    if too_small:
-        raise TeacherCacheError(too_small)
-    sizes = np.asarray(dataset.tgt_sizes, dtype=np.int64)
-    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    n_tokens = int(offsets[-1])
+
+def _cache_pending_shards(config: CacheConfig, task, teacher, dataset, offsets: np.ndarray, progress: dict,
+                          log: Callable[[str], None]) -> None:
+    """Open (a new cache: create) the top-k arrays and fill the shards ``progress`` has not done,
+    recording each in ``progress.json`` once its rows are flushed."""
+    output = Path(config.output)
+    n_sentences, n_tokens = len(offsets) - 1, int(offsets[-1])
     fresh = not progress["done_shards"]
     mode = "w+" if fresh else "r+"
     if fresh:
@@ -182,23 +206,17 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
     device = pick_device(config.cpu)
     model = on_device(teacher.model, device, config.fp16)
     pad = task.target_dictionary.pad()
-    n_shards = shard_count(len(sizes), config.shard_size)
+    n_shards = shard_count(n_sentences, config.shard_size)
     ordered = length_ordered_indices(dataset)
     pending = [shard for shard in range(n_shards) if shard not in progress["done_shards"]]
-    with shard_progress(pending, config.shard_size, len(sizes), "teacher cache", log) as (on_batch, log_line):
+    with shard_progress(pending, config.shard_size, n_sentences, "teacher cache", log) as (on_batch, log_line):
         for shard in pending:
             _cache_shard(model, dataset, ordered, offsets, logprobs, token_ids, pad, device, config, shard, on_batch)
             progress["done_shards"].append(shard)
             write_json(output / PROGRESS, progress)
-            first, last = shard_range(shard, config.shard_size, len(sizes))
+            first, last = shard_range(shard, config.shard_size, n_sentences)
             log_line(f"shard {shard + 1}/{n_shards}: sentences {first}..{last - 1}")
     del logprobs, token_ids
-    write_json(output / MANIFEST, {**parameters, "n_sentences": len(sizes), "n_tokens": n_tokens,
-                                   "teacher_path": str(config.teacher_checkpoint)})
-    os.remove(output / PROGRESS)
-    log(f"{output}: top-{config.k} teacher log-probabilities of {n_tokens} target tokens "
-        f"({len(sizes)} sentences of the {config.split} split)")
-    return output
 
 
 def _cache_shard(model, dataset, ordered, offsets, logprobs, token_ids, pad: int, device, config: CacheConfig,

@@ -1,11 +1,13 @@
 """The one table of distillation methods: what the recipes train, what the benchmark measures, and
 the README's table of criterions and their flags, all derived from here.
 
-Adding a method is one criterion file in ``fairseq_kd/criterions/`` with its tests, one row in
-:data:`CRITERIA` (its paper and main flags, which ``python -m fairseq_kd_recipes.methods`` prints as
-the README's table) and one or more rows of :class:`Method` (its variants: trained by the recipes
-and/or measured by ``fairseq_kd_recipes.benchmark``). ``tests/test_recipe.py`` checks that the three
-agree and that every listed flag value parses with fairseq-train's parser for its criterion.
+Adding a method is one criterion file in ``fairseq_kd/criterions/`` (its class names its paper and
+main flags, its config dataclass their choices, defaults and ranges), its test file, and one row of
+:class:`Method` here (more for more variants: trained by the recipes and/or measured by
+``fairseq_kd_recipes.benchmark``). The README's table of criterions and flags is derived from the
+registered criterions (:func:`criteria`; ``python -m fairseq_kd_recipes.methods`` prints it).
+``tests/test_recipe.py`` checks that the table, the methods and the README agree and that every
+listed flag value parses with fairseq-train's parser for its criterion.
 
 A :class:`Method` names the student it trains (a *role*, which each pair maps to an architecture
 in :mod:`fairseq_kd_recipes.pairs`), the registered fairseq criterion with the flags that select
@@ -108,8 +110,8 @@ _METHOD_LIST = (
     Method("rail_kd_concat", "RAIL-KD, concatenated variant, u = 128", "student", "rail_kd",
            ("--rail-variant", "concatenated"), in_recipes=False, benchmarked=True),
     # The internal phase without CE on the references, as the paper's Exp3.5 (soft labels kept
-    # throughout), chosen on validation nll of the Multi30k benchmark: 3.575 after 6 epochs against
-    # 3.683 with CE kept through the phase (internal_kd_ce) and 3.786 without KD.
+    # throughout), chosen on validation nll of the Multi30k benchmark against CE kept through the
+    # phase (internal_kd_ce) and no KD: docs/results/README.md, second run.
     Method("internal_kd", "internal-representation KD (Aguilar et al. 2020), stacked schedule (SID), "
            "soft labels kept during the internal phase (the paper's Exp3.5)",
            "student", "internal_kd", ("--internal-schedule", "sid", "--internal-soft-labels-throughout"),
@@ -199,41 +201,44 @@ class Criterion:
                         for flag, *values in self.flags)
 
 
-CRITERIA: tuple[Criterion, ...] = (
-    Criterion("word_kd", "word-level KD (Hinton et al. 2015)", (("--kd-weight", "0.5"), ("--kd-temperature", "1"))),
-    Criterion("selective_kd", "selective KD (Wang et al. 2021)",
-              (("--word-rate", "0.5"), ("--selection", "batch", "global"), ("--queue-size", "30000"))),
-    Criterion("pkd", "Patient KD (Sun et al. 2019)",
-              (("--pkd-mapping", "skip", "last"), ("--layer-sides", "encoder", "decoder", "both"),
-               ("--pkd-include-top-layer",)),
-              note="(default: intermediate layers only, as the paper)"),
-    Criterion("ckd", "combinatorial KD (Wu et al. 2020)",
-              (("--ckd-mapping", "rc", "oc", "sc", "cc"), ("--ckd-layer-map", "1,2,3|4,5,6"),
-               ("--ckd-map-side", "student", "teacher")),
-              note="(default: the student's states mapped to the teacher's; the paper's teacher-side fusion "
-                   "admits a collapsed student, see `docs/results/README.md`)"),
-    Criterion("alp_kd", "ALP-KD (Passban et al. 2021)",
-              (("--alp-buckets", "all", "no", "po"), ("--alp-bucket-map", "1,2,3,4|5,6,7,8|9,10,11,12"))),
-    Criterion("rail_kd", "RAIL-KD (Haidar et al. 2022)",
-              (("--rail-variant", "layerwise", "concatenated"), ("--rail-projection-dim", "128"))),
-    Criterion("internal_kd", "internal-representation KD (Aguilar et al. 2020)",
-              (("--internal-schedule", "sid", "all", "pid"), ("--internal-epochs-per-layer", "5"),
-               ("--internal-cos-threshold", "0.05"), ("--hard-label-weight", "0"),
-               ("--internal-soft-labels-throughout",)),
-              note="(a positive `--hard-label-weight` keeps CE on the references, "
-                   "`--internal-soft-labels-throughout` the soft labels, during the internal phase)"),
-    Criterion("tinybert", "TinyBERT (Jiao et al. 2020)",
-              tuple((f"--tinybert-{term}-weight", "1") for term in ("att", "hidden", "emb", "pred"))),
-    Criterion("minilm", "MiniLM (Wang et al. 2020)",
-              (("--minilm-att-weight", "1"), ("--minilm-vr-weight", "1"), ("--minilm-kd-weight", "1"),
-               ("--minilm-attention-kinds", "self", "all"))),
-    Criterion("a2d_kd", "Align-to-Distill (Jin et al. 2024)",
-              (("--a2d-preset", "low_resource", "wmt"), ("--a2d-lambda-decay", "0.9"),
-               ("--a2d-granularity", "head", "layer"),
-               ("--a2d-attention-kinds", "all", "enc_self", "dec_all", "dec_self", "dec_cross"),
-               ("--a2d-normalization", "mixture", "row", "flat", "authors"),
-               ("--a2d-map-reduction", "auto", "mean", "sum"), ("--a2d-attention-epochs", "10"))),
-)
+def _shown_values(config_field) -> tuple[str, ...]:
+    """What the README lists for one config field: its choices, the default first; its default;
+    the ``example`` of its metadata when it has no default; nothing for a switch."""
+    import enum
+
+    default = config_field.default
+    if config_field.type is bool:
+        return ()
+    if isinstance(config_field.type, type) and issubclass(config_field.type, enum.Enum):
+        choices = [choice.value for choice in config_field.type]
+        return (str(default), *(choice for choice in choices if choice != str(default)))
+    if default is None:
+        return (config_field.metadata["example"],)
+    return (f"{default:g}" if isinstance(default, float) else str(default),)
+
+
+def criteria() -> tuple[Criterion, ...]:
+    """Every registered distillation criterion (each a class on ``KDCriterionBase``), in the order
+    of the first method that trains it, as its class (``PAPER``, ``MAIN_FLAGS``, ``FLAGS_NOTE``) and
+    its config dataclass (choices, defaults, examples) describe it."""
+    import dataclasses
+
+    import fairseq_kd.criterions  # noqa: F401 - registers every criterion
+    from fairseq.criterions import CRITERION_DATACLASS_REGISTRY, CRITERION_REGISTRY
+    from fairseq_kd.criterions.base import KDCriterionBase
+
+    registered = [name for name, cls in CRITERION_REGISTRY.items()
+                  if isinstance(cls, type) and issubclass(cls, KDCriterionBase)]
+    first_use = {method.criterion: index for index, method in reversed(list(enumerate(_METHOD_LIST)))}
+    rows = []
+    for name in sorted(registered, key=lambda name: (first_use.get(name, len(_METHOD_LIST)), name)):
+        cls = CRITERION_REGISTRY[name]
+        fields = {f.name: f for f in dataclasses.fields(CRITERION_DATACLASS_REGISTRY[name])}
+        flags = tuple(("--" + flag.replace("_", "-"), *_shown_values(fields[flag])) for flag in cls.MAIN_FLAGS)
+        rows.append(Criterion(name, cls.PAPER, flags, cls.FLAGS_NOTE))
+    return tuple(rows)
+
+
 #: fairseq's own criterion, which the methods without a distillation term train with
 PLAIN_CRITERION = "label_smoothed_cross_entropy"
 README_TABLE_HEADER = "| criterion | method | main flags |\n|---|---|---|\n"
@@ -242,7 +247,7 @@ README_TABLE_HEADER = "| criterion | method | main flags |\n|---|---|---|\n"
 def readme_flag_table() -> str:
     """The README's table of criterions and their flags (markdown)."""
     rows = []
-    for criterion in CRITERIA:
+    for criterion in criteria():
         flags = f"`{criterion.flags_text()}`".replace("|", "\\|")
         note = f" {criterion.note}" if criterion.note else ""
         rows.append(f"| `{criterion.name}` | {criterion.paper} | {flags}{note} |")

@@ -1,0 +1,90 @@
+"""A fairseq Transformer translation model read from its training checkpoint: the steps the
+frozen teacher (:meth:`fairseq_kd.models.teacher.FrozenTeacher.load`), the CTranslate2 export
+(:func:`fairseq_kd.deploy.export_ctranslate2.load_transformer`) and the student export share.
+
+1. :func:`read_model_checkpoint`: the file read with ``weights_only=True``
+   (:func:`fairseq_kd.checkpoints.load_fairseq_checkpoint`; its errors pass through as they are),
+   which must hold a fairseq model configuration and weights;
+2. :func:`check_transformer`: its architecture must be one of fairseq's encoder-decoder
+   Transformers (the plugin's architectures registered, since importing this package registers
+   them);
+3. :func:`build_checkpoint_model`: the model built by fairseq for a task's dictionaries and its
+   weights loaded strictly.
+
+Each step raises its own :class:`CheckpointModelError`; callers word it with their own flag (the
+teacher's ``--teacher-checkpoint``, the export's ``CHECKPOINT``).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+from torch import nn
+
+from ..checkpoints import load_fairseq_checkpoint
+
+
+class CheckpointModelError(ValueError):
+    """A checkpoint that cannot give a fairseq Transformer model."""
+
+
+class NoModelError(CheckpointModelError):
+    """The checkpoint holds no fairseq model configuration or no weights; ``keys``: what it holds."""
+
+    def __init__(self, keys: List[str]):
+        super().__init__(f"no fairseq model configuration/weights (keys: {keys})")
+        self.keys = keys
+
+
+class NotATransformerCheckpointError(CheckpointModelError):
+    """The checkpoint's model is not an encoder-decoder Transformer; ``model_type``: what it names."""
+
+    def __init__(self, model_type: Optional[str]):
+        super().__init__(f"holds a {model_type!r} model, not an encoder-decoder Transformer")
+        self.model_type = model_type
+
+
+class WeightsMismatchError(CheckpointModelError):
+    """The checkpoint's weights do not fit the model its own configuration builds (the message is
+    ``load_state_dict``'s)."""
+
+
+def read_model_checkpoint(path: str) -> dict:
+    """The checkpoint's state (``weights_only=True``, explicitly), which holds ``cfg`` and ``model``."""
+    state = load_fairseq_checkpoint(path)  # weights_only=True, explicitly
+    if state.get("cfg") is None or "model" not in state:
+        raise NoModelError(sorted(state))
+    return state
+
+
+def check_transformer(model_cfg) -> str:
+    """The model type ``model_cfg`` names (``_name``, else ``arch``), which must be a registered
+    architecture or model of fairseq's Transformer family."""
+    from fairseq import models
+    from fairseq.models.transformer import TransformerModelBase
+
+    model_type = getattr(model_cfg, "_name", None) or getattr(model_cfg, "arch", None)
+    model_class = models.ARCH_MODEL_REGISTRY.get(model_type) or models.MODEL_REGISTRY.get(model_type)
+    if model_class is None or not issubclass(model_class, TransformerModelBase):
+        raise NotATransformerCheckpointError(model_type)
+    return model_type
+
+
+def read_transformer_checkpoint(path: str) -> dict:
+    """:func:`read_model_checkpoint` of a checkpoint whose model passes :func:`check_transformer`."""
+    state = read_model_checkpoint(path)
+    check_transformer(state["cfg"].model)
+    return state
+
+
+def build_checkpoint_model(state: dict, task) -> nn.Module:
+    """The model of ``state``'s configuration built by fairseq for ``task`` (what ``build_model``
+    reads of it: the source and target dictionaries), with ``state``'s weights loaded strictly."""
+    from fairseq import models
+
+    cfg = state["cfg"]
+    model = models.build_model(cfg.model, task, from_checkpoint=True)
+    try:
+        model.load_state_dict(state["model"], strict=True, model_cfg=cfg.model)
+    except RuntimeError as err:
+        raise WeightsMismatchError(str(err)) from err
+    return model
