@@ -172,6 +172,21 @@ def test_paired_tests_equal_the_sacrebleu_command_line(tmp_path, seed):
     assert close.p_bootstrap > 0.05 and close.p_randomization > 0.05  # a close call is not significant
 
 
+def test_an_output_equal_to_the_baseline_is_not_a_significant_difference(tmp_path):
+    """The observed difference is exactly 0, and P(|difference| >= 0) = 1 under the null; sacreBLEU's
+    own command line prints its smallest p for it (it counts only resamples strictly beyond)."""
+    references = make_references(60, seed=9)
+    base = perturb(references, 0.30, seed=3)
+    systems = [("base", base), ("same", list(base)), ("other", perturb(references, 0.30, seed=4))]
+    comparison = compare_systems(systems, references, n_bootstrap=300, n_trials=500)
+    same, other = comparison.rows[1:]
+    assert same.score == comparison.rows[0].score
+    assert same.p_bootstrap == 1.0 and same.p_randomization == 1.0
+    cli = sacrebleu_cli(tmp_path, references, systems[:2], "--paired-bs", "--paired-bs-n", "300", seed=12345)
+    assert cli[1]["p_value"] < 0.01  # what the correction is for
+    assert other.p_bootstrap < 1.0
+
+
 def test_compare_systems_needs_resampling_and_parallel_text():
     references = make_references(20, seed=10)
     with pytest.raises(ValueError, match="--bootstrap 1000, not 0"):

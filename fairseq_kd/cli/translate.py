@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=None, metavar="N",
                         help="source tokens per batch (default: 12000 when --batch-size is not given either)")
     parser.add_argument("--threads", type=int, default=0, metavar="N",
-                        help="CTranslate2 threads (0: CTranslate2's default, one per core)")
+                        help="CTranslate2 threads on the CPU: N > 1 decodes each batch as N parts in parallel, one "
+                             "thread each (0: CTranslate2's default)")
     parser.add_argument("--device", default="cpu", choices=DEVICES, help="where to decode (default: %(default)s)")
     parser.add_argument("--compute-type", default="default", choices=COMPUTE_TYPES,
                         help="CTranslate2 compute type (default: the type the model was exported in)")

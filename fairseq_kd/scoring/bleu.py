@@ -215,10 +215,19 @@ def compare_systems(
     if n_trials and len(named_systems) > 1:
         ar_signature, randomization = _paired_test(named_systems, references, settings, "ar", n_trials, seed)
         signature = f"{signature} (ar: {ar_signature})"
+    baseline_hypotheses = named_systems[0][1]
+
+    def p_value(index: int, hypotheses: List[str], test) -> Optional[float]:
+        if index == 0 or test is None:
+            return None
+        # An output equal to the baseline's differs by exactly 0, and P(|difference| >= 0) = 1 under
+        # the null; sacreBLEU counts only resamples strictly beyond the observed difference and would
+        # print its smallest p, 1/(n+1), as if the systems differed significantly.
+        return 1.0 if hypotheses == baseline_hypotheses else test.p_value
+
     rows = [
         ComparisonRow(system=name, score=bs.score, mean=float(bs.mean), ci=float(bs.ci),
-                      p_bootstrap=None if index == 0 else bs.p_value,
-                      p_randomization=None if index == 0 or ar is None else ar.p_value)
-        for index, ((name, _), bs, ar) in enumerate(zip(named_systems, bootstrap, randomization))
+                      p_bootstrap=p_value(index, hypotheses, bs), p_randomization=p_value(index, hypotheses, ar))
+        for index, ((name, hypotheses), bs, ar) in enumerate(zip(named_systems, bootstrap, randomization))
     ]
     return Comparison(rows=rows, signature=signature, n_bootstrap=n_bootstrap, n_trials=n_trials, seed=seed)

@@ -45,7 +45,7 @@ above. ``ctranslate2`` converts the teacher once per run into a CTranslate2 mode
 ``ct2_quantization``; a resumed run reuses it when its record names the same checkpoint SHA-256 and
 quantisation, and converts anew otherwise), and decodes the same fairseq batches with it
 (:class:`fairseq_kd.deploy.ctranslate2_engine.CTranslate2Engine`: same beam, length penalty and
-per-batch length limit, ``threads`` intra-op threads, CUDA when available and not ``cpu``). Shards,
+per-batch length limit, ``threads`` parallel one-thread workers on the CPU, CUDA when available and not ``cpu``). Shards,
 binaries and manifest are the same. In float32 its hypotheses are fairseq's token for token with
 beam 1; with a larger beam most sentences agree, the rest differ on near-ties and on hypotheses cut
 by the length limit (fairseq lets a forced ``</s>`` at the limit compete in the beam; CTranslate2
@@ -151,7 +151,8 @@ class SeqKDConfig:
         f"with --engine ctranslate2: weight type of the converted teacher, one of {', '.join(QUANTIZATIONS)} "
         "(float32 gives fairseq's tokens most closely)", metavar="TYPE"))
     threads: int = field(default=0, metadata=_help(
-        "with --engine ctranslate2: CTranslate2 intra-op threads (0: its default)"))
+        "with --engine ctranslate2: CTranslate2 threads on the CPU, N > 1 decoding each batch as N parts in "
+        "parallel, one thread each (0: its default)"))
 
 
 @dataclass
