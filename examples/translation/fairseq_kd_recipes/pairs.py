@@ -29,6 +29,8 @@ from typing import Mapping, Optional
 from .prepare.corpora import iwslt14_de_en, iwslt_spm, multi30k_fr_en, wmt14_en_de, wmt22_de_dsb
 from .methods import METHODS, STUDENT_ROLES, Method
 
+#: the package of the per-corpus preparation commands (one module per examples/translation/ folder)
+PREPARE_SCRIPTS = "fairseq_kd_recipes.prepare.scripts"
 #: fairseq-train flags shared by every model of every pair (methods.md, "Settings from the papers")
 PAPER_TRAINING: Mapping[str, str] = {
     "--optimizer": "adam",
@@ -69,8 +71,9 @@ class PairRecipe:
 
     name: str
     title: str
-    #: preparation entry point, relative to the repository root, and its fixed flags
-    prepare_script: str
+    #: the corpus's folder under examples/translation/ (its ``prepare.py``), which is also the name of
+    #: its preparation module, ``fairseq_kd_recipes.prepare.scripts.<name>``; and that command's fixed flags
+    corpus_folder: str
     prepare_args: tuple[str, ...]
     smoke_prepare_args: tuple[str, ...]
     #: the files ``--archives`` must hold (the preparation's default sets)
@@ -127,6 +130,17 @@ class PairRecipe:
         if unknown_roles or unknown_methods:
             raise ValueError(f"pair {self.name}: unknown student roles {unknown_roles} or methods {unknown_methods}")
 
+    @property
+    def prepare_module(self) -> str:
+        """The preparation command as a module (``python -m``), found in a checkout and in an
+        installed package alike."""
+        return f"{PREPARE_SCRIPTS}.{self.corpus_folder}"
+
+    @property
+    def prepare_script(self) -> str:
+        """The same command as a checkout's script, relative to the repository root (for messages)."""
+        return f"examples/translation/{self.corpus_folder}/prepare.py"
+
     def methods(self) -> list[Method]:
         """The methods this pair can train, in table order."""
         return [
@@ -162,14 +176,14 @@ def _flag_pairs(flags: tuple[str, ...]) -> list[tuple[str, Optional[str]]]:
     return pairs
 
 
-def _low_resource(name: str, title: str, *, prepare_script: str, prepare_args=(), smoke_prepare_args,
+def _low_resource(name: str, title: str, *, corpus_folder: str, prepare_args=(), smoke_prepare_args,
                   archive_files, source: str, target: str, selection="bleu", **scoring) -> PairRecipe:
     """Align-to-Distill's low-resource setup (Sec. 5.2): 6+6 teacher, 3+3 students (4 or 8 heads),
     2+2 students for the CKD comparison, all 4 heads (unless 8), d = 512, FFN 1024; as the authors'
     scripts, up to 100 epochs, stopped after 10 epochs without a better validation BLEU, whose
     best checkpoint is decoded."""
     return PairRecipe(
-        name=name, title=title, prepare_script=prepare_script, prepare_args=tuple(prepare_args),
+        name=name, title=title, corpus_folder=corpus_folder, prepare_args=tuple(prepare_args),
         smoke_prepare_args=smoke_prepare_args, archive_files=tuple(archive_files), source=source,
         target=target, teacher=_LOW_RESOURCE_TEACHER, students=_LOW_RESOURCE_STUDENTS,
         model_args=_SHARE_DECODER_EMBEDDINGS, schedule=("--max-epoch", "100"), patience=10,
@@ -196,7 +210,7 @@ def _ckd_pair(pair: str) -> PairRecipe:
     return PairRecipe(
         name=f"iwslt14_{source}_{target}",
         title=f"IWSLT'14 {source.capitalize()}-En (CKD setup)",
-        prepare_script="examples/translation/iwslt14_pt_en_tr_en/prepare.py",
+        corpus_folder="iwslt14_pt_en_tr_en",
         prepare_args=("--pair", pair),
         smoke_prepare_args=_SMOKE_SPM,
         archive_files=(corpus.archive.name,),
@@ -231,7 +245,7 @@ def _wmt14_en_de() -> PairRecipe:
     return PairRecipe(
         name="wmt14_en_de",
         title="WMT'14 En-De (Vaswani et al. data, A2D high-resource setup)",
-        prepare_script="examples/translation/wmt14_en_de/prepare.py",
+        corpus_folder="wmt14_en_de",
         prepare_args=(),
         smoke_prepare_args=_SMOKE_BPE,
         archive_files=tuple(remote.name for remote in (
@@ -299,7 +313,7 @@ def _multi30k_fr_en() -> PairRecipe:
     return PairRecipe(
         name="multi30k_fr_en",
         title="Multi30k Fr-En (real-corpus quality benchmark)",
-        prepare_script="examples/translation/multi30k_fr_en/prepare.py",
+        corpus_folder="multi30k_fr_en",
         prepare_args=(),
         smoke_prepare_args=_SMOKE_BPE,
         archive_files=tuple(remote.name for remote in multi30k_fr_en.FILES),
@@ -330,7 +344,7 @@ def _multi30k_fr_en() -> PairRecipe:
 _PAIR_LIST = (
     _low_resource(
         "iwslt14_de_en", "IWSLT'14 De-En (A2D low-resource setup)",
-        prepare_script="examples/translation/iwslt14_de_en/prepare.py",
+        corpus_folder="iwslt14_de_en",
         smoke_prepare_args=_SMOKE_BPE, archive_files=(iwslt14_de_en.ARCHIVE.name,),
         source="de", target="en",
         # Tokenised, lowercased text with subword-nmt BPE: undo both before sacreBLEU, which
@@ -342,7 +356,7 @@ _PAIR_LIST = (
     _ckd_pair("tr-en"),
     _low_resource(
         "iwslt17_en_zh", "IWSLT'17 En-Zh (A2D low-resource setup)",
-        prepare_script="examples/translation/iwslt17_en_zh/prepare.py",
+        corpus_folder="iwslt17_en_zh",
         smoke_prepare_args=_SMOKE_SPM, archive_files=(iwslt_spm.IWSLT17_EN_ZH.archive.name,),
         source="en", target="zh", remove_bpe="sentencepiece", sacrebleu_tokenize="zh",
         # fairseq's --eval-bleu scores with sacreBLEU's 13a tokeniser only, which sees a Chinese
@@ -351,7 +365,7 @@ _PAIR_LIST = (
     ),
     _low_resource(
         "wmt22_de_dsb", "WMT'22 De-Dsb (A2D low-resource setup)",
-        prepare_script="examples/translation/wmt22_de_dsb/prepare.py",
+        corpus_folder="wmt22_de_dsb",
         smoke_prepare_args=_SMOKE_SPM, archive_files=_wmt22_archive_files(),
         source="de", target="dsb", remove_bpe="sentencepiece",
     ),

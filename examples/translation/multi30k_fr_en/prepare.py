@@ -3,39 +3,16 @@
     python examples/translation/multi30k_fr_en/prepare.py
     python examples/translation/multi30k_fr_en/prepare.py --archives ../shared/data/multi30k-fr-en
 
-The real-corpus quality benchmark (scripts/quality_benchmark.sh) runs this first.
-See examples/translation/README.md for the files, the steps and the outputs.
+Flags and steps: ``fairseq_kd_recipes.prepare.scripts.multi30k_fr_en``, which the recipes run (with
+``python -m`` where the package is installed); see examples/translation/README.md.
 """
-from __future__ import annotations
-
-import argparse
 import sys
 from pathlib import Path
-from typing import Sequence
 
 # The recipes' package sits next to this folder; without `pip install .` it is found from here.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fairseq_kd_recipes.prepare.arguments import add_common_arguments, context_from_args, run_entry_point
-from fairseq_kd_recipes.prepare.corpora import multi30k_fr_en
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(parser, multi30k_fr_en.CORPUS)
-    parser.add_argument("--bpe-merges", type=int, default=multi30k_fr_en.Settings.bpe_merges,
-                        help="joint BPE merge operations (default: %(default)s)")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    multi30k_fr_en.prepare(context_from_args(args), multi30k_fr_en.Settings(bpe_merges=args.bpe_merges))
-
-
-def cli_main(argv: Sequence[str] | None = None) -> int:
-    return run_entry_point(main, argv)
-
+from fairseq_kd_recipes.prepare.scripts.multi30k_fr_en import build_parser, cli_main, main  # noqa: E402,F401
 
 if __name__ == "__main__":
     sys.exit(cli_main())
