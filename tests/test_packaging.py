@@ -6,6 +6,7 @@ its checkout is touched) and the report says what pip *would* install.
 """
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -139,3 +140,54 @@ def test_the_plugin_imports_no_preparation_or_recipe_code():
     loaded = proc.stdout.strip().splitlines()[-1]
     assert "fairseq_kd.criterions" in loaded and "fairseq_kd.tasks" in loaded, loaded
     assert "fairseq_kd_recipes" not in loaded and "prepare" not in loaded and "recipe" not in loaded, loaded
+
+
+def test_recipes_run_from_a_non_editable_install_outside_the_checkout(tmp_path):
+    """``pip install .`` (a wheel, no ``examples/`` folder beside it) into a folder of its own, run
+    from a folder outside the checkout: ``fairseq-kd-recipe --print-commands`` names only installed
+    files, and the preparation command it prints prepares the corpus (Multi30k's smoke settings on
+    a few hundred pairs in the release's layout)."""
+    from test_recipe import build_multi30k_release
+
+    (tmp_path / "project").mkdir()
+    project = _copy_project(tmp_path / "project")
+    target = tmp_path / "site"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet",
+                           "--target", str(target), str(project)],
+                          capture_output=True, text=True, env=QUIET_ENV, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    shutil.rmtree(project)  # nothing may come from the copy it was built from
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    release = build_multi30k_release(tmp_path / "release")
+    env = {**QUIET_ENV, "PYTHONPATH": str(target)}  # before the checkout's editable install
+    recipe = [str(target / "bin" / "fairseq-kd-recipe"), "multi30k_fr_en", "--profile", "smoke", "--methods", "no_kd",
+              "--archives", str(release), "--workdir", str(elsewhere / "work"), "--print-commands"]
+    proc = subprocess.run(recipe, capture_output=True, text=True, env=env, cwd=elsewhere, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    commands = {}
+    for block in proc.stdout.split("\n# [")[1:]:
+        name, _, rest = block.partition("]")
+        commands[name] = shlex.split(rest.splitlines()[1])
+    # Every file a command names is installed, the environment's (interpreter, fairseq's commands),
+    # the archives' or the working folder's: none of the checkout.
+    allowed = [str(place) for place in (target, Path(sys.executable).parent, release, elsewhere)]
+    for name, command in commands.items():
+        paths = [arg.partition("=")[2] if "=/" in arg else arg for arg in command]
+        foreign = [path for path in paths if path.startswith("/") and not path.startswith(tuple(allowed))]
+        assert not foreign, f"{name} names files outside the installed package: {foreign}"
+    train = commands["train-teacher"]
+    assert train[train.index("--user-dir") + 1] == str(target / "fairseq_kd")
+    prepare = commands["prepare"]
+    assert prepare[1:3] == ["-m", "fairseq_kd_recipes.prepare.scripts.multi30k_fr_en"]
+    proc = subprocess.run(prepare, capture_output=True, text=True, env=env, cwd=elsewhere, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = Path(prepare[prepare.index("--dest") + 1])
+    prepared = json.loads((data / "prepare.json").read_text())
+    assert prepared["corpus"] == "multi30k.fr-en" and prepared["sizes"]["train"] == 300
+    assert all((data / f"{split}.fr-en.{lang}.bin").is_file() for split in ("train", "valid", "test") for lang in ("fr", "en"))
+    # the modules that ran were the installed ones
+    check = subprocess.run([sys.executable, "-c", "import fairseq_kd, fairseq_kd_recipes.prepare.scripts as s; "
+                            "print(fairseq_kd.__file__); print(s.__file__)"],
+                           capture_output=True, text=True, env=env, cwd=elsewhere, timeout=120)
+    assert all(line.startswith(str(target)) for line in check.stdout.split()), check.stdout + check.stderr

@@ -13,9 +13,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -36,7 +38,8 @@ from fairseq_kd_recipes.plan import RecipeOptions, batch_split, build_plan, with
 from fairseq_kd_recipes.prepare.corpora import iwslt14_de_en
 from fairseq_kd_recipes.prepare.iwslt import read_segments
 from fairseq_kd_recipes.profiles import PROFILES
-from prepare_fixtures import IWSLT14_DATA, build_wit3_archive, synthetic_parallel, truncated_xml, xml_set_text
+from prepare_fixtures import (IWSLT14_DATA, build_wit3_archive, load_entry_point, synthetic_parallel, truncated_xml,
+                              xml_set_text)
 
 
 def two_gpus() -> int:
@@ -181,6 +184,18 @@ def test_every_method_is_a_valid_fairseq_train_command(tmp_path, pair_name):
 
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("pair_name", list(PAIRS))
+def test_each_pair_prepares_through_the_module_its_checkout_script_runs(tmp_path, pair_name):
+    """The recipe runs the preparation as ``python -m`` of a module of the installed package (no
+    checkout needed), the same module whose flags ``examples/translation/<corpus>/prepare.py`` parses."""
+    pair = PAIRS[pair_name]
+    module = importlib.import_module(pair.prepare_module)
+    assert load_entry_point(pair.prepare_script).cli_main is module.cli_main
+    prepare = plan_for(tmp_path, pair_name, profile="cpu", methods=["no_kd"]).step("prepare").commands[0]
+    assert prepare[1:3] == ["-m", pair.prepare_module]
+    module.build_parser().parse_args(prepare[3:])  # every flag the recipe gives is the module's
 
 
 def test_readme_flag_table_is_the_one_generated_from_the_method_table():
@@ -518,6 +533,15 @@ def test_iwslt14_recipe_end_to_end_then_skips_everything(tmp_path, monkeypatch, 
     assert result.executed == [] and result.skipped == [step.name for step in plan.steps]
     assert {path: path.stat().st_mtime_ns for path in outputs} == outputs
 
+    # The systems step as the command that --print-commands and --sbatch show writes what the recipe
+    # wrote in its own process.
+    command = plan.step("systems").commands[0]
+    assert command[1:3] == ["-m", "fairseq_kd_recipes.systems"]
+    command[command.index("--output") + 1] = str(tmp_path / "systems.json")
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "systems.json").read_text()) == json.loads((workdir / "report" / "systems.json").read_text())
+
     # Other training settings in the same folder: refused before any step, checkpoints untouched.
     assert recipe_cli.cli_main(argv + ["--max-update", "7"]) == 2
     error = capsys.readouterr().err
@@ -576,9 +600,6 @@ def test_quality_benchmark_command_runs_its_steps_on_tiny_data(tmp_path):
     """scripts/quality_benchmark.sh as a user runs it (smoke profile, tiny corpus in the release's
     layout): preparation, teacher, a no-KD student, decoding, report, copied report. (The KD students'
     steps are the recipe's own, run by test_iwslt14_recipe_end_to_end_then_skips_everything.)"""
-    import os
-    import subprocess
-
     release = build_multi30k_release(tmp_path / "release")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MULTI30K_DIR": str(release),
            "QUALITY_WORKDIR": str(tmp_path / "work"), "QUALITY_RESULTS_DIR": str(tmp_path / "results")}

@@ -3,7 +3,7 @@
 A recipe is a list of steps, each one or more command lines of the project's entry points or of
 fairseq's own (``fairseq-train``, ``fairseq-generate``)::
 
-    prepare                  examples/translation/<corpus>/prepare.py (unless --data is given)
+    prepare                  python -m fairseq_kd_recipes.prepare.scripts.<corpus> (unless --data is given)
     train-teacher            fairseq-train --task translation, label-smoothed CE
     export-, generate-, score-, curves-teacher
     seqkd-data               fairseq-kd-seqkd: the teacher's beam outputs (only for seq_kd)
@@ -17,9 +17,12 @@ fairseq's own (``fairseq-train``, ``fairseq-generate``)::
     report                   fairseq-kd-report: the table, baseline no_kd, sacreBLEU's paired tests
     report-2l                the same for the 2+2 students against no_kd_2l, when the recipe trains it
 
-``plan`` checks the request and lays out these steps without touching a file; :mod:`.execute`
-runs them (stamps, protected checkpoints, in-process commands) and :mod:`.results` collects the
-parameter counts and decoding speeds for the report.
+``plan`` checks the request and lays out these steps without touching a file, training and the
+teacher passes started as :class:`~.cluster.Launch` says (one node or several, the launcher);
+:mod:`.execute` runs them (stamps, protected checkpoints, in-process commands), :mod:`.cluster`
+prints them or writes them as SLURM batch scripts, and :mod:`.results` collects the parameter
+counts and decoding speeds for the report. Every file the plan names comes from the installed
+packages (the preparation commands too), never from a checkout's folders.
 """
 from __future__ import annotations
 
@@ -27,7 +30,6 @@ import json
 import logging
 import math
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -35,6 +37,7 @@ from typing import Callable, Optional, Sequence
 import fairseq_kd
 from fairseq_kd.fingerprint import write_json
 
+from .cluster import DEFAULT_PORT, Launch, resolve_launch
 from .execute import (MANIFEST_NAME, TRAIN_RECORD_NAME, CommandExecutor, RecipeError, check_checkpoint_folder,
                       console_script, python_module)
 from .methods import BASELINE, METHODS, TEACHER, Method, baseline_of
@@ -44,8 +47,6 @@ from .results import SystemDecoding, write_systems_sidecar
 
 LOG = logging.getLogger(__name__)
 
-#: the checkout (``examples/translation/fairseq_kd_recipes/plan.py``), which pairs' prepare scripts name
-REPO_ROOT = Path(__file__).resolve().parents[3]
 #: the plugin's folder, fairseq-train's --user-dir
 USER_DIR = Path(fairseq_kd.__file__).resolve().parent
 #: module that writes a figure's weights, per figure kind of :class:`~.methods.Method`
@@ -62,7 +63,12 @@ class RecipeOptions:
     workdir: Optional[Path] = None
     archives: Optional[Path] = None
     data: Optional[Path] = None
+    #: GPUs per node (None: every visible one)
     gpus: Optional[int] = None
+    nodes: int = 1
+    #: how training's workers start (:data:`~.cluster.LAUNCHERS`; None: fairseq on one node, srun on several)
+    launcher: Optional[str] = None
+    master_port: int = DEFAULT_PORT
     max_update: Optional[int] = None
     prepare_args: Sequence[str] = ()
     train_args: Sequence[str] = ()
@@ -70,6 +76,9 @@ class RecipeOptions:
     seed: int = 1
     #: an already trained teacher checkpoint to distil from (no train-teacher step)
     teacher: Optional[Path] = None
+    #: the plan is printed or written as batch scripts, not run here: ``gpus`` names the GPUs of each
+    #: node of the machines that will run it, which this one need not have
+    print_only: bool = False
 
 
 @dataclass
@@ -89,6 +98,9 @@ class RecipeStep:
     action: Optional[Callable[[], None]] = None
     description: str = ""
     save_dir: Optional[Path] = None
+    #: a teacher pass: its command for one process on one GPU, to which a job array's task adds
+    #: ``--num-shards N --shard-id I`` (:func:`~.cluster.array_command`)
+    array_command: Optional[list[str]] = None
 
 
 @dataclass
@@ -96,6 +108,7 @@ class RecipePlan:
     pair: PairRecipe
     profile: Profile
     world_size: int
+    launch: Launch
     methods: list[Method]
     workdir: Path
     data: Path
@@ -147,25 +160,35 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count()
 
 
-def resolve_profile(name: str, gpus: Optional[int], device_count: Callable[[], int]) -> tuple[Profile, int]:
-    """The profile (``auto``: gpu when a CUDA device is visible, else cpu) and the world size."""
+def resolve_profile(name: str, gpus: Optional[int], device_count: Callable[[], int],
+                    print_only: bool = False) -> tuple[Profile, int]:
+    """The profile (``auto``: gpu when GPUs are named or a CUDA device is visible, else cpu) and
+    the GPUs per node (0 on the CPU). A plan that is only printed takes ``gpus`` as named, without
+    looking for devices (a cluster's login node has none)."""
+    named = print_only and gpus is not None
     if name == "auto":
-        name = "gpu" if device_count() > 0 else "cpu"
+        name = "gpu" if gpus is not None or device_count() > 0 else "cpu"
     if name not in PROFILES:
         raise RecipeError(f"--profile {name}: choose one of auto, {', '.join(PROFILES)}")
     profile = PROFILES[name]
     if profile.device != "cuda":
         if gpus is not None:
             raise RecipeError(f"--gpus applies to the gpu profile only (this run uses --profile {name})")
-        return profile, 1
+        return profile, 0
+    if named:
+        if gpus < 1:
+            raise RecipeError(f"--gpus-per-node must be >= 1, got {gpus}")
+        return profile, gpus
     available = device_count()
     if available == 0:
-        raise RecipeError("--profile gpu: no CUDA device is visible (torch.cuda.device_count() is 0); "
-                          "use --profile cpu, or auto")
+        raise RecipeError("--profile gpu: no CUDA device is visible (torch.cuda.device_count() is 0); use --profile "
+                          "cpu or auto, or name the GPUs to print the commands for: --print-commands (or --dry-run, "
+                          "--sbatch DIR) --gpus-per-node N [--nodes M]")
     if gpus is None:
         return profile, available
     if not 1 <= gpus <= available:
-        raise RecipeError(f"--gpus {gpus}: between 1 and the {available} visible CUDA device(s)")
+        raise RecipeError(f"--gpus {gpus}: between 1 and the {available} visible CUDA device(s) (to print the "
+                          "commands for other machines, add --print-commands, --dry-run or --sbatch DIR)")
     return profile, gpus
 
 
@@ -189,7 +212,8 @@ def check_prepared_data(pair: PairRecipe, data: Path) -> None:
     missing = [str(path) for path in expected if not path.is_file()]
     if missing:
         raise RecipeError(f"--data {data} is not a binarised {pair.source}-{pair.target} corpus: "
-                          f"{', '.join(missing)} missing (run {pair.prepare_script}, or leave --data out)")
+                          f"{', '.join(missing)} missing (prepare it with python -m {pair.prepare_module}, or "
+                          f"{pair.prepare_script} in a checkout, or leave --data out)")
 
 
 def check_criterions(methods: Sequence[Method]) -> None:
@@ -231,9 +255,10 @@ def default_workdir(pair: PairRecipe, profile: Profile) -> Path:
 class _Planner:
     """Builds the steps of one recipe run (pure: touches no file)."""
 
-    def __init__(self, options: RecipeOptions, pair: PairRecipe, profile: Profile, world_size: int,
+    def __init__(self, options: RecipeOptions, pair: PairRecipe, profile: Profile, launch: Launch,
                  methods: list[Method], workdir: Path, executor: Callable[[Sequence[str], Path], None]):
-        self.options, self.pair, self.profile, self.world_size = options, pair, profile, world_size
+        self.options, self.pair, self.profile, self.launch = options, pair, profile, launch
+        self.world_size = launch.world_size
         self.methods, self.workdir, self.execute = methods, workdir, executor
         self.data = options.data.resolve() if options.data is not None else workdir / "data-bin"
         self.seqkd_data = workdir / "data-seqkd"
@@ -280,13 +305,16 @@ class _Planner:
 
     # steps
     def add(self, name: str, commands: Sequence[tuple[list[str], list[str]]], inputs, outputs, *,
-            description: str = "", save_dir: Optional[Path] = None, action=None, settings=None) -> None:
-        """``commands``: (arguments, placement arguments) pairs; the stamp records the former only."""
+            description: str = "", save_dir: Optional[Path] = None, action=None, settings=None,
+            launch: Callable[[Sequence[str]], list[str]] = list, array_command=None) -> None:
+        """``commands``: (arguments, placement arguments) pairs, each started by ``launch``; the stamp
+        records the arguments only (placement and launcher are where a step runs, not what it makes)."""
         self.steps.append(RecipeStep(
-            name=name, commands=[with_placement(args, placement) for args, placement in commands],
+            name=name, commands=[launch(with_placement(args, placement)) for args, placement in commands],
             inputs=[Path(p) for p in inputs], outputs=[Path(p) for p in outputs],
             settings=settings if settings is not None else {"commands": [args for args, _ in commands]},
             log=self.log(name), action=action, description=description, save_dir=save_dir,
+            array_command=array_command,
         ))
 
     def plan(self) -> list[RecipeStep]:
@@ -313,7 +341,7 @@ class _Planner:
         if self.profile.use_smoke_prepare_args:
             args += self.pair.smoke_prepare_args
         args += self.options.prepare_args
-        command = [sys.executable, str(REPO_ROOT / self.pair.prepare_script), *args,
+        command = [*python_module(self.pair.prepare_module), *args,
                    "--workdir", str(self.workdir / "prepare"), "--dest", str(self.data)]
         # Where the archives lie and how many processes work are no settings of the corpus:
         # changing them does not re-run the preparation.
@@ -373,7 +401,7 @@ class _Planner:
 
     def placement_flags(self, distils: bool) -> list[str]:
         if self.profile.device == "cuda":
-            flags = ["--fp16", "--distributed-world-size", str(self.world_size)]
+            flags = ["--fp16", *self.launch.distributed_flags()]
             if self.world_size > 1 and distils:
                 # A criterion may leave its learnable modules out of some steps (internal KD's
                 # projections once its schedule has moved on to soft labels only); DDP must not
@@ -419,12 +447,15 @@ class _Planner:
         log = self.log(step_name)
         execute = self.execute
 
+        command = self.launch.training(with_placement(args, placement))
+
         def action() -> None:
             write_json(save_dir / TRAIN_RECORD_NAME, check_checkpoint_folder(save_dir, settings, inputs))
-            execute(with_placement(args, placement), log)
+            execute(command, log)
 
         self.add(step_name, [(args, placement)], inputs, [self.trained_checkpoint(system), save_dir / "train.log"],
-                 description=description, save_dir=save_dir, action=action, settings=settings)
+                 description=description, save_dir=save_dir, action=action, settings=settings,
+                 launch=self.launch.training)
         if self.pair.average_last:
             kind, _ = self.averaging()
             command = [*python_module("fairseq_kd.cli.average_checkpoints"), str(save_dir),
@@ -464,7 +495,8 @@ class _Planner:
                    "--teacher-checkpoint", str(self.checkpoint(TEACHER)), "--output", str(self.seqkd_data),
                    "--beam", str(self.profile.beam or BEAM), *self.seqkd_length_args()]
         self.add("seqkd-data", [(command, placement)], [self.data, self.checkpoint(TEACHER)], [self.seqkd_data],
-                 description="decode the training set with the teacher (sequence-level KD)")
+                 description="decode the training set with the teacher (sequence-level KD)",
+                 launch=self.launch.teacher_pass, array_command=with_placement(command, placement))
 
     @property
     def teacher_cache(self) -> Path:
@@ -478,7 +510,8 @@ class _Planner:
         if self.options.teacher is not None:
             command += ["--teacher-data", str(self.data)]
         self.add("teacher-cache", [(command, placement)], [self.data, self.checkpoint(TEACHER)], [self.teacher_cache],
-                 description=f"the teacher's top-{TEACHER_CACHE_K} log-probabilities of every training token")
+                 description=f"the teacher's top-{TEACHER_CACHE_K} log-probabilities of every training token",
+                 launch=self.launch.teacher_pass, array_command=with_placement(command, placement))
 
     def seqkd_length_args(self) -> list[str]:
         """The profile's output length limits, in fairseq-kd-seqkd's spelling (as fairseq-generate's)."""
@@ -562,8 +595,13 @@ class _Planner:
                                             self.log(f"generate-{system}")) for system in systems}
         sidecar = self.workdir / "report" / "systems.json"
         data, test_prefix = self.data, f"test.{self.pair.source}-{self.pair.target}.{self.pair.target}"
-        self.add("systems", [], [path for d in decodings.values() for path in (d.model, d.output)], [sidecar],
-                 action=lambda: write_systems_sidecar(decodings, data, test_prefix, sidecar),
+        # In-process when the recipe runs it; the command is what a printed plan or batch script runs.
+        command = [*python_module("fairseq_kd_recipes.systems"), "--data", str(data), "--test-prefix", test_prefix,
+                   "--output", str(sidecar)]
+        for system, decoding in decodings.items():
+            command += ["--system", system, str(decoding.model), str(decoding.output), str(decoding.log)]
+        self.add("systems", [(command, [])], [path for d in decodings.values() for path in (d.model, d.output)],
+                 [sidecar], action=lambda: write_systems_sidecar(decodings, data, test_prefix, sidecar),
                  settings={"systems": systems},
                  description="parameter counts of the exported models, decoding speeds")
 
@@ -666,7 +704,12 @@ def build_plan(options: RecipeOptions, executor: Optional[Callable[[Sequence[str
         raise RecipeError(f"unknown pair {options.pair!r}; choose one of {', '.join(PAIRS)}")
     pair = PAIRS[options.pair]
     methods = select_methods(pair, options.methods)
-    profile, world_size = resolve_profile(options.profile, options.gpus, device_count)
+    if not options.print_only and options.nodes > 1:
+        raise RecipeError(f"--nodes {options.nodes}: a recipe runs its steps from one node; add --print-commands to "
+                          f"print each step's commands for {options.nodes} nodes, or --sbatch DIR to write them as "
+                          "SLURM batch scripts")
+    profile, gpus_per_node = resolve_profile(options.profile, options.gpus, device_count, options.print_only)
+    launch = resolve_launch(options.nodes, gpus_per_node, options.launcher, options.master_port)
     if options.max_update is not None and options.max_update < 1:
         raise RecipeError(f"--max-update must be >= 1, got {options.max_update}")
     if options.workers < 1:
@@ -682,10 +725,10 @@ def build_plan(options: RecipeOptions, executor: Optional[Callable[[Sequence[str
     workdir = (options.workdir or default_workdir(pair, profile)).resolve()
     check_workdir(workdir, pair, profile)
     execute = executor or CommandExecutor()
-    planner = _Planner(options, pair, profile, world_size, methods, workdir, execute)
+    planner = _Planner(options, pair, profile, launch, methods, workdir, execute)
     steps = planner.plan()
-    return RecipePlan(pair=pair, profile=profile, world_size=world_size, methods=methods, workdir=workdir,
-                      data=planner.data, steps=steps,
+    return RecipePlan(pair=pair, profile=profile, world_size=launch.world_size, launch=launch, methods=methods,
+                      workdir=workdir, data=planner.data, steps=steps,
                       report_prefixes=[workdir / "report" / f"results{suffix}" for suffix, _, _ in planner.report_groups()],
                       execute=execute)
 

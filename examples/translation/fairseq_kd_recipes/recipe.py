@@ -8,6 +8,8 @@ Examples::
     fairseq-kd-recipe wmt14_en_de --profile gpu --gpus 8 --methods no_kd,a2d_kd_8h
     fairseq-kd-recipe iwslt14_de_en --list-methods
     fairseq-kd-recipe iwslt14_de_en --dry-run                        # steps, their state, commands
+    fairseq-kd-recipe wmt14_en_de --print-commands --gpus-per-node 8 --nodes 2    # on a login node
+    fairseq-kd-recipe wmt14_en_de --sbatch slurm/ --gpus-per-node 8 --nodes 2     # SLURM batch scripts
 
 (or ``python -m fairseq_kd_recipes.recipe``, or ``examples/translation/<pair>/run.sh``). Re-running the
 same command skips every finished step; an interrupted training resumes from its last checkpoint.
@@ -27,6 +29,7 @@ from typing import Optional, Sequence
 
 from fairseq_kd.progress import progress_to_stderr
 
+from .cluster import DEFAULT_PORT, LAUNCHERS, SUBMIT_SCRIPT, shell_commands, write_sbatch
 from .execute import RecipeError, describe_plan, run_plan
 from .methods import TEACHER
 from .pairs import PAIRS
@@ -55,8 +58,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "training; cpu: the same models, 4,000 updates each; smoke: tiny models, a few updates "
                         "(checks the pipeline on a small archive); auto (default): gpu when "
                         "torch.cuda.device_count() > 0, else cpu")
-    parser.add_argument("--gpus", type=int, metavar="N",
-                        help="number of GPUs of the gpu profile (default: every visible one)")
+    parser.add_argument("--gpus", "--gpus-per-node", dest="gpus", type=int, metavar="N",
+                        help="GPUs per node of the gpu profile (default: every visible one). With --print-commands, "
+                        "--dry-run or --sbatch, the GPUs of each node that will run the commands, which this machine "
+                        "need not have; --update-freq keeps the pair's tokens per update on --nodes x N GPUs")
+    parser.add_argument("--nodes", type=int, default=1, metavar="M",
+                        help="nodes of the gpu profile (default: %(default)s). A recipe runs from one node: more than "
+                        "one only with --print-commands, --dry-run or --sbatch (training through srun, or torchrun)")
+    parser.add_argument("--launcher", choices=LAUNCHERS,
+                        help="how training's workers start: fairseq (fairseq-train spawns one per GPU; one node, the "
+                        "default there), srun (one SLURM task per node, fairseq spawns on each; the default on several "
+                        "nodes) or torchrun (one process per GPU; on several nodes a line to run on each)")
+    parser.add_argument("--master-port", type=int, default=DEFAULT_PORT, metavar="PORT",
+                        help="port on the first node where the workers of several nodes meet (fairseq's "
+                        "--distributed-port under srun, torchrun's --master-port; default: %(default)s); give each "
+                        "job that shares a node its own")
     parser.add_argument("--archives", type=Path, metavar="DIR",
                         help="folder holding the corpus files under their release names (nothing is downloaded); "
                         "see examples/translation/README.md for the names")
@@ -81,6 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "binarised --data) instead of training one; it is scored like a trained teacher")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the steps, whether each is done, and their command lines; run nothing")
+    parser.add_argument("--print-commands", action="store_true",
+                        help="print every step's command lines as shell commands for --nodes x --gpus-per-node GPUs "
+                        "(no GPU needed here), the teacher passes also as a SLURM job array; run nothing")
+    parser.add_argument("--sbatch", type=Path, metavar="DIR",
+                        help="write the same commands as SLURM batch scripts into DIR (recipe.sbatch: the whole "
+                        "recipe as one job on --nodes nodes; teacher-passes.sbatch: the teacher passes as a job array; "
+                        "submit.sh: submits them in order) and print how to submit them; run nothing")
+    parser.add_argument("--array-tasks", type=int, metavar="N",
+                        help="with --print-commands or --sbatch: tasks (one GPU each) of the teacher passes' job "
+                        "array (default: the world size, --nodes x --gpus-per-node)")
     return parser
 
 
@@ -101,11 +127,17 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     if args.list_methods:
         sys.stdout.write(methods_table(args.pair))
         return 0
+    if args.array_tasks is not None and args.array_tasks < 1:
+        parser.error(f"--array-tasks must be >= 1, got {args.array_tasks}")
+    if args.array_tasks is not None and not (args.print_commands or args.sbatch):
+        parser.error("--array-tasks sizes the teacher passes' job array of --print-commands or --sbatch DIR; "
+                     "give one of them")
     options = RecipeOptions(
         pair=args.pair, methods=args.methods, profile=args.profile, workdir=args.workdir,
         archives=args.archives, data=args.data, gpus=args.gpus, max_update=args.max_update,
         prepare_args=args.prepare_args, train_args=args.train_args, workers=args.workers, seed=args.seed,
-        teacher=args.teacher,
+        teacher=args.teacher, nodes=args.nodes, launcher=args.launcher, master_port=args.master_port,
+        print_only=args.dry_run or args.print_commands or args.sbatch is not None,
     )
     # the recipe's own progress and that of the plugin's commands it runs in-process
     with contextlib.ExitStack() as logs:
@@ -115,6 +147,14 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
             plan = build_plan(options)
             if args.dry_run:
                 sys.stdout.write(describe_plan(plan))
+            if args.print_commands:
+                sys.stdout.write(shell_commands(plan, args.array_tasks))
+            if args.sbatch is not None:
+                written = write_sbatch(plan, args.sbatch, shlex.join([parser.prog, *(argv or sys.argv[1:])]),
+                                       args.array_tasks)
+                submit = next(path for path in written if path.name == SUBMIT_SCRIPT)
+                print(f"wrote {', '.join(str(path) for path in written)}; submit with: bash {submit}")
+            if options.print_only:
                 return 0
             result = run_plan(plan)
         except RecipeError as error:
