@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import io
 import logging
 import os
 import pickle
@@ -131,7 +132,8 @@ def weights_only_load(f, *args, **kwargs):
     try:
         return torch.load(f, *args, weights_only=True, **kwargs)
     except pickle.UnpicklingError as err:
-        raise UnsafeCheckpointError(refusal_message(getattr(f, "name", f), err)) from None
+        path = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", f)  # a Path has .name too
+        raise UnsafeCheckpointError(refusal_message(path, err)) from None
 
 
 class _WeightsOnlyTorch(types.ModuleType):
@@ -165,9 +167,111 @@ def load_fairseq_checkpoint(path, arg_overrides=None):
     return checkpoint_utils.load_checkpoint_to_cpu(str(path), arg_overrides)
 
 
+# Opcodes that push a string a following STACK_GLOBAL may take as module or name.
+_STRING_OPCODES = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING",
+                             "BINSTRING", "SHORT_BINSTRING"})
+_MEMO_GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def _globals_of_pickle(opcodes) -> list:
+    """``module.name`` of every GLOBAL / STACK_GLOBAL of one pickle program (``pickletools.genops``
+    output), following the two strings STACK_GLOBAL takes from the stack, memoised ones included."""
+    found, strings, memo, memoised = [], [], {}, 0
+    top = None  # the string the last opcode pushed, if it pushed one
+    for opcode, argument, _ in opcodes:
+        name, pushed = opcode.name, None
+        if name in ("GLOBAL", "INST"):
+            found.append(str(argument).replace(" ", "."))
+        elif name == "STACK_GLOBAL" and len(strings) >= 2:
+            found.append(f"{strings[-2]}.{strings[-1]}")
+        elif name in _STRING_OPCODES:
+            pushed = str(argument)
+        elif name == "MEMOIZE":
+            memo[memoised], memoised = top, memoised + 1
+            pushed = top
+        elif name in _MEMO_PUTS:
+            memo[argument] = top
+            pushed = top
+        elif name in _MEMO_GETS:
+            pushed = memo.get(argument)
+        if pushed is not None and name not in ("MEMOIZE", *_MEMO_PUTS):
+            strings.append(pushed)
+        top = pushed
+    return found
+
+
+def pickled_globals(path) -> list:
+    """The classes and functions a checkpoint file references (``module.name``, in order, each
+    once), read from its pickle opcodes with :mod:`pickletools` without unpickling anything: the
+    ``*.pkl`` members of a zip checkpoint (torch's format), else the pickles one after another from
+    the start of the file (torch's legacy format, or a raw pickle). Empty when it cannot be read."""
+    import pickletools
+    import zipfile
+
+    programs = []
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                programs = [archive.read(name) for name in archive.namelist() if name.endswith(".pkl")]
+        else:
+            with open(path, "rb") as handle:
+                data = handle.read(64 << 20)  # the pickles come first; tensors' bytes follow them
+            programs = [data]
+    except (OSError, zipfile.BadZipFile, RuntimeError):
+        return []
+    found = []
+    for program in programs:
+        stream = io.BytesIO(program)
+        for _ in range(8):  # the legacy format: magic number, protocol, system info, the object, keys
+            opcodes = []
+            try:
+                for item in pickletools.genops(stream):
+                    opcodes.append(item)
+            except Exception:  # noqa: BLE001 - raw tensor bytes, or a damaged file: stop reading
+                found += _globals_of_pickle(opcodes)
+                break
+            found += _globals_of_pickle(opcodes)
+            if stream.tell() >= len(program):
+                break
+    return list(dict.fromkeys(found))
+
+
+def _allowed_global_names() -> set:
+    """``module.name`` of what ``weights_only=True`` unpickles: this module's allow-list, torch's
+    own (tensors, storages, OrderedDict...) and whatever a caller added with
+    ``add_safe_globals``."""
+    names = {f"{c.__module__}.{c.__qualname__}" for c in ALLOWED_CHECKPOINT_GLOBALS}
+    names.add("numpy.core.multiarray._reconstruct")  # how numpy < 2 pickled the same function
+    for entry in torch.serialization.get_safe_globals():
+        item = entry[0] if isinstance(entry, tuple) else entry
+        names.add(f"{getattr(item, '__module__', '')}.{getattr(item, '__qualname__', item)}")
+    try:
+        from torch._weights_only_unpickler import _get_allowed_globals
+
+        names.update(_get_allowed_globals())
+    except (ImportError, AttributeError):  # pragma: no cover - another torch: its own list unknown
+        names.add("collections.OrderedDict")
+        names.add("torch.*")
+    return names
+
+
+def refused_globals(path) -> list:
+    """What a checkpoint references outside what safe loading unpickles (see :func:`pickled_globals`)."""
+    allowed = _allowed_global_names()
+    return [name for name in pickled_globals(path)
+            if name not in allowed and not ("torch.*" in allowed and name.startswith("torch."))]
+
+
 def refusal_message(path, err: Exception) -> str:
-    found = re.findall(r"GLOBAL ([\w.]+)", str(err))
-    what = f"the class {found[0]}" if found else "an object that is not plain data"
+    named = re.findall(r"GLOBAL ([\w.]+)", str(err))
+    if not named and isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
+        named = refused_globals(path)
+    classes = f"the class or function {', '.join(named[:5])}" if named else ""
+    if "ObjectDType" in str(err):  # numpy's object arrays hold pickled Python objects
+        what = "a numpy array of Python objects (dtype object)" + (f" holding {classes}" if classes else "")
+    else:
+        what = classes or "an object that is not plain data"
     allowed = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in ALLOWED_CHECKPOINT_GLOBALS)
     return (
         f"refusing to load checkpoint {path}: it contains {what}, which is not on fairseq-kd's "

@@ -74,9 +74,38 @@ def test_numeric_numpy_arrays_load_but_object_arrays_stay_refused(tiny_teacher, 
     state["extra_state"]["counts"] = np.array([_MakesMarkerWhenUnpickled(marker)], dtype=object)
     evil = tmp_path / "object_array.pt"
     torch.save(state, evil)
-    with pytest.raises(UnsafeCheckpointError, match="refusing to load checkpoint"):
+    with pytest.raises(UnsafeCheckpointError, match="refusing to load checkpoint") as refusal:
         safe_load(evil)
     assert not marker.exists()
+    # the element's class, read from the pickle's opcodes without running them
+    assert f"a numpy array of Python objects (dtype object) holding the class or function {MKDIR}" in str(refusal.value)
+
+
+MKDIR = f"{os.mkdir.__module__}.mkdir"  # posix.mkdir
+
+
+@pytest.mark.parametrize("how", ["raw pickle", "legacy torch format", "pickle protocol 0"])
+def test_refusals_name_the_class_read_from_the_pickle_without_running_it(tiny_teacher, tmp_path, how):
+    """A raw pickle, or a checkpoint in torch's legacy (non-zip) format, whose gadget torch's
+    refusal does not name: the class is read from the GLOBAL / STACK_GLOBAL opcodes."""
+    import pickle
+
+    from fairseq_kd.checkpoints import UnsafeCheckpointError, refused_globals, safe_load
+
+    marker = tmp_path / "gadget_ran"
+    evil = tmp_path / "evil.pt"
+    if how == "legacy torch format":
+        state = torch.load(tiny_teacher, weights_only=False)  # our own test file, trusted
+        state["extra_state"]["payload"] = _MakesMarkerWhenUnpickled(marker)
+        torch.save(state, evil, _use_new_zipfile_serialization=False)
+    else:
+        evil.write_bytes(pickle.dumps({"model": _MakesMarkerWhenUnpickled(marker)},
+                                      protocol=0 if how == "pickle protocol 0" else 4))
+    assert refused_globals(evil) == [MKDIR]
+    with pytest.raises(UnsafeCheckpointError, match=f"it contains the class or function {MKDIR}, which is not"):
+        safe_load(evil)
+    assert not marker.exists()
+    assert refused_globals(tiny_teacher) == []  # fairseq's own classes are all allowed
 
 
 def test_fairseq_loader_passes_weights_only_explicitly_once_the_plugin_is_imported(gadget):

@@ -19,7 +19,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ..checkpoints import safe_load
-from .from_checkpoint import NoModelError, read_model_checkpoint
+from ..cli.user_errors import OUTPUT_FILE, path_problem
+from .from_checkpoint import NoModelError, checkpoint_file_problem, read_model_checkpoint
 
 # Config groups a stock fairseq loader reads; the rest of the training config is dropped.
 _KEPT_GROUPS = ("common", "common_eval", "distributed_training", "dataset", "optimization",
@@ -69,8 +70,9 @@ def export_student(checkpoint: str, output: str, overwrite: bool = False) -> dic
 
     An ``output`` that is an existing folder, or ends with a path separator, receives a file named
     like the input checkpoint inside it (``export/`` -> ``export/checkpoint_best.pt``)."""
-    if not os.path.isfile(checkpoint):
-        raise ExportError(f"checkpoint {checkpoint!r}: no such file")
+    problem = checkpoint_file_problem(checkpoint)
+    if problem is not None:
+        raise ExportError(f"checkpoint {checkpoint!r}: {problem}")
     output = _output_path(checkpoint, str(output), overwrite)
     try:
         state = read_model_checkpoint(checkpoint)
@@ -113,6 +115,9 @@ def _output_path(checkpoint: str, output: str, overwrite: bool) -> str:
         output = os.path.join(output, os.path.basename(checkpoint))
     if os.path.isdir(output):
         raise ExportError(f"output {output!r} is a folder; give a file path for the exported checkpoint")
+    problem = path_problem(output, OUTPUT_FILE)
+    if problem is not None:
+        raise ExportError(f"output {output!r}: {problem}")
     if os.path.abspath(output) == os.path.abspath(checkpoint) or (
             os.path.exists(output) and os.path.samefile(output, checkpoint)):
         raise ExportError(f"the output path {output!r} is the input checkpoint; choose another path "

@@ -12,15 +12,34 @@ frozen teacher (:meth:`fairseq_kd.models.teacher.FrozenTeacher.load`), the CTran
    weights loaded strictly.
 
 Each step raises its own :class:`CheckpointModelError`; callers word it with their own flag (the
-teacher's ``--teacher-checkpoint``, the export's ``CHECKPOINT``).
+teacher's ``--teacher-checkpoint``, the export's ``CHECKPOINT``). Before any of them,
+:func:`checkpoint_file_problem` says what is wrong with the path itself (a folder, no such file),
+for the same callers.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import List, Optional
 
 from torch import nn
 
 from ..checkpoints import load_fairseq_checkpoint
+from ..cli.user_errors import FILE, path_problem
+
+
+def checkpoint_file_problem(path) -> Optional[str]:
+    """Why ``path`` is not a readable checkpoint file, in words for a message after the flag
+    (``--teacher-checkpoint 'ckpts': is a folder, not a file; ...``), None when it is one. A folder
+    (the usual slip: fairseq's ``--save-dir``) is said as such, with the checkpoints it holds."""
+    if not path:
+        return "no checkpoint file given"
+    problem = path_problem(path, FILE)
+    if problem is None or not Path(path).is_dir():
+        return problem
+    held = sorted(child.name for child in Path(path).glob("*.pt") if child.is_file())
+    example = Path(path) / (held[0] if len(held) == 1 else "checkpoint_best.pt")
+    listed = f" (it holds {', '.join(held[:4])}{', ...' if len(held) > 4 else ''})" if held else ""
+    return f"{problem}{listed}; give the checkpoint file, e.g. {example}"
 
 
 class CheckpointModelError(ValueError):

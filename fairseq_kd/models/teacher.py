@@ -18,6 +18,7 @@ from fairseq.data import Dictionary
 from torch import nn
 
 from ..checkpoints import UnsafeCheckpointError, task_state
+from ..cli.user_errors import FOLDER, path_problem
 from ..fingerprint import dictionary_sha256, file_sha256
 from .feature_capture import CapturedFeatures, CaptureRequest, FeatureCapture, NotATransformerError
 from .from_checkpoint import (
@@ -25,6 +26,7 @@ from .from_checkpoint import (
     NotATransformerCheckpointError,
     WeightsMismatchError,
     build_checkpoint_model,
+    checkpoint_file_problem,
     read_transformer_checkpoint,
 )
 from .shape import TransformerShape
@@ -61,13 +63,12 @@ class FrozenTeacher:
         SHA-256 when the caller has just taken its fingerprint (:mod:`fairseq_kd.fingerprint`),
         so that it is not read twice; hashed here otherwise.
         """
-        if not path or not os.path.isfile(path):
-            raise TeacherCheckpointError(
-                f"{FLAG} {path!r}: no such file. Pass the path of a trained fairseq translation "
-                "checkpoint (e.g. checkpoints/teacher/checkpoint_best.pt)."
-            )
-        if not os.access(path, os.R_OK):
-            raise TeacherCheckpointError(f"{FLAG} {path!r}: the file is not readable (permissions).")
+        problem = checkpoint_file_problem(path)
+        if problem is not None:
+            advice = ("" if os.path.isdir(path or "") or os.path.exists(path or "") else
+                      ". Pass the path of a trained fairseq translation checkpoint (e.g. "
+                      "checkpoints/teacher/checkpoint_best.pt).")
+            raise TeacherCheckpointError(f"{FLAG} {path!r}: {problem}{advice}")
         state = _read_teacher_checkpoint(path)
         cfg = state["cfg"]
         task_cfg = getattr(task, "cfg", None)
@@ -237,9 +238,10 @@ def _compare_dictionary_files(path: str, folder: str, origin: str, dictionaries:
 def _compare_with_teacher_data(path: str, teacher_data: str, dictionaries: Dict[str, Dictionary],
                                teacher_langs, data_langs) -> str:
     """Source 1: the folder ``--teacher-data`` names, which must hold the teacher's dictionaries."""
-    if not os.path.isdir(teacher_data):
+    problem = path_problem(teacher_data, FOLDER)
+    if problem is not None:
         raise TeacherCheckpointError(
-            f"{TEACHER_DATA_FLAG} {teacher_data!r}: no such folder. Pass the folder holding the "
+            f"{TEACHER_DATA_FLAG} {teacher_data!r}: {problem}. Pass the folder holding the "
             "teacher's dict.SRC.txt and dict.TGT.txt (its fairseq-preprocess --destdir)."
         )
     try:
