@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", default="auto", choices=["auto", *PROFILES],
                         help="gpu: the papers' schedule, fp16, all visible GPUs through fairseq's distributed "
                         "training; cpu: the same models, 4,000 updates each; smoke: tiny models, a few updates "
-                        "(checks the pipeline on a small archive); auto (default): gpu when "
+                        "(checks the pipeline on a small archive); auto (default): gpu when --gpus is given or "
                         "torch.cuda.device_count() > 0, else cpu")
     parser.add_argument("--gpus", "--gpus-per-node", dest="gpus", type=int, metavar="N",
                         help="GPUs per node of the gpu profile (default: every visible one). With --print-commands, "
