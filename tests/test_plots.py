@@ -184,6 +184,49 @@ def test_run_comparison_one_line_per_run_without_the_log_files_repeats():
         plot_run_comparison({"x": train_only})
 
 
+def colour_bar_labels(figure):
+    """The labels of the colour bars (the axes without an image that are not the panels)."""
+    return [axes.get_ylabel() for axes in figure.axes if not axes.images]
+
+
+def test_figures_say_their_units_colour_bars_and_titles():
+    """fairseq logs its losses per target token divided by ln 2: nll and KL terms are bits."""
+    no_kd = parse_fairseq_log([valid_line(1, 100, 5.0), valid_line(2, 200, 4.5)])
+    comparison = plot_run_comparison({"no_kd": no_kd}, title="valid nll_loss: no_kd")
+    assert comparison.axes[0].get_ylabel() == "valid nll_loss (bits per target token)"
+    assert comparison.get_suptitle() == "valid nll_loss: no_kd"
+    curves = plot_training_curves(parse_fairseq_log(JSON_LOG.splitlines()), extra_keys=["ppl", "lr"], title="run")
+    assert [axes.get_ylabel() for axes in curves.axes] == [
+        "kd_loss (bits per target token)", "loss (per target token, / ln 2)", "nll_loss (bits per target token)",
+        "perplexity (2^nll_loss)", "learning rate"]
+    assert curves.get_suptitle() == "run"
+    heatmaps = plot_alignment_heatmaps(alignment_data(), title="A2D")
+    assert colour_bar_labels(heatmaps) == ["alignment weight (teacher map -> student map)"] * 3
+    assert heatmaps.get_suptitle() == "A2D"
+    alp = plot_alp_weights({"encoder": [[0.5, 0.5]]})
+    assert colour_bar_labels(alp) == ["attention weight alpha_jk (rows sum to 1)"] and alp.get_suptitle() == ""
+
+
+def test_the_command_titles_each_figure_with_what_it_shows(tmp_path, monkeypatch):
+    from fairseq_kd.figures import draw
+
+    drawn = []
+    monkeypatch.setattr(draw, "save_figure", lambda figure, path, dpi=150: drawn.append(figure))
+    alignment = tmp_path / "aam.json"
+    alignment.write_text(json.dumps(alignment_data()))
+    log = tmp_path / "word_kd" / "train.log"
+    log.parent.mkdir()
+    log.write_text(JSON_LOG)
+    run_plot("alignment", "--input", alignment, "--output", tmp_path / "a.png")
+    run_plot("curves", "--log", log, "--output", tmp_path / "c.png")
+    run_plot("compare", "--log", f"no_kd={log}", "--log", f"word_kd={log}", "--output", tmp_path / "v.png")
+    run_plot("curves", "--log", log, "--output", tmp_path / "t.png", "--title", "mine")
+    assert [figure.get_suptitle() for figure in drawn] == [
+        f"Align-to-Distill alignment weights: {alignment}", f"Training curves of word_kd ({log})",
+        "valid nll_loss: no_kd, word_kd", "mine"]
+    assert drawn[2].axes[0].get_ylabel() == "valid nll_loss (bits per target token)"
+
+
 # --------------------------------------------------------------------------- the command
 
 

@@ -20,6 +20,8 @@ et al. 2021, "ALP-KD", arXiv:2012.14022, Eq. 5-6) over the positions trained on 
 checkpoint's last epoch, stored by ``--criterion alp_kd``; JSON ``{"encoder": [[...]], "decoder":
 [[...]]}``. ``curves``: every ``*loss`` statistic of a fairseq-train log (``--log-format json`` or
 ``simple``) against the update number. ``compare``: one statistic of several runs on one axis.
+Each figure is titled with the checkpoint, weights file, run or runs it shows (``--title``
+replaces it); curves say their unit (fairseq logs losses per target token in base 2: nll in bits).
 """
 from __future__ import annotations
 
@@ -74,6 +76,25 @@ def figure_weights_from_checkpoint(figure: str, checkpoint: Path) -> dict:
         raise ValueError(f"--checkpoint {str(checkpoint)!r}: {error}") from None
 
 
+FIGURE_NAMES = {"alignment": "Align-to-Distill alignment weights", "alp": "ALP-KD layer weights"}
+
+
+def run_name(log: Path) -> str:
+    """The run a fairseq-train log belongs to: its folder (the run's --save-dir), else its name."""
+    log = Path(log)
+    return log.parent.name or log.stem
+
+
+def default_title(args) -> str:
+    """What the figure shows, named: the checkpoint or weights file, the run, or the runs."""
+    if args.command in CHECKPOINT_FIGURES:
+        return f"{FIGURE_NAMES[args.command]}: {args.checkpoint if args.checkpoint is not None else args.input}"
+    if args.command == "curves":
+        return f"Training curves of {run_name(args.log)} ({args.log})"
+    names = [value.partition("=")[0] for value in args.log]
+    return f"{args.split} {args.key}: {', '.join(names)}"
+
+
 def write_weights_json(weights: dict, path: Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     def add_common(subparser: argparse.ArgumentParser) -> None:
         subparser.add_argument("--output", type=Path, required=True, help="PNG file to write")
         subparser.add_argument("--dpi", type=int, default=150, help="resolution of the PNG")
+        subparser.add_argument("--title", help="the figure's title (default: the checkpoint, weights file, run "
+                               "or runs it shows)")
         add_overwrite_flag(subparser, "existing output files (--output, --weights-output)")
 
     def add_weight_sources(subparser: argparse.ArgumentParser, criterion: str) -> None:
@@ -162,6 +185,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
                          "already in that file")
         if weights_output.exists() and not args.overwrite:
             parser.error(f"--weights-output {str(weights_output)!r} already exists; pass --overwrite to replace it")
+    title = args.title if args.title is not None else default_title(args)
     try:
         if args.command in CHECKPOINT_FIGURES:
             if args.checkpoint is not None:
@@ -169,7 +193,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
             else:
                 weights = load_json(args.input, "--input file")
             draw = plot_alignment_heatmaps if args.command == "alignment" else plot_alp_weights
-            figure = draw(weights)  # checks the weights before anything is written
+            figure = draw(weights, title=title)  # checks the weights before anything is written
             if weights_output is not None:
                 write_weights_json(weights, weights_output)
                 print(f"wrote {weights_output}")
@@ -182,11 +206,11 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
                 if name in runs:
                     raise ValueError(f"--log: the name {name!r} is given twice")
                 runs[name] = read_fairseq_log(Path(path))
-            figure = plot_run_comparison(runs, args.key, args.split)
+            figure = plot_run_comparison(runs, args.key, args.split, title=title)
         else:
             if args.columns < 1:
                 raise ValueError(f"--columns {args.columns}: must be at least 1")
-            figure = plot_training_curves(read_fairseq_log(args.log), args.keys, args.columns)
+            figure = plot_training_curves(read_fairseq_log(args.log), args.keys, args.columns, title=title)
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
     save_figure(figure, args.output, dpi=args.dpi)

@@ -10,12 +10,17 @@ switch), each function returning the Figure so that callers and tests can inspec
 - :func:`plot_training_curves`: every loss term of a fairseq training log against the update
   number (the log read by :mod:`fairseq_kd.figures.training_log`).
 - :func:`plot_run_comparison`: one statistic of several training runs on one axis.
+
+Every figure takes a ``title`` naming what it shows (the command gives the run or the checkpoint),
+every colour bar says what its colours measure, and every curve's y axis its statistic and unit
+(:func:`statistic_label`: fairseq logs its losses divided by ln 2, so log-likelihood and KL terms
+are in bits).
 """
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -27,6 +32,47 @@ ATTENTION_KIND_TITLES = {
     "decoder_self": "Decoder self-attention",
     "decoder_cross": "Decoder cross-attention",
 }
+
+
+#: statistics of fairseq's logs that are not losses, and their y-axis labels
+STATISTIC_LABELS = {
+    "ppl": "perplexity (2^nll_loss)",
+    "lr": "learning rate",
+    "gnorm": "gradient norm (L2)",
+    "clip": "clipped updates (%)",
+    "loss_scale": "fp16 loss scale",
+    "wps": "target tokens per second",
+    "ups": "updates per second",
+    "wpb": "target tokens per batch",
+    "bsz": "sentences per batch",
+    "wall": "wall-clock time (s)",
+    "train_wall": "training time (s)",
+    "bleu": "BLEU",
+    "accuracy": "accuracy (%)",
+}
+#: the logged losses that are log-likelihoods or KL divergences, so in bits once divided by ln 2
+_BITS = ("nll_loss", "ce_loss")
+_BITS_ENDINGS = ("kd_loss", "kl_loss", "_att_loss", "value_relation_loss")
+
+
+def statistic_label(key: str) -> str:
+    """The y-axis label of a statistic of fairseq's log, with its unit. fairseq (and every
+    criterion of this plugin) logs each loss per target token divided by ln 2: the negative
+    log-likelihoods and the KL terms are then in bits per token; a total that mixes in distance
+    terms (hidden states, attention scores), and those terms, are not bits, only divided by ln 2."""
+    if key in STATISTIC_LABELS:
+        return STATISTIC_LABELS[key]
+    if key in _BITS or key.endswith(_BITS_ENDINGS):
+        return f"{key} (bits per target token)"
+    if key.endswith("loss"):
+        return f"{key} (per target token, / ln 2)"
+    return key
+
+
+def _titled(figure: Figure, title: Optional[str]) -> Figure:
+    if title:
+        figure.suptitle(title)
+    return figure
 
 
 def save_figure(figure: Figure, path: Path, dpi: int = 150) -> Path:
@@ -60,7 +106,7 @@ def _positive_int(entry: Dict, key: str, kind: str) -> int:
     return value
 
 
-def plot_alignment_heatmaps(alignments: Dict[str, Dict]) -> Figure:
+def plot_alignment_heatmaps(alignments: Dict[str, Dict], title: Optional[str] = None) -> Figure:
     """One heatmap per attention kind of Align-to-Distill's alignment weights.
 
     ``alignments[kind]`` holds ``weights`` of shape ``(student_layers * student_heads,
@@ -106,7 +152,7 @@ def plot_alignment_heatmaps(alignments: Dict[str, Dict]) -> Figure:
             image = axes.imshow(weights, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
         else:
             image = axes.imshow(weights, cmap="viridis", aspect="auto", interpolation="nearest")
-        figure.colorbar(image, ax=axes, shrink=0.85)
+        figure.colorbar(image, ax=axes, shrink=0.85, label="alignment weight (teacher map -> student map)")
         for boundary in range(1, sizes["student_layers"]):
             axes.axhline(boundary * sizes["student_heads"] - 0.5, color="black", linewidth=0.8)
         for boundary in range(1, sizes["teacher_layers"]):
@@ -119,10 +165,10 @@ def plot_alignment_heatmaps(alignments: Dict[str, Dict]) -> Figure:
         axes.set_ylabel("student map (layer.head)")
         axes.set_xlabel("teacher map (layer.head)")
         axes.set_title(ATTENTION_KIND_TITLES.get(kind, kind.replace("_", " ")))
-    return figure
+    return _titled(figure, title)
 
 
-def plot_alp_weights(weights_by_side: Dict[str, Sequence[Sequence[float]]]) -> Figure:
+def plot_alp_weights(weights_by_side: Dict[str, Sequence[Sequence[float]]], title: Optional[str] = None) -> Figure:
     """ALP-KD attention weights, one panel per side (``encoder``, ``decoder``).
 
     Row ``j`` holds student layer ``j``'s weights ``alpha_jk`` over teacher layers ``k``
@@ -143,7 +189,7 @@ def plot_alp_weights(weights_by_side: Dict[str, Sequence[Sequence[float]]]) -> F
     for index, (side, matrix) in enumerate(matrices.items()):
         axes = figure.add_subplot(1, len(matrices), index + 1)
         image = axes.imshow(matrix, cmap="Blues", vmin=0.0, vmax=max(1.0, float(matrix.max())), aspect="auto", interpolation="nearest")
-        figure.colorbar(image, ax=axes, shrink=0.85)
+        figure.colorbar(image, ax=axes, shrink=0.85, label="attention weight alpha_jk (rows sum to 1)")
         student_layers, teacher_layers = matrix.shape
         axes.set_yticks(range(student_layers), [str(j) for j in range(1, student_layers + 1)])
         axes.set_xticks(range(teacher_layers), [str(k) for k in range(1, teacher_layers + 1)])
@@ -158,7 +204,7 @@ def plot_alp_weights(weights_by_side: Dict[str, Sequence[Sequence[float]]]) -> F
                         column, row, f"{value:.2f}", ha="center", va="center", fontsize=7,
                         color="white" if value > 0.6 else "black",
                     )
-    return figure
+    return _titled(figure, title)
 
 
 # --------------------------------------------------------------------------- training logs
@@ -171,7 +217,7 @@ SPLIT_STYLES = {
 
 
 def plot_training_curves(
-    records: Sequence[LogRecord], extra_keys: Sequence[str] = (), columns: int = 3
+    records: Sequence[LogRecord], extra_keys: Sequence[str] = (), columns: int = 3, title: Optional[str] = None
 ) -> Figure:
     """One panel per statistic (:func:`curve_keys`), each with a curve per split, against the
     update number. Raises if an ``extra_keys`` entry never occurs, or if nothing is plottable."""
@@ -203,12 +249,14 @@ def plot_training_curves(
                 axes.plot(x, y, label=split, **style)
         axes.set_title(key)
         axes.set_xlabel("update")
+        axes.set_ylabel(statistic_label(key), fontsize=8)
         axes.grid(True, alpha=0.3)
         axes.legend(fontsize=7)
-    return figure
+    return _titled(figure, title)
 
 
-def plot_run_comparison(runs: Dict[str, Sequence[LogRecord]], key: str = "nll_loss", split: str = "valid") -> Figure:
+def plot_run_comparison(runs: Dict[str, Sequence[LogRecord]], key: str = "nll_loss", split: str = "valid",
+                        title: Optional[str] = None) -> Figure:
     """One statistic of several training runs on one axis against updates (e.g. every student's
     validation nll: KD against no KD at a glance). Raises naming a run without that statistic."""
     if not runs:
@@ -224,6 +272,7 @@ def plot_run_comparison(runs: Dict[str, Sequence[LogRecord]], key: str = "nll_lo
         axes.plot(x, y, marker="o", markersize=3, linewidth=1.4, label=name)
     axes.set_title(f"{split} {key}")
     axes.set_xlabel("update")
+    axes.set_ylabel(f"{split} {statistic_label(key)}")
     axes.grid(True, alpha=0.3)
     axes.legend(fontsize=8)
-    return figure
+    return _titled(figure, title)
