@@ -69,3 +69,31 @@ def test_every_kd_term_reaches_tensorboard_and_json_log(tiny_data_bin, tiny_teac
     by_step = dict(scalars["train_inner"]["word_kd_loss"])
     for record in inner:
         assert by_step[int(record.num_updates)] == pytest.approx(record.values["word_kd_loss"], abs=1e-3)
+
+
+def test_a2d_lambda_is_logged_at_its_scheduled_value_every_update(tiny_data_bin, tiny_teacher, tmp_path):
+    """lambda_e = lambda_0 * decay^(e - 1), 0 after --a2d-attention-epochs: the value of each
+    update's epoch in the JSON log and in TensorBoard (about 3 updates per epoch here)."""
+    from fairseq_kd.figures.training_log import parse_fairseq_log
+
+    lambda_0, decay, last_epoch = 0.5, 0.5, 2
+    logdir = tmp_path / "tb"
+    proc = train_student(tiny_data_bin, tiny_teacher, tmp_path / "ckpt",
+                         ["--criterion", "a2d_kd", "--a2d-lambda", str(lambda_0), "--a2d-lambda-decay", str(decay),
+                          "--a2d-attention-epochs", str(last_epoch)], max_update=8,
+                         extra=["--tensorboard-logdir", logdir, "--log-format", "json"])
+
+    def scheduled(epoch):
+        return lambda_0 * decay ** (epoch - 1) if epoch <= last_epoch else 0.0
+
+    inner = [r for r in parse_fairseq_log((proc.stdout + proc.stderr).splitlines()) if r.split == "train_inner"]
+    assert [r.num_updates for r in inner] == list(range(1, 9))
+    assert {r.epoch for r in inner} >= {1, 2, 3}, "the run must reach the epoch after the attention phase"
+    for record in inner:
+        assert record.values["a2d_lambda"] == pytest.approx(scheduled(record.epoch), rel=1e-9, abs=1e-12), record
+    logged = dict(read_scalars(logdir)["train_inner"]["a2d_lambda"])
+    assert sorted(logged) == list(range(1, 9))
+    for record in inner:
+        assert logged[int(record.num_updates)] == pytest.approx(scheduled(record.epoch), rel=1e-6), record
+    epochs = {r.epoch: r.values["a2d_lambda"] for r in parse_fairseq_log(proc.stdout.splitlines()) if r.split == "train"}
+    assert epochs[1] == pytest.approx(lambda_0) and epochs[2] == pytest.approx(lambda_0 * decay)

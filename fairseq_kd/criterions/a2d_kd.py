@@ -289,6 +289,8 @@ class A2DConfig(KDCriterionConfig):
 @register_criterion("a2d_kd", dataclass=A2DConfig)
 class AlignToDistillCriterion(KDCriterionBase):
     TERM_NAMES = ("enc_self_att", "dec_self_att", "dec_cross_att", "word_kd")
+    #: lambda_e, logged every step next to the terms (0 after --a2d-attention-epochs)
+    SCHEDULED_WEIGHT_KEYS = ("a2d_lambda",)
     KD_WEIGHT_ALIAS = "a2d_mu"
     WEIGHT_FLAGS = {"ce": "1 - --a2d-alpha", "word_kd": "--kd-weight",
                     **{term: "--a2d-lambda" for term in KIND_TERMS.values()}}
@@ -343,6 +345,10 @@ class AlignToDistillCriterion(KDCriterionBase):
         if self.attention_epochs is not None and epoch > self.attention_epochs:
             return 0.0
         return self.lambda_0 * self.lambda_decay ** (max(epoch, 1) - 1)
+
+    def scheduled_weights(self, weights: Dict[str, float]) -> Dict[str, float]:
+        """lambda_e of this step's epoch (every attention kind's weight is it times the kind's)."""
+        return {"a2d_lambda": self.attention_weight()}
 
     def loss_weights(self) -> Dict[str, float]:
         lam = self.attention_weight()

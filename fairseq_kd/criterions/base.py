@@ -20,6 +20,9 @@ rest, once for all methods:
 * every term is logged unweighted as ``<name>_loss`` next to fairseq's ``loss`` (the weighted
   total), ``ce_loss`` (the label-smoothed CE) and ``nll_loss``, all in base 2 like fairseq's, so
   the total equals the weighted sum of the logged terms;
+* every weight that follows a schedule (``SCHEDULED_WEIGHT_KEYS``: A2D's ``a2d_lambda``) is logged
+  as a scalar next to the terms, its value at each update, so that a log (JSON, TensorBoard) shows
+  the schedule the run trained with;
 * ``begin_epoch`` is forwarded from the task for epoch-dependent weights and schedules.
 
 Weights, one convention for every criterion (``loss_weights()`` returns them; the base refuses a
@@ -59,6 +62,10 @@ from fairseq.logging import metrics
 from torch import Tensor
 
 from ..models.feature_capture import CapturedFeatures, CaptureRequest, FeatureCapture
+
+#: the logging-output key counting the steps whose scheduled weights were logged (each worker's
+#: micro-batch adds 1), by which their sum is divided back into the step's value
+SCHEDULED_WEIGHT_STEPS = "scheduled_weight_steps"
 
 
 # --------------------------------------------------------------- option ranges
@@ -275,6 +282,10 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
     #: whether the method's terms can come from the cached top-k teacher (--teacher-cache): only
     #: word-level KD terms, which need the teacher's output distribution and nothing else
     SUPPORTS_TEACHER_CACHE: bool = False
+    #: the log keys of the weights that follow a schedule (change during training), each logged every
+    #: step by :meth:`scheduled_weights`; ``<term>_weight`` is the weight of that term in
+    #: :meth:`loss_weights` unless the method overrides :meth:`scheduled_weights`
+    SCHEDULED_WEIGHT_KEYS: Tuple[str, ...] = ()
     #: the terms a --teacher-cache can supply: a method whose other terms all have weight 0 from some
     #: epoch on (see :meth:`last_live_teacher_epoch`) reads the cache from then on
     CACHE_SERVED_TERMS: Tuple[str, ...] = ("word_kd",)
@@ -377,6 +388,12 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
                     flag = option_flag(self.KD_WEIGHT_ALIAS, self.criterion_name())
                 raise ValueError(f"{flag} must be >= 0, got {weight} (criterion {self.criterion_name()})")
         return weights
+
+    def scheduled_weights(self, weights: Dict[str, float]) -> Dict[str, float]:
+        """The value of each ``SCHEDULED_WEIGHT_KEYS`` weight in a step whose loss weights are
+        ``weights``: by default ``<term>_weight`` is ``weights[term]``; a method whose schedule is one
+        number that several terms share (A2D's lambda_e) returns that number under its own key."""
+        return {key: float(weights[key[: -len("_weight")]]) for key in self.SCHEDULED_WEIGHT_KEYS}
 
     def last_live_teacher_epoch(self) -> Optional[int]:
         """For a method with terms the cache cannot serve: the last epoch in which any of them has a
@@ -491,6 +508,9 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
             logging_output[f"{name}_loss"] = value.data if value is not None else 0.0
         for key in self.LOG_KEYS:
             logging_output[key] = extra_logs.get(key, 0)
+        if self.SCHEDULED_WEIGHT_KEYS:
+            logging_output.update(self.scheduled_weights(weights))
+            logging_output[SCHEDULED_WEIGHT_STEPS] = 1
         if self.report_accuracy:
             n_correct, total = self.compute_accuracy(model, net_output, sample)
             logging_output["n_correct"] = utils.item(n_correct.data)
@@ -508,6 +528,7 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:
         super().reduce_metrics(logging_outputs)
+        cls.reduce_scheduled_weights(logging_outputs)
         sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
         if sample_size == 0:
             return
@@ -516,3 +537,13 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
             value = sum(log.get(key, 0) for log in logging_outputs)
             metrics.log_scalar(key, value / sample_size / math.log(2), sample_size, round=3)
 
+    @classmethod
+    def reduce_scheduled_weights(cls, logging_outputs) -> None:
+        """Each scheduled weight as the step's value: every worker's micro-batch logged the same
+        number, and fairseq sums logging outputs (as it sums the losses), so the sum is divided by
+        the count. Over a ``--log-interval`` of several updates fairseq averages it as any scalar."""
+        steps = sum(log.get(SCHEDULED_WEIGHT_STEPS, 0) for log in logging_outputs)
+        if not cls.SCHEDULED_WEIGHT_KEYS or not steps:
+            return
+        for key in cls.SCHEDULED_WEIGHT_KEYS:
+            metrics.log_scalar(key, sum(log.get(key, 0) for log in logging_outputs) / steps)
