@@ -1,6 +1,9 @@
-"""The demo (scripts/demo.sh) in a short version, run twice into two folders: the same BLEU, the
-same intervals and p-values, the same trained weights (its promise: same numbers from the same
-commit), every output it names at the end, and the numbers committed in tests/expected/demo.json.
+"""The demo (scripts/demo.sh) in a short version: every output it names at the end, and its numbers
+(BLEU, intervals, p-values, trained weights) equal to those committed in tests/expected/demo.json
+(its promise: the same numbers from the same commit). Where the expected file was made on another
+machine (see below) the numbers cannot be compared with it, so the demo runs twice into two folders
+and the two runs must agree; renewing the expected file also runs it twice, so what is recorded is
+what two runs gave.
 
 The expected file is what keeps the README honest: any change of the numerics (a loss, a default,
 an optimiser setting, the decoding) changes the short demo's weights or scores, so this test fails
@@ -82,16 +85,19 @@ def machine_signature() -> dict:
             "ctranslate2": ctranslate2.__version__}
 
 
-def test_short_demo_twice_gives_the_same_numbers_and_every_output(tmp_path):
-    first, second = tmp_path / "one", tmp_path / "two"
-    printed = run_demo(first)
-    run_demo(second)
-    reports = [json.loads((folder / "report.json").read_text()) for folder in (first, second)]
+def test_short_demo_gives_the_expected_numbers_and_every_output(tmp_path):
+    expected = json.loads(EXPECTED.read_text())
+    comparable = machine_signature() == expected["machine"]
+    folders = [tmp_path / "one"] if comparable and not RENEW else [tmp_path / "one", tmp_path / "two"]
+    printed = [run_demo(folder) for folder in folders][0]
+    first = folders[0]
+    reports = [json.loads((folder / "report.json").read_text()) for folder in folders]
     assert [row["system"] for row in reports[0]["systems"]] == SYSTEMS
-    assert reports[0]["systems"] == reports[1]["systems"]  # BLEU, mu +- CI, p-values, parameter counts
     assert all(row["sents_per_sec"] is None for row in reports[0]["systems"])  # no speed column
-    numbers = [demo_numbers(folder) for folder in (first, second)]
-    assert numbers[0] == numbers[1]
+    numbers = [demo_numbers(folder) for folder in folders]
+    if len(folders) == 2:  # BLEU, mu +- CI, p-values, parameter counts, weights: the same twice
+        assert reports[0]["systems"] == reports[1]["systems"]
+        assert numbers[0] == numbers[1]
     for figure in ("validation_nll.png", "a2d_kd_training_curves.png", "a2d_kd_alignment.png"):
         assert (first / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure in printed
     assert "report.md" in printed and "deploy.md" in printed and (first / "readme_section.md").is_file()
@@ -101,13 +107,12 @@ def test_short_demo_twice_gives_the_same_numbers_and_every_output(tmp_path):
         "teacher/fairseq/float32", "a2d_kd/fairseq/float32", "a2d_kd/ctranslate2/float32", "a2d_kd/ctranslate2/int8"]
     assert all(row["measurements"][0]["sentences_per_s"] > 0 for row in deploy["rows"])
 
-    expected = json.loads(EXPECTED.read_text())
     if RENEW:
         expected.update(short_demo=numbers[0], machine=machine_signature())
         EXPECTED.write_text(json.dumps(expected, indent=2, ensure_ascii=False) + "\n")
-    if machine_signature() != expected["machine"]:
+    elif not comparable:
         pytest.skip(f"tests/expected/demo.json was made on {expected['machine']}, this is {machine_signature()}: "
-                    "the numbers are compared on the machine and libraries they were made with only")
+                    "two runs agree; the numbers are compared with the file on its machine and libraries only")
     assert numbers[0] == expected["short_demo"], (
         "the short demo's numbers changed: the numerics changed. Renew tests/expected/demo.json, the README's "
         "demo table and its conclusion in the same commit (see this file's docstring)")
