@@ -110,6 +110,29 @@ def test_int8_quantization_decodes_every_sentence(tiny_data_bin, tiny_teacher, t
     assert manifest["parameters"]["ct2_quantization"] == "int8" == manifest["decoding"]["ct2_quantization"]
 
 
+# ------------------------------------------------------------------------ split over workers
+def test_two_workers_of_a_job_array_write_one_process_output(tiny_data_bin, tiny_teacher, runs, tmp_path,
+                                                             monkeypatch):
+    """--num-shards 2 --shard-id 0, then 1 (tests/test_teacher_pass_sharding.py runs workers at
+    once): each converts its own teacher, the second to finish binarises one process's bytes."""
+    for name in ("RANK", "WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(name, raising=False)
+    output = tmp_path / "array"
+    lines = []
+    first = seqkd.run(config(tiny_data_bin, tiny_teacher, output, engine="ctranslate2", beam=1, num_shards=2,
+                             shard_id=0), log=lines.append)
+    assert first.status == "worker_done" and first.decoded_now == 208
+    assert lines[-1] == ("worker 0 of 2 (job array): 3 of 7 shards remain (2, 4, 6); the worker that writes the "
+                         "last one merges (or re-run without --num-shards)")
+    work = output / seqkd.WORK_DIR_NAME
+    assert (work / f"{seqkd.CT2_TEACHER_DIR}_worker0" / "model.bin").is_file()
+    second = seqkd.run(config(tiny_data_bin, tiny_teacher, output, engine="ctranslate2", beam=1, num_shards=2,
+                              shard_id=1), log=quiet)
+    assert second.status == "complete" and second.decoded_now == 192 and not work.exists()
+    for name in TARGET_FILES + SOURCE_FILES:
+        assert filecmp.cmp(output / name, runs["ctranslate2", 1] / name, shallow=False), name
+
+
 # ------------------------------------------------------------------------ resuming
 def test_killed_ctranslate2_run_resumes_byte_identically(tiny_data_bin, tiny_teacher, tmp_path):
     # one-sentence batches in shards of 8 sentences: 50 shards, slow enough to be killed in the middle

@@ -11,6 +11,12 @@ Usage::
 original valid/test splits and dictionaries. An interrupted run resumes from its finished shards
 when re-run with the same flags; a finished one is a no-op.
 
+Several workers share the pass the fairseq way, all writing into the same ``--output`` (on a shared
+filesystem): a job array's ``--num-shards N --shard-id I`` (worker I decodes the shards i with
+i % N == I; the one that writes the last shard binarises), or the ranks of ``torchrun
+--nproc_per_node G -m fairseq_kd.cli.seqkd_decode ...`` or of ``srun`` (each rank on GPU
+LOCAL_RANK; rank 0 binarises after the others). The output is one process's, byte for byte.
+
 ``--engine ctranslate2`` decodes with CTranslate2 instead of fairseq's ``SequenceGenerator`` (the
 ``deploy`` extra): the teacher is converted once per run into ``OUTPUT/seqkd_work/`` with
 ``--ct2-quantization`` weights (float32 by default, which gives fairseq's tokens with beam 1 and on
@@ -56,14 +62,17 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
     except (seqkd.SeqKDError, TeacherCheckpointError, UnsafeCheckpointError, CTranslate2MissingError,
             CTranslate2ExportError, CTranslate2ModelError) as error:
         parser.error(str(error))
+    if not result.reports:  # a rank other than 0: rank 0 speaks for the ranks
+        return
     if result.status == "partial":
-        print(f"stopped after --max-shards: {result.shards_done}/{result.shards_total} shards done; "
+        stopped = "stopped after --max-shards: " if config.max_shards is not None else ""
+        print(f"{result.worker}{stopped}{result.shards_done}/{result.shards_total} shards done; "
               "re-run the same command to continue")
     elif result.status == "complete":
         print(f"wrote {result.sentences} sentence pairs to {result.output}")
     if result.decoded_now:
-        print(f"teacher decoding throughput: {result.decoded_now} sentences in {result.decode_seconds:.1f} s "
-              f"= {result.sentences_per_second:.1f} sentences/s")
+        print(f"{result.worker}teacher decoding throughput: {result.decoded_now} sentences in "
+              f"{result.decode_seconds:.1f} s = {result.sentences_per_second:.1f} sentences/s")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,18 @@
   fingerprints (:mod:`fairseq_kd.fingerprint`); two records describe the same output when their
   :func:`identity` is equal; a record of an older format is refused in one line
   (:func:`refuse_older_format`);
-* progress: per-sentence progress bar on a terminal, shard lines above it (:func:`shard_progress`).
+* progress: per-sentence progress bar on a terminal, shard lines above it (:func:`shard_progress`);
+* workers: a pass split over several processes writing into one output folder, the fairseq way
+  (:func:`workers_for`): a job array's ``--num-shards N --shard-id I``, or the ranks of ``torchrun``
+  (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) or of ``srun`` (``SLURM_PROCID``,
+  ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``). Worker ``I`` of ``N`` processes the shards ``i``
+  with ``i % N == I``; every shard is batched alone, so the output is the one process's, byte for
+  byte. The shards are merged into the final output once, when every shard exists
+  (:func:`merge_when_complete`): by rank 0 after a barrier (torch.distributed, gloo), or in a job
+  array by the worker that writes the last shard, under an exclusive lock file
+  (:func:`merge_lock`); the others say in one line what remains or who merges. Files that
+  several workers may write at once are written through temporary files of their own
+  (:func:`replace_atomically`, :func:`write_record`).
 
 Building a model from a checkpoint needs the plugin's architectures registered: importing
 :mod:`fairseq_kd.models` (here, through :mod:`fairseq_kd.models.teacher`) does it.
@@ -20,9 +31,17 @@ Building a model from a checkpoint needs the plugin's architectures registered: 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import fcntl
+import io
 import itertools
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, List, Mapping, Optional, Tuple, Type
+from typing import BinaryIO, Callable, Iterable, Iterator, List, Mapping, Optional, Tuple, Type
 
 import numpy as np
 import torch
@@ -94,9 +113,17 @@ def load_teacher(task, checkpoint, teacher_data: Optional[str], sha256: Optional
     return FrozenTeacher.load(str(checkpoint), task, teacher_data=teacher_data, sha256=sha256)
 
 
-def pick_device(cpu: bool) -> torch.device:
-    """CUDA when torch sees a GPU and ``cpu`` is not asked, else the CPU."""
-    return torch.device("cuda" if torch.cuda.is_available() and not cpu else "cpu")
+def pick_device(cpu: bool, workers: Optional["Workers"] = None) -> torch.device:
+    """CUDA when torch sees a GPU and ``cpu`` is not asked, else the CPU; a rank of ``torchrun`` or
+    ``srun`` takes GPU ``LOCAL_RANK`` (modulo the GPUs it sees: one each when the launcher gives
+    each rank its own, as ``srun --gpus-per-task=1`` does)."""
+    if cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if workers is None or not workers.ranks:
+        return torch.device("cuda")
+    index = workers.local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def on_device(model, device: torch.device, fp16: bool):
@@ -149,12 +176,15 @@ def check_max_tokens(dataset, max_tokens: Optional[int], split: str) -> Optional
 
 @contextlib.contextmanager
 def shard_progress(shards: List[int], shard_size: int, sentences: int, desc: str,
-                   log: Callable[[str], None]) -> Iterator[Tuple[Callable[[int], None], Callable[[str], None]]]:
+                   log: Callable[[str], None], shown: bool = True
+                   ) -> Iterator[Tuple[Callable[[int], None], Callable[[str], None]]]:
     """``(on_batch, log_line)`` for a pass over ``shards``: a per-sentence progress bar with rate
-    and time left on stderr, only when it is a terminal (``on_batch(n)`` after each batch of ``n``
-    sentences), and ``log`` printing above it."""
+    and time left on stderr, only when it is a terminal and ``shown`` (ranks other than 0 show
+    none: :attr:`Workers.reports`; ``on_batch(n)`` after each batch of ``n`` sentences), and
+    ``log`` printing above it."""
     total = sum(last - first for first, last in (shard_range(i, shard_size, sentences) for i in shards))
-    with progress_bar(total=total, desc=desc, unit="sent") as bar:
+    silent = None if shown else io.StringIO()  # not a terminal: the bar stays off
+    with progress_bar(total=total, desc=desc, unit="sent", stream=silent) as bar:
         yield bar.update, (print_above_bars(log) if not bar.disable else log)
 
 
@@ -176,3 +206,321 @@ def refuse_older_format(found, current, what: str, rerun: str, error: Type[Excep
     if found != current:
         raise error(f"{what} is of an older or unknown format ({found or 'no format'}; this version writes "
                     f"{current}); {rerun}")
+
+
+# ----------------------------------------------------------------------------- files several workers write
+def replace_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write ``path`` through a temporary file of this process (``write(handle)``), renamed over it
+    once complete: a reader sees the whole file or none, a kill leaves only a temporary file, and
+    workers writing into one folder never share a temporary file."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    with open(temporary, "wb") as handle:
+        write(handle)
+    os.replace(temporary, path)
+
+
+def is_temporary(path: Path) -> bool:
+    """Whether ``path`` is a temporary file of :func:`replace_atomically` (left by a killed worker)."""
+    return path.name.startswith(".") and path.name.endswith(".tmp")
+
+
+def write_record(path: Path, record: dict) -> None:
+    """A JSON record (keys sorted, as :func:`fairseq_kd.fingerprint.write_json` writes them) that
+    several workers may write at once, with the same content."""
+    text = json.dumps(record, indent=1, sort_keys=True) + "\n"
+    replace_atomically(path, lambda handle: handle.write(text.encode("utf-8")))
+
+
+# ----------------------------------------------------------------------------- workers
+ONE_PROCESS, JOB_ARRAY, TORCHRUN, SRUN = "one process", "job array", "torchrun", "srun"
+#: how long a rank waits for the others at the barrier: a resumed pass may leave one rank with no
+#: shard to decode while the others decode theirs
+BARRIER_TIMEOUT = datetime.timedelta(days=2)
+MERGE_LOCK = "merge.lock"
+
+
+def num_shards_field():
+    """``--num-shards``, one field of each teacher pass's config."""
+    return field(default=None, metadata={"help": (
+        "split the pass over N workers of a job array (fairseq's --num-shards), all writing into the same "
+        "--output on a shared filesystem; each processes the resumable shards i with i %% N == --shard-id, "
+        "and the one that writes the last shard merges them. Not with torchrun or srun, whose ranks split the "
+        "pass by themselves (rank 0 merges)"), "metavar": "N"})
+
+
+def shard_id_field():
+    """``--shard-id``, one field of each teacher pass's config."""
+    return field(default=None, metadata={"help": (
+        "with --num-shards N: this worker's index, 0 <= I < N (e.g. $SLURM_ARRAY_TASK_ID of an array "
+        "counted from 0)"), "metavar": "I"})
+
+
+@dataclass(frozen=True)
+class Workers:
+    """This process's part of a pass split over ``count`` workers: the shards ``i`` with
+    ``i % count == index``. ``launcher``: how the workers were started; torchrun's and srun's
+    ranks meet at a barrier (``init_method``) before rank 0 merges, a job array's workers do not
+    meet (the one that writes the last shard merges)."""
+
+    index: int = 0
+    count: int = 1
+    launcher: str = ONE_PROCESS
+    local_rank: int = 0
+    init_method: Optional[str] = None
+
+    @property
+    def ranks(self) -> bool:
+        return self.launcher in (TORCHRUN, SRUN)
+
+    @property
+    def reports(self) -> bool:
+        """Whether this process prints its progress: all but the ranks other than 0."""
+        return not self.ranks or self.index == 0
+
+    def owned(self, shards: Iterable[int]) -> List[int]:
+        return [shard for shard in shards if shard % self.count == self.index]
+
+    @property
+    def label(self) -> str:
+        """The prefix of this worker's own lines ('' for one process)."""
+        if self.count == 1:
+            return ""
+        return f"{'rank' if self.ranks else 'worker'} {self.index} of {self.count} ({self.launcher}): "
+
+    def log(self, log: Callable[[str], None]) -> Callable[[str], None]:
+        """``log`` for a process that reports, else a printer of nothing."""
+        return log if self.reports else (lambda line: None)
+
+
+def workers_for(num_shards: Optional[int], shard_id: Optional[int], error: Type[Exception],
+                environ: Optional[Mapping[str, str]] = None) -> Workers:
+    """This process's :class:`Workers`, from ``--num-shards/--shard-id`` or the launcher's
+    environment; a combination that cannot work is refused with ``error``, in one line naming the
+    flag or variable, before any work."""
+    environ = os.environ if environ is None else environ
+    ranks = _ranks_of(environ, error)
+    if shard_id is not None and num_shards is None:
+        raise error(f"--shard-id {shard_id} needs --num-shards N, the number of workers of the job array")
+    if num_shards is None:
+        return ranks or Workers()
+    if num_shards < 1:
+        raise error(f"--num-shards must be >= 1, got {num_shards}")
+    if shard_id is None:
+        raise error(f"--num-shards {num_shards} needs --shard-id I, 0 <= I < {num_shards} (this worker's index)")
+    if not 0 <= shard_id < num_shards:
+        raise error(f"--shard-id {shard_id} is outside 0..{num_shards - 1} (--num-shards {num_shards})")
+    if ranks is not None:
+        raise error(f"--num-shards/--shard-id split a job array, but this process is rank {ranks.index} of "
+                    f"{ranks.count} started by {ranks.launcher}, whose ranks split the pass by themselves: drop "
+                    "--num-shards and --shard-id")
+    return Workers(shard_id, num_shards, JOB_ARRAY) if num_shards > 1 else Workers()
+
+
+def _ranks_of(environ: Mapping[str, str], error: Type[Exception]) -> Optional[Workers]:
+    """The ranks of torchrun (``RANK``/``WORLD_SIZE``, checked first: torchrun may run inside a
+    SLURM job) or of srun (``SLURM_STEP_NUM_TASKS`` > 1: set for the tasks of an srun step only,
+    not for a batch script whose job has several tasks), or None for one process."""
+    def number(name: str, default: Optional[int] = None) -> int:
+        value = environ.get(name)
+        if value is None and default is not None:
+            return default
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise error(f"{name}={value!r} in the environment is not a whole number") from None
+
+    if "RANK" in environ or "WORLD_SIZE" in environ:
+        rank, world = number("RANK"), number("WORLD_SIZE")
+        launcher, local, init_method = TORCHRUN, number("LOCAL_RANK", rank), "env://"
+    elif number("SLURM_STEP_NUM_TASKS", 1) > 1:
+        rank, world = number("SLURM_PROCID"), number("SLURM_STEP_NUM_TASKS")
+        launcher, local, init_method = SRUN, number("SLURM_LOCALID", 0), _srun_init_method(environ, error)
+    else:
+        return None
+    if world <= 1:
+        return None
+    if not 0 <= rank < world:
+        raise error(f"rank {rank} is outside 0..{world - 1} ({launcher}'s environment: world size {world})")
+    return Workers(rank, world, launcher, local, init_method)
+
+
+def _srun_init_method(environ: Mapping[str, str], error: Type[Exception]) -> str:
+    """Where srun's ranks meet: ``MASTER_ADDR`` (default 127.0.0.1 when the step runs on one node)
+    and ``MASTER_PORT`` (default: from the job and step ids, so that two steps on one node differ)."""
+    address = environ.get("MASTER_ADDR")
+    if address is None:
+        if environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES", "1")) != "1":
+            raise error("srun started the ranks on several nodes: export MASTER_ADDR (the first node, e.g. "
+                        "MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)) and "
+                        "MASTER_PORT (a free port) before srun")
+        address = "127.0.0.1"
+    port = environ.get("MASTER_PORT")
+    if port is None:
+        job, step = (int(environ.get(name, "0") or 0) for name in ("SLURM_JOB_ID", "SLURM_STEP_ID"))
+        port = str(20000 + (job * 16 + step) % 40000)
+    return f"tcp://{address}:{port}"
+
+
+@contextlib.contextmanager
+def rank_group(workers: Workers) -> Iterator[None]:
+    """torch.distributed (gloo: CPU or GPU, no NCCL needed) among the ranks for the duration of
+    the block; nothing for one process or a job array's worker."""
+    if not workers.ranks:
+        yield
+        return
+    import torch.distributed as dist
+
+    started_here = not dist.is_initialized()
+    if started_here:
+        dist.init_process_group("gloo", init_method=workers.init_method, rank=workers.index,
+                                world_size=workers.count, timeout=BARRIER_TIMEOUT)
+    try:
+        yield
+    finally:
+        if started_here:
+            dist.destroy_process_group()
+
+
+def wait_for_ranks(workers: Workers) -> None:
+    """The barrier after which rank 0 merges (inside :func:`rank_group`)."""
+    if workers.ranks:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------- merging once
+MERGED, MERGED_BEFORE, SHARDS_REMAIN, MERGING_ELSEWHERE, RANK_ZERO_MERGES = (
+    "merged", "merged before", "shards remain", "merging elsewhere", "rank 0 merges")
+
+
+def merge_when_complete(folder: Path, workers: Workers, total: int, missing: Callable[[], List[int]],
+                        merged: Callable[[], bool], merge: Callable[[], None], log: Callable[[str], None]) -> str:
+    """Merge the shards into the final output (``merge()``) when every shard exists, in one worker
+    only, and say what happened: one of :data:`MERGED` ... :data:`RANK_ZERO_MERGES`.
+
+    Shards are only added (each complete, :func:`replace_atomically`) until the merge, which
+    removes them after the output is complete (``merged()``): so a worker that finds shards
+    missing and the output not complete leaves the merge to the one that writes the last shard,
+    and the lock (:func:`merge_lock`) is taken only once every shard exists."""
+    if workers.ranks and workers.index != 0:
+        return RANK_ZERO_MERGES
+    absent = missing()
+    if absent:
+        if merged():
+            log(f"{workers.label}another worker has merged the shards; the output is complete")
+            return MERGED_BEFORE
+        shown = ", ".join(str(shard + 1) for shard in absent[:8]) + (", ..." if len(absent) > 8 else "")
+        log(f"{workers.label}{len(absent)} of {total} shards remain ({shown}); "
+            + ("re-run to decode them" if workers.count == 1 or workers.ranks
+               else "the worker that writes the last one merges (or re-run without --num-shards)"))
+        return SHARDS_REMAIN
+    with merge_lock(folder) as holder:
+        if holder is not None:
+            log(f"{workers.label}every shard is done; {holder}")
+            return MERGING_ELSEWHERE
+        if merged():
+            return MERGED_BEFORE
+        merge()
+        return MERGED
+
+
+@contextlib.contextmanager
+def merge_lock(folder: Path) -> Iterator[Optional[str]]:
+    """Hold ``folder``'s merge lock for the block (yields None), or yield who holds it (a line).
+
+    The lock is a file created with ``O_EXCL`` (atomic on local and network filesystems), holding
+    its holder's host and pid, and ``flock``-ed while held. A lock left by a killed merge is taken
+    over when its holder ran on this host and is gone (its ``flock`` released, or, where the
+    filesystem has none, its pid dead); one of another host is reported, with what to do."""
+    path = Path(folder) / MERGE_LOCK
+    handle = _take_lock(path)
+    if handle is None:
+        yield _lock_holder(path)
+        return
+    try:
+        yield None
+    finally:
+        with contextlib.suppress(FileNotFoundError):  # the merge may have removed the folder
+            if os.stat(path).st_ino == os.fstat(handle).st_ino:
+                path.unlink()
+        os.close(handle)
+
+
+def _take_lock(path: Path) -> Optional[int]:
+    """An open, locked handle of ``path`` when this process now holds it, else None."""
+    for _attempt in range(3):
+        try:
+            handle = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+        except FileExistsError:
+            handle = _stale_lock(path)
+            if handle == -1:
+                continue  # released meanwhile: try to create it again
+            if handle is None:
+                return None
+        else:
+            with contextlib.suppress(OSError):  # a filesystem without flock: the pid tells
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                             "since": time.strftime("%Y-%m-%d %H:%M:%S")})
+        os.ftruncate(handle, 0)
+        os.pwrite(handle, record.encode(), 0)
+        return handle
+    return None
+
+
+def _stale_lock(path: Path) -> Optional[int]:
+    """A handle of the existing lock ``path`` when its holder is gone (taken over), None when it
+    is held, -1 when it vanished meanwhile."""
+    try:
+        handle = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return -1
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        flocked = True
+    except BlockingIOError:
+        os.close(handle)
+        return None
+    except OSError:
+        flocked = False
+    try:
+        same_file = os.stat(path).st_ino == os.fstat(handle).st_ino
+    except FileNotFoundError:
+        same_file = False
+    if not same_file:
+        os.close(handle)
+        return -1
+    holder = _read_lock(path)
+    if holder.get("host") == socket.gethostname() and (flocked or not _alive(holder.get("pid"))):
+        return handle
+    os.close(handle)
+    return None
+
+
+def _read_lock(path: Path) -> dict:
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. another user's process
+        return True
+    return True
+
+
+def _lock_holder(path: Path) -> str:
+    holder = _read_lock(path)
+    who = (f"pid {holder.get('pid')} on {holder.get('host')}, since {holder.get('since')}" if holder
+           else "a worker that is starting")
+    return f"another worker merges ({who}: {path}); if no worker is running, delete {path} and re-run"

@@ -22,6 +22,14 @@ stopped and never decodes a sentence twice. Within a shard, sentences are batche
 binaries are written (again via temporary names), the manifest is marked complete and the shards
 are deleted; a re-run with the same parameters is then a no-op.
 
+Workers (``num_shards``/``shard_id`` of a job array, or the ranks of torchrun or srun:
+:mod:`fairseq_kd.teacher_pass.common`) share the pass in one output folder: each decodes its
+shards (shard ``i`` is worker ``i % N``'s), and the binaries are written once, by rank 0 after a
+barrier or by the array's worker that writes the last shard (under ``seqkd_work/merge.lock``).
+Shards are batched alone, so the output is one process's byte for byte. Each worker of the
+``ctranslate2`` engine converts its own teacher (``ctranslate2_teacher_worker<I>``). ``force``
+needs one process (each worker would delete the others' shards).
+
 What identifies the output (a re-run with other values is refused unless ``force``): the source
 data (split, languages, and the content of the split's binaries and of the dictionaries), the
 teacher checkpoint's content, beam, length limits, length penalty, fp16 and shard size; contents,
@@ -62,6 +70,7 @@ it was.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -70,15 +79,17 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ..deploy.export_ctranslate2 import QUANTIZATIONS
-from ..fingerprint import fingerprint, fingerprint_files, write_json
-from .common import (check_max_tokens, identity, infer_languages, length_ordered_indices, load_split,
-                     load_teacher, on_device, pick_device, read_record, refuse_older_format, shard_batches,
-                     shard_progress, shard_range, split_files, translation_task)
+from ..fingerprint import fingerprint, fingerprint_files
+from .common import (JOB_ARRAY, MERGED, MERGED_BEFORE, SHARDS_REMAIN, Workers, check_max_tokens, identity,
+                     infer_languages, length_ordered_indices, load_split, load_teacher, merge_lock, merge_when_complete,
+                     num_shards_field, on_device, pick_device, rank_group, read_record, refuse_older_format,
+                     replace_atomically, shard_batches, shard_id_field, shard_progress, shard_range, split_files,
+                     translation_task, wait_for_ranks, workers_for, write_record)
 
 MANIFEST_NAME = "seqkd.json"
 WORK_DIR_NAME = "seqkd_work"
@@ -153,17 +164,24 @@ class SeqKDConfig:
     threads: int = field(default=0, metadata=_help(
         "with --engine ctranslate2: CTranslate2 threads on the CPU, N > 1 decoding each batch as N parts in "
         "parallel, one thread each (0: its default)"))
+    num_shards: Optional[int] = num_shards_field()
+    shard_id: Optional[int] = shard_id_field()
 
 
 @dataclass
 class SeqKDResult:
-    status: str  # "complete", "up_to_date" (nothing to do) or "partial" (stopped by max_shards)
+    #: "complete" (merged now, or by another worker meanwhile), "up_to_date" (nothing to do),
+    #: "partial" (stopped by max_shards) or "worker_done" (this worker's shards are done; shards of
+    #: other workers remain, or another worker merges)
+    status: str
     output: Path
     sentences: int  # sentences in the split
     decoded_now: int  # sentences decoded by this call
     decode_seconds: float  # time spent in the generator loop by this call
     shards_done: int
     shards_total: int
+    worker: str = ""  # the prefix of this worker's lines ('' for one process)
+    reports: bool = True  # False on ranks other than 0, which print nothing
 
     @property
     def sentences_per_second(self) -> float:
@@ -358,8 +376,9 @@ def _clear_for_force(plan_: _Plan) -> None:
 
 
 # ------------------------------------------------------------------------------ decoding
-def _load(plan_: _Plan):
-    """Task with the split loaded, the frozen teacher (dictionary checks) and the device."""
+def _load(plan_: _Plan, workers: Workers):
+    """Task with the split loaded, the frozen teacher (dictionary checks) and the device (a rank's:
+    GPU ``LOCAL_RANK``)."""
     task = translation_task(plan_.data, plan_.src, plan_.tgt, plan_.config.split)
     dataset = load_split(task, plan_.config.split)
     if len(dataset) == 0:
@@ -376,7 +395,7 @@ def _load(plan_: _Plan):
     too_small = check_max_tokens(dataset, plan_.config.max_tokens, plan_.config.split)
     if too_small:
         raise SeqKDError(too_small)
-    device = pick_device(plan_.config.cpu)
+    device = pick_device(plan_.config.cpu, workers)
     use_cuda = device.type == "cuda"
     if plan_.config.engine == "ctranslate2":
         from ..deploy import import_ctranslate2
@@ -385,20 +404,26 @@ def _load(plan_: _Plan):
         if use_cuda and ctranslate2.get_cuda_device_count() == 0:
             raise SeqKDError("--engine ctranslate2: this CTranslate2 build sees no CUDA device; pass --cpu "
                              "or install a CUDA build of CTranslate2")
+        if use_cuda and device.index:
+            raise SeqKDError(f"--engine ctranslate2: {workers.label}would decode on GPU 0, not on its GPU "
+                             f"{device.index} (the CTranslate2 engine takes no device index yet); give each rank "
+                             "one visible GPU (srun --gpus-per-task=1), use --num-shards/--shard-id with one "
+                             "GPU per worker, or --engine fairseq")
         return task, dataset, teacher.model, device  # the torch model stays on the CPU, unused
     return task, dataset, on_device(teacher.model, device, plan_.config.fp16), device
 
 
-def _ctranslate2_teacher(plan_: _Plan) -> Path:
+def _ctranslate2_teacher(plan_: _Plan, workers: Workers) -> Path:
     """The teacher as a CTranslate2 model folder in the work folder: the one a previous run of
     this output converted when its record names the same checkpoint content and quantisation, else
     converted now (:func:`fairseq_kd.deploy.export_ctranslate2`, which checks the dictionaries of
-    ``--data`` against the checkpoint and refuses what CTranslate2 cannot express)."""
+    ``--data`` against the checkpoint and refuses what CTranslate2 cannot express). Each of
+    several workers converts its own copy, so that none replaces a folder another decodes with."""
     from ..deploy.export_ctranslate2 import export_ctranslate2, read_record
 
-    folder = plan_.work / CT2_TEACHER_DIR
-    for stale in itertools.chain(plan_.work.glob(f".{CT2_TEACHER_DIR}.export-*"),
-                                 plan_.work.glob(f".{CT2_TEACHER_DIR}.replaced-*")):
+    name = CT2_TEACHER_DIR if workers.count == 1 else f"{CT2_TEACHER_DIR}_worker{workers.index}"
+    folder = plan_.work / name
+    for stale in itertools.chain(plan_.work.glob(f".{name}.export-*"), plan_.work.glob(f".{name}.replaced-*")):
         shutil.rmtree(stale, ignore_errors=True)  # left by a run killed while converting
     if folder.exists():
         record = read_record(str(folder)) if (folder / "model.bin").is_file() else None
@@ -478,10 +503,7 @@ def _decode_shard(plan_: _Plan, dataset, decode: Decoder, ordered, index: int,
         "lengths": torch.tensor([len(t) for t in tokens], dtype=torch.long),
         "tokens": torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.int32),
     }
-    path = plan_.shard_path(index)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(shard, tmp)
-    os.replace(tmp, path)
+    replace_atomically(plan_.shard_path(index), lambda handle: torch.save(shard, handle))
     return len(ids)
 
 
@@ -558,60 +580,112 @@ def _complete_output_ok(plan_: _Plan) -> bool:
         for name, size in files.items())
 
 
+def _is_complete(plan_: _Plan) -> bool:
+    """Whether the output's manifest says complete now (another worker may have merged)."""
+    return (read_record(plan_.output / MANIFEST_NAME) or {}).get("status") == "complete"
+
+
+def _missing_shards(plan_: _Plan, shard_count: int) -> List[int]:
+    return [index for index in range(shard_count) if not plan_.shard_path(index).is_file()]
+
+
 def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
-    """Decode, resume or confirm the sequence-KD dataset described by ``config``."""
+    """Decode, resume or confirm the sequence-KD dataset described by ``config``: all of it, or
+    this worker's shards when the pass is split (``--num-shards/--shard-id``, torchrun, srun; see
+    :mod:`.common`), and the binaries once every shard exists."""
+    workers = workers_for(config.num_shards, config.shard_id, SeqKDError)
+    if config.force and workers.count > 1:
+        raise SeqKDError(f"--force with {workers.count} workers ({workers.launcher}): each would delete the others' "
+                         f"work; clear --output {config.output} first, or run one process with --force")
+    log = workers.log(log)
     plan_ = plan(config)
     if plan_.manifest is not None and plan_.manifest.get("status") == "complete":
-        if not _complete_output_ok(plan_):
-            raise SeqKDError(f"--output {plan_.output}: {MANIFEST_NAME} says complete but output files are "
-                             "missing or changed; pass --force to decode anew")
-        refreshed = {**plan_.manifest, **plan_.record}  # the inputs' fingerprints as they are now
-        if refreshed != plan_.manifest:
-            write_json(plan_.output / MANIFEST_NAME, refreshed)
-        sentences = plan_.manifest["sentences"]
-        shards = math.ceil(sentences / config.shard_size)
-        log(f"{plan_.output} already holds this sequence-KD dataset ({sentences} sentences); nothing to do")
-        return SeqKDResult("up_to_date", plan_.output, sentences, 0, 0.0, shards, shards)
-
-    task, dataset, model, device = _load(plan_)  # teacher and length checks: still before any work
-    fresh = plan_.manifest is None
+        return _confirm_complete(plan_, log)
+    task, dataset, model, device = _load(plan_, workers)  # teacher and length checks: still before any work
+    sentences, shard_count = len(dataset), math.ceil(len(dataset) / config.shard_size)
     output_existed = plan_.output.exists()
-    if fresh and output_existed:
-        # a fresh start in an existing folder: it is empty, or plan() allowed it with --force
-        _clear_for_force(plan_)
-    plan_.work.mkdir(parents=True, exist_ok=True)
-    for stale in plan_.work.glob("*.tmp"):
-        stale.unlink()  # a shard being written when a previous run was interrupted
-    sentences = len(dataset)
-    shard_count = math.ceil(sentences / config.shard_size)
-    manifest = {**plan_.record, "status": "decoding", "sentences": sentences,
-                "shards": shard_count, "data": str(plan_.data),
-                "teacher_checkpoint": str(Path(config.teacher_checkpoint).resolve())}
-    write_json(plan_.output / MANIFEST_NAME, manifest)  # first: a run killed while converting resumes
-    ct2_model = None
-    if config.engine == "ctranslate2":
-        try:
-            ct2_model = _ctranslate2_teacher(plan_)
-        except Exception:
-            if fresh:  # a refused conversion leaves no trace of a fresh start (--force has cleared already)
-                (plan_.output / MANIFEST_NAME).unlink(missing_ok=True)
-                shutil.rmtree(plan_.work, ignore_errors=True)
-                if not output_existed:
-                    try:
-                        plan_.output.rmdir()
-                    except OSError:
-                        pass
-            raise
-
+    manifest = _start_manifest(plan_, sentences, shard_count)
+    ct2_model = _prepare_ctranslate2(plan_, workers, output_existed) if config.engine == "ctranslate2" else None
     decode = make_decoder(plan_, task, dataset, model, device, ct2_model)
     del model  # the CTranslate2 engine holds its own copy of the teacher; fairseq's decoder keeps its own
-    ordered = length_ordered_indices(dataset)
-    pending = [i for i in range(shard_count) if _read_shard(plan_, i, sentences) is None]
-    if len(pending) < shard_count:
-        log(f"resuming: {shard_count - len(pending)} of {shard_count} shards already decoded")
-    decoded_now, seconds = 0, 0.0
+    with rank_group(workers):
+        decoded_now, seconds, left = _decode_own_shards(plan_, dataset, decode, workers, device, log)
+        wait_for_ranks(workers)
+        outcome = None if left else merge_when_complete(
+            plan_.work, workers, shard_count, missing=lambda: _missing_shards(plan_, shard_count),
+            merged=lambda: _is_complete(plan_), merge=lambda: _merge(plan_, dataset, task, manifest, device),
+            log=log)
+    if outcome in (MERGED, MERGED_BEFORE):
+        status, done = "complete", shard_count
+    else:
+        status = "partial" if left or (outcome == SHARDS_REMAIN and workers.launcher != JOB_ARRAY) else "worker_done"
+        done = shard_count - len(_missing_shards(plan_, shard_count))
+    return SeqKDResult(status, plan_.output, sentences, decoded_now, seconds, done, shard_count,
+                       workers.label, workers.reports)
+
+
+def _confirm_complete(plan_: _Plan, log: Callable[[str], None]) -> SeqKDResult:
+    """A re-run on a complete output: check its files, record the inputs' fingerprints as they
+    are now, tidy the work folder a merge killed after completing left."""
+    if not _complete_output_ok(plan_):
+        raise SeqKDError(f"--output {plan_.output}: {MANIFEST_NAME} says complete but output files are "
+                         "missing or changed; pass --force to decode anew")
+    refreshed = {**plan_.manifest, **plan_.record}
+    if refreshed != plan_.manifest:
+        write_record(plan_.output / MANIFEST_NAME, refreshed)
+    if plan_.work.exists():
+        with merge_lock(plan_.work) as holder:
+            if holder is None:
+                shutil.rmtree(plan_.work)
+    sentences = plan_.manifest["sentences"]
+    shards = math.ceil(sentences / plan_.config.shard_size)
+    log(f"{plan_.output} already holds this sequence-KD dataset ({sentences} sentences); nothing to do")
+    return SeqKDResult("up_to_date", plan_.output, sentences, 0, 0.0, shards, shards)
+
+
+def _start_manifest(plan_: _Plan, sentences: int, shard_count: int) -> dict:
+    """The work folder and the manifest of a decoding in progress, written first (a run killed
+    while converting resumes) unless the same is there (several workers start alike)."""
+    if plan_.manifest is None and plan_.config.force:
+        _clear_for_force(plan_)  # --force: one process only (run())
+    plan_.work.mkdir(parents=True, exist_ok=True)
+    manifest = {**plan_.record, "status": "decoding", "sentences": sentences, "shards": shard_count,
+                "data": str(plan_.data), "teacher_checkpoint": str(Path(plan_.config.teacher_checkpoint).resolve())}
+    if manifest != plan_.manifest:
+        write_record(plan_.output / MANIFEST_NAME, manifest)
+    return manifest
+
+
+def _prepare_ctranslate2(plan_: _Plan, workers: Workers, output_existed: bool) -> Path:
+    """This worker's CTranslate2 teacher; a refused conversion of one process's fresh start leaves
+    no trace (--force has cleared already; several workers leave the folder to each other)."""
+    try:
+        return _ctranslate2_teacher(plan_, workers)
+    except Exception:
+        if plan_.manifest is None and workers.count == 1:
+            (plan_.output / MANIFEST_NAME).unlink(missing_ok=True)
+            shutil.rmtree(plan_.work, ignore_errors=True)
+            if not output_existed:
+                with contextlib.suppress(OSError):
+                    plan_.output.rmdir()
+        raise
+
+
+def _decode_own_shards(plan_: _Plan, dataset, decode: Decoder, workers: Workers, device,
+                       log: Callable[[str], None]) -> Tuple[int, float, List[int]]:
+    """Decode this worker's shards not written yet (at most ``max_shards``): ``(sentences decoded,
+    seconds, own shards left undecoded)``."""
+    config, sentences = plan_.config, len(dataset)
+    shard_count = math.ceil(sentences / config.shard_size)
+    owned = workers.owned(range(shard_count))
+    pending = [i for i in owned if _read_shard(plan_, i, sentences) is None]
+    if len(pending) < len(owned):
+        log(f"{workers.label}resuming: {len(owned) - len(pending)} of {len(owned)} shards already decoded")
     to_decode = pending if config.max_shards is None else pending[:config.max_shards]
-    with shard_progress(to_decode, config.shard_size, sentences, "seq-KD decoding", log) as (on_batch, log_line):
+    ordered = length_ordered_indices(dataset)
+    decoded_now, seconds = 0, 0.0
+    with shard_progress(to_decode, config.shard_size, sentences, "seq-KD decoding", log,
+                        shown=workers.reports) as (on_batch, log_line):
         for index in to_decode:
             start = time.perf_counter()
             count = _decode_shard(plan_, dataset, decode, ordered, index, on_batch=on_batch)
@@ -620,25 +694,28 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
             elapsed = time.perf_counter() - start
             seconds += elapsed
             decoded_now += count
-            log_line(f"shard {index + 1}/{shard_count}: {count} sentences in {elapsed:.1f} s")
-    done = sum(_read_shard(plan_, i, sentences) is not None for i in range(shard_count))
-    if done < shard_count:
-        return SeqKDResult("partial", plan_.output, sentences, decoded_now, seconds, done, shard_count)
+            log_line(f"{workers.label}shard {index + 1}/{shard_count}: {count} sentences in {elapsed:.1f} s")
+    return decoded_now, seconds, pending[len(to_decode):]
 
+
+def _merge(plan_: _Plan, dataset, task, manifest: dict, device) -> None:
+    """Every shard exists: write the binaries and the other splits, mark the manifest complete
+    and delete the shards (one worker, under the merge lock)."""
+    shard_count = manifest["shards"]
     stats = _binarize(plan_, dataset, task, shard_count)
     copied = _copy_other_splits(plan_)
     written = [p.name for lang in (plan_.src, plan_.tgt) for p in
                (Path(str(plan_.output_prefix(lang)) + ".bin"), Path(str(plan_.output_prefix(lang)) + ".idx"))]
-    decoding = asdict(config) | {"output": str(plan_.output)}
-    if config.engine == "ctranslate2":
+    workers_flags = ("num_shards", "shard_id")  # how the work was split, not what it is
+    decoding = {k: v for k, v in asdict(plan_.config).items() if k not in workers_flags} | {"output": str(plan_.output)}
+    if plan_.config.engine == "ctranslate2":
         from ..deploy import import_ctranslate2
 
         decoding["ctranslate2_version"] = import_ctranslate2().__version__
     else:  # settings of the other engine, not used
         decoding = {k: v for k, v in decoding.items() if k not in ("ct2_quantization", "threads")}
-    manifest.update(status="complete", **stats, copied=copied,
-                    files={name: (plan_.output / name).stat().st_size for name in written + copied},
-                    device=str(device), decoding=decoding)
-    write_json(plan_.output / MANIFEST_NAME, manifest)
+    complete = {**manifest, "status": "complete", **stats, "copied": copied, "device": str(device),
+                "files": {name: (plan_.output / name).stat().st_size for name in written + copied},
+                "decoding": decoding}
+    write_record(plan_.output / MANIFEST_NAME, complete)
     shutil.rmtree(plan_.work)
-    return SeqKDResult("complete", plan_.output, sentences, decoded_now, seconds, shard_count, shard_count)
