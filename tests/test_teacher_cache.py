@@ -1,20 +1,26 @@
 """The offline teacher (fairseq-kd-teacher-cache, --teacher-cache): the top-k loss against the
 full-vocabulary loss, the cache's rows against the teacher run on each sentence alone, training
 through the real fairseq-train CLI equal to live-teacher training when k covers the vocabulary,
-resuming an interrupted build byte for byte, and every refusal."""
+resuming a build interrupted or killed at any moment byte for byte, every damaged cache refused by
+name before training, and every refusal."""
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import (COMMON_TRAIN_ARGS, TINY_STUDENT_ARGS, TINY_TEACHER_ARGS, USER_DIR, build_tiny_student, run_cli,
-                      run_module)
+from conftest import (COMMON_TRAIN_ARGS, QUIET_ENV, TINY_STUDENT_ARGS, TINY_TEACHER_ARGS, USER_DIR, build_tiny_student,
+                      run_cli, run_module)
 from fairseq_kd.criterions.losses import topk_word_level_kd, word_level_kd
 
 
@@ -106,6 +112,24 @@ def test_cache_rows_equal_the_teacher_on_each_sentence(tiny_data_bin, tiny_teach
     assert "already complete" in build(tiny_data_bin, tiny_teacher, output, "--k", "4").stdout
 
 
+ARRAY_NAMES = ("offsets.npy", "topk_logprobs.npy", "topk_ids.npy")
+
+
+def assert_same_cache(folder, reference):
+    """The arrays byte for byte, and cache.json but for the arrays' modification times."""
+    for name in ARRAY_NAMES:
+        assert (folder / name).read_bytes() == (reference / name).read_bytes(), name
+
+    def without_times(path):
+        manifest = json.loads((path / "cache.json").read_text())
+        for record in manifest["arrays"].values():
+            del record["fingerprint"]["mtime_ns"]
+        return manifest
+
+    assert without_times(folder) == without_times(reference)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in reference.iterdir())
+
+
 def test_an_interrupted_build_resumes_to_the_same_bytes(tiny_data_bin, tiny_teacher, tmp_path):
     from fairseq_kd.teacher_pass.teacher_cache import CacheConfig, build_cache
 
@@ -116,10 +140,58 @@ def test_an_interrupted_build_resumes_to_the_same_bytes(tiny_data_bin, tiny_teac
     config = CacheConfig(data=tiny_data_bin, teacher_checkpoint=tiny_teacher, output=cut, k=3, shard_size=100, cpu=True)
     with pytest.raises(Stop):
         build_cache(config, log=stop_after_two_shards)
-    assert not (cut / "cache.json").exists() and json.loads((cut / "progress.json").read_text())["done_shards"] == [0, 1]
+    assert not (cut / "cache.json").exists() and "parameters" in json.loads((cut / "progress.json").read_text())
+    assert sorted(p.name for p in (cut / "shards").iterdir()) == ["shard000000.npz", "shard000001.npz"]
     build_cache(config, log=lambda _: None)
-    for name in ("offsets.npy", "topk_logprobs.npy", "topk_ids.npy"):
-        assert (cut / name).read_bytes() == (whole / name).read_bytes(), name
+    assert_same_cache(cut, whole)
+
+
+def _killed_build(data, teacher, output, until):
+    """fairseq-kd-teacher-cache as :data:`KILL_SETTINGS` says, SIGKILLed as soon as ``until(output)`` holds."""
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in KILL_SETTINGS.items()]
+    cmd = [sys.executable, "-m", "fairseq_kd.cli.teacher_cache", "--data", str(data), "--teacher-checkpoint",
+           str(teacher), "--output", str(output), "--cpu", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=QUIET_ENV)
+    deadline = time.time() + 300
+    while not until(output) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+#: one-sentence batches (--max-tokens 12) in shards of 50: a shard takes a fraction of a second
+KILL_SETTINGS = dict(k=3, shard_size=50, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_data_bin, tiny_teacher, tmp_path_factory):
+    from fairseq_kd.teacher_pass.teacher_cache import CacheConfig, build_cache
+
+    folder = tmp_path_factory.mktemp("uninterrupted") / "cache"
+    build_cache(CacheConfig(data=tiny_data_bin, teacher_checkpoint=tiny_teacher, output=folder, cpu=True,
+                            **KILL_SETTINGS), log=lambda _: None)
+    return folder
+
+
+@pytest.mark.parametrize("moment", ["first shard", "later shard"])
+def test_a_build_killed_at_any_moment_resumes_to_the_same_bytes(tiny_data_bin, tiny_teacher, uninterrupted, tmp_path,
+                                                                moment):
+    """SIGKILL while the teacher computes the first shard (only progress.json written: the folder
+    must not read as someone else's) or a later one; the re-run finishes the same cache."""
+    from fairseq_kd.teacher_pass.teacher_cache import CacheConfig, build_cache
+
+    killed = tmp_path / "killed"
+    if moment == "first shard":
+        _killed_build(tiny_data_bin, tiny_teacher, killed, until=lambda out: (out / "progress.json").is_file())
+        assert not list(killed.glob("shards/shard*.npz"))
+    else:
+        _killed_build(tiny_data_bin, tiny_teacher, killed,
+                      until=lambda out: (out / "shards" / "shard000000.npz").is_file())
+        assert 1 <= len(list(killed.glob("shards/shard*.npz"))) < 8
+    assert (killed / "progress.json").is_file() and not (killed / "cache.json").exists()
+    build_cache(CacheConfig(data=tiny_data_bin, teacher_checkpoint=tiny_teacher, output=killed, cpu=True,
+                            **KILL_SETTINGS), log=lambda _: None)
+    assert_same_cache(killed, uninterrupted)
 
 
 def test_opening_a_cache_hashes_the_data_only_when_its_files_changed(tiny_data_bin, tiny_teacher, tmp_path,
@@ -212,9 +284,124 @@ def test_refusals(tiny_data_bin, tiny_teacher, tmp_path):
     # a folder that is no finished cache
     (tmp_path / "empty").mkdir()
     assert "no finished cache" in refused("--criterion", "word_kd", "--teacher-cache", tmp_path / "empty")
+    # a damaged cache, before the first update
+    damaged = tmp_path / "damaged"
+    shutil.copytree(cache, damaged)
+    values = np.load(damaged / "topk_logprobs.npy")
+    values[11, 0] = np.nan
+    np.save(damaged / "topk_logprobs.npy", values)
+    message = refused("--criterion", "word_kd", "--teacher-cache", damaged)
+    assert f"--teacher-cache {damaged}: topk_logprobs.npy holds nan at row 11" in message
+    assert "num_updates" not in message and not (tmp_path / "save" / "checkpoint_last.pt").exists()
     # other training data (a corpus of another seed, same dictionary size or not)
     proc = build(tiny_data_bin, tiny_teacher, cache, "--k", "3", check=False)
     assert proc.returncode == 2 and "another teacher, data or k" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- damaged caches
+
+
+@pytest.fixture(scope="module")
+def sound_cache(tiny_data_bin, tiny_teacher, tmp_path_factory):
+    from fairseq_kd.teacher_pass.teacher_cache import CacheConfig, build_cache
+
+    folder = tmp_path_factory.mktemp("sound") / "cache"
+    build_cache(CacheConfig(data=tiny_data_bin, teacher_checkpoint=tiny_teacher, output=folder, k=2, shard_size=100,
+                            cpu=True), log=lambda _: None)
+    return folder
+
+
+def _edit_manifest(change):
+    def damage(folder):
+        manifest = json.loads((folder / "cache.json").read_text())
+        change(manifest)
+        (folder / "cache.json").write_text(json.dumps(manifest))
+    return damage
+
+
+def _edit_array(name, change):
+    def damage(folder):
+        np.save(folder / name, change(np.load(folder / name)))
+    return damage
+
+
+def _set(array, index, value):
+    array[index] = value
+    return array
+
+
+def _write_bytes(name, data):
+    def damage(folder):
+        (folder / name).write_bytes(data(folder / name))
+    return damage
+
+
+# each damage and the start of what --teacher-cache DIR: ... must say about it
+DAMAGED = {
+    "k not matching the arrays": (_edit_manifest(lambda m: m.update(k=3)),
+                                  r"topk_logprobs.npy has shape \(2504, 2\) but cache.json .* makes it \(2504, 3\)"),
+    "truncated offsets": (_edit_array("offsets.npy", lambda a: a[:-5]), r"offsets.npy has shape \(396,\)"),
+    "offsets file cut short": (_write_bytes("offsets.npy", lambda path: path.read_bytes()[:-40]),
+                               r"offsets.npy is 3296 bytes where its header announces 3336: truncated"),
+    "shifted offsets": (_edit_array("offsets.npy", lambda a: a + 1), r"offsets.npy starts at 1, not 0"),
+    "offsets not ending at n_tokens": (_edit_array("offsets.npy", lambda a: _set(a, -1, 2500)),
+                                       r"offsets.npy ends at 2500, not at n_tokens 2504"),
+    "offsets out of order": (_edit_array("offsets.npy", lambda a: _set(a, 200, a[201] + 1)),
+                             r"offsets.npy decreases after sentence 200"),
+    "negative offsets": (_edit_array("offsets.npy", lambda a: _set(a, 10, -4)),
+                         r"offsets.npy holds a negative offset \(-4, sentence 10\)"),
+    "ids out of range": (_edit_array("topk_ids.npy", lambda a: _set(a, (5, 1), 64)),
+                         r"topk_ids.npy holds token id 64 at row 5, outside the target dictionary \(0..63\)"),
+    "negative ids": (_edit_array("topk_ids.npy", lambda a: _set(a, (9, 0), -1)), r"topk_ids.npy holds token id -1"),
+    "NaN log-probabilities": (_edit_array("topk_logprobs.npy", lambda a: _set(a, (7, 1), np.nan)),
+                              r"topk_logprobs.npy holds nan at row 7 \(not a finite number\)"),
+    "positive log-probabilities": (_edit_array("topk_logprobs.npy", lambda a: _set(a, (3, 0), 50.0)),
+                                   r"topk_logprobs.npy holds 50 at row 3 \(a log-probability above 0\)"),
+    "token ids stored as float64": (_edit_array("topk_ids.npy", lambda a: a.astype(np.float64)),
+                                    r"topk_ids.npy holds float64 values where a cache holds int32"),
+    "a pickled object array": (_edit_array("topk_ids.npy", lambda a: np.array([object()] * 3, dtype=object)),
+                               r"topk_ids.npy holds Python objects \(a pickle\), not numbers"),
+    "a pickle, not a .npy": (_write_bytes("topk_logprobs.npy", lambda path: pickle.dumps({"rows": [1.0]})),
+                             r"topk_logprobs.npy is not a plain .npy array"),
+    "a missing array": (lambda folder: (folder / "topk_ids.npy").unlink(), r"topk_ids.npy missing"),
+    "an array changed within range": (_edit_array("topk_logprobs.npy", lambda a: a - 0.5),
+                                      r"topk_logprobs.npy is not the file the cache was built with"),
+    "missing key 'split'": (_edit_manifest(lambda m: m.pop("split")), r"cache.json lacks the key 'split'"),
+    "k that is no number": (_edit_manifest(lambda m: m.update(k="2")), r"cache.json holds k '2', not a whole number"),
+    "no array records": (_edit_manifest(lambda m: m["arrays"].pop("offsets.npy")),
+                         r"cache.json lacks the record of offsets.npy"),
+    "bad JSON": (_write_bytes("cache.json", lambda path: path.read_bytes()[:-30]), r"cache.json is not valid JSON"),
+    "a cache of format 2": (_edit_manifest(lambda m: m.update(format="fairseq-kd-teacher-cache/2")),
+                            r"cache.json is of an older or unknown format \(fairseq-kd-teacher-cache/2"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED))
+def test_a_damaged_cache_is_refused_by_name_at_start_up(tiny_data_bin, sound_cache, tmp_path, case):
+    from fairseq_kd.teacher_pass.teacher_cache import TeacherCache, TeacherCacheError
+
+    damage, expected = DAMAGED[case]
+    folder = tmp_path / "cache"
+    shutil.copytree(sound_cache, folder)  # times kept: only the damage is seen
+    TeacherCache.open(str(folder), _task(tiny_data_bin))  # sound before
+    damage(folder)
+    with pytest.raises(TeacherCacheError) as refused:
+        TeacherCache.open(str(folder), _task(tiny_data_bin))
+    message = str(refused.value)
+    assert re.match(rf"--teacher-cache {re.escape(str(folder))}: {expected}", message), message
+    assert "\n" not in message and "allow_pickle" not in message
+
+
+def test_the_checks_read_large_arrays_in_chunks(tiny_data_bin, sound_cache, tmp_path, monkeypatch):
+    """A bad value past the first chunk is found, and named by its row in the whole array."""
+    from fairseq_kd.teacher_pass import teacher_cache
+
+    monkeypatch.setattr(teacher_cache, "CHECK_ROWS", 100)
+    folder = tmp_path / "cache"
+    shutil.copytree(sound_cache, folder)
+    _edit_array("topk_logprobs.npy", lambda a: _set(a, (2345, 1), np.inf))(folder)
+    with pytest.raises(teacher_cache.TeacherCacheError, match=r"topk_logprobs.npy holds inf at row 2345"):
+        teacher_cache.TeacherCache.open(str(folder), _task(tiny_data_bin))
 
 
 # ----------------------------------------------------------------------------- the records' fingerprints
@@ -231,7 +418,8 @@ def _old_sha256_of_files(paths):
 def _format_1_parameters(parameters, data, teacher):
     """A format-2 cache's parameters as a fairseq-kd-teacher-cache/1 record held them."""
     split = sorted(p for p in data.glob("train.src-tgt.*") if p.suffix in (".bin", ".idx"))
-    settings = {k: v for k, v in parameters.items() if k not in ("inputs", "n_sentences", "n_tokens", "teacher_path")}
+    settings = {k: v for k, v in parameters.items()
+                if k not in ("inputs", "n_sentences", "n_tokens", "teacher_path", "arrays")}
     return {**settings, "format": "fairseq-kd-teacher-cache/1", "data_sha256": _old_sha256_of_files(split),
             "teacher_sha256": hashlib.sha256(teacher.read_bytes()).hexdigest()}
 
@@ -266,7 +454,7 @@ def test_a_format_1_cache_is_refused_in_one_line_saying_to_build_anew(tiny_data_
     progress = json.loads((cut / "progress.json").read_text())
     (cut / "progress.json").write_text(json.dumps(
         {"parameters": _format_1_parameters(progress["parameters"], tiny_data_bin, tiny_teacher),
-         "done_shards": progress["done_shards"]}, indent=2, sort_keys=True) + "\n")
+         "done_shards": [0, 1]}, indent=2, sort_keys=True) + "\n")
     with pytest.raises(TeacherCacheError, match=refusal):
         build_cache(config(cut), log=lambda _: None)
     assert not (cut / "cache.json").exists()
@@ -287,9 +475,10 @@ def test_a_rerun_reads_only_the_inputs_whose_size_or_time_changed(tiny_data_bin,
     hashed = hashed_files
     hashed.clear()
     logs = []
-    build_cache(config, log=logs.append)  # resumed: the teacher runs, nothing is hashed
-    assert logs[0].startswith("shard 3/4") and hashed == []
-    build_cache(config, log=logs.append)
+    build_cache(config, log=logs.append)  # resumed: the teacher runs; only the new arrays are hashed
+    assert logs[0].startswith("shard 3/4") and hashed == list(ARRAY_NAMES)
+    hashed.clear()
+    build_cache(config, log=logs.append)  # finished: checked, nothing hashed
     assert "already complete" in logs[-1] and hashed == []
     # a touched teacher is read once, then its new time is recorded
     stat = teacher.stat()
@@ -298,6 +487,17 @@ def test_a_rerun_reads_only_the_inputs_whose_size_or_time_changed(tiny_data_bin,
     assert "already complete" in logs[-1] and hashed == ["teacher.pt"]
     build_cache(config, log=logs.append)
     assert "already complete" in logs[-1] and hashed == ["teacher.pt"]
+    # so is a touched array, and a damaged one is refused by the build as by training
+    logprobs = tmp_path / "cache" / "topk_logprobs.npy"
+    stat = logprobs.stat()
+    os.utime(logprobs, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    build_cache(config, log=logs.append)
+    assert "already complete" in logs[-1] and hashed == ["teacher.pt", "topk_logprobs.npy"]
+    values = np.load(logprobs)
+    values[0, 0] = np.nan
+    np.save(logprobs, values)
+    with pytest.raises(TeacherCacheError, match=r"^--output .*cache: topk_logprobs.npy holds nan at row 0"):
+        build_cache(config, log=logs.append)
     # another teacher is refused as before
     state = safe_load(teacher)
     state["note"] = "another checkpoint"

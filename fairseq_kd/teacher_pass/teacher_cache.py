@@ -8,30 +8,53 @@ Wang et al. 2021, "Selective Knowledge Distillation for Neural Machine Translati
 arXiv:2105.12967, distil from the top 8). :func:`build_cache` runs the teacher once over a
 binarised split with teacher forcing (the references as decoder input, as during KD training) and
 stores, per target token in sentence-id order, the ``k`` largest log-probabilities (float32, at
-temperature 1) and their token ids (int32), memory-mapped numpy arrays beside a manifest::
+temperature 1) and their token ids (int32), plain ``.npy`` arrays beside a manifest::
 
     DIR/cache.json          format, k, split, sentence and token counts, the dictionaries' hashes,
-                            and ``inputs``: the fingerprints (:mod:`fairseq_kd.fingerprint`: size,
-                            modification time, SHA-256) of the teacher checkpoint and of the
-                            split's binarised files
+                            ``inputs``: the fingerprints (:mod:`fairseq_kd.fingerprint`: size,
+                            modification time, SHA-256) of the teacher checkpoint and of the split's
+                            binarised files, and ``arrays``: each array's dtype, shape and fingerprint
     DIR/offsets.npy         int64 (sentences + 1,): sentence i's tokens are rows offsets[i]:offsets[i+1]
     DIR/topk_logprobs.npy   float32 (tokens, k)
     DIR/topk_ids.npy        int32 (tokens, k)
 
-The build is resumable: sentences are processed in shards of ``shard_size`` ids, each recorded in
-``progress.json`` once its rows are flushed; ``cache.json`` is written last, so a folder without it
-is never read as a cache. A re-run passes the recorded fingerprints back, so an unchanged teacher
-checkpoint or split is not read again. Training with ``--teacher-cache DIR`` (:class:`TeacherCache`)
-refuses a cache of another teacher, other data or other dictionaries before any work. The data check
-costs no hashing at every start-up: when the split's files have the names, sizes and modification
-times recorded at build time they are the files that were hashed (a rewrite changes the time; copies
-made with ``cp -p``, ``rsync -a`` or a move keep it); other sizes are refused at once, and only files
-of the same sizes but other times (e.g. a plain ``cp``) are hashed again and compared by content.
+The build is resumable at any moment: ``progress.json`` (the cache's settings and inputs) is
+written first; sentences are processed in shards of ``shard_size`` ids, each written whole as
+``DIR/shards/shardNNNNNN.npz`` (a temporary file renamed once complete: a shard that exists is
+complete), and once every shard exists they are merged into the three arrays (staged in
+``shards/``, renamed into place), ``cache.json`` is written last and the shards are deleted; a
+folder without ``cache.json`` is never read as a cache. The merge needs the cache's size twice on
+disk for a moment. A re-run passes the recorded fingerprints back, so an unchanged teacher
+checkpoint or split is not read again. The pass can be split over workers (``--num-shards
+--shard-id``, torchrun, srun: :mod:`fairseq_kd.teacher_pass.common`), into the same arrays.
+
+Training with ``--teacher-cache DIR`` (:meth:`TeacherCache.open`) refuses, before training starts
+and in one line naming ``--teacher-cache``, the file and what is wrong, a cache of another teacher,
+other data or other dictionaries, and a damaged one (:func:`check_cache`, which a re-run of the
+build applies to a finished cache too): ``cache.json`` must be a JSON object with every key; each
+array a plain ``.npy`` (its header read without unpickling anything: an array of Python objects
+is refused, never loaded) of the dtype and shape the manifest and ``k``, ``n_tokens`` and
+``n_sentences`` give, and of the size its header announces; offsets start at 0, never decrease
+and end at ``n_tokens``; token ids lie in the target dictionary; log-probabilities are finite and
+at most ``LOGPROB_TOLERANCE`` (1e-4) above 0 (log_softmax in float32 gives at most 0; the margin
+only spares a teacher whose kernels round differently). The cost at start-up: the offsets and
+both top-k arrays are read once, in chunks of :data:`CHECK_ROWS` rows, vectorised (0.3 s per GiB
+of arrays from the page cache, measured on the development machine's CPU; reading them from disk
+first costs what the disk takes, and warms the page cache for training's own reads). The
+checksums follow the data's rule below: an array of the recorded size and modification time is
+the one that was hashed and is not read again; another size is refused at once; the same size
+with another time (a plain ``cp``) is hashed and compared.
+
+The data check costs no hashing at every start-up either: when the split's files have the names,
+sizes and modification times recorded at build time they are the files that were hashed (a
+rewrite changes the time; copies made with ``cp -p``, ``rsync -a`` or a move keep it); other sizes
+are refused at once, and only files of the same sizes but other times are hashed again and
+compared by content.
 
 A cache (or ``progress.json``) of another format (``fairseq-kd-teacher-cache/1`` before
-fingerprints) is refused in one line, by training and by the build: build it anew. Set-up, shards
-and the record's identity are the teacher pass's (:mod:`fairseq_kd.teacher_pass.common`), shared
-with sequence-level KD.
+fingerprints, ``/2`` before atomic shards and array checksums) is refused in one line, by training
+and by the build: build it anew. Set-up, shards, workers and the record's identity are the teacher
+pass's (:mod:`fairseq_kd.teacher_pass.common`), shared with sequence-level KD.
 
 With the cache, the teacher distribution at temperature tau is the top-k one renormalised,
 ``q_i = exp(l_i / tau) / sum_j exp(l_j / tau)`` over the stored log-probabilities ``l``: exact when
@@ -42,26 +65,41 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from ..fingerprint import content, dictionary_sha256, fingerprint, fingerprint_files, write_json
-from .common import (check_max_tokens, identity, infer_languages, length_ordered_indices, load_split,
-                     load_teacher, on_device, pick_device, read_record, refuse_older_format, shard_batches,
-                     shard_count, shard_progress, shard_range, split_files, translation_task)
+from ..fingerprint import content, dictionary_sha256, fingerprint, fingerprint_files
+from .common import (Workers, check_max_tokens, identity, infer_languages, is_temporary, length_ordered_indices,
+                     load_split, load_teacher, merge_lock, merge_when_complete, num_shards_field, on_device,
+                     pick_device, rank_group, read_record, refuse_older_format, replace_atomically, shard_batches,
+                     shard_count, shard_id_field, shard_progress, shard_range, split_files, translation_task,
+                     wait_for_ranks, workers_for, write_record)
 
-CACHE_FORMAT = "fairseq-kd-teacher-cache/2"
+CACHE_FORMAT = "fairseq-kd-teacher-cache/3"
 #: what a cache is made with besides its inputs (whose contents are compared: :func:`_identity`)
 SETTINGS = ("format", "k", "split", "source_lang", "target_lang", "source_dictionary_sha256",
             "target_dictionary_sha256")
 MANIFEST = "cache.json"
 PROGRESS = "progress.json"
-ARRAYS = ("offsets.npy", "topk_logprobs.npy", "topk_ids.npy")
+SHARDS = "shards"
+OFFSETS, LOGPROBS, TOKEN_IDS = "offsets.npy", "topk_logprobs.npy", "topk_ids.npy"
+ARRAYS = (OFFSETS, LOGPROBS, TOKEN_IDS)
+DTYPES = {OFFSETS: np.dtype(np.int64), LOGPROBS: np.dtype(np.float32), TOKEN_IDS: np.dtype(np.int32)}
+#: keys every cache.json holds
+REQUIRED = SETTINGS + ("inputs", "n_sentences", "n_tokens", "arrays")
+#: how far above 0 a stored log-probability may be (float rounding), see the module's docstring
+LOGPROB_TOLERANCE = 1e-4
+#: rows per chunk of the value checks (a chunk of a k = 8 array: 32 MB)
+CHECK_ROWS = 1 << 20
 FLAG = "--teacher-cache"
+REBUILD = "rebuild the cache with fairseq-kd-teacher-cache"
+#: what a re-run of the build on a damaged finished cache says to do
+BUILD_ANEW = "delete the folder (or choose another --output) and run again to build the cache anew"
 logger = logging.getLogger(__name__)
 
 
@@ -88,6 +126,8 @@ class CacheConfig:
         "help": "source language (default: inferred from --data)"})
     target_lang: Optional[str] = field(default=None, metadata={
         "help": "target language (default: inferred from --data)"})
+    num_shards: Optional[int] = num_shards_field()
+    shard_id: Optional[int] = shard_id_field()
 
 
 def _split_of(data: Path, split: str, src: str, tgt: str) -> List[Path]:
@@ -109,18 +149,49 @@ def _refuse_older_format(record: dict, what: str) -> None:
                         "build the cache anew: re-run fairseq-kd-teacher-cache into another folder", TeacherCacheError)
 
 
+def _shard_path(output: Path, shard: int) -> Path:
+    return Path(output) / SHARDS / f"shard{shard:06d}.npz"
+
+
+# ----------------------------------------------------------------------------- building
 def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path:
-    """Run the teacher over ``config.split`` of ``config.data`` and write the cache (resumably)."""
+    """Run the teacher over ``config.split`` of ``config.data`` and write the cache (resumably;
+    this worker's shards of it when the pass is split, and the arrays once every shard exists)."""
+    workers = workers_for(config.num_shards, config.shard_id, TeacherCacheError)
+    log = workers.log(log)
     if config.k < 1:
         raise TeacherCacheError(f"--k must be at least 1, got {config.k}")
     if config.shard_size < 1 or config.max_tokens < 1:
         raise TeacherCacheError("--shard-size and --max-tokens must be positive")
+    output = Path(config.output)
+    task, teacher, parameters, existing, interrupted = _set_up(config)
+    vocabulary = len(task.target_dictionary)
+    if not _start_or_resume(output, parameters, existing, interrupted, vocabulary, log):
+        return output
+    dataset = load_split(task, config.split)
+    too_small = check_max_tokens(dataset, config.max_tokens, config.split)
+    if too_small:
+        raise TeacherCacheError(too_small)
+    offsets = np.zeros(len(dataset) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(dataset.tgt_sizes, dtype=np.int64), out=offsets[1:])
+    n_shards = shard_count(len(dataset), config.shard_size)
+    with rank_group(workers):
+        _cache_own_shards(config, workers, task, teacher, dataset, offsets, log)
+        wait_for_ranks(workers)
+        merge_when_complete(output, workers, n_shards, missing=lambda: _missing_shards(output, n_shards),
+                            merged=lambda: (output / MANIFEST).is_file(),
+                            merge=lambda: _merge(config, parameters, offsets, vocabulary, log), log=log)
+    return output
+
+
+def _set_up(config: CacheConfig):
+    """``(task, teacher, parameters, existing cache.json, interrupted progress.json)``, every input
+    checked; the recorded fingerprints are reused for unchanged inputs."""
     data, output = Path(config.data), Path(config.output)
     src, tgt = infer_languages(data, config.source_lang, config.target_lang, TeacherCacheError)
     data_files = _split_of(data, config.split, src, tgt)
-    existing, interrupted = read_record(output / MANIFEST), read_record(output / PROGRESS)
-    if existing is not None:
-        _refuse_older_format(existing, f"--output {output}: {MANIFEST}")
+    existing = read_manifest(output, f"--output {output}", BUILD_ANEW) if (output / MANIFEST).exists() else None
+    interrupted = read_record(output / PROGRESS)
     if interrupted is not None:
         _refuse_older_format(interrupted.get("parameters") or {}, f"--output {output}: {PROGRESS}")
     recorded = (existing or (interrupted or {}).get("parameters") or {}).get("inputs") or {}
@@ -139,90 +210,87 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
         "source_dictionary_sha256": dictionary_sha256(task.source_dictionary),
         "target_dictionary_sha256": dictionary_sha256(task.target_dictionary),
         "inputs": {"teacher": teacher_fingerprint, "data": fingerprint_files(data_files, recorded.get("data"))},
+        "teacher_path": str(config.teacher_checkpoint),
     }
-    progress = _start_or_resume(output, parameters, existing, interrupted, log)
-    if progress is None:
-        return output
-    dataset = load_split(task, config.split)
-    too_small = check_max_tokens(dataset, config.max_tokens, config.split)
-    if too_small:
-        raise TeacherCacheError(too_small)
-    sizes = np.asarray(dataset.tgt_sizes, dtype=np.int64)
-    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    n_tokens = int(offsets[-1])
-    _cache_pending_shards(config, task, teacher, dataset, offsets, progress, log)
-    write_json(output / MANIFEST, {**parameters, "n_sentences": len(sizes), "n_tokens": n_tokens,
-                                   "teacher_path": str(config.teacher_checkpoint)})
-    os.remove(output / PROGRESS)
-    log(f"{output}: top-{config.k} teacher log-probabilities of {n_tokens} target tokens "
-        f"({len(sizes)} sentences of the {config.split} split)")
-    return output
+    return task, teacher, parameters, existing, interrupted
 
 
 def _start_or_resume(output: Path, parameters: dict, existing: Optional[dict], interrupted: Optional[dict],
-                     log: Callable[[str], None]) -> Optional[dict]:
-    """The progress record to continue from (``done_shards`` empty for a new cache), or None when
-    ``output`` already holds this complete cache; refuses a folder that holds anything else."""
-
-    def same_cache(record: dict) -> bool:
-        return _identity(record) == _identity(parameters)
-
+                     vocabulary: int, log: Callable[[str], None]) -> bool:
+    """Whether shards remain to be made or merged: False when ``output`` holds this cache,
+    complete and sound; refuses a folder that holds anything else."""
     if existing is not None:
-        if same_cache(existing):
-            refreshed = {**existing, **parameters}
-            if refreshed != existing:  # inputs touched since: their fingerprints now
-                write_json(output / MANIFEST, refreshed)
-            log(f"{output}: the cache is already complete (same teacher, data and k); nothing to do")
-            return None
-        raise TeacherCacheError(f"--output {output}: holds a cache of another teacher, data or k; choose another folder")
-    if output.exists() and any(output.iterdir()) and not (output / PROGRESS).is_file():
-        raise TeacherCacheError(f"--output {output}: the folder is not empty and holds no cache; choose another folder")
-    output.mkdir(parents=True, exist_ok=True)
-    progress = {"parameters": parameters, "done_shards": []}
-    if (output / PROGRESS).is_file():
-        if interrupted is None or not same_cache(interrupted.get("parameters") or {}):
-            raise TeacherCacheError(f"--output {output}: holds an interrupted cache of another teacher, data or k; "
+        if _identity(existing) != _identity(parameters):
+            raise TeacherCacheError(f"--output {output}: holds a cache of another teacher, data or k; "
                                     "choose another folder")
-        progress = {"parameters": parameters, "done_shards": interrupted["done_shards"]}
-        if progress != interrupted:  # inputs touched since
-            write_json(output / PROGRESS, progress)
-    return progress
+        _confirm_complete(output, existing, parameters, vocabulary)
+        log(f"{output}: the cache is already complete (same teacher, data and k; its arrays checked); nothing to do")
+        return False
+    theirs = [path.name for path in output.iterdir() if not is_temporary(path)] if output.is_dir() else []
+    if theirs and PROGRESS not in theirs:
+        raise TeacherCacheError(f"--output {output}: the folder is not empty and holds no cache; choose another folder")
+    if interrupted is not None and _identity(interrupted.get("parameters") or {}) != _identity(parameters):
+        raise TeacherCacheError(f"--output {output}: holds an interrupted cache of another teacher, data or k; "
+                                "choose another folder")
+    progress = {"parameters": parameters}
+    if progress != interrupted:  # a new cache, or inputs touched since
+        output.mkdir(parents=True, exist_ok=True)
+        write_record(output / PROGRESS, progress)
+    return True
 
 
-def _cache_pending_shards(config: CacheConfig, task, teacher, dataset, offsets: np.ndarray, progress: dict,
-                          log: Callable[[str], None]) -> None:
-    """Open (a new cache: create) the top-k arrays and fill the shards ``progress`` has not done,
-    recording each in ``progress.json`` once its rows are flushed."""
+def _confirm_complete(output: Path, manifest: dict, parameters: dict, vocabulary: int) -> None:
+    """A re-run on a finished cache: check it as training would, record the fingerprints as
+    they are now, and remove what a merge killed after writing ``cache.json`` left."""
+    _, array_fingerprints = check_cache(output, manifest, vocabulary, f"--output {output}", fix=BUILD_ANEW)
+    arrays = {name: {**record, "fingerprint": array_fingerprints[name]} for name, record in manifest["arrays"].items()}
+    refreshed = {**manifest, **parameters, "arrays": arrays}
+    if refreshed != manifest:  # inputs or arrays touched since: their fingerprints now
+        write_record(output / MANIFEST, refreshed)
+    if (output / SHARDS).exists() or (output / PROGRESS).exists():
+        with merge_lock(output) as holder:
+            if holder is None:
+                shutil.rmtree(output / SHARDS, ignore_errors=True)
+                (output / PROGRESS).unlink(missing_ok=True)
+
+
+def _missing_shards(output: Path, n_shards: int) -> List[int]:
+    return [shard for shard in range(n_shards) if not _shard_path(output, shard).is_file()]
+
+
+def _cache_own_shards(config: CacheConfig, workers: Workers, task, teacher, dataset, offsets: np.ndarray,
+                      log: Callable[[str], None]) -> None:
+    """Run the teacher over this worker's shards not written yet, each written whole
+    (:func:`fairseq_kd.teacher_pass.common.replace_atomically`) once computed."""
     output = Path(config.output)
-    n_sentences, n_tokens = len(offsets) - 1, int(offsets[-1])
-    fresh = not progress["done_shards"]
-    mode = "w+" if fresh else "r+"
-    if fresh:
-        np.save(output / "offsets.npy", offsets)
-    logprobs = np.lib.format.open_memmap(output / "topk_logprobs.npy", mode=mode, dtype=np.float32,
-                                         shape=(n_tokens, config.k))
-    token_ids = np.lib.format.open_memmap(output / "topk_ids.npy", mode=mode, dtype=np.int32, shape=(n_tokens, config.k))
-    device = pick_device(config.cpu)
+    n_sentences = len(offsets) - 1
+    n_shards = shard_count(n_sentences, config.shard_size)
+    pending = [shard for shard in workers.owned(range(n_shards)) if not _shard_path(output, shard).is_file()]
+    if not pending:
+        return
+    (output / SHARDS).mkdir(exist_ok=True)
+    device = pick_device(config.cpu, workers)
     model = on_device(teacher.model, device, config.fp16)
     pad = task.target_dictionary.pad()
-    n_shards = shard_count(n_sentences, config.shard_size)
     ordered = length_ordered_indices(dataset)
-    pending = [shard for shard in range(n_shards) if shard not in progress["done_shards"]]
-    with shard_progress(pending, config.shard_size, n_sentences, "teacher cache", log) as (on_batch, log_line):
+    with shard_progress(pending, config.shard_size, n_sentences, "teacher cache", log,
+                        shown=workers.reports) as (on_batch, log_line):
         for shard in pending:
-            _cache_shard(model, dataset, ordered, offsets, logprobs, token_ids, pad, device, config, shard, on_batch)
-            progress["done_shards"].append(shard)
-            write_json(output / PROGRESS, progress)
+            logprobs, token_ids = _teacher_on_shard(model, dataset, ordered, offsets, pad, device, config, shard,
+                                                    on_batch)
+            replace_atomically(_shard_path(output, shard),
+                               lambda handle: np.savez(handle, logprobs=logprobs, token_ids=token_ids))
             first, last = shard_range(shard, config.shard_size, n_sentences)
-            log_line(f"shard {shard + 1}/{n_shards}: sentences {first}..{last - 1}")
-    del logprobs, token_ids
+            log_line(f"{workers.label}shard {shard + 1}/{n_shards}: sentences {first}..{last - 1}")
 
 
-def _cache_shard(model, dataset, ordered, offsets, logprobs, token_ids, pad: int, device, config: CacheConfig,
-             shard: int, on_batch: Callable[[int], None]) -> None:
-    """Run the teacher over shard ``shard`` and write its rows of the top-k arrays (flushed)."""
+def _teacher_on_shard(model, dataset, ordered, offsets, pad: int, device, config: CacheConfig, shard: int,
+                      on_batch: Callable[[int], None]) -> Tuple[np.ndarray, np.ndarray]:
+    """The top-k rows of the sentences of shard ``shard``: ``(log-probabilities, token ids)``."""
     first, last = shard_range(shard, config.shard_size, len(offsets) - 1)
+    base, rows = int(offsets[first]), int(offsets[last] - offsets[first])
+    logprobs = np.zeros((rows, config.k), dtype=np.float32)
+    token_ids = np.zeros((rows, config.k), dtype=np.int32)
     for batch_ids in shard_batches(dataset, ordered, first, last, config.max_tokens):
         sample = dataset.collater([dataset[int(i)] for i in batch_ids])
         net_input = {key: value.to(device) for key, value in sample["net_input"].items()}
@@ -231,12 +299,226 @@ def _cache_shard(model, dataset, ordered, offsets, logprobs, token_ids, pad: int
         values, indices = torch.log_softmax(logits.float(), dim=-1).topk(config.k, dim=-1)
         target = sample["target"]
         mask = target.ne(pad).numpy()
-        rows = offsets[sample["id"].numpy()][:, None] + np.arange(target.size(1))[None, :]
-        logprobs[rows[mask]] = values.cpu().numpy()[mask]
-        token_ids[rows[mask]] = indices.cpu().numpy().astype(np.int32)[mask]
+        positions = offsets[sample["id"].numpy()][:, None] - base + np.arange(target.size(1))[None, :]
+        logprobs[positions[mask]] = values.cpu().numpy()[mask]
+        token_ids[positions[mask]] = indices.cpu().numpy().astype(np.int32)[mask]
         on_batch(len(batch_ids))
+    return logprobs, token_ids
+
+
+def _merge(config: CacheConfig, parameters: dict, offsets: np.ndarray, vocabulary: int,
+           log: Callable[[str], None]) -> None:
+    """Every shard exists: assemble the three arrays (staged in ``shards/``, renamed into place),
+    write ``cache.json`` with their fingerprints, then delete the shards and ``progress.json``
+    (one worker, under the merge lock)."""
+    output, k = Path(config.output), config.k
+    staging = output / SHARDS
+    n_sentences, n_tokens = len(offsets) - 1, int(offsets[-1])
+    logprobs = np.lib.format.open_memmap(staging / LOGPROBS, mode="w+", dtype=np.float32, shape=(n_tokens, k))
+    token_ids = np.lib.format.open_memmap(staging / TOKEN_IDS, mode="w+", dtype=np.int32, shape=(n_tokens, k))
+    for shard in range(shard_count(n_sentences, config.shard_size)):
+        first, last = shard_range(shard, config.shard_size, n_sentences)
+        rows = slice(int(offsets[first]), int(offsets[last]))
+        logprobs[rows], token_ids[rows] = _read_shard(output, shard, rows.stop - rows.start, k, vocabulary)
     logprobs.flush()
     token_ids.flush()
+    del logprobs, token_ids
+    np.save(staging / OFFSETS, offsets)
+    for name in ARRAYS:
+        os.replace(staging / name, output / name)
+    arrays = {name: {"dtype": DTYPES[name].name, "shape": list(shape), "fingerprint": fingerprint(output / name)}
+              for name, shape in ((OFFSETS, (n_sentences + 1,)), (LOGPROBS, (n_tokens, k)), (TOKEN_IDS, (n_tokens, k)))}
+    write_record(output / MANIFEST, {**parameters, "n_sentences": n_sentences, "n_tokens": n_tokens, "arrays": arrays})
+    shutil.rmtree(staging)
+    (output / PROGRESS).unlink(missing_ok=True)
+    log(f"{output}: top-{k} teacher log-probabilities of {n_tokens} target tokens "
+        f"({n_sentences} sentences of the {config.split} split)")
+
+
+def _read_shard(output: Path, shard: int, rows: int, k: int, vocabulary: int) -> Tuple[np.ndarray, np.ndarray]:
+    """A shard's ``(log-probabilities, token ids)``, checked like a cache's arrays; a damaged shard
+    is deleted (the next run computes it again) and refused."""
+    path = _shard_path(output, shard)
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            logprobs, token_ids = stored["logprobs"], stored["token_ids"]
+    except (OSError, ValueError, KeyError) as error:
+        problem = f"unreadable ({str(error).splitlines()[0]})"
+    else:
+        problem = next((found for found in (
+            _shape_problem("log-probabilities", logprobs, DTYPES[LOGPROBS], (rows, k)),
+            _shape_problem("token ids", token_ids, DTYPES[TOKEN_IDS], (rows, k)),
+            _logprob_problem(logprobs), _token_id_problem(token_ids, vocabulary)) if found), None)
+    if problem is None:
+        return logprobs, token_ids
+    path.unlink(missing_ok=True)
+    raise TeacherCacheError(f"--output {output}: {SHARDS}/{path.name} is damaged: {problem}; it was deleted: re-run "
+                            "the same command to compute it again")
+
+
+def _shape_problem(what: str, array: np.ndarray, dtype: np.dtype, shape: tuple) -> Optional[str]:
+    if array.dtype != dtype:
+        return f"its {what} are {array.dtype}, not {dtype}"
+    if array.shape != shape:
+        return f"its {what} have shape {array.shape}, not {shape}"
+    return None
+
+
+# ----------------------------------------------------------------------------- checking a cache
+def read_manifest(folder: Path, what: str, fix: str = REBUILD) -> dict:
+    """``folder``'s ``cache.json``, a JSON object of this format with every key
+    (:data:`REQUIRED`), or a one-line :class:`TeacherCacheError` starting with ``what`` (the flag
+    and the folder) and ending with ``fix``."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        why = ("an interrupted build: run fairseq-kd-teacher-cache again to finish it"
+               if (Path(folder) / PROGRESS).is_file() else "run fairseq-kd-teacher-cache to make one")
+        raise TeacherCacheError(f"{what}: no finished cache there ({MANIFEST} missing; {why})")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise TeacherCacheError(f"{what}: {MANIFEST} is not valid JSON ({error}); {fix}") from None
+    if not isinstance(manifest, dict):
+        raise TeacherCacheError(f"{what}: {MANIFEST} holds no JSON object; {fix}")
+    _refuse_older_format(manifest, f"{what}: {MANIFEST}")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise TeacherCacheError(f"{what}: {MANIFEST} {problem}; {fix}")
+    return manifest
+
+
+def _manifest_problem(manifest: dict) -> Optional[str]:
+    """What a cache.json of this format lacks or holds wrongly, or None."""
+    missing = [key for key in REQUIRED if key not in manifest]
+    if missing:
+        return f"lacks the key{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}"
+    for key, least in (("k", 1), ("n_sentences", 0), ("n_tokens", 0)):
+        value = manifest[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            return f"holds {key} {value!r}, not a whole number >= {least}"
+    inputs, arrays = manifest["inputs"], manifest["arrays"]
+    if not (isinstance(inputs, dict) and isinstance(inputs.get("teacher"), dict) and "sha256" in inputs["teacher"]
+            and isinstance(inputs.get("data"), dict) and isinstance(inputs["data"].get("files"), dict)):
+        return "lacks the inputs' fingerprints ('inputs': 'teacher' with its 'sha256', 'data' with its 'files')"
+    for name in ARRAYS:
+        record = arrays.get(name) if isinstance(arrays, dict) else None
+        if not (isinstance(record, dict) and {"dtype", "shape", "fingerprint"} <= set(record)
+                and isinstance(record["fingerprint"], dict) and "sha256" in record["fingerprint"]):
+            return f"lacks the record of {name} ('arrays': its 'dtype', 'shape' and 'fingerprint')"
+    return None
+
+
+def check_cache(folder: Path, manifest: dict, vocabulary: int, what: str, fix: str = REBUILD
+                ) -> Tuple[Dict[str, np.ndarray], Dict[str, dict]]:
+    """``({name: memory-mapped array}, {name: its fingerprint now})`` of a cache whose
+    ``manifest`` :func:`read_manifest` accepted, once every check of the module's docstring
+    passes (``vocabulary``: the target dictionary's size), else a one-line
+    :class:`TeacherCacheError` starting with ``what`` that names the file and what is wrong, and
+    ends with ``fix``. Training's start-up and a re-run of the build check alike."""
+    folder = Path(folder)
+    k, n_sentences, n_tokens = manifest["k"], manifest["n_sentences"], manifest["n_tokens"]
+    shapes = {OFFSETS: (n_sentences + 1,), LOGPROBS: (n_tokens, k), TOKEN_IDS: (n_tokens, k)}
+    arrays = {name: _open_array(folder / name, manifest["arrays"][name], shapes[name], what, fix) for name in ARRAYS}
+    checks = ((OFFSETS, lambda: _offsets_problem(arrays[OFFSETS], n_tokens)),
+              (LOGPROBS, lambda: _logprob_problem(arrays[LOGPROBS])),
+              (TOKEN_IDS, lambda: _token_id_problem(arrays[TOKEN_IDS], vocabulary)))
+    for name, problem_of in checks:
+        problem = problem_of()
+        if problem:
+            raise TeacherCacheError(f"{what}: {name} {problem}; {fix}")
+    fingerprints = {}
+    for name in ARRAYS:
+        recorded = manifest["arrays"][name]["fingerprint"]
+        fingerprints[name] = fingerprint(folder / name, recorded)  # hashed only when size or time changed
+        if content(fingerprints[name]) != content(recorded):
+            raise TeacherCacheError(f"{what}: {name} is not the file the cache was built with (its SHA-256 differs "
+                                    f"from {MANIFEST}'s); {fix}")
+    return arrays, fingerprints
+
+
+def _open_array(path: Path, record: dict, shape: tuple, what: str, fix: str) -> np.ndarray:
+    """``path`` memory-mapped, once its header (read without unpickling) gives the dtype and shape
+    the cache needs and the manifest records, and the file is the size its header announces."""
+    name, dtype = path.name, DTYPES[path.name]
+    if not path.is_file():
+        raise TeacherCacheError(f"{what}: {name} missing; {fix}")
+    found_shape, found_dtype, data_offset = _npy_header(path, what, fix)
+    problem = None
+    if found_dtype != dtype:
+        problem = f"holds {found_dtype} values where a cache holds {dtype} ({MANIFEST} records {record['dtype']})"
+    elif tuple(found_shape) != shape:
+        problem = f"has shape {tuple(found_shape)} but {MANIFEST} (k, n_tokens, n_sentences) makes it {shape}"
+    elif record["dtype"] != dtype.name or tuple(record["shape"]) != shape:
+        problem = (f"is recorded in {MANIFEST} as {record['dtype']} {tuple(record['shape'])}, not as the "
+                   f"{dtype.name} {shape} its k, n_tokens and n_sentences give")
+    elif path.stat().st_size != data_offset + int(np.prod(shape)) * dtype.itemsize:
+        problem = (f"is {path.stat().st_size} bytes where its header announces "
+                   f"{data_offset + int(np.prod(shape)) * dtype.itemsize}: truncated or damaged")
+    if problem:
+        raise TeacherCacheError(f"{what}: {name} {problem}; {fix}")
+    return np.load(path, mmap_mode="r", allow_pickle=False)
+
+
+def _npy_header(path: Path, what: str, fix: str) -> Tuple[tuple, np.dtype, int]:
+    """``(shape, dtype, offset of the data)`` from a ``.npy`` header, parsed as a literal (never
+    unpickled); a file that is no plain numeric ``.npy`` is refused."""
+    with open(path, "rb") as handle:
+        try:
+            version = np.lib.format.read_magic(handle)
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                           (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            if read_header is None:
+                raise ValueError(f".npy version {version[0]}.{version[1]}")
+            shape, _fortran_order, dtype = read_header(handle)
+        except ValueError as error:
+            raise TeacherCacheError(f"{what}: {path.name} is not a plain .npy array ({str(error).splitlines()[0]}); "
+                                    f"{fix}") from None
+        offset = handle.tell()
+    if dtype.hasobject:
+        raise TeacherCacheError(f"{what}: {path.name} holds Python objects (a pickle), not numbers; it is not read; "
+                                f"{fix}")
+    return shape, dtype, offset
+
+
+def _offsets_problem(offsets: np.ndarray, n_tokens: int) -> Optional[str]:
+    """Offsets must start at 0, never decrease and end at ``n_tokens``."""
+    values = np.asarray(offsets)
+    if len(values) and values.min() < 0:
+        return f"holds a negative offset ({int(values.min())}, sentence {int(values.argmin())})"
+    if values[0] != 0:
+        return f"starts at {int(values[0])}, not 0"
+    decreasing = np.flatnonzero(np.diff(values) < 0)
+    if len(decreasing):
+        return f"decreases after sentence {int(decreasing[0])} ({int(values[decreasing[0]])} then " \
+               f"{int(values[decreasing[0] + 1])})"
+    if values[-1] != n_tokens:
+        return f"ends at {int(values[-1])}, not at n_tokens {n_tokens}"
+    return None
+
+
+def _logprob_problem(logprobs: np.ndarray) -> Optional[str]:
+    """Log-probabilities must be finite and at most :data:`LOGPROB_TOLERANCE`."""
+    for start in range(0, len(logprobs), CHECK_ROWS):
+        chunk = np.asarray(logprobs[start:start + CHECK_ROWS])
+        bad = ~np.isfinite(chunk) | (chunk > LOGPROB_TOLERANCE)
+        if bad.any():
+            row, column = np.argwhere(bad)[0]
+            value = float(chunk[row, column])
+            kind = "not a finite number" if not np.isfinite(value) else "a log-probability above 0"
+            return f"holds {value:g} at row {start + int(row)} ({kind})"
+    return None
+
+
+def _token_id_problem(token_ids: np.ndarray, vocabulary: int) -> Optional[str]:
+    """Token ids must index the target dictionary: ``0 <= id < vocabulary``."""
+    for start in range(0, len(token_ids), CHECK_ROWS):
+        chunk = np.asarray(token_ids[start:start + CHECK_ROWS])
+        bad = (chunk < 0) | (chunk >= vocabulary)
+        if bad.any():
+            row, column = np.argwhere(bad)[0]
+            return (f"holds token id {int(chunk[row, column])} at row {start + int(row)}, outside the target "
+                    f"dictionary (0..{vocabulary - 1})")
+    return None
 
 
 def _same_data(manifest: dict, files: List[Path]) -> bool:
@@ -244,7 +526,7 @@ def _same_data(manifest: dict, files: List[Path]) -> bool:
     re-hashes only files of the recorded sizes whose modification times differ."""
     recorded = manifest["inputs"]["data"]
     sizes = {path.name: path.stat().st_size for path in files}
-    if {name: fp["size"] for name, fp in recorded["files"].items()} != sizes:
+    if {name: fp.get("size") for name, fp in recorded["files"].items()} != sizes:
         return False  # other names or sizes: other data, known without reading a file
     return content(fingerprint_files(files, recorded)) == content(recorded)
 
@@ -252,13 +534,11 @@ def _same_data(manifest: dict, files: List[Path]) -> bool:
 class TeacherCache:
     """A finished cache, checked against the training run that reads it (``--teacher-cache``)."""
 
-    def __init__(self, path: Path, manifest: dict):
+    def __init__(self, path: Path, manifest: dict, arrays: Dict[str, np.ndarray]):
         self.path = Path(path)
         self.manifest = manifest
         self.k = int(manifest["k"])
-        self.offsets = np.load(self.path / "offsets.npy", mmap_mode="r")
-        self.logprobs = np.load(self.path / "topk_logprobs.npy", mmap_mode="r")
-        self.token_ids = np.load(self.path / "topk_ids.npy", mmap_mode="r")
+        self.offsets, self.logprobs, self.token_ids = (arrays[name] for name in ARRAYS)
 
     @property
     def teacher_sha256(self) -> str:
@@ -267,36 +547,29 @@ class TeacherCache:
 
     @classmethod
     def open(cls, path: str, task, teacher_sha256: Optional[str] = None) -> "TeacherCache":
-        """Open ``path`` for ``task``'s training data; refuse another teacher, data or dictionaries."""
-        folder = Path(path)
-        manifest_path = folder / MANIFEST
-        if not manifest_path.is_file():
-            why = ("an interrupted build: run fairseq-kd-teacher-cache again to finish it"
-                   if (folder / PROGRESS).is_file() else "run fairseq-kd-teacher-cache to make one")
-            raise TeacherCacheError(f"{FLAG} {path}: no finished cache there ({MANIFEST} missing; {why})")
-        manifest = json.loads(manifest_path.read_text())
-        _refuse_older_format(manifest, f"{FLAG} {path}: {MANIFEST}")
-        missing = [name for name in ARRAYS if not (folder / name).is_file()]
-        if missing:
-            raise TeacherCacheError(f"{FLAG} {path}: {', '.join(missing)} missing; rebuild the cache")
+        """Open ``path`` for ``task``'s training data: refuse another teacher, data or dictionaries
+        and a damaged cache (:func:`check_cache`), in one line, before training starts."""
+        folder, what = Path(path), f"{FLAG} {path}"
+        manifest = read_manifest(folder, what)
         split = task.cfg.train_subset
         if manifest["split"] != split:
-            raise TeacherCacheError(f"{FLAG} {path} holds the {manifest['split']!r} split, but training reads "
+            raise TeacherCacheError(f"{what} holds the {manifest['split']!r} split, but training reads "
                                     f"{split!r} (--train-subset)")
         for side, dictionary in (("source", task.source_dictionary), ("target", task.target_dictionary)):
             if manifest[f"{side}_dictionary_sha256"] != dictionary_sha256(dictionary):
-                raise TeacherCacheError(f"{FLAG} {path} was made with another {side} dictionary than the data's "
+                raise TeacherCacheError(f"{what} was made with another {side} dictionary than the data's "
                                         f"({task.cfg.data}): its token ids would index other symbols")
         if not _same_data(manifest, _split_of(Path(task.cfg.data.split(os.pathsep)[0]), split,
                                               task.cfg.source_lang, task.cfg.target_lang)):
-            raise TeacherCacheError(f"{FLAG} {path} was made for other {split} data than {task.cfg.data} holds "
+            raise TeacherCacheError(f"{what} was made for other {split} data than {task.cfg.data} holds "
                                     "(the binarised files differ); rebuild it for this data")
-        cache = cls(folder, manifest)
-        if teacher_sha256 is not None and teacher_sha256 != cache.teacher_sha256:
+        recorded_teacher = manifest["inputs"]["teacher"]["sha256"]
+        if teacher_sha256 is not None and teacher_sha256 != recorded_teacher:
             raise TeacherCacheError(
-                f"{FLAG} {path} was made by teacher sha256 {cache.teacher_sha256[:12]} "
+                f"{what} was made by teacher sha256 {recorded_teacher[:12]} "
                 f"({manifest.get('teacher_path')}), not by --teacher-checkpoint (sha256 {teacher_sha256[:12]})")
-        return cache
+        arrays, _ = check_cache(folder, manifest, len(task.target_dictionary), what)
+        return cls(folder, manifest, arrays)
 
     def lookup(self, sentence_ids: torch.Tensor, target_mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """The teacher's top-k ``(log-probabilities, token ids)`` at every target position:
