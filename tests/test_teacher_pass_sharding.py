@@ -1,0 +1,265 @@
+"""Teacher passes split over workers (fairseq-kd-seqkd, fairseq-kd-teacher-cache): two workers of a
+job array (--num-shards 2 --shard-id 0/1, run at once) and torchrun's two ranks each write, into one
+folder, the output of one process byte for byte; one worker merges (the merge lock, taken over
+from a merge killed on this host); a merge killed midway is finished by the next run; bad
+combinations are refused in one line naming the flag, before any work. CPU only, tiny teacher."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from conftest import BIN, QUIET_ENV
+
+from fairseq_kd.teacher_pass import common, seqkd, teacher_cache
+from fairseq_kd.teacher_pass.teacher_cache import CacheConfig, TeacherCacheError, build_cache
+
+SEQKD = ("fairseq_kd.cli.seqkd_decode", ["--max-len-a", "1.2", "--max-len-b", "10", "--shard-size", "64", "--cpu"])
+CACHE = ("fairseq_kd.cli.teacher_cache", ["--k", "3", "--shard-size", "100", "--cpu"])
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_STEP_NUM_TASKS",
+                      "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_ID",
+                      "SLURM_STEP_ID")
+
+
+def quiet(_line):
+    pass
+
+
+def seqkd_config(data, teacher, output, **overrides):
+    return seqkd.SeqKDConfig(**{**dict(data=str(data), teacher_checkpoint=str(teacher), output=str(output),
+                                       max_len_a=1.2, max_len_b=10, shard_size=64, cpu=True), **overrides})
+
+
+def cache_config(data, teacher, output, **overrides):
+    return CacheConfig(**{**dict(data=data, teacher_checkpoint=teacher, output=output, k=3, shard_size=100,
+                                 cpu=True), **overrides})
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_data_bin, tiny_teacher, tmp_path_factory):
+    """The seq-KD data and the cache as one process writes them."""
+    root = tmp_path_factory.mktemp("one_process")
+    seqkd.run(seqkd_config(tiny_data_bin, tiny_teacher, root / "seqkd"), log=quiet)
+    build_cache(cache_config(tiny_data_bin, tiny_teacher, root / "cache"), log=quiet)
+    return {SEQKD[0]: root / "seqkd", CACHE[0]: root / "cache"}
+
+
+def comparable(path):
+    """A file's bytes; a manifest's content less what names the folder or the arrays' times."""
+    if path.name == seqkd.MANIFEST_NAME:
+        manifest = json.loads(path.read_text())
+        del manifest["decoding"]["output"]
+        return manifest
+    if path.name == teacher_cache.MANIFEST:
+        manifest = json.loads(path.read_text())
+        for record in manifest["arrays"].values():
+            del record["fingerprint"]["mtime_ns"]
+        return manifest
+    return path.read_bytes()
+
+
+def assert_same_output(folder, reference):
+    names = sorted(p.name for p in reference.iterdir())
+    assert sorted(p.name for p in folder.iterdir()) == names
+    for name in names:
+        assert comparable(folder / name) == comparable(reference / name), name
+
+
+def command(module, flags, data, teacher, output):
+    return ["-m", module, "--data", str(data), "--teacher-checkpoint", str(teacher), "--output", str(output), *flags]
+
+
+@pytest.mark.parametrize("pass_", [SEQKD, CACHE], ids=["seqkd", "teacher-cache"])
+def test_two_workers_of_a_job_array_write_one_process_output(tiny_data_bin, tiny_teacher, one_process, tmp_path,
+                                                             pass_):
+    module, flags = pass_
+    output = tmp_path / "out"
+    workers = [subprocess.Popen([sys.executable, *command(module, flags, tiny_data_bin, tiny_teacher, output),
+                                 "--num-shards", "2", "--shard-id", str(index)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=QUIET_ENV)
+               for index in (0, 1)]
+    logs = [worker.communicate(timeout=600) for worker in workers]
+    assert [worker.returncode for worker in workers] == [0, 0], logs
+    assert_same_output(output, one_process[module])
+    said = [stdout for stdout, _ in logs]
+    assert "worker 0 of 2 (job array): shard 1/" in said[0] and "worker 1 of 2 (job array): shard 2/" in said[1]
+    merged = [(f"{output}: top-3" in stdout or "wrote 400 sentence pairs" in stdout) for stdout in said]
+    assert sum(merged) == 1, said  # one worker merged; the other said why not
+    other = said[merged.index(False)]
+    assert "shards remain" in other or "another worker merges" in other or "has merged" in other, other
+
+
+@pytest.mark.parametrize("pass_", [SEQKD, CACHE], ids=["seqkd", "teacher-cache"])
+def test_two_torchrun_ranks_write_one_process_output(tiny_data_bin, tiny_teacher, one_process, tmp_path, pass_):
+    module, flags = pass_
+    output = tmp_path / "out"
+    proc = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2",
+                           *command(module, flags, tiny_data_bin, tiny_teacher, output)],
+                          capture_output=True, text=True, env=QUIET_ENV, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert_same_output(output, one_process[module])
+    assert "rank 0 of 2 (torchrun): shard 1/" in proc.stdout  # rank 0 reports; rank 1 prints nothing
+    assert "rank 1 of 2" not in proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------------------- merging once
+class Killed(Exception):
+    pass
+
+
+def gone_pid() -> int:
+    """The pid of a process that has ended."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    return ended.pid
+
+
+def leave_stale_lock(folder):
+    """What a merge killed on this host leaves: the lock of a process that is gone."""
+    (folder / common.MERGE_LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": gone_pid(),
+                                                        "since": "earlier"}))
+
+
+def test_a_cache_merge_killed_midway_is_finished_once_by_the_next_run(tiny_data_bin, tiny_teacher, one_process,
+                                                                      tmp_path, monkeypatch):
+    output = tmp_path / "cache"
+    config = cache_config(tiny_data_bin, tiny_teacher, output)
+    real_write = teacher_cache.write_record
+
+    def killed_before_the_manifest(path, record):
+        if path.name == teacher_cache.MANIFEST:
+            raise Killed()
+        real_write(path, record)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(teacher_cache, "write_record", killed_before_the_manifest)
+        with pytest.raises(Killed):
+            build_cache(config, log=quiet)
+    assert (output / "topk_ids.npy").is_file() and not (output / teacher_cache.MANIFEST).exists()
+    leave_stale_lock(output)
+    # while another live worker holds the lock, a worker with every shard done leaves the merge to it
+    with common.merge_lock(output) as holder:
+        assert holder is None  # the stale lock taken over
+        lines = []
+        build_cache(config, log=lines.append)
+        assert f"another worker merges (pid {os.getpid()} on {socket.gethostname()}" in lines[-1]
+        assert not (output / teacher_cache.MANIFEST).exists()
+    lines = []
+    build_cache(config, log=lines.append)
+    assert "top-3 teacher log-probabilities of 2504 target tokens" in lines[-1]
+    assert_same_output(output, one_process[CACHE[0]])
+
+
+def test_a_seqkd_merge_killed_midway_is_finished_by_the_next_run(tiny_data_bin, tiny_teacher, one_process, tmp_path,
+                                                                 monkeypatch):
+    output = tmp_path / "seqkd"
+    config = seqkd_config(tiny_data_bin, tiny_teacher, output)
+    real_write = seqkd.write_record
+
+    def killed_before_complete(path, record):
+        if record.get("status") == "complete":
+            raise Killed()
+        real_write(path, record)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(seqkd, "write_record", killed_before_complete)
+        with pytest.raises(Killed):
+            seqkd.run(config, log=quiet)
+    leave_stale_lock(output / seqkd.WORK_DIR_NAME)
+    result = seqkd.run(config, log=quiet)
+    assert result.status == "complete" and result.decoded_now == 0
+    assert_same_output(output, one_process[SEQKD[0]])
+
+
+def test_the_merge_lock_names_its_holder_and_is_taken_over_only_from_a_gone_process_of_this_host(tmp_path):
+    with common.merge_lock(tmp_path) as first:
+        assert first is None
+        with common.merge_lock(tmp_path) as second:  # another holder (its own open file) is refused
+            assert f"pid {os.getpid()} on {socket.gethostname()}" in second
+    assert not (tmp_path / common.MERGE_LOCK).exists()
+    leave_stale_lock(tmp_path)
+    with common.merge_lock(tmp_path) as taken_over:
+        assert taken_over is None
+        assert json.loads((tmp_path / common.MERGE_LOCK).read_text())["pid"] == os.getpid()
+    elsewhere = {"host": "another-node", "pid": 1, "since": "earlier"}
+    (tmp_path / common.MERGE_LOCK).write_text(json.dumps(elsewhere))
+    with common.merge_lock(tmp_path) as held:
+        assert "pid 1 on another-node" in held and f"delete {tmp_path / common.MERGE_LOCK}" in held
+    assert json.loads((tmp_path / common.MERGE_LOCK).read_text()) == elsewhere
+
+
+# ----------------------------------------------------------------------------- who is a worker
+def test_the_launchers_environment_tells_the_ranks():
+    def workers(environ, num_shards=None, shard_id=None):
+        return common.workers_for(num_shards, shard_id, ValueError, environ)
+
+    assert workers({}) == common.Workers() and common.Workers().label == ""
+    array = workers({}, 4, 3)
+    assert (array.index, array.count, array.launcher, array.ranks) == (3, 4, "job array", False)
+    assert array.owned(range(10)) == [3, 7] and array.reports
+    assert workers({}, 1, 0) == common.Workers()
+    torchrun = workers({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1"})
+    assert (torchrun.index, torchrun.count, torchrun.local_rank, torchrun.init_method) == (1, 2, 1, "env://")
+    assert torchrun.ranks and not torchrun.reports and torchrun.label == "rank 1 of 2 (torchrun): "
+    assert workers({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}) == common.Workers()
+    # a batch script of a job of 4 tasks, not started by srun, is one process
+    assert workers({"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "77"}) == \
+        common.Workers()
+    step = {"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_NODES": "1",
+            "SLURM_JOB_ID": "77", "SLURM_STEP_ID": "2", "SLURM_NTASKS": "4"}
+    srun = workers(step)
+    assert (srun.index, srun.count, srun.local_rank, srun.launcher) == (3, 4, 1, "srun")
+    assert srun.init_method == f"tcp://127.0.0.1:{20000 + (77 * 16 + 2) % 40000}"
+    assert workers({**step, "MASTER_ADDR": "node7", "MASTER_PORT": "29400"}).init_method == "tcp://node7:29400"
+    # torchrun inside a SLURM job: torchrun's ranks
+    assert workers({**step, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}).launcher == "torchrun"
+
+
+@pytest.mark.parametrize("flags, environ, message", [
+    (dict(shard_id=1), {}, r"--shard-id 1 needs --num-shards N"),
+    (dict(num_shards=2), {}, r"--num-shards 2 needs --shard-id I, 0 <= I < 2"),
+    (dict(num_shards=2, shard_id=2), {}, r"--shard-id 2 is outside 0\.\.1 \(--num-shards 2\)"),
+    (dict(num_shards=2, shard_id=-1), {}, r"--shard-id -1 is outside 0\.\.1"),
+    (dict(num_shards=0, shard_id=0), {}, r"--num-shards must be >= 1, got 0"),
+    (dict(num_shards=2, shard_id=0), {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+     r"--num-shards/--shard-id split a job array, but this process is rank 0 of 2 started by torchrun"),
+    (dict(), {"RANK": "one", "WORLD_SIZE": "2"}, r"RANK='one' in the environment is not a whole number"),
+    (dict(), {"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "0", "SLURM_STEP_NUM_NODES": "2"},
+     r"srun started the ranks on several nodes: export MASTER_ADDR"),
+], ids=["id without count", "count without id", "id too large", "negative id", "no workers", "with torchrun",
+        "bad RANK", "srun over nodes"])
+def test_bad_worker_settings_are_refused_in_one_line_before_any_work(tiny_data_bin, tiny_teacher, tmp_path,
+                                                                     monkeypatch, flags, environ, message):
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(seqkd.SeqKDError, match=f"^{message}") as refused:
+        seqkd.run(seqkd_config(tiny_data_bin, tiny_teacher, tmp_path / "seqkd", **flags), log=quiet)
+    assert "\n" not in str(refused.value)
+    with pytest.raises(TeacherCacheError, match=f"^{message}"):
+        build_cache(cache_config(tiny_data_bin, tiny_teacher, tmp_path / "cache", **flags), log=quiet)
+    assert not (tmp_path / "seqkd").exists() and not (tmp_path / "cache").exists()
+
+
+def test_force_with_several_workers_and_the_commands_refuse_in_one_line(tiny_data_bin, tiny_teacher, tmp_path,
+                                                                        monkeypatch, capsys):
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(seqkd.SeqKDError, match=r"^--force with 2 workers \(job array\): each would delete"):
+        seqkd.run(seqkd_config(tiny_data_bin, tiny_teacher, tmp_path / "seqkd", force=True, num_shards=2,
+                               shard_id=0), log=quiet)
+    from fairseq_kd.cli import seqkd_decode
+    from fairseq_kd.cli import teacher_cache as teacher_cache_cli
+
+    for prog, main in (("fairseq-kd-seqkd", seqkd_decode.cli_main), ("fairseq-kd-teacher-cache",
+                                                                      teacher_cache_cli.cli_main)):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            main(["--data", str(tiny_data_bin), "--teacher-checkpoint", str(tiny_teacher), "--output",
+                  str(tmp_path / "out"), "--shard-id", "3"])
+        stderr = capsys.readouterr().err
+        assert exited.value.code == 2 and stderr.strip().splitlines()[-1] == (
+            f"{prog}: error: --shard-id 3 needs --num-shards N, the number of workers of the job array")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "seqkd").exists()
