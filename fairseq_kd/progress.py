@@ -1,8 +1,19 @@
-"""Progress messages and progress bars of the project's commands, on stderr."""
+"""Progress messages and progress bars of the project's commands, on stderr.
+
+A bar is drawn only on a terminal, never into a log file or a pipe. A command run by another one
+whose stderr is a terminal (the recipe, which sends each step's output to the step's log file)
+draws its bars on that terminal all the same: the parent passes the terminal's file descriptor
+and names it in ``FAIRSEQ_KD_PROGRESS_FD`` (:func:`child_progress`), and :func:`progress_bar`
+draws there when its own stderr is not a terminal. Nothing of a bar reaches the log files.
+"""
 import contextlib
 import logging
+import os
 import sys
-from typing import Callable, Iterable, Optional
+from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
+
+#: the environment variable naming a terminal's file descriptor a parent process passed for bars
+PROGRESS_FD_VARIABLE = "FAIRSEQ_KD_PROGRESS_FD"
 
 
 @contextlib.contextmanager
@@ -34,18 +45,69 @@ def stream_is_terminal(stream) -> bool:
         return False
 
 
+_inherited_terminal = {}
+
+
+def _inherited_progress_terminal():
+    """The terminal a parent passed (``FAIRSEQ_KD_PROGRESS_FD``), opened once; None without one. A
+    descriptor that is not a terminal (closed, or reused for a file by a grandchild that inherited
+    the variable but not the descriptor) is ignored."""
+    value = os.environ.get(PROGRESS_FD_VARIABLE, "")
+    if not value.isdigit():
+        return None
+    fd = int(value)
+    if fd not in _inherited_terminal:
+        try:
+            _inherited_terminal[fd] = os.fdopen(fd, "w", closefd=False) if os.isatty(fd) else None
+        except OSError:
+            _inherited_terminal[fd] = None
+    return _inherited_terminal[fd]
+
+
+def progress_stream():
+    """Where bars go: stderr when it is a terminal, else the terminal a parent passed, else stderr
+    (where the bar is then disabled)."""
+    if stream_is_terminal(sys.stderr):
+        return sys.stderr
+    return _inherited_progress_terminal() or sys.stderr
+
+
+@contextlib.contextmanager
+def child_progress(stream=None) -> Iterator[Tuple[Dict[str, str], Tuple[int, ...]]]:
+    """``(environment, pass_fds)`` for a child process whose output goes to a log file, so that its
+    bars (:func:`progress_bar`) are drawn on ``stream`` (default: stderr) when that is a terminal:
+    a copy of the terminal's descriptor (the child's own 2 is the log), open for the block;
+    without a terminal, the environment names none and nothing is passed."""
+    stream = sys.stderr if stream is None else stream
+    env = {key: value for key, value in os.environ.items() if key != PROGRESS_FD_VARIABLE}
+    try:
+        fd = os.dup(stream.fileno()) if stream_is_terminal(stream) else None
+    except (AttributeError, ValueError, OSError):  # a terminal without a descriptor (a test's fake)
+        fd = None
+    if fd is None:
+        yield env, ()
+        return
+    env[PROGRESS_FD_VARIABLE] = str(fd)
+    try:
+        yield env, (fd,)
+    finally:
+        os.close(fd)
+
+
 def progress_bar(total: Optional[int] = None, desc: Optional[str] = None, unit: str = "it",
-                 iterable: Optional[Iterable] = None, stream=None):
-    """A tqdm progress bar (count, rate and time left, as fairseq-generate's) on stderr, or on
-    ``stream``; disabled, so that it prints nothing, when that stream is not a terminal (a log file,
-    a pipe, a test's captured output). Use it as a context manager or close it; call ``update(n)``.
+                 iterable: Optional[Iterable] = None, stream=None, **options):
+    """A tqdm progress bar (count, rate and time left, as fairseq-generate's) on stderr (or the
+    terminal a parent passed, :func:`progress_stream`), or on ``stream``; disabled, so that it
+    prints nothing, when that stream is not a terminal (a log file, a pipe, a test's captured
+    output). Use it as a context manager or close it; call ``update(n)``. ``options`` go to tqdm
+    (``initial``, ``unit_scale=True`` with ``unit="B"`` for bytes, ``leave``).
     """
     from tqdm import tqdm
 
-    stream = sys.stderr if stream is None else stream
+    stream = progress_stream() if stream is None else stream
     return tqdm(iterable, total=total, desc=desc, unit=unit, file=stream,
                 disable=not stream_is_terminal(stream), dynamic_ncols=True, mininterval=0.5,
-                smoothing=0.1)
+                smoothing=0.1, **options)
 
 
 def print_above_bars(log: Callable[[str], None]) -> Callable[[str], None]:

@@ -122,6 +122,8 @@ def test_parse_fairseq_log_both_formats(log):
     assert records[0].values["loss"] == 9.1 and records[0].values["kd_loss"] == 2.5
     assert records[2].values == {"loss": 8.9, "nll_loss": 8.7, "kd_loss": 2.3, "wall": 5.0}
     assert records[3].values["best_loss"] == 8.2 and records[3].values["nll_loss"] == 8.0
+    # how far training is, in epochs (what the recipe's bar estimates a --max-epoch run's length from)
+    assert [r.epochs_done for r in records] == [0.5, 1.0, None, None, 1.5]
 
 
 def test_parse_log_lines_made_by_fairseqs_progress_bar():

@@ -7,6 +7,7 @@ computed here with hashlib, independently of the code under test.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -231,3 +232,29 @@ def test_bad_checksums_file_is_rejected(tmp_path, content):
     path.write_text(content)
     with pytest.raises(PrepareError, match="--checksums"):
         load_pinned_checksums(path)
+
+
+class _FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_download_shows_bytes_rate_and_time_left_on_a_terminal_only(server, tmp_path, monkeypatch, caplog):
+    """No terminal (a log file): a line every 10%, no bar. A terminal: a bar in bytes with rate and
+    time left, starting where the resumed transfer starts, and no percentage lines through it."""
+    handler, base = server
+    handler.cut_first_after = 300_000
+    remote = _remote(base, sha256=hashlib.sha256(PAYLOAD).hexdigest())
+    fetcher = Fetcher(tmp_path, retries=0, retry_wait=0)
+    with caplog.at_level(logging.INFO, logger="fairseq_kd_recipes.prepare.download"):
+        with pytest.raises(PrepareError):
+            fetcher.fetch(remote)
+        assert f"corpus.tgz: 29% of {len(PAYLOAD)} bytes" in caplog.text
+        caplog.clear()
+        terminal = _FakeTerminal()
+        monkeypatch.setattr("sys.stderr", terminal)
+        assert fetcher.fetch(remote).read_bytes() == PAYLOAD
+    shown = terminal.getvalue()
+    assert "% of" not in caplog.text and "corpus.tgz: 100%" in shown, shown
+    assert re.search(r" 29%\|.*\| 293k/0\.98M \[", shown), shown  # resumed at byte 300,000 of 1,024,004
+    assert re.search(r"0\.98M/0\.98M \[[\d:]+<[\d:]+, +[\d.]+[kMG]?B/s\]", shown), shown

@@ -25,12 +25,15 @@ class LogRecord:
     ``split``: ``train_inner`` (every ``--log-interval`` updates), ``train`` (end of epoch) or the
     validation subset's name (``valid``). ``values``: numeric statistics with fairseq's
     ``<subset>_`` key prefix removed; ``num_updates`` is the x coordinate of the curves.
+    ``epochs_done``: how far training is, in epochs (fairseq's fractional ``update`` of a
+    ``train_inner`` line, ``epoch - 1 + batches done / batches per epoch``), where the line says.
     """
 
     split: str
     epoch: Optional[int]
     num_updates: Optional[float]
     values: Dict[str, float] = field(default_factory=dict)
+    epochs_done: Optional[float] = None
 
 
 # fairseq_cli/train.py's logging format: "%(asctime)s | %(levelname)s | %(name)s | %(message)s";
@@ -38,7 +41,7 @@ class LogRecord:
 # Lines written through --log-file carry the bare message.
 _LOGGING_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \| [A-Z]+ \| [^|]+? \| (?P<message>.*)$")
 # SimpleProgressBar.log: "{prefix}:  {i:5d} / {size:d} {key=value, ...}"
-_SIMPLE_INNER = re.compile(r"^epoch (?P<epoch>\d+):\s+\d+ / \d+ (?P<stats>.*)$")
+_SIMPLE_INNER = re.compile(r"^epoch (?P<epoch>\d+):\s+(?P<step>\d+) / (?P<size>\d+) (?P<stats>.*)$")
 # SimpleProgressBar.print: "{prefix} | {key value | ...}", prefix "epoch 001[ | valid on 'x' subset]"
 _SIMPLE_EPOCH = re.compile(r"^epoch (?P<epoch>\d+) \| (?P<stats>.*)$")
 _VALID_PREFIX = re.compile(r"^valid on '(?P<subset>[^']+)' subset$")
@@ -79,14 +82,18 @@ def _json_record(message: str) -> Optional[LogRecord]:
         number = _number(value)
         if number is not None:
             values[key[len(prefix):]] = number
-    return LogRecord(split, epoch if isinstance(epoch, int) else None, values.pop("num_updates", None), values)
+    return LogRecord(split, epoch if isinstance(epoch, int) else None, values.pop("num_updates", None), values,
+                     _number(stats.get("update")) if split == "train_inner" else None)
 
 
 def _simple_record(message: str) -> Optional[LogRecord]:
     match = _SIMPLE_INNER.match(message)
+    epochs_done = None
     if match:
         pairs = [item.split("=", 1) for item in match.group("stats").split(", ")]
         split = "train_inner"
+        if int(match.group("size")) > 0:
+            epochs_done = int(match.group("epoch")) - 1 + int(match.group("step")) / int(match.group("size"))
     else:
         match = _SIMPLE_EPOCH.match(message)
         if not match:
@@ -106,7 +113,7 @@ def _simple_record(message: str) -> Optional[LogRecord]:
                 values[pair[0].strip()] = number
     if not values:
         return None
-    return LogRecord(split, int(match.group("epoch")), values.pop("num_updates", None), values)
+    return LogRecord(split, int(match.group("epoch")), values.pop("num_updates", None), values, epochs_done)
 
 
 def parse_fairseq_log(lines: Iterable[str]) -> List[LogRecord]:

@@ -16,13 +16,22 @@ belong to the recipe's working folder and are rewritten when their inputs change
 
 The light steps that run this project's own commands (export, score, plot, report) run inside
 the recipe's process, which saves a Python start-up per step; their output goes to the step's
-log file all the same. Training, decoding and preparation run as child processes.
+log file all the same, the log lines of the libraries they call (fairseq's, sacreBLEU's INFO
+lines) included, which stay off the terminal. Training, decoding and preparation run as child
+processes.
+
+Progress, on a terminal only (:mod:`fairseq_kd.progress`): a child draws its own bars (downloads
+in bytes/s, tokenisation, the teacher passes) on the recipe's terminal while its output goes to
+the step's log; a training step shows a bar of its updates (rate, time left, loss) read from
+fairseq-train's statistics lines as they come (:class:`TrainingProgress`). Without a terminal,
+children write to their log directly and no bar is drawn anywhere.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
 import json
+import logging
 import shlex
 import subprocess
 import sys
@@ -31,7 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
+from fairseq_kd.figures.training_log import parse_fairseq_log
 from fairseq_kd.fingerprint import content, fingerprint, read_json
+from fairseq_kd.progress import child_progress, progress_bar
 
 from .prepare.errors import PrepareError
 from .prepare.pipeline import Step, StepRunner
@@ -103,7 +114,7 @@ class CommandExecutor:
             if module is not None:
                 status = self._run_module(module, list(command[3:]), log)
             else:
-                status = subprocess.run(list(command), stdout=log, stderr=subprocess.STDOUT).returncode
+                status = self._run_child(list(command), log, log_path.stem)
         if status != 0:
             raise RecipeError(
                 f"command failed with exit status {status}: {shlex.join(command)}\n"
@@ -111,8 +122,25 @@ class CommandExecutor:
             )
 
     @staticmethod
+    def _run_child(command: list[str], log, step: str) -> int:
+        """The child's output into ``log``; on a terminal, its bars on it, and a training step's
+        updates read from its output into a bar of ours."""
+        with child_progress() as (env, terminal):
+            training = TrainingProgress.of(command, step) if terminal else None
+            if training is None:
+                return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      pass_fds=terminal).returncode
+            with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                  pass_fds=terminal, text=True, encoding="utf-8", errors="replace") as child, training:
+                for line in child.stdout:
+                    log.write(line)
+                    log.flush()
+                    training.feed(line)
+                return child.wait()
+
+    @staticmethod
     def _run_module(module: str, argv: list[str], log) -> int:
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), logging_into(log):
             try:
                 status = importlib.import_module(module).cli_main(argv)
             except SystemExit as exit_:
@@ -123,6 +151,99 @@ class CommandExecutor:
         if status is None:
             return 0
         return status if isinstance(status, int) else 1
+
+
+@contextlib.contextmanager
+def logging_into(log):
+    """Every INFO (and higher) log record of an in-process command into its step's log: the root
+    logger's handlers (a library's basicConfig writing to the terminal) are set aside meanwhile;
+    the plugin's own progress (a logger with its handler, :func:`fairseq_kd.progress.progress_to_stderr`)
+    also stays on the terminal."""
+    handler = logging.StreamHandler(log)
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(name)s | %(message)s"))
+    root = logging.getLogger()
+    own = [logger for logger in (logging.getLogger(name) for name in ("fairseq_kd", "fairseq_kd_recipes"))
+           if logger.handlers and not logger.propagate]
+    set_aside, root.handlers = root.handlers, [handler]
+    for logger in own:
+        logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.handlers = set_aside
+        for logger in own:
+            logger.removeHandler(handler)
+
+
+def _flag_value(command: Sequence[str], flag: str) -> Optional[str]:
+    """The value of ``flag`` in a command line (its last occurrence, as argparse takes it)."""
+    values = [command[i + 1] for i, item in enumerate(command[:-1]) if item == flag]
+    return values[-1] if values else None
+
+
+class TrainingProgress:
+    """A bar of a fairseq-train child's updates, read from its statistics lines as they come: the
+    updates done of ``--max-update``, or under ``--max-epoch`` of the updates those epochs take
+    (estimated from how far into its epochs fairseq says it is), with rate, time left, the epoch,
+    the last training loss and validation nll. Drawn from the first statistics line on (a resumed
+    run's rate counts only this run's updates)."""
+
+    def __init__(self, desc: str, max_update: Optional[int], max_epoch: Optional[int]) -> None:
+        self.desc, self.max_update, self.max_epoch = desc, max_update, max_epoch
+        self.bar = None
+        self.shown: dict[str, str] = {}
+
+    @classmethod
+    def of(cls, command: Sequence[str], desc: str) -> Optional["TrainingProgress"]:
+        """The bar of ``command`` if it is a fairseq-train run, else None."""
+        trains = Path(command[0]).name == "fairseq-train" or list(command[1:3]) == ["-m", "fairseq_cli.train"]
+        if not trains:
+            return None
+        limits = [_flag_value(command, flag) for flag in ("--max-update", "--max-epoch")]
+        max_update, max_epoch = (int(value) if value and value.isdigit() and int(value) > 0 else None
+                                 for value in limits)
+        return cls(desc, max_update, max_epoch)
+
+    def total(self, updates: float, epochs_done: Optional[float]) -> Optional[int]:
+        estimate = None
+        if self.max_epoch and epochs_done:
+            estimate = round(updates * self.max_epoch / epochs_done)
+        candidates = [value for value in (self.max_update, estimate) if value]
+        return min(candidates) if candidates else None
+
+    def feed(self, line: str) -> None:
+        for record in parse_fairseq_log([line]):
+            if record.split == "train_inner" and record.num_updates is not None:
+                self._advance(record)
+            elif record.split not in ("train", "train_inner") and "nll_loss" in record.values:
+                self.shown[f"{record.split}_nll"] = f"{record.values['nll_loss']:.3f}"
+                self._show()
+
+    def _advance(self, record) -> None:
+        updates = int(record.num_updates)
+        total = self.total(record.num_updates, record.epochs_done)
+        if self.bar is None:
+            self.bar = progress_bar(total=total, desc=self.desc, unit="upd", initial=updates)
+        else:
+            self.bar.total = total if total is not None else self.bar.total
+            self.bar.update(updates - self.bar.n)
+        if record.epoch is not None:
+            self.shown["epoch"] = str(record.epoch)
+        if "loss" in record.values:
+            self.shown["loss"] = f"{record.values['loss']:.3f}"
+        self._show()
+
+    def _show(self) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(", ".join(f"{key} {value}" for key, value in self.shown.items()))
+
+    def __enter__(self) -> "TrainingProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def tail(path: Path, lines: int = 25) -> str:
@@ -205,7 +326,13 @@ def _as_step(step: RecipeStep, execute: Callable[[Sequence[str], Path], None]) -
         for command in step.commands:
             execute(command, step.log)
 
-    return Step(step.name, step.action or run_commands, inputs=step.inputs, outputs=step.outputs,
+    def run_action() -> None:
+        """An in-process action, its libraries' log lines in the step's log (not on the terminal)."""
+        step.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(step.log, "a", encoding="utf-8") as log, logging_into(log):
+            step.action()
+
+    return Step(step.name, run_action if step.action else run_commands, inputs=step.inputs, outputs=step.outputs,
                 params=step.settings)
 
 

@@ -13,6 +13,8 @@ checksum, the transfer is still checked against the server's announced length, a
 sha256 is printed and recorded in ``<workdir>/downloads/checksums.json`` so the user can pin it
 (``--checksums FILE``) for the next machine.  A missing or corrupt file raises
 :class:`~fairseq_kd_recipes.prepare.errors.PrepareError` naming the file and the expected checksum.
+A transfer shows a bar (bytes, bytes/s, time left) on a terminal (:mod:`fairseq_kd.progress`);
+into a log it writes a line every 10% instead.
 
 Why not a library's downloader: ``pooch`` is not a dependency (and restarts an interrupted
 transfer), and sacreBLEU's own (``sacrebleu.utils.download_file``, behind its test-set download)
@@ -28,6 +30,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Mapping
 
 from fairseq_kd.fingerprint import fingerprint, read_json, write_json
+from fairseq_kd.progress import progress_bar, stream_is_terminal
 
 from .errors import PrepareError
 
@@ -298,21 +302,27 @@ class Fetcher:
                 LOG.info("%s: downloading %s", remote.name, url)
             length = response.headers.get("Content-Length")
             expected_total = offset + int(length) if length is not None else None
-            received = offset
-            next_report = 0.1
-            with open(part, mode) as out:
-                while True:
-                    block = response.read(CHUNK_BYTES)
-                    if not block:
-                        break
-                    out.write(block)
-                    received += len(block)
-                    if expected_total and received / expected_total >= next_report:
-                        LOG.info("%s: %d%% of %d bytes", remote.name, int(100 * received / expected_total), expected_total)
-                        next_report += 0.1
+            self._copy(response, part, mode, remote.name, offset, expected_total)
         size = part.stat().st_size
         if expected_total is not None and size != expected_total:
             raise _IncompleteTransfer(f"connection ended after {size} of {expected_total} bytes")
+
+
+    @staticmethod
+    def _copy(response, part: Path, mode: str, name: str, offset: int, expected_total: int | None) -> None:
+        """The response's bytes appended to ``part``, with a bar on a terminal and, where stderr is
+        not one (a log file), a line at every 10% instead."""
+        received, next_report = offset, 0.1
+        lines = not stream_is_terminal(sys.stderr)
+        with open(part, mode) as out, progress_bar(total=expected_total, initial=offset, desc=name, unit="B",
+                                                   unit_scale=True, unit_divisor=1024) as bar:
+            while block := response.read(CHUNK_BYTES):
+                out.write(block)
+                received += len(block)
+                bar.update(len(block))
+                if lines and expected_total and received / expected_total >= next_report:
+                    LOG.info("%s: %d%% of %d bytes", name, int(100 * received / expected_total), expected_total)
+                    next_report += 0.1
 
 
 def _mismatches(digest: FileDigest, remote: RemoteFile, pinned_sha256: str | None) -> list[str]:

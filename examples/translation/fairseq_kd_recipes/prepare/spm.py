@@ -91,4 +91,5 @@ def encode_lines(model_path: Path, lines: Iterable[str], workers: int = 1) -> It
 
 def encode_file(model_path: Path, source: Path, destination: Path, workers: int = 1) -> int:
     """Encode every line of ``source`` into ``destination``; return the number of lines."""
-    return write_lines(destination, encode_lines(model_path, iter_lines(source), workers))
+    lines = iter_lines(source, progress=f"encode {Path(source).name}")
+    return write_lines(destination, encode_lines(model_path, lines, workers))

@@ -13,11 +13,31 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 
-def iter_lines(path: Path) -> Iterator[str]:
-    """Yield the lines of a UTF-8 file without their ``\\n``."""
+#: lines between two updates of a bar (an update per line would cost more than some steps' work)
+BAR_STEP = 1024
+
+
+def iter_lines(path: Path, progress: str | None = None) -> Iterator[str]:
+    """Yield the lines of a UTF-8 file without their ``\\n``. ``progress``: the name of a bar of the
+    lines read, with rate and time left, on a terminal only (the lines are counted first then)."""
+    if progress is not None:
+        yield from _iter_lines_with_bar(path, progress)
+        return
     with open(path, encoding="utf-8", newline="\n") as handle:
         for line in handle:
             yield line[:-1] if line.endswith("\n") else line
+
+
+def _iter_lines_with_bar(path: Path, desc: str) -> Iterator[str]:
+    from fairseq_kd.progress import progress_bar, progress_stream, stream_is_terminal
+
+    total = count_lines(path) if stream_is_terminal(progress_stream()) else None
+    with progress_bar(total=total, desc=desc, unit="line", unit_scale=True, leave=False) as bar:
+        for number, line in enumerate(iter_lines(path), start=1):
+            yield line
+            if number % BAR_STEP == 0:
+                bar.update(BAR_STEP)
+        bar.update(bar.total - bar.n if bar.total else 0)
 
 
 def read_lines(path: Path) -> list[str]:

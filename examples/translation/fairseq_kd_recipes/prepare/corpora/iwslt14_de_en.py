@@ -100,7 +100,7 @@ def prepare(ctx: PrepareContext, settings: Settings = Settings()) -> None:
 
     def tokenize_train() -> None:
         for lang, source_path, destination in zip((SOURCE, TARGET), raw_tags, tok_tags):
-            write_lines(destination, moses_preprocess(iter_lines(source_path), moses_config(lang), ctx.workers))
+            write_lines(destination, moses_preprocess(iter_lines(source_path, progress=f"tokenize {source_path.name}"), moses_config(lang), ctx.workers))
 
     ctx.run(Step("tokenize-train", tokenize_train, inputs=list(raw_tags), outputs=list(tok_tags)))
 
@@ -140,7 +140,7 @@ def prepare(ctx: PrepareContext, settings: Settings = Settings()) -> None:
 
     def tokenize_test() -> None:
         for lang, source_path, destination in zip((SOURCE, TARGET), raw_test, tok_test):
-            straightened = (line.replace(RIGHT_SINGLE_QUOTE, "'") for line in iter_lines(source_path))
+            straightened = (line.replace(RIGHT_SINGLE_QUOTE, "'") for line in iter_lines(source_path, progress=f"tokenize {source_path.name}"))
             write_lines(destination, moses_preprocess(straightened, moses_config(lang), ctx.workers))
 
     ctx.run(Step("tokenize-test", tokenize_test, inputs=list(raw_test), outputs=list(tok_test),

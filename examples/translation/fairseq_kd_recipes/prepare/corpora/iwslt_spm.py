@@ -191,7 +191,7 @@ def prepare(ctx: PrepareContext, corpus: IwsltCorpus | MultitargetTedCorpus, set
 
         def tokenize_for_counting() -> None:
             for lang, source_path, destination in zip((source, target), raw_tags, tok_tags):
-                write_lines(destination, moses_preprocess(iter_lines(source_path), MosesConfig(lang=lang), ctx.workers))
+                write_lines(destination, moses_preprocess(iter_lines(source_path, progress=f"tokenize {source_path.name}"), MosesConfig(lang=lang), ctx.workers))
 
         ctx.run(Step("tokenize-train", tokenize_for_counting, inputs=list(raw_tags), outputs=list(tok_tags)))
         selection_inputs += list(tok_tags)

@@ -73,7 +73,7 @@ def prepare(ctx: PrepareContext, settings: Settings = Settings()) -> None:
     def tokenize_all() -> None:
         for source_path, destination in zip(raw_files, tok_files):
             lang = source_path.suffix[1:]
-            write_lines(destination, moses_preprocess(iter_lines(source_path), moses_config(lang), ctx.workers))
+            write_lines(destination, moses_preprocess(iter_lines(source_path, progress=f"tokenize {source_path.name}"), moses_config(lang), ctx.workers))
 
     ctx.run(Step("tokenize", tokenize_all, inputs=raw_files, outputs=tok_files, params={"escape": False}))
 

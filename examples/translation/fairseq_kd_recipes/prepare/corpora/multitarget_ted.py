@@ -124,7 +124,7 @@ def prepare(ctx: PrepareContext, corpus: MultitargetTedCorpus, spm: SentencePiec
 
     def tokenize_for_counting() -> None:
         for lang, source_path, destination in zip((source, target), release_train, tok_train):
-            write_lines(destination, moses_preprocess(iter_lines(source_path), MosesConfig(lang=lang), ctx.workers))
+            write_lines(destination, moses_preprocess(iter_lines(source_path, progress=f"tokenize {source_path.name}"), MosesConfig(lang=lang), ctx.workers))
 
     def select_training_pairs() -> None:
         kept = clean_indices(iter_lines(tok_train[0]), iter_lines(tok_train[1]), corpus.moses_clean)

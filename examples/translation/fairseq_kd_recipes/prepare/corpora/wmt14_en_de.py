@@ -138,7 +138,7 @@ def prepare(ctx: PrepareContext, settings: Settings = Settings()) -> None:
         def action() -> None:
             for split in split_names:
                 for lang in (SOURCE, TARGET):
-                    lines = iter_lines(raw / f"{split}.{lang}")
+                    lines = iter_lines(raw / f"{split}.{lang}", progress=f"tokenize {split}.{lang}")
                     if straighten_quotes:
                         lines = (line.replace(RIGHT_SINGLE_QUOTE, "'") for line in lines)
                     write_lines(tok / f"{split}.{lang}", moses_preprocess(lines, moses_config(lang), ctx.workers))
