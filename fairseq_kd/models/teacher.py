@@ -40,6 +40,16 @@ class TeacherCheckpointError(ValueError):
     """The teacher checkpoint cannot be used with this data or this plugin."""
 
 
+#: the file that makes a folder a Hugging Face teacher (``save_pretrained``'s config)
+HF_CONFIG_FILE = "config.json"
+
+
+def is_hugging_face_folder(path) -> bool:
+    """Whether ``path`` is a folder with a ``config.json``: a Hugging Face teacher
+    (:mod:`.hf_teacher`) rather than a fairseq checkpoint file."""
+    return bool(path) and os.path.isdir(path) and os.path.isfile(os.path.join(path, HF_CONFIG_FILE))
+
+
 class FrozenTeacher:
     """A frozen fairseq Transformer used as the source of distillation signals."""
 
@@ -63,11 +73,21 @@ class FrozenTeacher:
         SHA-256 when the caller has just taken its fingerprint (:mod:`fairseq_kd.fingerprint`),
         so that it is not read twice; hashed here otherwise.
         """
+        if is_hugging_face_folder(path):
+            raise TeacherCheckpointError(
+                f"{FLAG} {path!r} is a Hugging Face model folder: only fairseq-train --task translation_kd "
+                "reads such a teacher so far (word_kd, selective_kd); the teacher cache and sequence-level "
+                "KD from it are not yet supported. Pass a fairseq checkpoint file here."
+            )
         problem = checkpoint_file_problem(path)
         if problem is not None:
-            advice = ("" if os.path.isdir(path or "") or os.path.exists(path or "") else
-                      ". Pass the path of a trained fairseq translation checkpoint (e.g. "
-                      "checkpoints/teacher/checkpoint_best.pt).")
+            if os.path.isdir(path or ""):
+                advice = f" (or a Hugging Face save_pretrained folder, which holds {HF_CONFIG_FILE})"
+            elif os.path.exists(path or ""):
+                advice = ""
+            else:
+                advice = (". Pass the path of a trained fairseq translation checkpoint (e.g. "
+                          "checkpoints/teacher/checkpoint_best.pt) or of a Hugging Face save_pretrained folder.")
             raise TeacherCheckpointError(f"{FLAG} {path!r}: {problem}{advice}")
         state = _read_teacher_checkpoint(path)
         cfg = state["cfg"]

@@ -22,7 +22,8 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 from .. import checkpoints
 from ..models.feature_capture import NotATransformerError
 from ..models.shape import TransformerShape
-from ..models.teacher import FrozenTeacher
+from ..models.hf_teacher import HuggingFaceTeacher
+from ..models.teacher import FrozenTeacher, is_hugging_face_folder
 
 
 @dataclass
@@ -31,8 +32,9 @@ class TranslationKDConfig(TranslationConfig):
         default=None,
         metadata={
             "help": "path of the teacher: any fairseq Transformer translation checkpoint trained on "
-            "the same source/target dictionaries. Required by every distillation criterion; without "
-            "it the task behaves like 'translation'."
+            "the same source/target dictionaries, or a Hugging Face save_pretrained folder (MarianMT, "
+            "M2M100, NLLB; word_kd and selective_kd; data binarised by fairseq-kd-hf-data). Required by "
+            "every distillation criterion; without it the task behaves like 'translation'."
         },
     )
     allow_teacher_change: bool = field(
@@ -86,7 +88,7 @@ class TranslationKDTask(TranslationTask):
         self.resumed_selection: Optional[dict] = None  # ... and in the run resumed
         check_precision_device(cfg)
         if cfg.teacher_checkpoint:
-            self.teacher = FrozenTeacher.load(cfg.teacher_checkpoint, self)
+            self.teacher = load_teacher(cfg.teacher_checkpoint, self)
             self.check_teacher_positions()
         self.teacher_cache = None
         if cfg.teacher_cache:
@@ -195,6 +197,12 @@ class TranslationKDTask(TranslationTask):
                 f"criterion {criterion_name!r} distils from a teacher: pass --teacher-checkpoint PATH "
                 "(a trained fairseq Transformer translation checkpoint)."
             )
+        if isinstance(self.teacher, HuggingFaceTeacher) and not reads_output_only(criterion_name):
+            raise ValueError(
+                f"criterion {criterion_name!r} distils the teacher's attention maps or hidden states, which a "
+                f"Hugging Face teacher (--teacher-checkpoint {self.teacher.path!r}) does not yet provide: use "
+                "--criterion word_kd or selective_kd with it, or a fairseq teacher."
+            )
         return self.teacher
 
     def require_student_shape(self, criterion_name: str) -> TransformerShape:
@@ -206,6 +214,22 @@ class TranslationKDTask(TranslationTask):
                 f"layer, see --encoder-layers / --decoder-layers); the model built has another layout{reason}."
             )
         return self.student_shape
+
+
+def load_teacher(path: str, task) -> FrozenTeacher:
+    """The teacher ``--teacher-checkpoint`` names: a Hugging Face ``save_pretrained`` folder
+    (:mod:`fairseq_kd.models.hf_teacher`) or a fairseq checkpoint file."""
+    if is_hugging_face_folder(path):
+        return HuggingFaceTeacher.load(path, task)
+    return FrozenTeacher.load(path, task)
+
+
+def reads_output_only(criterion_name: str) -> bool:
+    """Whether the criterion needs only the teacher's output distribution: the methods a top-k
+    cache can serve (``SUPPORTS_TEACHER_CACHE``: word_kd, selective_kd)."""
+    from fairseq.criterions import CRITERION_REGISTRY
+
+    return bool(getattr(CRITERION_REGISTRY.get(criterion_name), "SUPPORTS_TEACHER_CACHE", False))
 
 
 # --------------------------------------------------------------------------- precision and device

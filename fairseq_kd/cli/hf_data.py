@@ -1,0 +1,178 @@
+"""Binarise raw parallel text in a Hugging Face teacher's vocabulary (``fairseq-kd-hf-data``).
+
+Usage::
+
+    fairseq-kd-hf-data --teacher opus-mt-de-en/ -s de -t en \\
+        --trainpref raw/train --validpref raw/valid --testpref raw/test --destdir data-bin/de-en.hf
+
+Each line is tokenised by the teacher's own tokenizer (``AutoTokenizer``, offline): the source as
+``tokenizer(line)``, the target as ``tokenizer(text_target=line)``, so language tags land where the
+teacher's own training put them (M2M100/NLLB: the source language tag first in every source
+sentence, the target language tag first in every target sentence; Marian: none). The tokenizer's
+closing ``</s>`` is dropped because fairseq appends its own, which maps to it. The ids are mapped to
+fairseq indices by :class:`fairseq_kd.models.hf_vocabulary.VocabularyMap` and written with
+fairseq's own indexed-dataset builder (``mmap``), as ``fairseq-preprocess`` writes them, with
+``dict.SRC.txt`` / ``dict.TGT.txt`` holding exactly the teacher's vocabulary (counts from the
+training text). ``fairseq-train --task translation_kd --teacher-checkpoint DIR`` then checks those
+dictionaries symbol for symbol.
+"""
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from pathlib import Path
+from typing import Iterator, List, Optional, Sequence
+
+from fairseq_kd.cli.user_errors import FILE, FOLDER, exits_on_user_error, require_path
+
+PROG = "fairseq-kd-hf-data"
+#: lines tokenised per call of the tokenizer
+CHUNK_LINES = 1000
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Tokenise raw parallel text with a Hugging Face teacher's tokenizer and write "
+        "fairseq binarised data whose dictionaries are the teacher's vocabulary (for "
+        "--teacher-checkpoint DIR with word_kd or selective_kd).")
+    parser.add_argument("--teacher", required=True, help="the teacher's save_pretrained folder (config.json, "
+                        "weights and tokenizer files); read offline")
+    parser.add_argument("-s", "--source-lang", required=True, help="source language: files PREF.SRC")
+    parser.add_argument("-t", "--target-lang", required=True, help="target language: files PREF.TGT")
+    parser.add_argument("--trainpref", required=True, help="training text prefix (PREF.SRC, PREF.TGT)")
+    parser.add_argument("--validpref", help="validation text prefix")
+    parser.add_argument("--testpref", help="test text prefix")
+    parser.add_argument("--destdir", required=True, help="output folder (created if missing)")
+    parser.add_argument("--teacher-source-lang", help="the tokenizer's code of the source language for "
+                        "multilingual teachers (M2M100: de; NLLB: deu_Latn); default: -s")
+    parser.add_argument("--teacher-target-lang", help="the tokenizer's code of the target language "
+                        "(M2M100: en; NLLB: eng_Latn); default: -t")
+    parser.add_argument("--overwrite", action="store_true", help="replace output files that exist")
+    return parser
+
+
+def read_lines(path: Path) -> Iterator[List[str]]:
+    """The lines of ``path`` (without their newline), in chunks."""
+    chunk: List[str] = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            chunk.append(line.rstrip("\n"))
+            if len(chunk) == CHUNK_LINES:
+                yield chunk
+                chunk = []
+    if chunk:
+        yield chunk
+
+
+def set_languages(tokenizer, args) -> None:
+    """Tell a multilingual tokenizer the language codes (it puts their tags); refuse codes for a
+    tokenizer without languages, and codes it does not know."""
+    multilingual = hasattr(tokenizer, "src_lang") and hasattr(tokenizer, "tgt_lang")
+    if not multilingual:
+        if args.teacher_source_lang or args.teacher_target_lang:
+            raise ValueError(f"--teacher-source-lang/--teacher-target-lang: the tokenizer of --teacher "
+                             f"{args.teacher!r} takes no language codes; drop them")
+        return
+    for flag, attribute, code in (("--teacher-source-lang", "src_lang", args.teacher_source_lang or args.source_lang),
+                                  ("--teacher-target-lang", "tgt_lang", args.teacher_target_lang or args.target_lang)):
+        try:
+            setattr(tokenizer, attribute, code)
+            tag_id = tokenizer.convert_tokens_to_ids(tokenizer.get_lang_token(code)) if hasattr(
+                tokenizer, "get_lang_token") else tokenizer.convert_tokens_to_ids(code)
+        except (KeyError, ValueError) as err:
+            raise ValueError(f"{flag} {code!r}: the teacher's tokenizer does not know this language code "
+                             f"({err}); pass its code (M2M100: de, NLLB: deu_Latn)") from None
+        if tag_id is None or tag_id == tokenizer.unk_token_id:
+            raise ValueError(f"{flag} {code!r}: the teacher's tokenizer does not know this language code; "
+                             "pass its code (M2M100: de, NLLB: deu_Latn)")
+
+
+def encode_chunk(tokenizer, vocabulary, lines: List[str], target: bool) -> List[List[int]]:
+    """fairseq indices of ``lines`` without the closing ``</s>`` (fairseq's binarisation appends
+    it); refuses a tokenizer that does not close sentences with its ``</s>``."""
+    encoded = tokenizer(text_target=lines) if target else tokenizer(lines)
+    rows = []
+    for hf_ids in encoded["input_ids"]:
+        if not hf_ids or hf_ids[-1] != tokenizer.eos_token_id:
+            raise ValueError(f"the teacher's tokenizer does not end sentences with its {tokenizer.eos_token!r} "
+                             "(fairseq appends one to every sentence), so it is not supported")
+        rows.append(vocabulary.to_fairseq(hf_ids[:-1]))
+    return rows
+
+
+def decode_fairseq_ids(tokenizer, vocabulary, fairseq_ids: Sequence[int]) -> str:
+    """The text of a binarised sentence (fairseq indices, ending with ``</s>``) as the teacher's
+    tokenizer decodes it (special tokens and language tags skipped)."""
+    return tokenizer.decode(vocabulary.to_hf(fairseq_ids), skip_special_tokens=True)
+
+
+def binarise_split(tokenizer, vocabulary, dictionary, text_prefix: str, output_prefix: Path, lang: str,
+                   target: bool, counts: Optional[Counter] = None) -> int:
+    """Write ``output_prefix.LANG.{bin,idx}`` with fairseq's builder; returns the sentence count
+    (``counts``, if given, counts the symbols of the split)."""
+    import torch
+    from fairseq.data import indexed_dataset
+
+    source = require_path(f"{text_prefix}.{lang}", "--trainpref/--validpref/--testpref", FILE)
+    prefix = f"{output_prefix}.{lang}"
+    builder = indexed_dataset.make_builder(indexed_dataset.data_file_path(prefix), impl="mmap",
+                                           vocab_size=len(dictionary))
+    sentences = 0
+    for chunk in read_lines(source):
+        for row in encode_chunk(tokenizer, vocabulary, chunk, target):
+            builder.add_item(torch.IntTensor(row + [dictionary.eos()]))
+            if counts is not None:
+                counts.update(vocabulary.fairseq_symbols[i] for i in row)
+            sentences += 1
+    builder.finalize(indexed_dataset.index_file_path(prefix))
+    return sentences
+
+
+def output_files(args) -> List[Path]:
+    dest, pair = Path(args.destdir), f"{args.source_lang}-{args.target_lang}"
+    files = [dest / f"dict.{lang}.txt" for lang in (args.source_lang, args.target_lang)]
+    for split, pref in (("train", args.trainpref), ("valid", args.validpref), ("test", args.testpref)):
+        if pref:
+            files += [dest / f"{split}.{pair}.{lang}.{ext}" for lang in (args.source_lang, args.target_lang)
+                      for ext in ("bin", "idx")]
+    return files
+
+
+@exits_on_user_error(PROG)
+def cli_main(argv: Optional[Sequence[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    from fairseq_kd.models.hf_teacher import load_tokenizer, read_config, vocabulary_map
+
+    teacher = require_path(args.teacher, "--teacher", FOLDER, "give the teacher's save_pretrained folder")
+    if args.source_lang == args.target_lang:
+        raise ValueError("-s and -t must differ (fairseq names the files by language)")
+    existing = [str(f) for f in output_files(args) if f.exists()]
+    if existing and not args.overwrite:
+        raise ValueError(f"--destdir {args.destdir!r} already holds {existing[0]}"
+                         f"{f' and {len(existing) - 1} more' if len(existing) > 1 else ''}; pass --overwrite "
+                         "to replace them, or another --destdir")
+    config = read_config(teacher)
+    tokenizer = load_tokenizer(teacher)
+    vocabulary = vocabulary_map(teacher, tokenizer, config)
+    set_languages(tokenizer, args)
+    dest = Path(args.destdir)
+    dest.mkdir(parents=True, exist_ok=True)
+    pair = f"{args.source_lang}-{args.target_lang}"
+    counts = {args.source_lang: Counter(), args.target_lang: Counter()}
+    for split, pref in (("train", args.trainpref), ("valid", args.validpref), ("test", args.testpref)):
+        if not pref:
+            continue
+        sizes = [binarise_split(tokenizer, vocabulary, vocabulary.dictionary(), pref, dest / f"{split}.{pair}",
+                                lang, target, counts[lang] if split == "train" else None)
+                 for lang, target in ((args.source_lang, False), (args.target_lang, True))]
+        if sizes[0] != sizes[1]:
+            raise ValueError(f"{pref}.{args.source_lang} has {sizes[0]} lines but {pref}.{args.target_lang} "
+                             f"has {sizes[1]}; parallel files need one sentence per line on both sides")
+        print(f"{PROG}: {split}: {sizes[0]} sentence pairs")
+    for lang, counted in counts.items():
+        vocabulary.dictionary(counted).save(str(dest / f"dict.{lang}.txt"))
+    print(f"{PROG}: wrote {dest} ({len(vocabulary)} symbols, the vocabulary of {teacher})")
+
+
+if __name__ == "__main__":
+    cli_main()

@@ -1,0 +1,161 @@
+"""One fixed index mapping between a Hugging Face tokenizer's vocabulary and a fairseq dictionary.
+
+fairseq's :class:`~fairseq.data.Dictionary` fixes its special symbols at indices 0-3 (``<s>``,
+``<pad>``, ``</s>``, ``<unk>``) and appends the symbols of ``dict.LANG.txt`` after them; a Hugging
+Face tokenizer puts its specials wherever its vocabulary file does (Marian: ``</s>`` 0, ``<unk>`` 1,
+``<pad>`` last, no ``<s>``; M2M100/NLLB: ``<s> <pad> </s> <unk>`` at 0-3, language tags after the
+pieces). The mapping, the same in both directions and for every split:
+
+* fairseq 0-3 are the tokenizer's tokens of the same *role* (``bos_token_id``, ``pad_token_id``,
+  ``eos_token_id``, ``unk_token_id``), whatever their strings; a role the tokenizer lacks (Marian's
+  BOS) has no Hugging Face id (``NO_ID``): the adapter gives it probability 0;
+* fairseq 4.. are the tokenizer's other tokens in increasing Hugging Face id (language tags
+  included), so ``dict.LANG.txt`` lists exactly the teacher's vocabulary. Rows of the model past
+  the tokenizer's tokens (NLLB's spare rows) have no fairseq index: the teacher's distribution is
+  read over the tokens the data can hold.
+
+Hugging Face ids -> fairseq ids -> Hugging Face ids is the identity on the tokenizer's vocabulary.
+Imports neither transformers nor sentencepiece: it works on the vocabulary as a ``token -> id`` dict.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+#: fairseq's fixed specials, index = position (fairseq.data.Dictionary's defaults)
+FAIRSEQ_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
+#: the tokenizer attribute (``<role>_token_id``) that fills each of fairseq's specials
+SPECIAL_ROLES = ("bos", "pad", "eos", "unk")
+#: the roles a teacher's tokenizer must have (fairseq pads, ends every sentence and maps unknowns)
+REQUIRED_ROLES = ("pad", "eos", "unk")
+#: "this fairseq index has no Hugging Face token"
+NO_ID = -1
+
+
+class VocabularyError(ValueError):
+    """The tokenizer's vocabulary cannot be written as a fairseq dictionary."""
+
+
+@dataclass(frozen=True)
+class VocabularyMap:
+    """The mapping (see the module docstring); ``hf_id_of_fairseq[i]`` is the Hugging Face id of
+    fairseq index ``i`` (``NO_ID`` for none)."""
+
+    fairseq_symbols: Tuple[str, ...]
+    hf_id_of_fairseq: Tuple[int, ...]
+    hf_vocab_size: int
+
+    @classmethod
+    def from_vocabulary(cls, vocabulary: Mapping[str, int], special_ids: Mapping[str, Optional[int]]) -> "VocabularyMap":
+        """The mapping of a tokenizer whose vocabulary is ``vocabulary`` (token -> id; ids that are
+        no token, such as rows of the model past the tokenizer's end, stay unmapped) and whose
+        special tokens have the ids ``special_ids`` (role -> id or None)."""
+        token_of_id = _tokens_by_id(vocabulary)
+        for role in REQUIRED_ROLES:
+            if special_ids.get(role) is None:
+                raise VocabularyError(f"the tokenizer has no {role} token; fairseq needs one")
+        special_hf_ids = [special_ids.get(role) for role in SPECIAL_ROLES]
+        taken = {hf_id for hf_id in special_hf_ids if hf_id is not None}
+        others = [hf_id for hf_id in sorted(token_of_id) if hf_id not in taken]
+        symbols = list(FAIRSEQ_SPECIALS) + [_checked_symbol(token_of_id[hf_id]) for hf_id in others]
+        hf_ids = [NO_ID if hf_id is None else hf_id for hf_id in special_hf_ids] + others
+        return cls(tuple(symbols), tuple(hf_ids), max(token_of_id) + 1)
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, model_vocab_size: int = 0) -> "VocabularyMap":
+        """The mapping of a Hugging Face tokenizer: every id below the model's vocabulary size (or
+        the tokenizer's) that the tokenizer turns into a token and back into the same id, so tokens
+        that ``get_vocab()`` leaves out are kept (M2M100's language tags in transformers 5), and
+        its ``<role>_token_id`` specials."""
+        vocabulary = dict(tokenizer.get_vocab())
+        end = max([len(tokenizer), model_vocab_size, *(hf_id + 1 for hf_id in vocabulary.values())])
+        known = set(vocabulary.values())
+        probed = [i for i in range(end) if i not in known]
+        for hf_id, token in zip(probed, tokenizer.convert_ids_to_tokens(probed)):
+            if token is not None and token not in vocabulary and tokenizer.convert_tokens_to_ids(token) == hf_id:
+                vocabulary[token] = hf_id
+        special_ids = {role: getattr(tokenizer, f"{role}_token_id", None) for role in SPECIAL_ROLES}
+        return cls.from_vocabulary(vocabulary, special_ids)
+
+    def __len__(self) -> int:
+        return len(self.fairseq_symbols)
+
+    @property
+    def fairseq_id_of_hf(self) -> Tuple[int, ...]:
+        """The inverse direction: fairseq index of each Hugging Face id."""
+        inverse = [NO_ID] * self.hf_vocab_size
+        for fairseq_id, hf_id in enumerate(self.hf_id_of_fairseq):
+            if hf_id != NO_ID:
+                inverse[hf_id] = fairseq_id
+        return tuple(inverse)
+
+    def to_fairseq(self, hf_ids: Iterable[int]) -> List[int]:
+        """Hugging Face ids -> fairseq indices (every token of the tokenizer has one)."""
+        inverse, hf_ids = self.fairseq_id_of_hf, list(hf_ids)
+        fairseq_ids = [inverse[hf_id] if 0 <= hf_id < len(inverse) else NO_ID for hf_id in hf_ids]
+        if NO_ID in fairseq_ids:
+            raise VocabularyError(f"id {hf_ids[fairseq_ids.index(NO_ID)]} is no token of the teacher's vocabulary")
+        return fairseq_ids
+
+    def to_hf(self, fairseq_ids: Iterable[int]) -> List[int]:
+        """fairseq indices -> Hugging Face ids; refuses an index without one (Marian's ``<s>``)."""
+        hf_ids = [self.hf_id_of_fairseq[i] for i in fairseq_ids]
+        if NO_ID in hf_ids:
+            raise VocabularyError(f"fairseq index {hf_ids.index(NO_ID)} has no token in the teacher's vocabulary")
+        return hf_ids
+
+    def tensors(self, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(hf_id_of_fairseq, fairseq_id_of_hf) as long tensors, for ``index_select``/indexing."""
+        forward = torch.tensor(self.hf_id_of_fairseq, dtype=torch.long, device=device)
+        inverse = torch.tensor(self.fairseq_id_of_hf, dtype=torch.long, device=device)
+        return forward, inverse
+
+    def dictionary(self, counts: Optional[Mapping[str, int]] = None):
+        """The fairseq Dictionary of the mapping (symbol for symbol), with occurrence ``counts`` for
+        ``dict.LANG.txt`` (0 where not given); built and later saved by fairseq's own class."""
+        from fairseq.data import Dictionary
+
+        dictionary = Dictionary()
+        for symbol in self.fairseq_symbols[len(FAIRSEQ_SPECIALS):]:
+            dictionary.add_symbol(symbol, n=(counts or {}).get(symbol, 0))
+        if tuple(dictionary.symbols) != self.fairseq_symbols:  # fairseq's defaults changed under us
+            raise VocabularyError("fairseq's Dictionary does not put <s> <pad> </s> <unk> at 0-3")
+        return dictionary
+
+    def mismatch(self, symbols: Sequence[str]) -> Optional[str]:
+        """Why a dictionary with ``symbols`` is not this mapping's, or None when it is."""
+        if tuple(symbols) == self.fairseq_symbols:
+            return None
+        first = next((i for i, (a, b) in enumerate(zip(symbols, self.fairseq_symbols)) if a != b),
+                     min(len(symbols), len(self)))
+        return (f"{len(symbols)} symbols vs the teacher's {len(self)}, first difference at index {first}"
+                f" ({_symbol_at(symbols, first)!r} vs {_symbol_at(self.fairseq_symbols, first)!r})")
+
+
+def _symbol_at(symbols: Sequence[str], index: int) -> Optional[str]:
+    return symbols[index] if index < len(symbols) else None
+
+
+def _tokens_by_id(vocabulary: Mapping[str, int]) -> Dict[int, str]:
+    """The vocabulary as id -> token; no two tokens may share an id."""
+    tokens: Dict[int, str] = {}
+    for token, hf_id in vocabulary.items():
+        if hf_id in tokens:
+            raise VocabularyError(f"tokens {tokens[hf_id]!r} and {token!r} share id {hf_id}")
+        tokens[hf_id] = token
+    if not tokens:
+        raise VocabularyError("the tokenizer's vocabulary is empty")
+    return tokens
+
+
+def _checked_symbol(token: str) -> str:
+    """A token as a line of dict.LANG.txt: not one of fairseq's specials in another role, and no
+    whitespace (fairseq splits a dictionary line at its last space)."""
+    if token in FAIRSEQ_SPECIALS:
+        raise VocabularyError(f"the token {token!r} is an ordinary token of the tokenizer but a special symbol "
+                              "of fairseq's dictionary")
+    if not token or any(character.isspace() for character in token):
+        raise VocabularyError(f"the token {token!r} is empty or holds whitespace, which dict.LANG.txt cannot hold")
+    return token
