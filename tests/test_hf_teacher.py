@@ -1,0 +1,331 @@
+"""A Hugging Face seq2seq model as the teacher (issue 30, part A): MarianMT and M2M100.
+
+Nothing is downloaded: tiny models are built from configs with a SentencePiece model trained here
+on the synthetic corpus (and on real text from ../shared/data when present), saved with
+save_pretrained, and read back through the plugin offline.
+"""
+import gzip
+import io
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+spm = pytest.importorskip("sentencepiece")
+
+from conftest import SHARED_DATA, train_student  # noqa: E402
+from fairseq.data import Dictionary, LanguagePairDataset, data_utils  # noqa: E402
+from fairseq_kd.cli import hf_data  # noqa: E402
+from fairseq_kd.data.synthetic import write_corpus  # noqa: E402
+from fairseq_kd.models.feature_capture import CaptureRequest  # noqa: E402
+from fairseq_kd.models.hf_teacher import (  # noqa: E402
+    HuggingFaceTeacher,
+    folder_sha256,
+    load_tokenizer,
+    read_config,
+    vocabulary_map,
+)
+from fairseq_kd.models.hf_vocabulary import NO_ID  # noqa: E402
+from fairseq_kd.models.teacher import FrozenTeacher, TeacherCheckpointError  # noqa: E402
+from fairseq_kd.tasks.translation_kd import TranslationKDTask, load_teacher  # noqa: E402
+
+FAMILIES = ("marian", "m2m_100")
+SRC, TGT = "de", "en"  # wmt21's M2M100 language codes include both
+TINY = dict(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+            encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64)
+STUDENT_ARGS = [
+    "--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1",
+    "--encoder-embed-dim", "16", "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
+    "--decoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+    "--max-source-positions", "64", "--max-target-positions", "64",
+]
+
+
+def train_sentencepiece(lines, vocab_size=120) -> Path:
+    """SentencePiece pieces (no control or unknown pieces) and the model's bytes."""
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size,
+                                   model_type="unigram", hard_vocab_limit=False, character_coverage=1.0,
+                                   minloglevel=2, num_threads=1)
+    processor = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())
+              if not processor.is_control(i) and not processor.is_unknown(i)]
+    return pieces, model.getvalue()
+
+
+def save_teacher(family: str, lines, folder: Path, seed: int = 0) -> Path:
+    """A tiny ``family`` model and its tokenizer, written by save_pretrained into ``folder``."""
+    import transformers
+
+    pieces, model_bytes = train_sentencepiece(lines)
+    work = folder.parent / f"{folder.name}_files"
+    work.mkdir(parents=True)
+    (work / "sp.model").write_bytes(model_bytes)
+    if family == "marian":  # Marian's layout: </s> 0, <unk> 1, pieces, <pad> last; no <s>
+        vocab = {"</s>": 0, "<unk>": 1, **{p: i + 2 for i, p in enumerate(pieces)}}
+        vocab["<pad>"] = len(vocab)
+        (work / "vocab.json").write_text(json.dumps(vocab))
+        tokenizer = transformers.MarianTokenizer(str(work / "sp.model"), str(work / "sp.model"), str(work / "vocab.json"))
+        config = transformers.MarianConfig(vocab_size=len(vocab), pad_token_id=vocab["<pad>"], eos_token_id=0,
+                                           decoder_start_token_id=vocab["<pad>"], forced_eos_token_id=0, **TINY)
+        model_class = transformers.MarianMTModel
+    else:  # M2M100's layout: <s> <pad> </s> <unk>, pieces, then the language tags
+        vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, **{p: i + 4 for i, p in enumerate(pieces)}}
+        (work / "vocab.json").write_text(json.dumps(vocab))
+        tokenizer = transformers.M2M100Tokenizer(str(work / "vocab.json"), str(work / "sp.model"), src_lang=SRC,
+                                                 tgt_lang=TGT, language_codes="wmt21", num_madeup_words=0)
+        config = transformers.M2M100Config(vocab_size=max(tokenizer.lang_token_to_id.values()) + 1, **TINY)
+        model_class = transformers.M2M100ForConditionalGeneration
+    torch.manual_seed(seed)
+    model_class(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def raw_corpus(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("hf_raw")
+    write_corpus(folder, seed=3, train_size=160, valid_size=16, test_size=16, source_lang=SRC, target_lang=TGT)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def teachers(raw_corpus, tmp_path_factory) -> dict:
+    lines = [line for lang in (SRC, TGT) for line in (raw_corpus / f"train.{lang}").read_text().splitlines()]
+    root = tmp_path_factory.mktemp("hf_teachers")
+    return {family: save_teacher(family, lines, root / family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def data_bins(raw_corpus, teachers, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("hf_bin")
+    for family, folder in teachers.items():
+        hf_data.cli_main(["--teacher", str(folder), "-s", SRC, "-t", TGT, "--trainpref", str(raw_corpus / "train"),
+                          "--validpref", str(raw_corpus / "valid"), "--destdir", str(root / family)])
+    return {family: root / family for family in FAMILIES}
+
+
+def data_task(data_bin: Path):
+    """What the teacher reads of a task: its dictionaries and config."""
+    return SimpleNamespace(source_dictionary=Dictionary.load(str(data_bin / f"dict.{SRC}.txt")),
+                           target_dictionary=Dictionary.load(str(data_bin / f"dict.{TGT}.txt")),
+                           cfg=SimpleNamespace(left_pad_target=False))
+
+
+def split_batch(data_bin: Path, task, split="valid") -> dict:
+    """A fairseq batch of ``split`` exactly as training collates it (source left-padded)."""
+    prefix = str(data_bin / f"{split}.{SRC}-{TGT}.")
+    src = data_utils.load_indexed_dataset(prefix + SRC, task.source_dictionary)
+    tgt = data_utils.load_indexed_dataset(prefix + TGT, task.target_dictionary)
+    dataset = LanguagePairDataset(src, src.sizes, task.source_dictionary, tgt, tgt.sizes, task.target_dictionary)
+    return dataset.collater([dataset[i] for i in range(len(dataset))])
+
+
+# ------------------------------------------------------------------------ the adapter's numbers
+@pytest.mark.parametrize("family", FAMILIES)
+def test_log_probabilities_equal_the_models_own(family, teachers, data_bins):
+    """The adapter's log-probabilities over the fairseq dictionary, read through the index map,
+    equal the Hugging Face model's own on each unpadded sentence (teacher forcing with the model's
+    decoder start token and the labels its tokenizer makes); a symbol the teacher lacks has 0."""
+    task = data_task(data_bins[family])
+    teacher = HuggingFaceTeacher.load(str(teachers[family]), task)
+    batch = split_batch(data_bins[family], task)
+    assert batch["net_input"]["src_tokens"][:, 0].eq(task.source_dictionary.pad()).any()  # left padding tested
+    output, features = teacher.forward(batch["net_input"], CaptureRequest())
+    log_probs = output[0].float().log_softmax(-1)
+    vocabulary = teacher.model.vocabulary
+    mapped = torch.tensor([i for i, h in enumerate(vocabulary.hf_id_of_fairseq) if h != NO_ID])
+    hf_ids = torch.tensor(vocabulary.hf_id_of_fairseq)[mapped]
+    hf_model, tokenizer = teacher.model.hf_model, load_tokenizer(teachers[family])
+    if family == "m2m_100":
+        tokenizer.src_lang, tokenizer.tgt_lang = SRC, TGT
+    for row, sentence_id in enumerate(batch["id"].tolist()):
+        target = batch["target"][row]
+        length = int(target.ne(task.target_dictionary.pad()).sum())
+        labels = torch.tensor([vocabulary.to_hf(target[:length].tolist())])
+        source = batch["net_input"]["src_tokens"][row]
+        input_ids = torch.tensor([vocabulary.to_hf(source[source.ne(task.source_dictionary.pad())].tolist())])
+        with torch.no_grad():
+            reference = hf_model(input_ids=input_ids, labels=labels).logits.log_softmax(-1)[0]
+        torch.testing.assert_close(log_probs[row, :length][:, mapped], reference[:, hf_ids], atol=1e-5, rtol=1e-5)
+    missing = [i for i, h in enumerate(vocabulary.hf_id_of_fairseq) if h == NO_ID]
+    assert missing == ([0] if family == "marian" else [])  # Marian has no <s>
+    if missing:
+        assert float(log_probs[..., missing].exp().max()) == 0.0
+    assert not features.attention and features.encoder_hidden is None and features.decoder_hidden is None
+
+
+# ------------------------------------------------------------------------ vocabulary and data
+@pytest.mark.parametrize("family", FAMILIES)
+def test_index_maps_are_inverse(family, teachers):
+    """Hugging Face ids -> fairseq -> Hugging Face is the identity on the whole vocabulary, and
+    fairseq's specials map by role (Marian: </s> 0, <unk> 1, <pad> last, no <s>)."""
+    tokenizer = load_tokenizer(teachers[family])
+    vocabulary = vocabulary_map(teachers[family], tokenizer, read_config(teachers[family]))
+    every_id = list(range(vocabulary.hf_vocab_size))
+    assert vocabulary.to_hf(vocabulary.to_fairseq(every_id)) == every_id
+    specials = vocabulary.hf_id_of_fairseq[:4]
+    pad_id = tokenizer.pad_token_id
+    assert specials == ((NO_ID, pad_id, 0, 1) if family == "marian" else (0, 1, 2, 3))
+    assert vocabulary.fairseq_symbols[4:] == tuple(tokenizer.convert_ids_to_tokens(list(vocabulary.hf_id_of_fairseq[4:])))
+    if family == "m2m_100":  # language tags are symbols of the dictionary (transformers 5 leaves them out of get_vocab)
+        assert {"__de__", "__en__"} <= set(vocabulary.fairseq_symbols)
+
+
+def assert_text_round_trip(tokenizer, vocabulary, data_bin: Path, split: str, raw_prefix: Path):
+    """Every binarised sentence is the tokenizer's own ids (mapped, fairseq's </s> closing it), and
+    decodes to the text the tokenizer's own ids decode to."""
+    task = data_task(data_bin)
+    for lang, target in ((SRC, False), (TGT, True)):
+        dictionary = task.source_dictionary if not target else task.target_dictionary
+        binarised = data_utils.load_indexed_dataset(str(data_bin / f"{split}.{SRC}-{TGT}.{lang}"), dictionary)
+        lines = (raw_prefix.parent / f"{raw_prefix.name}.{lang}").read_text(encoding="utf-8").splitlines()
+        assert len(binarised) == len(lines)
+        own = tokenizer(text_target=lines) if target else tokenizer(lines)
+        for index, (line, hf_ids) in enumerate(zip(lines, own["input_ids"])):
+            fairseq_ids = binarised[index].tolist()
+            assert vocabulary.to_hf(fairseq_ids) == hf_ids
+            assert hf_data.decode_fairseq_ids(tokenizer, vocabulary, fairseq_ids) == tokenizer.decode(
+                hf_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_binarised_data_is_the_tokenizers_own(family, teachers, data_bins, raw_corpus):
+    """fairseq-kd-hf-data writes the teacher's vocabulary as dictionaries (symbol for symbol) and
+    the tokenizer's own ids: M2M100's language tags open every source and target sentence."""
+    tokenizer = load_tokenizer(teachers[family])
+    vocabulary = vocabulary_map(teachers[family], tokenizer, read_config(teachers[family]))
+    task = data_task(data_bins[family])
+    for dictionary in (task.source_dictionary, task.target_dictionary):
+        assert vocabulary.mismatch(dictionary.symbols) is None
+    if family == "m2m_100":
+        tokenizer.src_lang, tokenizer.tgt_lang = SRC, TGT
+        batch = split_batch(data_bins[family], task, "train")
+        assert set(batch["target"][:, 0].tolist()) == {task.target_dictionary.index("__en__")}
+    assert_text_round_trip(tokenizer, vocabulary, data_bins[family], "valid", raw_corpus / "valid")
+
+
+def real_lines(count=300):
+    """Real French and English sentences from ../shared/data (Multi30k), or a skip."""
+    folder = SHARED_DATA / "multi30k-fr-en"
+    if not (folder / "train.fr.gz").is_file():
+        pytest.skip(f"real text not found ({folder}/train.fr.gz)")
+    texts = {}
+    for lang in ("fr", "en"):
+        with gzip.open(folder / f"train.{lang}.gz", "rt", encoding="utf-8") as handle:
+            texts[lang] = [next(handle).rstrip("\n") for _ in range(count)]
+    return texts
+
+
+def test_round_trip_on_real_text(tmp_path):
+    """Real text (Multi30k fr-en) through a Marian teacher's own SentencePiece model: binarised
+    ids are the tokenizer's, decoding gives the tokenizer's text back."""
+    texts = real_lines()
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for lang, name in (("fr", SRC), ("en", TGT)):  # file names in the test's languages
+        (raw / f"train.{name}").write_text("\n".join(texts[lang][:250]) + "\n", encoding="utf-8")
+        (raw / f"valid.{name}").write_text("\n".join(texts[lang][250:]) + "\n", encoding="utf-8")
+    teacher = save_teacher("marian", texts["fr"][:250] + texts["en"][:250], tmp_path / "marian")
+    hf_data.cli_main(["--teacher", str(teacher), "-s", SRC, "-t", TGT, "--trainpref", str(raw / "train"),
+                      "--validpref", str(raw / "valid"), "--destdir", str(tmp_path / "bin")])
+    tokenizer = load_tokenizer(teacher)
+    vocabulary = vocabulary_map(teacher, tokenizer, read_config(teacher))
+    assert_text_round_trip(tokenizer, vocabulary, tmp_path / "bin", "valid", raw / "valid")
+    decoded = hf_data.decode_fairseq_ids(tokenizer, vocabulary, vocabulary.to_fairseq(tokenizer(texts["fr"][0]).input_ids))
+    assert decoded == texts["fr"][0]  # a training sentence: every piece is known
+
+
+# ------------------------------------------------------------------------ training
+def test_word_kd_trains_from_a_marian_teacher_and_resumes(teachers, data_bins, tmp_path):
+    """fairseq-train --criterion word_kd with the Marian folder as --teacher-checkpoint, 2 updates,
+    then resumed to 4: the checkpoint binds the folder's content hash."""
+    data, teacher, save = data_bins["marian"], teachers["marian"], tmp_path / "student"
+    extra = ["-s", SRC, "-t", TGT, "--cpu"]
+    first = train_student(data, teacher, save, ["--criterion", "word_kd"], STUDENT_ARGS, max_update=2, extra=extra)
+    assert "word_kd_loss=" in first.stdout + first.stderr
+    resumed = train_student(data, teacher, save, ["--criterion", "word_kd"], STUDENT_ARGS, max_update=4, extra=extra)
+    log = resumed.stdout + resumed.stderr
+    assert "checkpoint_last.pt (epoch" in log and "@ 2 updates)" in log, log[-2000:]
+    assert "num_updates=4" in log
+    from fairseq_kd.checkpoints import task_state
+    from fairseq_kd.models.from_checkpoint import read_transformer_checkpoint
+
+    binding = task_state(read_transformer_checkpoint(str(save / "checkpoint_last.pt")))["binding"]
+    assert binding["teacher_sha256"] == folder_sha256(teacher)
+
+
+# ------------------------------------------------------------------------ refusals
+def one_line_refusal(call) -> str:
+    with pytest.raises((TeacherCheckpointError, ValueError)) as caught:
+        call()
+    message = str(caught.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_refusals_are_one_line(teachers, data_bins, tmp_path):
+    """A missing folder, a corrupt config.json, an unsupported model type, data in another
+    vocabulary, a feature method and a teacher pass: each one line naming what to change."""
+    marian_task = data_task(data_bins["marian"])
+    message = one_line_refusal(lambda: load_teacher(str(tmp_path / "absent"), marian_task))
+    assert "--teacher-checkpoint" in message and "save_pretrained folder" in message
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(teachers["marian"], corrupt)
+    (corrupt / "config.json").write_text("{not json")
+    message = one_line_refusal(lambda: load_teacher(str(corrupt), marian_task))
+    assert "--teacher-checkpoint" in message and "config.json is not readable JSON" in message
+
+    unsupported = tmp_path / "bert"
+    shutil.copytree(teachers["marian"], unsupported)
+    (unsupported / "config.json").write_text(json.dumps({**read_config(teachers["marian"]), "model_type": "bert"}))
+    message = one_line_refusal(lambda: load_teacher(str(unsupported), marian_task))
+    assert "model type 'bert' is not supported" in message
+
+    message = one_line_refusal(lambda: load_teacher(str(teachers["marian"]), data_task(data_bins["m2m_100"])))
+    assert "the data's source dictionary is not the teacher's vocabulary" in message
+    assert "fairseq-kd-hf-data" in message
+
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(teachers["marian"], no_weights)
+    (no_weights / "model.safetensors").unlink()
+    assert "holds no weights" in one_line_refusal(lambda: load_teacher(str(no_weights), marian_task))
+
+    task = SimpleNamespace(teacher=load_teacher(str(teachers["marian"]), marian_task))
+    message = one_line_refusal(lambda: TranslationKDTask.require_teacher(task, "pkd"))
+    assert "criterion 'pkd'" in message and "word_kd or selective_kd" in message
+    assert TranslationKDTask.require_teacher(task, "selective_kd") is task.teacher
+
+    message = one_line_refusal(lambda: FrozenTeacher.load(str(teachers["marian"]), marian_task))
+    assert "not yet supported" in message
+
+
+def test_data_command_refusals(teachers, raw_corpus, tmp_path, capsys):
+    """fairseq-kd-hf-data: an output folder it would overwrite, and a language code the teacher's
+    tokenizer does not know, are one-line errors (exit 2)."""
+    args = ["--teacher", str(teachers["m2m_100"]), "-s", SRC, "-t", TGT, "--trainpref", str(raw_corpus / "train"),
+            "--destdir", str(tmp_path / "bin")]
+    hf_data.cli_main(args)
+    capsys.readouterr()
+    for extra, expected in (([], "pass --overwrite"), (["--overwrite", "--teacher-target-lang", "xx"],
+                                                      "--teacher-target-lang 'xx'")):
+        with pytest.raises(SystemExit) as exit_info:
+            hf_data.cli_main(args + extra)
+        error = capsys.readouterr().err
+        assert exit_info.value.code == 2 and expected in error and error.count("\n") == 1, error
+
+
+def test_plugin_does_not_import_transformers():
+    """transformers is imported only when a Hugging Face teacher is asked for."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fairseq_kd; fairseq_kd.register(); import fairseq_kd.tasks.translation_kd; "
+            "assert 'transformers' not in sys.modules, 'transformers imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
+
