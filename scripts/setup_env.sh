@@ -19,6 +19,9 @@ STAMP_V3="$VENV/.fairseq_kd_env_v3"
 # v4 adds CTranslate2 (the deploy extra): export, decoding and the deploy benchmark.
 STAMP_V4="$VENV/.fairseq_kd_env_v4"
 CTRANSLATE2_SPEC="ctranslate2>=4.4,<5"
+# v5 adds transformers (the hf extra): Hugging Face teachers and fairseq-kd-hf-data.
+STAMP_V5="$VENV/.fairseq_kd_env_v5"
+TRANSFORMERS_SPEC="transformers>=5,<6"
 
 # Packages added after v1: installed into an existing environment without rebuilding it, each only
 # when absent, against the installed torch (constraints.txt) so nothing replaces it.
@@ -61,10 +64,22 @@ upgrade_v3_to_v4() {
     touch "$STAMP_V4"
 }
 
+upgrade_v4_to_v5() {
+    if ! "$VENV/bin/python" -c "import transformers" 2>/dev/null; then
+        echo "[setup_env] adding transformers to $VENV"
+        local pin=()
+        [[ -f "$VENV/constraints.txt" ]] && pin=(-c "$VENV/constraints.txt")
+        # fatal: the suite tests Hugging Face teachers (tests/test_hf_teacher.py); the constraint keeps torch
+        "$VENV/bin/python" -m pip install -q "${pin[@]}" "$TRANSFORMERS_SPEC"
+    fi
+    touch "$STAMP_V5"
+}
+
 if [[ -f "$STAMP" ]]; then
     [[ -f "$STAMP_V2" ]] || upgrade_v1_to_v2
     [[ -f "$STAMP_V3" ]] || upgrade_v2_to_v3
     [[ -f "$STAMP_V4" ]] || upgrade_v3_to_v4
+    [[ -f "$STAMP_V5" ]] || upgrade_v4_to_v5
     # Keep the editable install pointing at this checkout (a fresh clone may reuse a shared venv).
     # (PYTHONWARNINGS: setuptools warns about editable installs on every run)
     PYTHONWARNINGS=ignore "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" >/dev/null
@@ -103,7 +118,7 @@ echo "torch==$TORCH_VERSION" >"$CONSTRAINTS"
 "${PIP[@]}" install -q -c "$CONSTRAINTS" \
     "hydra-core==1.3.2" "omegaconf==2.3.0" cffi regex "sacrebleu>=2.3" tqdm bitarray \
     scikit-learn packaging sentencepiece subword-nmt sacremoses pytest pytest-xdist matplotlib tensorboardX \
-    "$CTRANSLATE2_SPEC"
+    "$CTRANSLATE2_SPEC" "$TRANSFORMERS_SPEC"
 echo "[setup_env] building fairseq-fixed==0.12.3.1 (about 3 minutes the first time; pip caches the wheel)"
 "${PIP[@]}" install -q --no-deps --no-build-isolation "fairseq-fixed==0.12.3.1"
 "${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT"
@@ -113,7 +128,7 @@ echo "[setup_env] building fairseq-fixed==0.12.3.1 (about 3 minutes the first ti
 import importlib.util, sys, torch
 if importlib.util.find_spec("torchaudio") is not None:
     sys.exit("torchaudio is installed in the environment; it pins another torch. Remove it.")
-import ctranslate2, fairseq, fairseq_kd, tensorboardX  # noqa: F401
+import ctranslate2, fairseq, fairseq_kd, tensorboardX, transformers  # noqa: F401
 print(f"[setup_env] ok: torch {torch.__version__}, fairseq {fairseq.__version__}")
 PYCHK
-touch "$STAMP" "$STAMP_V2" "$STAMP_V3" "$STAMP_V4"
+touch "$STAMP" "$STAMP_V2" "$STAMP_V3" "$STAMP_V4" "$STAMP_V5"

@@ -130,9 +130,11 @@ def test_wheel_holds_every_module_and_the_console_scripts(tmp_path):
 
 def test_the_plugin_imports_no_preparation_or_recipe_code():
     """What ``fairseq-train --user-dir fairseq_kd`` imports (the package, registered with fairseq)
-    loads neither corpus preparation nor the recipe engine: they live in fairseq_kd_recipes."""
+    loads neither corpus preparation nor the recipe engine (they live in fairseq_kd_recipes) nor
+    transformers."""
     code = ("import sys, fairseq, fairseq_kd\n"
             "fairseq_kd.register()\n"
+            "print('transformers imported' if 'transformers' in sys.modules else 'no transformers')\n"
             "print(sorted(name for name in sys.modules if name.startswith('fairseq_kd')))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**QUIET_ENV, "PYTHONPATH": str(REPO)}, cwd=REPO)
@@ -140,6 +142,8 @@ def test_the_plugin_imports_no_preparation_or_recipe_code():
     loaded = proc.stdout.strip().splitlines()[-1]
     assert "fairseq_kd.criterions" in loaded and "fairseq_kd.tasks" in loaded, loaded
     assert "fairseq_kd_recipes" not in loaded and "prepare" not in loaded and "recipe" not in loaded, loaded
+    # transformers is imported only when a Hugging Face teacher is asked for (models/hf_teacher.py)
+    assert proc.stdout.strip().splitlines()[-2] == "no transformers", proc.stdout[-2000:]
 
 
 def test_recipes_run_from_a_non_editable_install_outside_the_checkout(tmp_path):
