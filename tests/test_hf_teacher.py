@@ -5,6 +5,7 @@ on the synthetic corpus (and on real text from ../shared/data when present), sav
 save_pretrained, and read back through the plugin offline.
 """
 import gzip
+import os
 import io
 import json
 import shutil
@@ -318,3 +319,36 @@ def test_data_command_refusals(teachers, raw_corpus, tmp_path, capsys):
             hf_data.cli_main(args + extra)
         error = capsys.readouterr().err
         assert exit_info.value.code == 2 and expected in error and error.count("\n") == 1, error
+
+
+class _MakesMarkerWhenUnpickled:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_pickled_weights_are_read_weights_only(teachers, data_bins, tmp_path, monkeypatch):
+    """A folder with pytorch_model.bin only: plain tensors load (the same numbers as the
+    safetensors folder); a pickle gadget beside them is refused in one line and never runs, with
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 set."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    task = data_task(data_bins["marian"])
+    weights = load_file(str(teachers["marian"] / "model.safetensors"))
+    pickled = tmp_path / "pickled"
+    shutil.copytree(teachers["marian"], pickled)
+    (pickled / "model.safetensors").unlink()
+    torch.save(weights, pickled / "pytorch_model.bin")
+    batch = split_batch(data_bins["marian"], task)
+    logits = {name: load_teacher(str(folder), task).forward(batch["net_input"], CaptureRequest())[0][0]
+              for name, folder in (("safetensors", teachers["marian"]), ("pickle", pickled))}
+    torch.testing.assert_close(logits["pickle"], logits["safetensors"])
+
+    marker = tmp_path / "gadget_ran"
+    torch.save({**weights, "payload": _MakesMarkerWhenUnpickled(marker)}, pickled / "pytorch_model.bin")
+    message = one_line_refusal(lambda: load_teacher(str(pickled), task))
+    assert "refusing to load its pickled weights" in message and "mkdir" in message, message
+    assert "weights_only=False" not in message and not marker.exists()

@@ -37,8 +37,8 @@ def _copy_project(destination: Path) -> Path:
     return destination
 
 
-def _dry_run(project: Path, editable: bool, report: Path) -> dict:
-    target = ["-e", str(project)] if editable else [str(project)]
+def _dry_run(project: Path, editable: bool, report: Path, extras: str = "") -> dict:
+    target = ["-e", str(project) + extras] if editable else [str(project) + extras]
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report),
            "--no-build-isolation", *target]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=QUIET_ENV, cwd=project, timeout=600)
@@ -104,6 +104,20 @@ def test_register_names_the_fix_when_fairseq_is_missing_or_old(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "REFUSED" in proc.stdout and expected in proc.stdout, proc.stdout
         assert "fairseq-fixed==0.12.3.1" in proc.stdout and "--no-build-isolation" in proc.stdout
+
+
+def test_the_hf_extra_keeps_installed_torch(tmp_path):
+    """``pip install '.[hf]'`` (Hugging Face teachers) brings transformers 5 and sentencepiece within
+    their stated bounds and replaces neither torch nor fairseq."""
+    pytest.importorskip("fairseq")
+    (tmp_path / "project").mkdir()
+    project = _copy_project(tmp_path / "project")
+    report = _dry_run(project, False, tmp_path / "report.json", extras="[hf]")
+    installs = {_canonical(item["metadata"]["name"]): item for item in report["install"]}
+    assert not NEVER_INSTALLED & set(installs), sorted(installs)
+    requires = installs["fairseq-kd"]["metadata"].get("requires_dist", [])
+    assert any(req.startswith("transformers<6,>=5") or req.startswith("transformers>=5,<6") for req in requires), requires
+    assert any(req.startswith("sentencepiece") and 'extra == "hf"' in req for req in requires), requires
 
 
 def test_wheel_holds_every_module_and_the_console_scripts(tmp_path):

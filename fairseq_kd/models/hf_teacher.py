@@ -34,6 +34,7 @@ import inspect
 import json
 import logging
 import os
+import pickle
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -146,10 +147,25 @@ def load_model(folder, cls):
                                     dtype=torch.float32)
     except TeacherCheckpointError:
         raise
+    except pickle.UnpicklingError:
+        raise refuse(folder, unsafe_weights_problem(folder)) from None
     except Exception as err:  # noqa: BLE001 - any failure means: these weights cannot be read
         first_line = str(err).splitlines()[0] if str(err) else ""
         raise refuse(folder, f"its model cannot be loaded ({type(err).__name__}: {first_line})") from None
     return model.eval()
+
+
+def unsafe_weights_problem(folder) -> str:
+    """Why weights-only loading refused the folder's pickled weights, naming what they reference
+    (read from the pickle's opcodes, never run); torch's own advice to load with
+    ``weights_only=False`` is not repeated."""
+    from ..checkpoints import refused_globals
+
+    named = sorted({name for weights in sorted(Path(folder).glob("pytorch_model*.bin"))
+                    for name in refused_globals(weights)})
+    what = f"the class or function {', '.join(named[:5])}" if named else "an object that is not plain data"
+    return (f"refusing to load its pickled weights: they contain {what}; unpickling it could run arbitrary "
+            "code, so it was not loaded (weights_only=True). Save the model as safetensors with save_pretrained.")
 
 
 def vocabulary_map(folder, tokenizer, config: dict) -> VocabularyMap:
