@@ -674,7 +674,9 @@ def _prepare_ctranslate2(plan_: _Plan, workers: Workers, output_existed: bool) -
 def _decode_own_shards(plan_: _Plan, dataset, decode: Decoder, workers: Workers, device,
                        log: Callable[[str], None]) -> Tuple[int, float, List[int]]:
     """Decode this worker's shards not written yet (at most ``max_shards``): ``(sentences decoded,
-    seconds, own shards left undecoded)``."""
+    seconds, own shards left undecoded)``; nothing when another worker has merged meanwhile."""
+    if _is_complete(plan_):
+        return 0, 0.0, []
     config, sentences = plan_.config, len(dataset)
     shard_count = math.ceil(sentences / config.shard_size)
     owned = workers.owned(range(shard_count))

@@ -266,7 +266,7 @@ def _cache_own_shards(config: CacheConfig, workers: Workers, task, teacher, data
     n_sentences = len(offsets) - 1
     n_shards = shard_count(n_sentences, config.shard_size)
     pending = [shard for shard in workers.owned(range(n_shards)) if not _shard_path(output, shard).is_file()]
-    if not pending:
+    if not pending or (output / MANIFEST).is_file():  # done, or merged meanwhile by another worker
         return
     (output / SHARDS).mkdir(exist_ok=True)
     device = pick_device(config.cpu, workers)
