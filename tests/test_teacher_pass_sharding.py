@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import BIN, QUIET_ENV
 
 from fairseq_kd.teacher_pass import common, seqkd, teacher_cache
@@ -24,6 +25,17 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 
 def quiet(_line):
     pass
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """One intra-op thread in this process too, as the suite's subprocesses have
+    (OMP_NUM_THREADS=1): the tiny teacher's small batches on two threads of a loaded machine run
+    many times slower (a 400-sentence cache pass: 1.6 s on one thread, 19 s on two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def seqkd_config(data, teacher, output, **overrides):
