@@ -292,6 +292,10 @@ def test_refusals_are_one_line(teachers, data_bins, tmp_path):
     assert "the data's source dictionary is not the teacher's vocabulary" in message
     assert "fairseq-kd-hf-data" in message
 
+    message = one_line_refusal(lambda: HuggingFaceTeacher.load(str(teachers["marian"]), marian_task,
+                                                               teacher_data=str(data_bins["marian"])))
+    assert "drop --teacher-data" in message
+
     no_weights = tmp_path / "no_weights"
     shutil.copytree(teachers["marian"], no_weights)
     (no_weights / "model.safetensors").unlink()

@@ -190,10 +190,7 @@ class HuggingFaceTeacherModel(nn.Module):
         self.hf_model = hf_model
         self.vocabulary = vocabulary
         self.fairseq_pad = fairseq_pad
-        config = hf_model.config
-        self.decoder_start_token_id = config.decoder_start_token_id
-        if self.decoder_start_token_id is None:
-            raise ValueError(f"the model's config has no decoder_start_token_id")
+        self.decoder_start_token_id = hf_model.config.decoder_start_token_id
         hf_of_fairseq, _ = vocabulary.tensors()
         self.register_buffer("hf_of_fairseq", hf_of_fairseq, persistent=False)
         self.register_buffer("logit_index", hf_of_fairseq.clamp_min(0), persistent=False)
@@ -248,9 +245,6 @@ class HuggingFaceTeacher(FrozenTeacher):
     """A :class:`FrozenTeacher` whose model is a :class:`HuggingFaceTeacherModel`: the teacher's
     output distribution only (no features yet); bound to the student's run by :func:`folder_sha256`."""
 
-    #: what the criterions may ask of this teacher: its output distribution, nothing captured
-    OUTPUT_ONLY = True
-
     def __init__(self, model: HuggingFaceTeacherModel, path: str, sha256: Optional[str] = None):
         self.path = path
         self._sha256 = sha256
@@ -263,16 +257,21 @@ class HuggingFaceTeacher(FrozenTeacher):
     @classmethod
     def load(cls, path: str, task, teacher_data: Optional[str] = None, sha256: Optional[str] = None):
         """Load the folder ``path`` for ``task``, whose dictionaries must be the teacher's
-        vocabulary symbol for symbol (``teacher_data`` is not needed: the folder holds it)."""
+        vocabulary symbol for symbol; ``teacher_data`` (``--teacher-data``) is refused: the folder
+        holds the vocabulary. Every refusal comes before the weights are read."""
+        task_cfg = getattr(task, "cfg", None)
+        if teacher_data or getattr(task_cfg, "teacher_data", None):
+            raise refuse(path, "--teacher-data names a fairseq teacher's dictionaries; a Hugging Face folder "
+                         "holds its own vocabulary: drop --teacher-data")
         config = read_config(path)
         cls_of_model = model_class(import_transformers(), path, config["model_type"])
         vocabulary = vocabulary_map(path, load_tokenizer(path), config)
         check_data_dictionaries(path, vocabulary, task.source_dictionary, task.target_dictionary)
-        task_cfg = getattr(task, "cfg", None)
         if getattr(task_cfg, "left_pad_target", False):
             raise refuse(path, "--left-pad-target is not supported with a Hugging Face teacher (its "
                          "decoder positions count from the first slot); drop it")
         model = load_model(path, cls_of_model)
+        check_model_fits(path, model, vocabulary)
         logger.info(f"{FLAG} {path}: Hugging Face {model.config.model_type} teacher, "
                     f"{len(vocabulary)} symbols, dictionaries compared symbol for symbol")
         return cls(HuggingFaceTeacherModel(model, vocabulary, task.target_dictionary.pad()), path, sha256)
@@ -288,6 +287,16 @@ class HuggingFaceTeacher(FrozenTeacher):
             raise NotImplementedError("attention maps and hidden states of a Hugging Face teacher are not yet supported")
         with torch.no_grad():
             return self.model(**net_input), CapturedFeatures()
+
+
+def check_model_fits(path, model, vocabulary: VocabularyMap) -> None:
+    """The model starts its decoder somewhere and has a logit for every token of its tokenizer."""
+    if model.config.decoder_start_token_id is None:
+        raise refuse(path, f"{CONFIG_FILE} sets no decoder_start_token_id, so the decoder's first input is unknown")
+    rows = model.get_output_embeddings().weight.size(0)
+    if rows < vocabulary.hf_vocab_size:
+        raise refuse(path, f"the model has {rows} output logits but its tokenizer {vocabulary.hf_vocab_size} "
+                     "tokens; the model and tokenizer do not belong together")
 
 
 def check_data_dictionaries(path, vocabulary: VocabularyMap, source_dictionary, target_dictionary) -> None:
