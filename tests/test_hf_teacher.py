@@ -356,3 +356,20 @@ def test_pickled_weights_are_read_weights_only(teachers, data_bins, tmp_path, mo
     message = one_line_refusal(lambda: load_teacher(str(pickled), task))
     assert "refusing to load its pickled weights" in message and "mkdir" in message, message
     assert "weights_only=False" not in message and not marker.exists()
+
+
+def test_teacher_follows_the_students_dtype(teachers, data_bins):
+    """In bfloat16 (the student's dtype after --bf16) the teacher's weights follow, its logits come
+    in bfloat16, close to float32's, and Marian's missing <s> keeps probability 0."""
+    task = data_task(data_bins["marian"])
+    teacher = HuggingFaceTeacher.load(str(teachers["marian"]), task)
+    batch = split_batch(data_bins["marian"], task)
+    full = teacher.forward(batch["net_input"], CaptureRequest())[0][0].log_softmax(-1)
+    teacher.follow(torch.zeros(1, dtype=torch.bfloat16))
+    assert next(teacher.model.parameters()).dtype == torch.bfloat16 and not teacher.model.training
+    half = teacher.forward(batch["net_input"], CaptureRequest())[0][0]
+    assert half.dtype == torch.bfloat16
+    half = half.float().log_softmax(-1)
+    assert float(half[..., 0].exp().max()) == 0.0
+    real = batch["target"].ne(task.target_dictionary.pad())
+    assert float((half - full).exp().sub(1).abs()[real][:, 1:].max()) < 0.2  # within bfloat16's precision
