@@ -176,6 +176,9 @@ def test_pid_and_sid_move_on_after_the_epoch_budget(kd_task, tiny_batch, schedul
         criterion.begin_epoch(epoch)
         logs = epoch_of_training(criterion, student, [tiny_batch])
         seen.append((criterion.slots["encoder"], criterion.loss_weights()))
+        # the schedule reaches the log: each step's weights, next to its terms
+        assert (logs[0]["word_kd_weight"], logs[0]["internal_kl_weight"]) == (
+            seen[-1][1]["word_kd"], seen[-1][1]["internal_kl"])
         if criterion.internal_phase:
             assert logs[0]["internal_kl_loss"] > 0 and logs[0]["word_kd_loss"] == 0.0
         else:

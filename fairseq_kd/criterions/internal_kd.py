@@ -124,6 +124,9 @@ def schedule_stage(epoch: int, num_stages: int, epochs_per_stage: int, crossings
 @register_criterion("internal_kd", dataclass=InternalKDConfig)
 class InternalKDCriterion(HiddenStateKDCriterion):
     TERM_NAMES = ("word_kd", "internal_kl", "internal_cos")
+    #: the phase schedule, logged every step next to the terms: word KD's weight (0 during the
+    #: internal phase unless soft labels run throughout) and the internal terms' (0 after it)
+    SCHEDULED_WEIGHT_KEYS = ("word_kd_weight", "internal_kl_weight")
     LOG_KEYS = ("internal_schedule_cos", "internal_schedule_sentences")
     WEIGHT_FLAGS = {"ce": "--hard-label-weight", "word_kd": "--kd-weight", "internal_kl": "--layer-weight",
                     "internal_cos": "--layer-weight"}
