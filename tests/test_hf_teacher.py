@@ -318,7 +318,8 @@ def test_data_command_refusals(teachers, raw_corpus, tmp_path, capsys):
     hf_data.cli_main(args)
     capsys.readouterr()
     for extra, expected in (([], "pass --overwrite"), (["--overwrite", "--teacher-target-lang", "xx"],
-                                                      "--teacher-target-lang 'xx'")):
+                                                      "--teacher-target-lang 'xx'"),
+                            (["--overwrite", "--validpref", str(raw_corpus / "absent")], "--validpref")):
         with pytest.raises(SystemExit) as exit_info:
             hf_data.cli_main(args + extra)
         error = capsys.readouterr().err

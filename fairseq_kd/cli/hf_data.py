@@ -107,13 +107,13 @@ def decode_fairseq_ids(tokenizer, vocabulary, fairseq_ids: Sequence[int]) -> str
 
 
 def binarise_split(tokenizer, vocabulary, dictionary, text_prefix: str, output_prefix: Path, lang: str,
-                   target: bool, counts: Optional[Counter] = None) -> int:
-    """Write ``output_prefix.LANG.{bin,idx}`` with fairseq's builder; returns the sentence count
-    (``counts``, if given, counts the symbols of the split)."""
+                   target: bool, counts: Optional[Counter] = None, flag: str = "--trainpref") -> int:
+    """Write ``output_prefix.LANG.{bin,idx}`` with fairseq's builder from ``text_prefix.LANG`` (given
+    by ``flag``); returns the sentence count (``counts``, if given, counts the split's symbols)."""
     import torch
     from fairseq.data import indexed_dataset
 
-    source = require_path(f"{text_prefix}.{lang}", "--trainpref/--validpref/--testpref", FILE)
+    source = require_path(f"{text_prefix}.{lang}", flag, FILE)
     prefix = f"{output_prefix}.{lang}"
     builder = indexed_dataset.make_builder(indexed_dataset.data_file_path(prefix), impl="mmap",
                                            vocab_size=len(dictionary))
@@ -146,6 +146,9 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
     teacher = require_path(args.teacher, "--teacher", FOLDER, "give the teacher's save_pretrained folder")
     if args.source_lang == args.target_lang:
         raise ValueError("-s and -t must differ (fairseq names the files by language)")
+    for split, pref in (("train", args.trainpref), ("valid", args.validpref), ("test", args.testpref)):
+        for lang in (args.source_lang, args.target_lang) if pref else ():
+            require_path(f"{pref}.{lang}", f"--{split}pref", FILE, f"--{split}pref PREFIX reads PREFIX.{lang}")
     existing = [str(f) for f in output_files(args) if f.exists()]
     if existing and not args.overwrite:
         raise ValueError(f"--destdir {args.destdir!r} already holds {existing[0]}"
@@ -163,7 +166,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
         if not pref:
             continue
         sizes = [binarise_split(tokenizer, vocabulary, vocabulary.dictionary(), pref, dest / f"{split}.{pair}",
-                                lang, target, counts[lang] if split == "train" else None)
+                                lang, target, counts[lang] if split == "train" else None, f"--{split}pref")
                  for lang, target in ((args.source_lang, False), (args.target_lang, True))]
         if sizes[0] != sizes[1]:
             raise ValueError(f"{pref}.{args.source_lang} has {sizes[0]} lines but {pref}.{args.target_lang} "
