@@ -1,4 +1,4 @@
-"""A Hugging Face seq2seq model as the teacher (issue 30, part A): MarianMT and M2M100.
+"""A Hugging Face seq2seq model as the teacher (issue 30, part A): MarianMT, M2M100 and NLLB.
 
 Nothing is downloaded: tiny models are built from configs with a SentencePiece model trained here
 on the synthetic corpus (and on real text from ../shared/data when present), saved with
@@ -34,8 +34,11 @@ from fairseq_kd.models.hf_vocabulary import NO_ID  # noqa: E402
 from fairseq_kd.models.teacher import FrozenTeacher, TeacherCheckpointError  # noqa: E402
 from fairseq_kd.tasks.translation_kd import TranslationKDTask, load_teacher  # noqa: E402
 
-FAMILIES = ("marian", "m2m_100")
+FAMILIES = ("marian", "m2m_100", "nllb")  # nllb: the NLLB tokenizer with an M2M100 model, as NLLB ships
 SRC, TGT = "de", "en"  # wmt21's M2M100 language codes include both
+#: each multilingual family's language codes for SRC and TGT (what --teacher-*-lang takes), and its tags
+LANGUAGE_CODES = {"m2m_100": ("de", "en"), "nllb": ("deu_Latn", "eng_Latn")}
+LANGUAGE_TAGS = {"m2m_100": ("__de__", "__en__"), "nllb": ("deu_Latn", "eng_Latn")}
 TINY = dict(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
             encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64)
 STUDENT_ARGS = [
@@ -74,6 +77,12 @@ def save_teacher(family: str, lines, folder: Path, seed: int = 0) -> Path:
         config = transformers.MarianConfig(vocab_size=len(vocab), pad_token_id=vocab["<pad>"], eos_token_id=0,
                                            decoder_start_token_id=vocab["<pad>"], forced_eos_token_id=0, **TINY)
         model_class = transformers.MarianMTModel
+    elif family == "nllb":  # NLLB's tokenizers-backed BPE: <s> <pad> </s> <unk>, symbols, added language codes
+        symbols = sorted({c for line in lines for c in line.replace(" ", "\u2581")} | {"\u2581"})
+        vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, **{c: i + 4 for i, c in enumerate(symbols)}}
+        tokenizer = transformers.NllbTokenizer(vocab=vocab, merges=[], src_lang="deu_Latn", tgt_lang="eng_Latn")
+        config = transformers.M2M100Config(vocab_size=len(tokenizer), **TINY)
+        model_class = transformers.M2M100ForConditionalGeneration
     else:  # M2M100's layout: <s> <pad> </s> <unk>, pieces, then the language tags
         vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, **{p: i + 4 for i, p in enumerate(pieces)}}
         (work / "vocab.json").write_text(json.dumps(vocab))
@@ -105,8 +114,10 @@ def teachers(raw_corpus, tmp_path_factory) -> dict:
 def data_bins(raw_corpus, teachers, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("hf_bin")
     for family, folder in teachers.items():
+        codes = LANGUAGE_CODES.get(family)
+        languages = ["--teacher-source-lang", codes[0], "--teacher-target-lang", codes[1]] if codes else []
         hf_data.cli_main(["--teacher", str(folder), "-s", SRC, "-t", TGT, "--trainpref", str(raw_corpus / "train"),
-                          "--validpref", str(raw_corpus / "valid"), "--destdir", str(root / family)])
+                          "--validpref", str(raw_corpus / "valid"), "--destdir", str(root / family), *languages])
     return {family: root / family for family in FAMILIES}
 
 
@@ -141,9 +152,7 @@ def test_log_probabilities_equal_the_models_own(family, teachers, data_bins):
     vocabulary = teacher.model.vocabulary
     mapped = torch.tensor([i for i, h in enumerate(vocabulary.hf_id_of_fairseq) if h != NO_ID])
     hf_ids = torch.tensor(vocabulary.hf_id_of_fairseq)[mapped]
-    hf_model, tokenizer = teacher.model.hf_model, load_tokenizer(teachers[family])
-    if family == "m2m_100":
-        tokenizer.src_lang, tokenizer.tgt_lang = SRC, TGT
+    hf_model = teacher.model.hf_model
     for row, sentence_id in enumerate(batch["id"].tolist()):
         target = batch["target"][row]
         length = int(target.ne(task.target_dictionary.pad()).sum())
@@ -171,10 +180,10 @@ def test_index_maps_are_inverse(family, teachers):
     assert vocabulary.to_hf(vocabulary.to_fairseq(every_id)) == every_id
     specials = vocabulary.hf_id_of_fairseq[:4]
     pad_id = tokenizer.pad_token_id
-    assert specials == ((NO_ID, pad_id, 0, 1) if family == "marian" else (0, 1, 2, 3))
+    assert specials == ((NO_ID, pad_id, 0, 1) if family == "marian" else (0, 1, 2, 3))  # M2M100, NLLB
     assert vocabulary.fairseq_symbols[4:] == tuple(tokenizer.convert_ids_to_tokens(list(vocabulary.hf_id_of_fairseq[4:])))
-    if family == "m2m_100":  # language tags are symbols of the dictionary (transformers 5 leaves them out of get_vocab)
-        assert {"__de__", "__en__"} <= set(vocabulary.fairseq_symbols)
+    if family in LANGUAGE_TAGS:  # language tags are symbols (M2M100's: transformers 5 leaves them out of get_vocab)
+        assert set(LANGUAGE_TAGS[family]) <= set(vocabulary.fairseq_symbols)
 
 
 def assert_text_round_trip(tokenizer, vocabulary, data_bin: Path, split: str, raw_prefix: Path):
@@ -203,10 +212,13 @@ def test_binarised_data_is_the_tokenizers_own(family, teachers, data_bins, raw_c
     task = data_task(data_bins[family])
     for dictionary in (task.source_dictionary, task.target_dictionary):
         assert vocabulary.mismatch(dictionary.symbols) is None
-    if family == "m2m_100":
-        tokenizer.src_lang, tokenizer.tgt_lang = SRC, TGT
+    if family in LANGUAGE_CODES:
+        tokenizer.src_lang, tokenizer.tgt_lang = LANGUAGE_CODES[family]
         batch = split_batch(data_bins[family], task, "train")
-        assert set(batch["target"][:, 0].tolist()) == {task.target_dictionary.index("__en__")}
+        source_tag, target_tag = (task.source_dictionary.index(tag) for tag in LANGUAGE_TAGS[family])
+        assert set(batch["target"][:, 0].tolist()) == {target_tag}
+        first_real = batch["net_input"]["src_tokens"].ne(task.source_dictionary.pad()).int().argmax(1)
+        assert set(batch["net_input"]["src_tokens"].gather(1, first_real[:, None]).flatten().tolist()) == {source_tag}
     assert_text_round_trip(tokenizer, vocabulary, data_bins[family], "valid", raw_corpus / "valid")
 
 
