@@ -16,6 +16,8 @@ LOCAL_RANK); the arrays are those of one process, byte for byte. Format and chec
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 from typing import List, Optional
 
 from fairseq_kd.cli.flags import add_config_flags
@@ -34,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
 def cli_main(argv: Optional[List[str]] = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # the libraries' INFO lines (fairseq's, once per worker) stay off the terminal, as in fairseq-kd-seqkd
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
     from fairseq_kd.teacher_pass.teacher_cache import CacheConfig, TeacherCacheError, build_cache
     from fairseq_kd.models.teacher import TeacherCheckpointError
 
