@@ -1,12 +1,16 @@
-"""Export a trained model as a plain fairseq ``transformer`` checkpoint or a CTranslate2 model.
+"""Export a trained model as a plain fairseq ``transformer`` checkpoint, a CTranslate2 model or a
+Hugging Face model folder.
 
     fairseq-kd-export checkpoints/student/checkpoint_best.pt student.pt
     fairseq-kd-export checkpoints/student/checkpoint_best.pt student-int8 --format ctranslate2 --quantization int8
+    fairseq-kd-export checkpoints/student/checkpoint_best.pt student-hf --format hf
 
 The fairseq output has no distillation-only parameters or options and loads in stock fairseq
 (``fairseq-generate DATA --path student.pt``, ``TransformerModel.from_pretrained``) without
 ``--user-dir``. The CTranslate2 output is a model folder for ``fairseq-kd-translate`` and
-CTranslate2's own ``Translator`` (``fairseq_kd/deploy/export_ctranslate2.py``).
+CTranslate2's own ``Translator`` (``fairseq_kd/deploy/export_ctranslate2.py``). The Hugging Face output
+is a ``save_pretrained`` folder of MarianMT (post-norm) or M2M100 (pre-norm), loadable with
+``AutoModelForSeq2SeqLM.from_pretrained`` (``fairseq_kd/deploy/export_hf.py``).
 """
 import argparse
 import json
@@ -15,7 +19,7 @@ import sys
 from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
 
-FORMATS = ("fairseq", "ctranslate2")
+FORMATS = ("fairseq", "ctranslate2", "hf")
 
 
 @exits_on_user_error("fairseq-kd-export")
@@ -27,19 +31,27 @@ def cli_main(argv=None):
                                            "or exported one)")
     parser.add_argument("output", help="fairseq: path of the exported checkpoint (.pt), or an existing folder (or a "
                                        "path ending in /) to write a file named like CHECKPOINT into; ctranslate2: "
-                                       "the model folder to create")
+                                       "the model folder to create; hf: the Hugging Face folder to create")
     parser.add_argument("--format", choices=FORMATS, default="fairseq",
-                        help="fairseq: a plain transformer checkpoint; ctranslate2: a CTranslate2 model folder "
-                             "(default: %(default)s)")
+                        help="fairseq: a plain transformer checkpoint; ctranslate2: a CTranslate2 model folder; "
+                             "hf: a Hugging Face save_pretrained folder (MarianMT or M2M100) (default: %(default)s)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="CTranslate2 weight type (--format ctranslate2 only; default: int8)")
     parser.add_argument("--data", default=None, metavar="DIR",
-                        help="--format ctranslate2: the binarised data folder holding the model's dictionaries "
-                             "(default: the folder the checkpoint records)")
+                        help="--format ctranslate2 or hf: the binarised data folder holding the model's "
+                             "dictionaries (default: the folder the checkpoint records)")
+    parser.add_argument("--spm-model", default=None, metavar="FILE",
+                        help="--format hf: the SentencePiece model the data was encoded with, for the tokenizer "
+                             "(default: the one *.model file in the data folder; none: a whitespace tokenizer "
+                             "of the dictionary, for pre-tokenised BPE text)")
     add_overwrite_flag(parser, "OUTPUT if it exists")
     args = parser.parse_args(argv)
     if args.format == "fairseq" and (args.quantization is not None or args.data is not None):
-        parser.error("--quantization and --data apply to --format ctranslate2 only")
+        parser.error("--quantization and --data apply to --format ctranslate2 and hf only")
+    if args.format == "hf" and args.quantization is not None:
+        parser.error("--quantization applies to --format ctranslate2 only")
+    if args.format != "hf" and args.spm_model is not None:
+        parser.error("--spm-model applies to --format hf only")
 
     import fairseq_kd
 
@@ -48,7 +60,13 @@ def cli_main(argv=None):
     from fairseq_kd.models.export import ExportError, export_student
 
     try:
-        if args.format == "ctranslate2":
+        if args.format == "hf":
+            from fairseq_kd.deploy.export_hf import export_hf
+
+            summary = export_hf(args.checkpoint, args.output, data=args.data, spm_model=args.spm_model,
+                                overwrite=args.overwrite)
+            print(f"fairseq-kd-export: the tokenizer reads {summary['tokenizer']}", file=sys.stderr)
+        elif args.format == "ctranslate2":
             from fairseq_kd.deploy.export_ctranslate2 import export_ctranslate2
 
             summary = export_ctranslate2(args.checkpoint, args.output, quantization=args.quantization or "int8",
