@@ -115,11 +115,6 @@ def test_teacher_cache_teacher_checkpoint_that_is_a_folder(tiny_data_bin, paths,
 # The calls below belong to the teacher passes (fairseq_kd/teacher_pass/, cli/seqkd_decode.py,
 # cli/teacher_cache.py), which call the shared checks of fairseq_kd.cli.user_errors and
 # fairseq_kd.models.from_checkpoint; strict: the marker goes once they do.
-TEACHER_PASS_CALLS = pytest.mark.xfail(strict=True, reason="issue 27: the teacher passes do not call the "
-                                       "shared path checks yet")
-
-
-@TEACHER_PASS_CALLS
 def test_seqkd_teacher_checkpoint_that_is_a_folder(tiny_data_bin, paths, tmp_path):
     folder, _ = paths
     proc = run_cli("fairseq-kd-seqkd", "--data", tiny_data_bin, "--teacher-checkpoint", folder,
@@ -127,7 +122,6 @@ def test_seqkd_teacher_checkpoint_that_is_a_folder(tiny_data_bin, paths, tmp_pat
     _one_line_error(proc, "fairseq-kd-seqkd", f"--teacher-checkpoint {str(folder)!r}: is a folder, not a file")
 
 
-@TEACHER_PASS_CALLS
 @pytest.mark.parametrize("command", ["fairseq-kd-seqkd", "fairseq-kd-teacher-cache"])
 def test_teacher_pass_data_that_is_a_file(command, tiny_teacher, paths, tmp_path):
     _, a_file = paths
@@ -136,7 +130,6 @@ def test_teacher_pass_data_that_is_a_file(command, tiny_teacher, paths, tmp_path
     _one_line_error(proc, command, f"--data {str(a_file)!r}: is a file, not a folder")
 
 
-@TEACHER_PASS_CALLS
 @pytest.mark.parametrize("command", ["fairseq-kd-seqkd", "fairseq-kd-teacher-cache"])
 def test_teacher_pass_output_that_is_a_file(command, tiny_data_bin, tiny_teacher, paths):
     _, a_file = paths

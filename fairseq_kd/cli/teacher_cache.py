@@ -21,7 +21,7 @@ import sys
 from typing import List, Optional
 
 from fairseq_kd.cli.flags import add_config_flags
-from fairseq_kd.cli.user_errors import exits_on_user_error
+from fairseq_kd.cli.user_errors import FOLDER, OUTPUT_FOLDER, exits_on_user_error, path_problem
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,8 +42,10 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     from fairseq_kd.teacher_pass.teacher_cache import CacheConfig, TeacherCacheError, build_cache
     from fairseq_kd.models.teacher import TeacherCheckpointError
 
-    if not args.data.is_dir():
-        parser.error(f"--data {args.data}: no such folder")
+    for flag, path, expected in (("--data", args.data, FOLDER), ("--output", args.output, OUTPUT_FOLDER)):
+        problem = path_problem(path, expected)
+        if problem is not None:
+            parser.error(f"{flag} {str(path)!r}: {problem}")
     try:
         build_cache(CacheConfig(**vars(args)))
     except (TeacherCacheError, TeacherCheckpointError) as error:

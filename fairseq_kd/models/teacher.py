@@ -50,6 +50,25 @@ def is_hugging_face_folder(path) -> bool:
     return bool(path) and os.path.isdir(path) and os.path.isfile(os.path.join(path, HF_CONFIG_FILE))
 
 
+def teacher_file_problem(path) -> Optional[str]:
+    """Why ``path`` cannot be read as a fairseq teacher checkpoint, in words for a message after the
+    flag (``--teacher-checkpoint 'PATH': ...``), None when it can: the one check of training's and
+    both teacher passes' --teacher-checkpoint (a Hugging Face folder is read by training only)."""
+    if is_hugging_face_folder(path):
+        return ("is a Hugging Face model folder: only fairseq-train --task translation_kd reads such a teacher "
+                "so far; the teacher cache and sequence-level KD from it are not yet supported. Pass a fairseq "
+                "checkpoint file here.")
+    problem = checkpoint_file_problem(path)
+    if problem is None:
+        return None
+    if os.path.isdir(path or ""):
+        return f"{problem} (or a Hugging Face save_pretrained folder, which holds {HF_CONFIG_FILE})"
+    if os.path.exists(path or ""):
+        return problem
+    return (f"{problem}. Pass the path of a trained fairseq translation checkpoint (e.g. "
+            "checkpoints/teacher/checkpoint_best.pt) or of a Hugging Face save_pretrained folder.")
+
+
 class FrozenTeacher:
     """A frozen fairseq Transformer used as the source of distillation signals."""
 
@@ -73,22 +92,9 @@ class FrozenTeacher:
         SHA-256 when the caller has just taken its fingerprint (:mod:`fairseq_kd.fingerprint`),
         so that it is not read twice; hashed here otherwise.
         """
-        if is_hugging_face_folder(path):
-            raise TeacherCheckpointError(
-                f"{FLAG} {path!r} is a Hugging Face model folder: only fairseq-train --task translation_kd "
-                "reads such a teacher so far (word_kd, selective_kd); the teacher cache and sequence-level "
-                "KD from it are not yet supported. Pass a fairseq checkpoint file here."
-            )
-        problem = checkpoint_file_problem(path)
+        problem = teacher_file_problem(path)
         if problem is not None:
-            if os.path.isdir(path or ""):
-                advice = f" (or a Hugging Face save_pretrained folder, which holds {HF_CONFIG_FILE})"
-            elif os.path.exists(path or ""):
-                advice = ""
-            else:
-                advice = (". Pass the path of a trained fairseq translation checkpoint (e.g. "
-                          "checkpoints/teacher/checkpoint_best.pt) or of a Hugging Face save_pretrained folder.")
-            raise TeacherCheckpointError(f"{FLAG} {path!r}: {problem}{advice}")
+            raise TeacherCheckpointError(f"{FLAG} {path!r}: {problem}")
         state = _read_teacher_checkpoint(path)
         cfg = state["cfg"]
         task_cfg = getattr(task, "cfg", None)

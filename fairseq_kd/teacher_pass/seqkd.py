@@ -84,7 +84,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..deploy.export_ctranslate2 import QUANTIZATIONS
+from ..cli.user_errors import FOLDER, OUTPUT_FOLDER, PathError, require_path
 from ..fingerprint import fingerprint, fingerprint_files
+from ..models.teacher import teacher_file_problem
 from .common import (JOB_ARRAY, MERGED, MERGED_BEFORE, SHARDS_REMAIN, Workers, check_max_tokens, identity,
                      infer_languages, length_ordered_indices, load_split, load_teacher, merge_lock, merge_when_complete,
                      num_shards_field, on_device, pick_device, rank_group, read_record, refuse_older_format,
@@ -275,8 +277,10 @@ def plan(config: SeqKDConfig) -> _Plan:
     if os.pathsep in config.data:
         raise SeqKDError(f"--data {config.data!r}: give one binarised folder, not a {os.pathsep!r}-separated list")
     data = Path(config.data).resolve()
-    if not data.is_dir():
-        raise SeqKDError(f"--data {config.data}: no such folder (a fairseq-preprocess --destdir is expected)")
+    try:
+        require_path(config.data, "--data", FOLDER, hint="a fairseq-preprocess --destdir is expected")
+    except PathError as error:
+        raise SeqKDError(str(error)) from None
     src, tgt = infer_languages(data, config.source_lang, config.target_lang, SeqKDError)
     for lang, flag in ((src, "--source-lang"), (tgt, "--target-lang")):
         if not (data / f"dict.{lang}.txt").is_file():
@@ -289,14 +293,17 @@ def plan(config: SeqKDConfig) -> _Plan:
     if sum(p.stat().st_size for p in source_bins) == 0:  # every sentence holds at least </s>
         raise SeqKDError(f"--split {config.split}: the split in {data} has no sentences "
                          f"({', '.join(p.name for p in source_bins) or 'no .bin file'})")
-    if not config.teacher_checkpoint or not Path(config.teacher_checkpoint).is_file():
-        raise SeqKDError(f"--teacher-checkpoint {config.teacher_checkpoint!r}: no such file")
+    problem = teacher_file_problem(config.teacher_checkpoint)
+    if problem is not None:
+        raise SeqKDError(f"--teacher-checkpoint {config.teacher_checkpoint!r}: {problem}")
     output = Path(config.output).resolve()
     if output == data:
         raise SeqKDError(f"--output {config.output} is the --data folder; the input split would be "
                          "overwritten while it is read. Choose another folder.")
-    if output.exists() and not output.is_dir():
-        raise SeqKDError(f"--output {config.output} exists and is not a folder")
+    try:
+        require_path(config.output, "--output", OUTPUT_FOLDER)
+    except PathError as error:
+        raise SeqKDError(str(error)) from None
 
     manifest = read_record(output / MANIFEST_NAME)
     recorded = (manifest or {}).get("inputs") or {}  # their checksums are reused for unchanged files
