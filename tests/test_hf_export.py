@@ -1,0 +1,256 @@
+"""fairseq-kd-export --format hf (issue 30): a fairseq transformer as a Hugging Face folder.
+
+A post-norm model (fairseq's default transformer, untied embeddings) becomes MarianMT and a
+pre-norm one with shared embeddings M2M100: the folder's logits equal the fairseq model's on a
+padded batch, greedy generate decodes fairseq's greedy output token for token, AutoModelForSeq2SeqLM
+reads it offline, and CTranslate2's transformers converter decodes the same from the M2M100 folder.
+Nothing is downloaded; the models are the suite's tiny ones.
+"""
+import json
+from argparse import Namespace
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from conftest import COMMON_TRAIN_ARGS, TINY_TEACHER_ARGS, USER_DIR, build_tiny_student, run_cli  # noqa: E402
+from fairseq.data import Dictionary, LanguagePairDataset, data_utils  # noqa: E402
+
+PRE_NORM_ARGS = ["--encoder-normalize-before", "--decoder-normalize-before", "--share-all-embeddings",
+                 "--activation-fn", "gelu"]
+
+
+@pytest.fixture(scope="module")
+def pre_norm_model(tiny_data_bin, tmp_path_factory):
+    """A pre-norm, shared-embedding, GELU 3+3 d 32 model trained like the tiny teacher."""
+    save = tmp_path_factory.mktemp("pre_norm")
+    run_cli("fairseq-train", tiny_data_bin, "--task", "translation", *TINY_TEACHER_ARGS, *PRE_NORM_ARGS,
+            "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", *COMMON_TRAIN_ARGS,
+            "--max-update", "40", "--save-dir", save, "--user-dir", USER_DIR)
+    return save / "checkpoint_last.pt"
+
+
+@pytest.fixture(scope="module")
+def models(tiny_teacher, pre_norm_model):
+    return {"marian": tiny_teacher, "m2m_100": pre_norm_model}
+
+
+def export(checkpoint, output, *flags):
+    from fairseq_kd.cli import export_student
+
+    export_student.cli_main([str(checkpoint), str(output), "--format", "hf", *map(str, flags)])
+    return output
+
+
+@pytest.fixture(scope="module")
+def exported(models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_exports")
+    return {family: export(checkpoint, root / family) for family, checkpoint in models.items()}
+
+
+def fairseq_model(checkpoint, data_bin):
+    from fairseq_kd.deploy.export_ctranslate2 import load_transformer
+
+    return load_transformer(str(checkpoint), str(data_bin))
+
+
+def split_batch(data_bin, dictionary):
+    prefix = str(data_bin / "test.src-tgt.")
+    src = data_utils.load_indexed_dataset(prefix + "src", dictionary)
+    tgt = data_utils.load_indexed_dataset(prefix + "tgt", dictionary)
+    dataset = LanguagePairDataset(src, src.sizes, dictionary, tgt, tgt.sizes, dictionary)
+    return dataset.collater([dataset[i] for i in range(len(dataset))])
+
+
+def right_padded(tokens, pad):
+    """fairseq's left-padded source rows, padded on the right (Hugging Face's convention)."""
+    rows = [row[row.ne(pad)] for row in tokens]
+    out = torch.full((len(rows), max(len(r) for r in rows)), pad, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
+def load_hf(folder):
+    from transformers import AutoModelForSeq2SeqLM
+
+    return AutoModelForSeq2SeqLM.from_pretrained(str(folder), local_files_only=True).eval()
+
+
+@pytest.mark.parametrize("family", ["marian", "m2m_100"])
+def test_logits_equal_the_fairseq_models(family, models, exported, tiny_data_bin):
+    """Teacher-forced logits on the whole test split (padded source and target) equal fairseq's."""
+    loaded = fairseq_model(models[family], tiny_data_bin)
+    hf = load_hf(exported[family])
+    assert type(hf).__name__ == {"marian": "MarianMTModel", "m2m_100": "M2M100ForConditionalGeneration"}[family]
+    dictionary = loaded.target_dictionary
+    batch = split_batch(tiny_data_bin, dictionary)
+    net_input = batch["net_input"]
+    assert net_input["src_tokens"][:, 0].eq(dictionary.pad()).any()  # left padding in the batch
+    source = right_padded(net_input["src_tokens"], dictionary.pad())
+    with torch.no_grad():
+        expected = loaded.model(**net_input)[0]
+        logits = hf(input_ids=source, attention_mask=source.ne(dictionary.pad()),
+                    decoder_input_ids=net_input["prev_output_tokens"]).logits
+    real = batch["target"].ne(dictionary.pad())
+    assert real.sum() > 100
+    torch.testing.assert_close(logits[real], expected[real], atol=2e-5, rtol=1e-5)
+    record = json.loads((exported[family] / "fairseq_kd_export.json").read_text())
+    assert record["family"] == family and record["max_logit_difference"] < 1e-4
+    config = json.loads((exported[family] / "config.json").read_text())
+    assert (config["pad_token_id"], config["eos_token_id"], config["bos_token_id"],
+            config["decoder_start_token_id"]) == (1, 2, 0, 2)
+
+
+#: the length limit of both decoders (fairseq: --max-len-a 0 --max-len-b MAX_LEN; Hugging Face:
+#: max_new_tokens): fairseq forces </s> after MAX_LEN tokens, Hugging Face stops there
+MAX_LEN = 25
+
+
+def fairseq_greedy(loaded, batch):
+    """fairseq's greedy output per sentence id, </s> included; a hypothesis the length limit cut
+    (fairseq then forces </s>) ends with ``None`` in place of that </s>."""
+    from fairseq.sequence_generator import SequenceGenerator
+
+    generator = SequenceGenerator([loaded.model], loaded.target_dictionary, beam_size=1, max_len_a=0,
+                                  max_len_b=MAX_LEN)
+    with torch.no_grad():
+        hypotheses = generator.generate([loaded.model], batch)
+    out = {}
+    for i, hyps in zip(batch["id"], hypotheses):
+        tokens = hyps[0]["tokens"].tolist()
+        out[int(i)] = tokens[:-1] + [None] if len(tokens) == MAX_LEN + 1 else tokens
+    return out
+
+
+def hf_greedy(hf, source, pad):
+    with torch.no_grad():
+        out = hf.generate(input_ids=source, attention_mask=source.ne(pad), num_beams=1, do_sample=False,
+                          max_new_tokens=MAX_LEN)
+    rows = []
+    for row in out[:, 1:].tolist():  # the decoder start token first
+        rows.append(row[:row.index(2) + 1] if 2 in row else row + [None])
+    return rows
+
+
+@pytest.mark.parametrize("family", ["marian", "m2m_100"])
+def test_greedy_generate_is_fairseqs_greedy_output(family, models, exported, tiny_data_bin):
+    loaded = fairseq_model(models[family], tiny_data_bin)
+    dictionary = loaded.target_dictionary
+    batch = split_batch(tiny_data_bin, dictionary)
+    expected = fairseq_greedy(loaded, batch)
+    source = right_padded(batch["net_input"]["src_tokens"], dictionary.pad())
+    got = dict(zip(batch["id"].tolist(), hf_greedy(load_hf(exported[family]), source, dictionary.pad())))
+    assert len(got) == 40
+    assert got == expected  # token for token, every sentence, </s> included
+    assert len({tuple(t) for t in got.values()}) > 10  # the model translates, not one fixed string
+    assert sum(t[-1] == 2 for t in got.values()) >= 30  # most sentences end before the limit
+
+
+def test_tokenizer_of_pre_tokenised_text(exported, tiny_data_bin):
+    """Without SentencePiece the tokenizer maps whitespace-split tokens to the dictionary's indices and
+    appends </s>, as fairseq's binarisation does."""
+    from transformers import AutoTokenizer
+
+    dictionary = Dictionary.load(str(tiny_data_bin / "dict.src.txt"))
+    tokenizer = AutoTokenizer.from_pretrained(str(exported["marian"]), local_files_only=True)
+    line = "w1 w2 w29 unseen"
+    assert tokenizer(line)["input_ids"] == dictionary.encode_line(line, add_if_not_exist=False).tolist()
+    assert tokenizer.convert_ids_to_tokens(tokenizer(line)["input_ids"]) == ["w1", "w2", "w29", "<unk>", "</s>"]
+
+
+def test_ctranslate2_converts_the_m2m100_folder(models, exported, tiny_data_bin, tmp_path):
+    """CTranslate2's transformers converter reads the M2M100 export and decodes fairseq's greedy output."""
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    loaded = fairseq_model(models["m2m_100"], tiny_data_bin)
+    dictionary = loaded.target_dictionary
+    batch = split_batch(tiny_data_bin, dictionary)
+    expected = fairseq_greedy(loaded, batch)
+    ctranslate2.converters.TransformersConverter(str(exported["m2m_100"])).convert(str(tmp_path / "ct2"))
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", intra_threads=1)
+    sources = [[dictionary[i] for i in row[row.ne(dictionary.pad())].tolist()] for row in batch["net_input"]["src_tokens"]]
+    results = translator.translate_batch(sources, beam_size=1, max_decoding_length=MAX_LEN)
+    got = {int(i): [dictionary.index(t) for t in r.hypotheses[0]] for i, r in zip(batch["id"], results)}
+    got = {i: t + [None if len(t) == MAX_LEN else dictionary.eos()] for i, t in got.items()}
+    assert got == expected
+
+
+# ------------------------------------------------------------------------------------ refusals
+def differences(kd_task, target_dictionary=None, **overrides):
+    from fairseq_kd.deploy.export_ctranslate2 import LoadedTransformer
+    from fairseq_kd.deploy.export_hf import family_and_differences
+
+    model = build_tiny_student(kd_task, **overrides)
+    loaded = LoadedTransformer(model, kd_task.source_dictionary, target_dictionary or kd_task.target_dictionary,
+                               "src", "tgt", "",
+                               overrides.get("activation_fn", "relu"), 0)
+    return family_and_differences(loaded)
+
+
+def test_families_by_layout(kd_task):
+    assert differences(kd_task) == ("marian", [])
+    assert differences(kd_task, encoder_normalize_before=True, decoder_normalize_before=True) == ("m2m_100", [])
+
+
+def test_every_difference_is_named(kd_task):
+    family, found = differences(kd_task, encoder_learned_pos=True, layernorm_embedding=True,
+                                encoder_normalize_before=True, activation_fn="relu_squared")
+    text = "; ".join(found)
+    assert family is None
+    for expected in ("--encoder-normalize-before and --decoder-normalize-before differ", "--layernorm-embedding",
+                     "learned positions (--encoder-learned-pos)", "--activation-fn relu_squared"):
+        assert expected in text, text
+    _, found = differences(kd_task, encoder_normalize_before=True, decoder_normalize_before=True,
+                           no_decoder_final_norm=True)
+    assert any("without a final layer norm" in f for f in found), found
+    reordered = Dictionary()
+    for symbol in reversed(kd_task.target_dictionary.symbols[4:]):
+        reordered.add_symbol(symbol)
+    _, found = differences(kd_task, target_dictionary=reordered)
+    assert any("separate source and target dictionaries" in f for f in found), found
+
+
+def test_refusal_writes_nothing_and_names_the_differences(tiny_teacher, tmp_path, capsys):
+    """A checkpoint with learned decoder positions is refused in one line naming them."""
+    from fairseq_kd.cli import export_student
+
+    plain = tmp_path / "plain.pt"
+    export_student.cli_main([str(tiny_teacher), str(plain)])
+    capsys.readouterr()
+    state = torch.load(plain, weights_only=True)
+    plain.unlink()
+    state["cfg"]["model"]["decoder_learned_pos"] = True
+    max_positions = state["cfg"]["model"]["max_target_positions"]
+    dim = state["model"]["decoder.embed_tokens.weight"].size(1)
+    state["model"]["decoder.embed_positions.weight"] = torch.zeros(max_positions + 2, dim)
+    state["model"].pop("decoder.embed_positions._float_tensor", None)
+    bad = tmp_path / "learned.pt"
+    torch.save(state, bad)
+    with pytest.raises(SystemExit) as exit_info:
+        export(bad, tmp_path / "out")
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]  # after argparse's usage lines
+    assert error.startswith("fairseq-kd-export: error: ") and "learned positions (--decoder-learned-pos)" in error
+    assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["learned.pt"]
+
+
+def test_overwrite_only_with_the_flag_and_only_an_export(tiny_teacher, exported, tmp_path, capsys):
+    import shutil
+
+    folder = tmp_path / "again"
+    shutil.copytree(exported["marian"], folder)
+    with pytest.raises(SystemExit):
+        export(tiny_teacher, folder)
+    assert "pass --overwrite" in capsys.readouterr().err
+    (folder / "config.json").write_text("{}")
+    export(tiny_teacher, folder, "--overwrite")
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "marian"
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit):
+        export(tiny_teacher, other, "--overwrite")
+    assert "not a fairseq-kd Hugging Face export" in capsys.readouterr().err
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging folder left
