@@ -25,6 +25,7 @@ from fairseq_kd.data.synthetic import write_corpus  # noqa: E402
 from fairseq_kd.models.feature_capture import CaptureRequest  # noqa: E402
 from fairseq_kd.models.hf_teacher import (  # noqa: E402
     HuggingFaceTeacher,
+    HuggingFaceTeacherModel,
     folder_sha256,
     load_tokenizer,
     read_config,
@@ -61,9 +62,12 @@ def train_sentencepiece(lines, vocab_size=120) -> Path:
     return pieces, model.getvalue()
 
 
-def save_teacher(family: str, lines, folder: Path, seed: int = 0) -> Path:
-    """A tiny ``family`` model and its tokenizer, written by save_pretrained into ``folder``."""
+def save_teacher(family: str, lines, folder: Path, seed: int = 0, **sizes) -> Path:
+    """A tiny ``family`` model and its tokenizer, written by save_pretrained into ``folder``;
+    ``sizes`` replace entries of ``TINY`` (layers, heads, widths)."""
     import transformers
+
+    tiny = {**TINY, **sizes}
 
     pieces, model_bytes = train_sentencepiece(lines)
     work = folder.parent / f"{folder.name}_files"
@@ -75,20 +79,20 @@ def save_teacher(family: str, lines, folder: Path, seed: int = 0) -> Path:
         (work / "vocab.json").write_text(json.dumps(vocab))
         tokenizer = transformers.MarianTokenizer(str(work / "sp.model"), str(work / "sp.model"), str(work / "vocab.json"))
         config = transformers.MarianConfig(vocab_size=len(vocab), pad_token_id=vocab["<pad>"], eos_token_id=0,
-                                           decoder_start_token_id=vocab["<pad>"], forced_eos_token_id=0, **TINY)
+                                           decoder_start_token_id=vocab["<pad>"], forced_eos_token_id=0, **tiny)
         model_class = transformers.MarianMTModel
     elif family == "nllb":  # NLLB's tokenizers-backed BPE: <s> <pad> </s> <unk>, symbols, added language codes
         symbols = sorted({c for line in lines for c in line.replace(" ", "\u2581")} | {"\u2581"})
         vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, **{c: i + 4 for i, c in enumerate(symbols)}}
         tokenizer = transformers.NllbTokenizer(vocab=vocab, merges=[], src_lang="deu_Latn", tgt_lang="eng_Latn")
-        config = transformers.M2M100Config(vocab_size=len(tokenizer), **TINY)
+        config = transformers.M2M100Config(vocab_size=len(tokenizer), **tiny)
         model_class = transformers.M2M100ForConditionalGeneration
     else:  # M2M100's layout: <s> <pad> </s> <unk>, pieces, then the language tags
         vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, **{p: i + 4 for i, p in enumerate(pieces)}}
         (work / "vocab.json").write_text(json.dumps(vocab))
         tokenizer = transformers.M2M100Tokenizer(str(work / "vocab.json"), str(work / "sp.model"), src_lang=SRC,
                                                  tgt_lang=TGT, language_codes="wmt21", num_madeup_words=0)
-        config = transformers.M2M100Config(vocab_size=max(tokenizer.lang_token_to_id.values()) + 1, **TINY)
+        config = transformers.M2M100Config(vocab_size=max(tokenizer.lang_token_to_id.values()) + 1, **tiny)
         model_class = transformers.M2M100ForConditionalGeneration
     torch.manual_seed(seed)
     model_class(config).save_pretrained(folder)
@@ -283,7 +287,8 @@ def one_line_refusal(call) -> str:
 
 def test_refusals_are_one_line(teachers, data_bins, tmp_path):
     """A missing folder, a corrupt config.json, an unsupported model type, data in another
-    vocabulary, a feature method and a teacher pass: each one line naming what to change."""
+    vocabulary, a feature method from a model without fairseq's layer layout and a teacher pass:
+    each one line naming what to change."""
     marian_task = data_task(data_bins["marian"])
     message = one_line_refusal(lambda: load_teacher(str(tmp_path / "absent"), marian_task))
     assert "--teacher-checkpoint" in message and "save_pretrained folder" in message
@@ -313,13 +318,32 @@ def test_refusals_are_one_line(teachers, data_bins, tmp_path):
     (no_weights / "model.safetensors").unlink()
     assert "holds no weights" in one_line_refusal(lambda: load_teacher(str(no_weights), marian_task))
 
-    task = SimpleNamespace(teacher=load_teacher(str(teachers["marian"]), marian_task))
+    teacher = load_teacher(str(teachers["marian"]), marian_task)
+    task = SimpleNamespace(teacher=teacher)
+    assert TranslationKDTask.require_teacher(task, "pkd") is teacher  # feature methods: Marian has the layout
+    # a seq2seq model without fairseq's layer layout serves the output-distribution methods only
+    task.teacher = HuggingFaceTeacher(HuggingFaceTeacherModel(_WithoutLayers(), teacher.model.vocabulary),
+                                      str(teachers["marian"]))
     message = one_line_refusal(lambda: TranslationKDTask.require_teacher(task, "pkd"))
-    assert "criterion 'pkd'" in message and "word_kd or selective_kd" in message
+    assert "criterion 'pkd'" in message and "word_kd or selective_kd" in message and ".layers" in message
     assert TranslationKDTask.require_teacher(task, "selective_kd") is task.teacher
 
     message = one_line_refusal(lambda: FrozenTeacher.load(str(teachers["marian"]), marian_task))
     assert "not yet supported" in message
+
+
+class _WithoutLayers(torch.nn.Module):
+    """A seq2seq model whose encoder and decoder have no ``layers``."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(decoder_start_token_id=0)
+        self.stack = torch.nn.Linear(1, 1)
+
+    def get_encoder(self):
+        return self.stack
+
+    get_decoder = get_encoder
 
 
 def test_data_command_refusals(teachers, raw_corpus, tmp_path, capsys):

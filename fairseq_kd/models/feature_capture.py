@@ -24,6 +24,11 @@ Attention maps
     ``apply_sparse_mask`` (the identity for dense attention), which the capture wraps per module
     instance inside the block.
 
+A model that is no fairseq Transformer but satisfies this contract itself (the Hugging Face
+teacher adapter, :mod:`.hf_teacher`) defines ``feature_capture(request)``, returning a context
+manager with ``features()``; ``FeatureCapture`` then delegates to it (so ``FrozenTeacher.forward``
+and the criterions' start-up checks work unchanged).
+
 All tensors are batch-first. Padding masks are ``True`` at padded positions.
 """
 from __future__ import annotations
@@ -184,12 +189,19 @@ class FeatureCapture:
         # each module's skip_embed_dim_check before the block (see the module docstring)
         self._skip_embed_dim_check: Dict[nn.Module, bool] = {}
         self._wrapped_score_modules: List[nn.Module] = []
+        # the model's own capture, for a model that defines feature_capture (see the module docstring)
+        self._delegate = None
 
     # ------------------------------------------------------------------ hooks
     def __enter__(self) -> "FeatureCapture":
         if self.request.is_empty:
             return self
         model = self.model
+        own_capture = getattr(model, "feature_capture", None)
+        if callable(own_capture):
+            self._delegate = own_capture(self.request)
+            self._delegate.__enter__()
+            return self
         for kind in self.request.attention_kinds:
             records: List[dict] = []
             self._attention_records[kind] = records
@@ -224,6 +236,8 @@ class FeatureCapture:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._delegate is not None:
+            self._delegate.__exit__(*exc)  # its features() stay readable after the block
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -306,6 +320,8 @@ class FeatureCapture:
         features = CapturedFeatures()
         if self.request.is_empty:
             return features
+        if self._delegate is not None:
+            return self._delegate.features()
         if self._encoder_out is None or self._prev_output_tokens is None:
             raise RuntimeError("FeatureCapture.features() called before a forward pass of the model")
         features.source_padding_mask = self._source_padding_mask

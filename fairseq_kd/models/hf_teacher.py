@@ -25,8 +25,31 @@ vocabulary (``fairseq-kd-hf-data``), whose dictionaries are checked symbol for s
   logit 10,000 below the position's lowest, probability exactly 0 in float32 at any temperature the
   loss uses, without the NaN that ``-inf`` gives in ``0 * log 0``.
 
-Not yet supported with such a teacher (refused, naming the criterion): the feature methods
-(attention maps and hidden states), the teacher cache and sequence-level KD.
+Features (:class:`HuggingFaceFeatureCapture`, the capture contract of
+:mod:`.feature_capture`): a model whose encoder and decoder have fairseq's layer layout
+(``layers[i].self_attn`` / ``encoder_attn``: Marian, M2M100, NLLB and the other BART-like families)
+gives every feature method what a fairseq teacher gives, in the student's batch layout:
+
+* attention probabilities per head from the model's own ``output_attentions`` (the eager attention
+  path, switched on only inside a capture that asks for maps), float32, with the decoder's padded
+  keys masked as fairseq masks them; pre-softmax scores ``q k^T / sqrt(d_head)`` and per-head values
+  from the attention modules' own ``q_proj`` / ``k_proj`` / ``v_proj`` outputs, when asked;
+* hidden states from ``output_hidden_states``: index 0 is the embedding output (the input of layer
+  1), index i the output of layer i, the residual stream before any final layer norm, as fairseq's
+  ``encoder_states`` / ``inner_states`` define it. Marian (post-norm, no final layer norm): Hugging
+  Face's ``hidden_states[i]``, all of them. M2M100/NLLB (pre-norm, final layer norm): Hugging Face's
+  ``hidden_states[i]`` for i < n, and for the top layer n the layer's own output (taken by a hook),
+  not Hugging Face's ``hidden_states[n]``, which has the final layer norm applied. As in fairseq, the
+  embedding output is 0 at padded positions;
+* positions: the source is re-padded on the right for the model; every source axis (encoder states,
+  encoder self-attention queries and keys, cross-attention keys, their values) is put back in
+  fairseq's positions (left padding by default), so the maps and states align token for token with
+  the student's capture. Masks are the student's: ``src_tokens`` / ``prev_output_tokens`` equal to
+  ``<pad>``.
+
+Output-only methods ask for nothing and pay nothing: no attention weights or hidden states are
+requested from the model then. Not yet supported with such a teacher: the teacher cache and
+sequence-level KD.
 """
 from __future__ import annotations
 
@@ -42,8 +65,17 @@ import torch
 from torch import nn
 
 from ..fingerprint import file_sha256
-from .feature_capture import CapturedFeatures, CaptureRequest
+from .feature_capture import (
+    DECODER_CROSS,
+    DECODER_SELF,
+    ENCODER_SELF,
+    AttentionMaps,
+    CapturedFeatures,
+    CaptureRequest,
+    NotATransformerError,
+)
 from .hf_vocabulary import NO_ID, VocabularyError, VocabularyMap
+from .shape import TransformerShape
 from .teacher import FLAG, HF_CONFIG_FILE as CONFIG_FILE, FrozenTeacher, TeacherCheckpointError
 
 logger = logging.getLogger(__name__)
@@ -183,7 +215,8 @@ def vocabulary_map(folder, tokenizer, config: dict) -> VocabularyMap:
 class HuggingFaceTeacherModel(nn.Module):
     """fairseq's model interface over a Hugging Face seq2seq LM (see the module docstring):
     ``forward(src_tokens, src_lengths, prev_output_tokens)`` gives ``(logits, {})`` with logits over
-    the fairseq dictionary of ``vocabulary``."""
+    the fairseq dictionary of ``vocabulary``. :meth:`feature_capture` is what
+    :class:`.feature_capture.FeatureCapture` uses for it."""
 
     def __init__(self, hf_model: nn.Module, vocabulary: VocabularyMap, fairseq_pad: int = 1):
         super().__init__()
@@ -197,6 +230,7 @@ class HuggingFaceTeacherModel(nn.Module):
         self.register_buffer("lacks_symbol", hf_of_fairseq.eq(NO_ID), persistent=False)
         self.has_missing_symbols = bool(self.lacks_symbol.any())
         self.hf_pad = int(hf_of_fairseq[fairseq_pad])
+        self.active_capture: Optional["HuggingFaceFeatureCapture"] = None
 
     def max_positions(self) -> Tuple[Optional[int], Optional[int]]:
         limit = getattr(self.hf_model.config, "max_position_embeddings", None)
@@ -210,13 +244,18 @@ class HuggingFaceTeacherModel(nn.Module):
                              "do not use --prepend-bos with a Hugging Face teacher)")
         return hf_ids
 
+    def source_order(self, src_tokens: torch.Tensor) -> torch.Tensor:
+        """``(batch, len)``: the fairseq position of each right-padded slot (a stable sort moves each
+        row's real tokens to the front in their order, the padding after them)."""
+        is_pad = src_tokens.eq(self.fairseq_pad)
+        return torch.sort(is_pad.to(torch.int8), dim=1, stable=True).indices
+
     def encoder_inputs(self, src_tokens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``input_ids`` right-padded and ``attention_mask`` from fairseq's (left- or right-padded)
-        source: a stable sort moves each row's real tokens to the front in their order."""
-        is_pad = src_tokens.eq(self.fairseq_pad)
-        order = torch.sort(is_pad.to(torch.int8), dim=1, stable=True).indices
+        source (see :meth:`source_order`)."""
+        order = self.source_order(src_tokens)
         tokens = src_tokens.gather(1, order)
-        real = ~is_pad.gather(1, order)
+        real = tokens.ne(self.fairseq_pad)
         input_ids = self.to_hf_ids(tokens).masked_fill(~real, self.hf_pad)
         return input_ids, real.long()
 
@@ -236,14 +275,230 @@ class HuggingFaceTeacherModel(nn.Module):
 
     def forward(self, src_tokens, src_lengths=None, prev_output_tokens=None, **unused):
         input_ids, attention_mask = self.encoder_inputs(src_tokens)
+        capture = self.active_capture
+        asked = capture.model_kwargs(prev_output_tokens) if capture is not None else {}
         output = self.hf_model(input_ids=input_ids, attention_mask=attention_mask,
-                               decoder_input_ids=self.decoder_inputs(prev_output_tokens), use_cache=False)
+                               decoder_input_ids=self.decoder_inputs(prev_output_tokens), use_cache=False, **asked)
+        if capture is not None:
+            capture.collect(output, src_tokens, prev_output_tokens)
         return self.to_fairseq_logits(output.logits), {}
+
+    # ------------------------------------------------------------------ features
+    def layer_stacks(self):
+        """``(encoder, decoder)`` of the model when they have fairseq's layer layout
+        (``layers[i].self_attn``, decoder ``layers[i].encoder_attn``, heads and widths readable);
+        raises :class:`NotATransformerError` saying what is missing otherwise."""
+        model = self.hf_model
+        try:
+            encoder, decoder = model.get_encoder(), model.get_decoder()
+            for stack, attentions in ((encoder, ("self_attn",)), (decoder, ("self_attn", "encoder_attn"))):
+                if len(stack.layers) == 0:
+                    raise NotATransformerError("the model has an empty encoder or decoder")
+                for layer in stack.layers:
+                    for name in attentions:
+                        attention = getattr(layer, name)
+                        for needed in ("num_heads", "head_dim", "scaling", "q_proj", "k_proj", "v_proj"):
+                            getattr(attention, needed)
+        except (AttributeError, TypeError) as err:
+            raise NotATransformerError(
+                f"the {type(model).__name__} model does not have the layer layout whose attention and hidden "
+                f"states the adapter reads (encoder/decoder .layers[i].self_attn, .encoder_attn): {err}"
+            ) from None
+        return encoder, decoder
+
+    def transformer_shape(self) -> TransformerShape:
+        """Layer counts, heads and widths, as :class:`TransformerShape` reads a fairseq model's."""
+        encoder, decoder = self.layer_stacks()
+        d_model = int(self.hf_model.config.d_model)
+        return TransformerShape(
+            encoder_layers=len(encoder.layers), decoder_layers=len(decoder.layers),
+            encoder_heads=encoder.layers[0].self_attn.num_heads, decoder_heads=decoder.layers[0].self_attn.num_heads,
+            cross_heads=decoder.layers[0].encoder_attn.num_heads, encoder_embed_dim=d_model, decoder_embed_dim=d_model,
+        )
+
+    def feature_capture(self, request: CaptureRequest) -> "HuggingFaceFeatureCapture":
+        """The capture :class:`.feature_capture.FeatureCapture` delegates to for this model."""
+        return HuggingFaceFeatureCapture(self, request)
+
+
+def _layer_output(output) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _split_heads(projected: torch.Tensor, heads: int) -> torch.Tensor:
+    """``(batch, len, heads * d)`` -> ``(batch, heads, len, d)``."""
+    return projected.view(*projected.shape[:2], heads, -1).transpose(1, 2)
+
+
+class HuggingFaceFeatureCapture:
+    """The features of one forward pass of a :class:`HuggingFaceTeacherModel`, under the contract
+    of :class:`.feature_capture.FeatureCapture` (see the module docstring for the mapping).
+
+    Inside the block the model asks its Hugging Face model for exactly what the request needs
+    (``output_attentions`` on the eager attention path, ``output_hidden_states``); hooks exist only
+    for what those outputs lack: the pre-softmax scores and values (``q_proj`` / ``k_proj`` /
+    ``v_proj`` outputs) and, for a stack with a final layer norm, its top layer's own output.
+    """
+
+    def __init__(self, model: HuggingFaceTeacherModel, request: CaptureRequest):
+        self.model = model
+        self.request = request
+        self._handles: list = []
+        self._projections: dict = {}  # (kind, layer, "q"/"k"/"v") -> projection output
+        self._top_outputs: dict = {}  # "encoder"/"decoder" -> the top layer's output
+        self._attention_implementations: list = []
+        self._features: Optional[CapturedFeatures] = None
+
+    def __enter__(self) -> "HuggingFaceFeatureCapture":
+        request = self.request
+        encoder, decoder = self.model.layer_stacks()
+        modules = {ENCODER_SELF: [layer.self_attn for layer in encoder.layers],
+                   DECODER_SELF: [layer.self_attn for layer in decoder.layers],
+                   DECODER_CROSS: [layer.encoder_attn for layer in decoder.layers]}
+        projections = (("q", "q_proj"), ("k", "k_proj")) if request.attention_scores else ()
+        projections += (("v", "v_proj"),) if request.attention_values else ()
+        for kind in request.attention_kinds:
+            layers = list(enumerate(modules[kind]))
+            for index, attention in layers[-1:] if request.last_layer_attention_only else layers:
+                for key, name in projections:
+                    self._handles.append(getattr(attention, name).register_forward_hook(
+                        self._recorder(self._projections, (kind, index, key))))
+        for side, stack, wanted in (("encoder", encoder, request.encoder_hidden),
+                                    ("decoder", decoder, request.decoder_hidden)):
+            if wanted and isinstance(getattr(stack, "layer_norm", None), nn.Module):
+                # Hugging Face's hidden_states[n] is after this final layer norm; fairseq's is before
+                self._handles.append(stack.layers[-1].register_forward_hook(self._recorder(self._top_outputs, side)))
+        if request.attention_kinds:
+            # only the eager path returns the attention weights (sdpa returns none)
+            configs = {id(m.config): m.config for m in self.model.hf_model.modules()
+                       if hasattr(getattr(m, "config", None), "_attn_implementation")}
+            for config in configs.values():
+                self._attention_implementations.append((config, config._attn_implementation))
+                config._attn_implementation = "eager"
+        self._features = None
+        self.model.active_capture = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.model.active_capture = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for config, implementation in self._attention_implementations:
+            config._attn_implementation = implementation
+        self._attention_implementations.clear()
+
+    @staticmethod
+    def _recorder(store: dict, key):
+        def hook(module, args, output):
+            store[key] = _layer_output(output)
+        return hook
+
+    def model_kwargs(self, prev_output_tokens: torch.Tensor) -> dict:
+        """What the Hugging Face model is asked for in this forward pass. The decoder's padded keys
+        are masked, as fairseq masks them (only padded query rows change: no loss reads them)."""
+        request = self.request
+        kwargs = {"decoder_attention_mask": prev_output_tokens.ne(self.model.fairseq_pad).long()}
+        if request.attention_kinds:
+            kwargs["output_attentions"] = True
+        if request.encoder_hidden or request.decoder_hidden:
+            kwargs["output_hidden_states"] = True
+        return kwargs
+
+    def features(self) -> CapturedFeatures:
+        if self._features is None:
+            raise RuntimeError("HuggingFaceFeatureCapture.features() called before a forward pass of the model")
+        return self._features
+
+    # --------------------------------------------------------------- assembling
+    def collect(self, output, src_tokens: torch.Tensor, prev_output_tokens: torch.Tensor) -> None:
+        """Build the :class:`CapturedFeatures` of ``output`` in fairseq's positions."""
+        request, pad = self.request, self.model.fairseq_pad
+        # slot of each fairseq position in the right-padded source
+        slot = self.model.source_order(src_tokens).argsort(1)
+        features = CapturedFeatures(source_padding_mask=src_tokens.eq(pad),
+                                    target_padding_mask=prev_output_tokens.eq(pad))
+        if request.encoder_hidden:
+            states = self._hidden_states(output.encoder_hidden_states, "encoder")
+            states = states.gather(2, slot[None, :, :, None].expand_as(states))
+            features.encoder_hidden = self._zero_padded_embedding(states, features.source_padding_mask)
+        if request.decoder_hidden:
+            states = self._hidden_states(output.decoder_hidden_states, "decoder")
+            features.decoder_hidden = self._zero_padded_embedding(states, features.target_padding_mask)
+        maps = {ENCODER_SELF: output.encoder_attentions, DECODER_SELF: output.decoder_attentions,
+                DECODER_CROSS: output.cross_attentions}
+        for kind in request.attention_kinds:
+            features.attention[kind] = self._attention_maps(kind, maps[kind], features, slot)
+        self._features = features
+
+    def _hidden_states(self, states, side: str) -> torch.Tensor:
+        """``(layers + 1, batch, len, dim)``: Hugging Face's states, the top one before a final
+        layer norm (see the module docstring)."""
+        states = list(states)
+        if side in self._top_outputs:
+            states[-1] = self._top_outputs[side]
+        return torch.stack(states, 0)
+
+    @staticmethod
+    def _zero_padded_embedding(states: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
+        """fairseq's embedding output is 0 at padded positions (the encoder zeroes them; the
+        decoder's pad embedding and pad position are 0); Hugging Face's position embeddings are not."""
+        states[0] = states[0].masked_fill(padding_mask[..., None], 0.0)
+        return states
+
+    def _attention_maps(self, kind: str, per_layer, features: CapturedFeatures, slot: torch.Tensor) -> AttentionMaps:
+        if not per_layer:
+            raise RuntimeError(f"the Hugging Face model returned no {kind} attention weights")
+        layers = list(per_layer)
+        first_layer = len(layers) - 1 if self.request.last_layer_attention_only else 0
+        probs = torch.stack(layers[first_layer:], 0).float()  # (layers, batch, heads, query, key)
+        num_layers, bsz, num_heads, tq, tk = probs.shape
+        source_queries, source_keys = kind == ENCODER_SELF, kind in (ENCODER_SELF, DECODER_CROSS)
+        probs = self._to_fairseq_positions(probs, slot, source_queries, source_keys)
+        key_padding_mask = features.source_padding_mask if source_keys else features.target_padding_mask
+        query_padding_mask = features.source_padding_mask if source_queries else features.target_padding_mask
+        blocked = key_padding_mask[:, None, None, :]
+        if kind == DECODER_SELF:
+            future = torch.ones(tq, tk, dtype=torch.bool, device=probs.device).triu(1)
+            blocked = blocked | future[None, None]
+        attendable = ~blocked & ~query_padding_mask[:, None, :, None]
+        scores = values = None
+        indices = range(first_layer, first_layer + num_layers)
+        if self.request.attention_scores:
+            scaling = [self._module(kind, i).scaling for i in indices]
+            scores = torch.stack([
+                _split_heads(self._projections[kind, i, "q"], num_heads)
+                @ _split_heads(self._projections[kind, i, "k"], num_heads).transpose(-1, -2) * scale
+                for i, scale in zip(indices, scaling)], 0)
+            scores = self._to_fairseq_positions(scores, slot, source_queries, source_keys)
+            scores = scores.masked_fill(~attendable.unsqueeze(0), 0.0)
+        if self.request.attention_values:
+            values = torch.stack([_split_heads(self._projections[kind, i, "v"], num_heads) for i in indices], 0)
+            if source_keys:  # (layers, batch, heads, key, d_head): the key axis is the source's
+                values = values.gather(3, slot[None, :, None, :, None].expand_as(values))
+        return AttentionMaps(probs=probs, query_padding_mask=query_padding_mask, key_padding_mask=key_padding_mask,
+                             attendable=attendable, scores=scores, values=values)
+
+    def _module(self, kind: str, index: int) -> nn.Module:
+        encoder, decoder = self.model.layer_stacks()
+        layer = (encoder if kind == ENCODER_SELF else decoder).layers[index]
+        return layer.encoder_attn if kind == DECODER_CROSS else layer.self_attn
+
+    @staticmethod
+    def _to_fairseq_positions(maps: torch.Tensor, slot: torch.Tensor, queries: bool, keys: bool) -> torch.Tensor:
+        """``(layers, batch, heads, query, key)`` maps with source axes put back in fairseq's positions."""
+        if queries:
+            maps = maps.gather(3, slot[None, :, None, :, None].expand_as(maps))
+        if keys:
+            maps = maps.gather(4, slot[None, :, None, None, :].expand_as(maps))
+        return maps
 
 
 class HuggingFaceTeacher(FrozenTeacher):
-    """A :class:`FrozenTeacher` whose model is a :class:`HuggingFaceTeacherModel`: the teacher's
-    output distribution only (no features yet); bound to the student's run by :func:`folder_sha256`."""
+    """A :class:`FrozenTeacher` whose model is a :class:`HuggingFaceTeacherModel`, bound to the
+    student's run by :func:`folder_sha256`. ``shape`` is the model's :class:`TransformerShape` (what
+    the feature methods size their modules from), or None with ``feature_problem`` saying why when
+    the model lacks fairseq's layer layout (then only output-distribution methods can use it)."""
 
     def __init__(self, model: HuggingFaceTeacherModel, path: str, sha256: Optional[str] = None):
         self.path = path
@@ -252,7 +507,10 @@ class HuggingFaceTeacher(FrozenTeacher):
         self.model.eval()
         for param in self.model.parameters():
             param.requires_grad_(False)
-        self.shape = None  # no fairseq Transformer layout: feature methods are refused by the task
+        try:
+            self.shape, self.feature_problem = model.transformer_shape(), None
+        except NotATransformerError as err:
+            self.shape, self.feature_problem = None, str(err)
 
     @classmethod
     def load(cls, path: str, task, teacher_data: Optional[str] = None, sha256: Optional[str] = None):
@@ -282,11 +540,7 @@ class HuggingFaceTeacher(FrozenTeacher):
             self._sha256 = folder_sha256(self.path)
         return self._sha256
 
-    def forward(self, net_input: dict, request: CaptureRequest) -> Tuple[tuple, CapturedFeatures]:
-        if not request.is_empty:
-            raise NotImplementedError("attention maps and hidden states of a Hugging Face teacher are not yet supported")
-        with torch.no_grad():
-            return self.model(**net_input), CapturedFeatures()
+    # forward: FrozenTeacher's; its FeatureCapture delegates to HuggingFaceTeacherModel.feature_capture
 
 
 def check_model_fits(path, model, vocabulary: VocabularyMap) -> None:

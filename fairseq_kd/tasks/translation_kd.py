@@ -33,7 +33,7 @@ class TranslationKDConfig(TranslationConfig):
         metadata={
             "help": "path of the teacher: any fairseq Transformer translation checkpoint trained on "
             "the same source/target dictionaries, or a Hugging Face save_pretrained folder (MarianMT, "
-            "M2M100, NLLB; word_kd and selective_kd; data binarised by fairseq-kd-hf-data). Required by "
+            "M2M100, NLLB; every criterion; data binarised by fairseq-kd-hf-data). Required by "
             "every distillation criterion; without it the task behaves like 'translation'."
         },
     )
@@ -197,11 +197,13 @@ class TranslationKDTask(TranslationTask):
                 f"criterion {criterion_name!r} distils from a teacher: pass --teacher-checkpoint PATH "
                 "(a trained fairseq Transformer translation checkpoint)."
             )
-        if isinstance(self.teacher, HuggingFaceTeacher) and not reads_output_only(criterion_name):
+        if (isinstance(self.teacher, HuggingFaceTeacher) and self.teacher.shape is None
+                and not reads_output_only(criterion_name)):
             raise ValueError(
-                f"criterion {criterion_name!r} distils the teacher's attention maps or hidden states, which a "
-                f"Hugging Face teacher (--teacher-checkpoint {self.teacher.path!r}) does not yet provide: use "
-                "--criterion word_kd or selective_kd with it, or a fairseq teacher."
+                f"criterion {criterion_name!r} distils the teacher's attention maps or hidden states, which the "
+                f"Hugging Face teacher --teacher-checkpoint {self.teacher.path!r} cannot provide "
+                f"({self.teacher.feature_problem}): use --criterion word_kd or selective_kd with it, or a "
+                "Marian, M2M100 or NLLB teacher."
             )
         return self.teacher
 
