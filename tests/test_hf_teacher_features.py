@@ -181,6 +181,58 @@ def test_features_are_the_models_own_in_the_students_positions(family, teachers,
                 torch.testing.assert_close(attention[DECODER_CROSS].values[index, row][:, s], expected, **close)
 
 
+def fairseq_model_like(teacher, task):
+    """A fairseq Transformer of the teacher's shape over the data's dictionaries (untrained)."""
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from fairseq.models.transformer import TransformerModel, base_architecture
+
+    shape = teacher.shape
+    args = Namespace(arch="transformer", _name="transformer", encoder_layers=shape.encoder_layers,
+                     decoder_layers=shape.decoder_layers, encoder_embed_dim=shape.encoder_embed_dim,
+                     decoder_embed_dim=shape.decoder_embed_dim, encoder_ffn_embed_dim=32, decoder_ffn_embed_dim=32,
+                     encoder_attention_heads=shape.encoder_heads, decoder_attention_heads=shape.decoder_heads,
+                     dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, max_source_positions=64,
+                     max_target_positions=64)
+    base_architecture(args)
+    dictionaries = SimpleNamespace(source_dictionary=task.source_dictionary, target_dictionary=task.target_dictionary)
+    return TransformerModel.build_model(args, dictionaries).eval()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padding_conventions_are_a_fairseq_teachers(family, teachers, data_bins):
+    """On the same left-padded batch, a fairseq Transformer of the teacher's shape and the adapter
+    capture tensors of the same shapes and dtypes, the same masks and attendable entries, zero
+    probabilities (and zeroed scores) at exactly the same entries, and the embedding output zero at
+    the same positions."""
+    from fairseq_kd.models.feature_capture import FeatureCapture
+
+    task = data_task(data_bins[family])
+    teacher = HuggingFaceTeacher.load(str(teachers[family]), task)
+    net_input = split_batch(data_bins[family], task)["net_input"]
+    _, mine = teacher.forward(net_input, EVERYTHING)
+    reference = fairseq_model_like(teacher, task)
+    with torch.no_grad(), FeatureCapture(reference, EVERYTHING) as capture:
+        reference(**net_input)
+    theirs = capture.features()
+    assert torch.equal(mine.source_padding_mask, theirs.source_padding_mask)
+    assert torch.equal(mine.target_padding_mask, theirs.target_padding_mask)
+    for side in ("encoder", "decoder"):
+        assert mine.hidden(side).shape == theirs.hidden(side).shape
+        assert mine.hidden(side).dtype == theirs.hidden(side).dtype
+        assert torch.equal(mine.hidden(side)[0].eq(0).all(-1), theirs.hidden(side)[0].eq(0).all(-1))
+    for kind in ATTENTION_KINDS:
+        a, b = mine.attention[kind], theirs.attention[kind]
+        for name in ("probs", "scores", "values"):
+            assert getattr(a, name).shape == getattr(b, name).shape, (kind, name)
+            assert getattr(a, name).dtype == getattr(b, name).dtype, (kind, name)
+        for name in ("query_padding_mask", "key_padding_mask", "attendable"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (kind, name)
+        assert torch.equal(a.probs.eq(0), b.probs.eq(0)), kind
+        assert torch.equal(a.scores.eq(0), b.scores.eq(0)), kind
+
+
 def test_teacher_exposes_the_shape_feature_methods_read(teachers, data_bins):
     """Layer counts, heads and widths as TransformerShape reads a fairseq teacher's; MiniLM's
     top-layer request gives a layer axis of 1; the output-only methods ask the model for nothing
