@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -91,9 +92,11 @@ def read_json(path: Path) -> dict | None:
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Write a record atomically (a temporary file renamed over it), keys sorted."""
+    """Write a record atomically (a temporary file renamed over it), keys sorted. The temporary
+    file is this process's (host and pid in its name), so workers of one teacher pass that write
+    the same record into a shared folder at once never write into each other's."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
+    temporary = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     temporary.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(temporary, path)

@@ -31,17 +31,6 @@ SENTENCES = 400
 fairseq_kd.register()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One intra-op thread in this process too, as the suite's subprocesses have
-    (OMP_NUM_THREADS=1): the tiny teacher's small batches on two threads of a loaded machine run
-    many times slower (a 400-sentence cache pass: 1.6 s on one thread, 19 s on two)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def seqkd_cli(data, teacher, output, *extra, check=True):
     return run_cli("fairseq-kd-seqkd", "--data", data, "--teacher-checkpoint", teacher, "--output", output,
                    *DECODE_FLAGS, *extra, check=check)

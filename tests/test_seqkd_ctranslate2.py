@@ -22,20 +22,8 @@ from fairseq.data import indexed_dataset  # noqa: E402
 from fairseq_kd import deploy  # noqa: E402
 from fairseq_kd.teacher_pass import seqkd  # noqa: E402
 from fairseq_kd.deploy import export_ctranslate2 as export_module  # noqa: E402
-import torch  # noqa: E402
 
 fairseq_kd.register()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One intra-op thread in this process too, as the suite's subprocesses have
-    (OMP_NUM_THREADS=1): the tiny teacher's small batches on two threads of a loaded machine run
-    many times slower (a 400-sentence cache pass: 1.6 s on one thread, 19 s on two)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 SENTENCES = 400

@@ -24,17 +24,6 @@ from conftest import (COMMON_TRAIN_ARGS, QUIET_ENV, TINY_STUDENT_ARGS, TINY_TEAC
 from fairseq_kd.criterions.losses import topk_word_level_kd, word_level_kd
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One intra-op thread in this process too, as the suite's subprocesses have
-    (OMP_NUM_THREADS=1): the tiny teacher's small batches on two threads of a loaded machine run
-    many times slower (a 400-sentence cache pass: 1.6 s on one thread, 19 s on two)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ----------------------------------------------------------------------------- the loss
 
 

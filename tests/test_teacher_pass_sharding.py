@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from conftest import BIN, QUIET_ENV
 
 from fairseq_kd.teacher_pass import common, seqkd, teacher_cache
@@ -25,17 +24,6 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 
 def quiet(_line):
     pass
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """One intra-op thread in this process too, as the suite's subprocesses have
-    (OMP_NUM_THREADS=1): the tiny teacher's small batches on two threads of a loaded machine run
-    many times slower (a 400-sentence cache pass: 1.6 s on one thread, 19 s on two)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def seqkd_config(data, teacher, output, **overrides):
@@ -137,7 +125,7 @@ def test_a_cache_merge_killed_midway_is_finished_once_by_the_next_run(tiny_data_
                                                                       tmp_path, monkeypatch):
     output = tmp_path / "cache"
     config = cache_config(tiny_data_bin, tiny_teacher, output)
-    real_write = teacher_cache.write_record
+    real_write = teacher_cache.write_json
 
     def killed_before_the_manifest(path, record):
         if path.name == teacher_cache.MANIFEST:
@@ -145,7 +133,7 @@ def test_a_cache_merge_killed_midway_is_finished_once_by_the_next_run(tiny_data_
         real_write(path, record)
 
     with monkeypatch.context() as patch:
-        patch.setattr(teacher_cache, "write_record", killed_before_the_manifest)
+        patch.setattr(teacher_cache, "write_json", killed_before_the_manifest)
         with pytest.raises(Killed):
             build_cache(config, log=quiet)
     assert (output / "topk_ids.npy").is_file() and not (output / teacher_cache.MANIFEST).exists()
@@ -167,7 +155,7 @@ def test_a_seqkd_merge_killed_midway_is_finished_by_the_next_run(tiny_data_bin, 
                                                                  monkeypatch):
     output = tmp_path / "seqkd"
     config = seqkd_config(tiny_data_bin, tiny_teacher, output)
-    real_write = seqkd.write_record
+    real_write = seqkd.write_json
 
     def killed_before_complete(path, record):
         if record.get("status") == "complete":
@@ -175,7 +163,7 @@ def test_a_seqkd_merge_killed_midway_is_finished_by_the_next_run(tiny_data_bin, 
         real_write(path, record)
 
     with monkeypatch.context() as patch:
-        patch.setattr(seqkd, "write_record", killed_before_complete)
+        patch.setattr(seqkd, "write_json", killed_before_complete)
         with pytest.raises(Killed):
             seqkd.run(config, log=quiet)
     leave_stale_lock(output / seqkd.WORK_DIR_NAME)

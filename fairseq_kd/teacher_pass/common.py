@@ -23,7 +23,7 @@
   array by the worker that writes the last shard, under an exclusive lock file
   (:func:`merge_lock`); the others say in one line what remains or who merges. Files that
   several workers may write at once are written through temporary files of their own
-  (:func:`replace_atomically`, :func:`write_record`).
+  (:func:`replace_atomically`; records through :func:`fairseq_kd.fingerprint.write_json`).
 
 Building a model from a checkpoint needs the plugin's architectures registered: importing
 :mod:`fairseq_kd.models` (here, through :mod:`fairseq_kd.models.teacher`) does it.
@@ -223,13 +223,6 @@ def replace_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
 def is_temporary(path: Path) -> bool:
     """Whether ``path`` is a temporary file of :func:`replace_atomically` (left by a killed worker)."""
     return path.name.startswith(".") and path.name.endswith(".tmp")
-
-
-def write_record(path: Path, record: dict) -> None:
-    """A JSON record (keys sorted, as :func:`fairseq_kd.fingerprint.write_json` writes them) that
-    several workers may write at once, with the same content."""
-    text = json.dumps(record, indent=1, sort_keys=True) + "\n"
-    replace_atomically(path, lambda handle: handle.write(text.encode("utf-8")))
 
 
 # ----------------------------------------------------------------------------- workers

@@ -85,13 +85,13 @@ import torch
 
 from ..deploy.export_ctranslate2 import QUANTIZATIONS
 from ..cli.user_errors import FOLDER, OUTPUT_FOLDER, PathError, require_path
-from ..fingerprint import fingerprint, fingerprint_files
+from ..fingerprint import fingerprint, fingerprint_files, write_json
 from ..models.teacher import teacher_file_problem
 from .common import (JOB_ARRAY, MERGED, MERGED_BEFORE, SHARDS_REMAIN, Workers, check_max_tokens, identity,
                      infer_languages, length_ordered_indices, load_split, load_teacher, merge_lock, merge_when_complete,
                      num_shards_field, on_device, pick_device, rank_group, read_record, refuse_older_format,
                      replace_atomically, shard_batches, shard_id_field, shard_progress, shard_range, split_files,
-                     translation_task, wait_for_ranks, workers_for, write_record)
+                     translation_task, wait_for_ranks, workers_for)
 
 MANIFEST_NAME = "seqkd.json"
 WORK_DIR_NAME = "seqkd_work"
@@ -639,7 +639,7 @@ def _confirm_complete(plan_: _Plan, log: Callable[[str], None]) -> SeqKDResult:
                          "missing or changed; pass --force to decode anew")
     refreshed = {**plan_.manifest, **plan_.record}
     if refreshed != plan_.manifest:
-        write_record(plan_.output / MANIFEST_NAME, refreshed)
+        write_json(plan_.output / MANIFEST_NAME, refreshed)
     if plan_.work.exists():
         with merge_lock(plan_.work) as holder:
             if holder is None:
@@ -659,7 +659,7 @@ def _start_manifest(plan_: _Plan, sentences: int, shard_count: int) -> dict:
     manifest = {**plan_.record, "status": "decoding", "sentences": sentences, "shards": shard_count,
                 "data": str(plan_.data), "teacher_checkpoint": str(Path(plan_.config.teacher_checkpoint).resolve())}
     if manifest != plan_.manifest:
-        write_record(plan_.output / MANIFEST_NAME, manifest)
+        write_json(plan_.output / MANIFEST_NAME, manifest)
     return manifest
 
 
@@ -726,5 +726,5 @@ def _merge(plan_: _Plan, dataset, task, manifest: dict, device) -> None:
     complete = {**manifest, "status": "complete", **stats, "copied": copied, "device": str(device),
                 "files": {name: (plan_.output / name).stat().st_size for name in written + copied},
                 "decoding": decoding}
-    write_record(plan_.output / MANIFEST_NAME, complete)
+    write_json(plan_.output / MANIFEST_NAME, complete)
     shutil.rmtree(plan_.work)

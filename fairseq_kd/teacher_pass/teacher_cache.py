@@ -73,12 +73,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..fingerprint import content, dictionary_sha256, fingerprint, fingerprint_files
+from ..fingerprint import content, dictionary_sha256, fingerprint, fingerprint_files, write_json
 from .common import (Workers, check_max_tokens, identity, infer_languages, is_temporary, length_ordered_indices,
                      load_split, load_teacher, merge_lock, merge_when_complete, num_shards_field, on_device,
                      pick_device, rank_group, read_record, refuse_older_format, replace_atomically, shard_batches,
                      shard_count, shard_id_field, shard_progress, shard_range, split_files, translation_task,
-                     wait_for_ranks, workers_for, write_record)
+                     wait_for_ranks, workers_for)
 
 CACHE_FORMAT = "fairseq-kd-teacher-cache/3"
 #: what a cache is made with besides its inputs (whose contents are compared: :func:`_identity`)
@@ -235,7 +235,7 @@ def _start_or_resume(output: Path, parameters: dict, existing: Optional[dict], i
     progress = {"parameters": parameters}
     if progress != interrupted:  # a new cache, or inputs touched since
         output.mkdir(parents=True, exist_ok=True)
-        write_record(output / PROGRESS, progress)
+        write_json(output / PROGRESS, progress)
     return True
 
 
@@ -246,7 +246,7 @@ def _confirm_complete(output: Path, manifest: dict, parameters: dict, vocabulary
     arrays = {name: {**record, "fingerprint": array_fingerprints[name]} for name, record in manifest["arrays"].items()}
     refreshed = {**manifest, **parameters, "arrays": arrays}
     if refreshed != manifest:  # inputs or arrays touched since: their fingerprints now
-        write_record(output / MANIFEST, refreshed)
+        write_json(output / MANIFEST, refreshed)
     if (output / SHARDS).exists() or (output / PROGRESS).exists():
         with merge_lock(output) as holder:
             if holder is None:
@@ -328,7 +328,7 @@ def _merge(config: CacheConfig, parameters: dict, offsets: np.ndarray, vocabular
         os.replace(staging / name, output / name)
     arrays = {name: {"dtype": DTYPES[name].name, "shape": list(shape), "fingerprint": fingerprint(output / name)}
               for name, shape in ((OFFSETS, (n_sentences + 1,)), (LOGPROBS, (n_tokens, k)), (TOKEN_IDS, (n_tokens, k)))}
-    write_record(output / MANIFEST, {**parameters, "n_sentences": n_sentences, "n_tokens": n_tokens, "arrays": arrays})
+    write_json(output / MANIFEST, {**parameters, "n_sentences": n_sentences, "n_tokens": n_tokens, "arrays": arrays})
     shutil.rmtree(staging)
     (output / PROGRESS).unlink(missing_ok=True)
     log(f"{output}: top-{k} teacher log-probabilities of {n_tokens} target tokens "
