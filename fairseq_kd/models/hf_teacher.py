@@ -1,4 +1,4 @@
-"""A Hugging Face seq2seq model as the frozen teacher of the output-distribution methods.
+"""A Hugging Face seq2seq model as the frozen teacher of every distillation method.
 
 ``--teacher-checkpoint DIR`` where ``DIR`` is a folder written by ``save_pretrained`` (recognised by
 its ``config.json``) holding the model and its tokenizer: MarianMT (OPUS-MT), M2M100 and NLLB
