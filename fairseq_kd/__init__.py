@@ -72,3 +72,7 @@ def register() -> None:
 
 if "fairseq" in sys.modules:
     register()
+    # fairseq-train --user-dir fairseq_kd: the plugin's user errors in one line, as in its own commands
+    from .cli.user_errors import install_for_fairseq_command
+
+    install_for_fairseq_command()

@@ -76,6 +76,9 @@ def test_moved_teacher_through_fairseq_train(tiny_data_bin, moved_teacher, tmp_p
     proc = train_student(tiny_data_bin, moved_teacher, tmp_path / "s", ["--criterion", "word_kd"], max_update=1,
                          check=False)
     assert proc.returncode != 0 and "--teacher-data DIR" in proc.stderr, proc.stderr[-3000:]
+    # one line, as from the plugin's own commands, not a traceback ending in it
+    assert proc.stderr.strip().splitlines()[-1].startswith("fairseq-train: error: --teacher-checkpoint ")
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "s" / "checkpoint_last.pt").exists()
     proc = train_student(tiny_data_bin, moved_teacher, tmp_path / "s", ["--criterion", "word_kd"], max_update=1,
                          extra=["--teacher-data", tiny_data_bin])
@@ -224,3 +227,39 @@ def test_flags_lists_the_plugin_flags():
                             "translation_kd", "--criterion", "a2d_kd"], capture_output=True, text=True, env=QUIET_ENV)
     assert "--criterion" in stock.stdout and "--a2d-normalization" not in stock.stdout
     assert sys.executable
+
+
+def test_fairseq_commands_print_the_plugins_user_errors_in_one_line(monkeypatch, capsys):
+    """The excepthook the plugin installs under fairseq's commands: its user errors in one line,
+    anything else (a ValueError raised inside another library, a programming error) with the
+    hook that was there before, and nothing installed with FAIRSEQ_KD_TRACEBACK=1."""
+    from fairseq_kd.cli import user_errors
+    from fairseq_kd.teacher_pass.teacher_cache import TeacherCacheError
+
+    assert user_errors.fairseq_command_name("/venv/bin/fairseq-train") == "fairseq-train"
+    assert user_errors.fairseq_command_name("/x/fairseq_cli/hydra_train.py") == "fairseq-hydra-train"
+    assert user_errors.fairseq_command_name("/venv/bin/fairseq-kd-seqkd") is None
+    assert user_errors.fairseq_command_name("/venv/bin/pytest") is None
+    seen = []
+    monkeypatch.setattr("sys.excepthook", lambda *exc_info: seen.append(exc_info[1]))
+    monkeypatch.setenv(user_errors.TRACEBACK_VARIABLE, "1")
+    assert not user_errors.install_for_fairseq_command("/venv/bin/fairseq-train")
+    monkeypatch.delenv(user_errors.TRACEBACK_VARIABLE)
+    assert user_errors.install_for_fairseq_command("/venv/bin/fairseq-train")
+
+    def raised(make):
+        try:
+            make()
+        except Exception as error:  # noqa: BLE001
+            return type(error), error, error.__traceback__
+
+    ours = raised(lambda: (_ for _ in ()).throw(TeacherCacheError("--teacher-cache C: cache.json missing")))
+    import sys
+    sys.excepthook(*ours)
+    assert capsys.readouterr().err == (
+        "fairseq-train: error: --teacher-cache C: cache.json missing [FAIRSEQ_KD_TRACEBACK=1 shows the traceback]\n")
+    theirs = raised(lambda: int("not a number"))  # a ValueError, raised outside the plugin's code
+    bug = raised(lambda: [][1])
+    sys.excepthook(*theirs)
+    sys.excepthook(*bug)
+    assert seen == [theirs[1], bug[1]] and capsys.readouterr().err == ""

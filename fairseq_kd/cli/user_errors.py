@@ -10,6 +10,12 @@ names: a folder given where a file is expected, a file where a folder is expecte
 the way of an output folder is said as such, with the flag, instead of "no such file" or the
 system's bare "Not a directory". It imports nothing beyond the standard library, so that library
 code (the teacher, the export) words its own errors with it.
+
+fairseq's own commands (``fairseq-train``, ``fairseq-generate``, ...) run the plugin inside their
+``main``, which no decorator of ours wraps: :func:`install_for_fairseq_command` (called when
+fairseq imports the plugin through ``--user-dir``) gives them the same one line for the plugin's
+user errors, with Python's traceback for everything else, and for everything with
+``FAIRSEQ_KD_TRACEBACK=1``.
 """
 from __future__ import annotations
 
@@ -124,3 +130,56 @@ def exits_on_user_error(prog: str):
                 sys.exit(130)
         return wrapped
     return decorate
+
+
+#: set to 1 to keep Python's traceback for the plugin's user errors under fairseq's commands
+TRACEBACK_VARIABLE = "FAIRSEQ_KD_TRACEBACK"
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
+
+
+def _is_plugin_user_error(error: BaseException, traceback) -> bool:
+    """Whether ``error`` is a user error (as :func:`exits_on_user_error` counts them) that the
+    plugin raised: of one of the plugin's classes, or raised by a line of the plugin's code. A
+    ValueError from deep inside torch or fairseq is not ours to word and keeps its traceback."""
+    name = type(error).__name__
+    user_kind = isinstance(error, USER_ERRORS) or name in USER_RUNTIME_ERRORS + USER_IMPORT_ERRORS
+    if not user_kind:
+        return False
+    if type(error).__module__.startswith("fairseq_kd"):
+        return True
+    innermost = None
+    while traceback is not None:
+        innermost, traceback = traceback.tb_frame, traceback.tb_next
+    return innermost is not None and os.path.abspath(innermost.f_code.co_filename).startswith(_PACKAGE_DIR)
+
+
+def fairseq_command_name(argv0: str) -> Optional[str]:
+    """``fairseq-train`` for ``.../bin/fairseq-train`` or ``.../fairseq_cli/train.py``; None for
+    any other program (the plugin's own commands word their errors themselves)."""
+    path = Path(argv0)
+    if path.name.startswith("fairseq-") and not path.name.startswith("fairseq-kd"):
+        return path.name
+    if path.parent.name == "fairseq_cli" and path.suffix == ".py":
+        return "fairseq-" + path.stem.replace("_", "-")
+    return None
+
+
+def install_for_fairseq_command(argv0: Optional[str] = None) -> bool:
+    """Under a fairseq command, print the plugin's user errors as ``PROG: error: MESSAGE`` (one
+    line on stderr, exit status 1 as for any uncaught error) instead of a traceback ending in it:
+    e.g. ``fairseq-train: error: --teacher-cache DIR: no finished cache there (...)``. Returns
+    whether it was installed."""
+    prog = fairseq_command_name(sys.argv[0] if argv0 is None else argv0)
+    if prog is None or os.environ.get(TRACEBACK_VARIABLE) == "1":
+        return False
+    previous = sys.excepthook
+
+    def one_line_for_user_errors(kind, error, traceback):
+        if not _is_plugin_user_error(error, traceback):
+            return previous(kind, error, traceback)
+        sys.stdout.flush()
+        sys.stderr.write(f"{prog}: error: {message_of(error)} [{TRACEBACK_VARIABLE}=1 shows the traceback]\n")
+        sys.stderr.flush()
+
+    sys.excepthook = one_line_for_user_errors
+    return True
