@@ -176,6 +176,14 @@ def test_ctranslate2_converts_the_m2m100_folder(models, exported, tiny_data_bin,
     assert got == expected
 
 
+def test_ctranslate2_cannot_read_the_marian_folder(exported, tmp_path):
+    """What the README and the export's summary say: CTranslate2's Marian loader drops the last
+    vocabulary row (Marian's <pad>), so it refuses a fairseq vocabulary; --format ctranslate2 is the way."""
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    with pytest.raises(ValueError, match="vocabulary"):
+        ctranslate2.converters.TransformersConverter(str(exported["marian"])).convert(str(tmp_path / "ct2"))
+
+
 # ------------------------------------------------------------------------------------ refusals
 def differences(kd_task, target_dictionary=None, **overrides):
     from fairseq_kd.deploy.export_ctranslate2 import LoadedTransformer
@@ -254,3 +262,64 @@ def test_overwrite_only_with_the_flag_and_only_an_export(tiny_teacher, exported,
     assert "not a fairseq-kd Hugging Face export" in capsys.readouterr().err
     assert [p.name for p in other.iterdir()] == ["notes.txt"]
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging folder left
+
+
+# ------------------------------------------------------------------------ SentencePiece data
+@pytest.fixture(scope="module")
+def spm_checkpoint(tiny_data_bin, tiny_teacher, tmp_path_factory):
+    """A checkpoint on SentencePiece data: the tiny corpus encoded with a SentencePiece model trained
+    on it, binarised with the model in the data folder; the tiny teacher's weights with embeddings
+    of that dictionary's size (the tokenizer is what is tested)."""
+    spm = pytest.importorskip("sentencepiece")
+    import io
+
+    from fairseq_kd.cli import export_student
+
+    root = tmp_path_factory.mktemp("spm_data")
+    raw = tiny_data_bin.parent / "raw"
+    lines = [line for side in ("src", "tgt") for line in (raw / f"train.{side}").read_text().splitlines()]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=60,
+                                   model_type="unigram", hard_vocab_limit=False, minloglevel=2, num_threads=1)
+    processor = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    for split in ("train", "valid", "test"):
+        for side in ("src", "tgt"):
+            text = (raw / f"{split}.{side}").read_text().splitlines()
+            (root / f"{split}.{side}").write_text("".join(" ".join(processor.encode(t, out_type=str)) + "\n"
+                                                          for t in text))
+    data = root / "bin"
+    run_cli("fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt", "--trainpref", root / "train",
+            "--validpref", root / "valid", "--testpref", root / "test", "--destdir", data, "--joined-dictionary",
+            "--workers", "1")
+    (data / "spm.model").write_bytes(model.getvalue())
+    plain = root / "plain.pt"
+    export_student.cli_main([str(tiny_teacher), str(plain)])
+    state = torch.load(plain, weights_only=True)
+    size = len(Dictionary.load(str(data / "dict.src.txt")))
+    for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "decoder.output_projection.weight"):
+        state["model"][name] = torch.randn(size, state["model"][name].size(1)) * 0.1
+    state["cfg"]["task"]["data"] = str(data)
+    torch.save(state, plain)
+    return plain, data, processor
+
+
+def test_sentencepiece_data_gives_a_tokenizer_of_raw_text(spm_checkpoint, tiny_data_bin, tmp_path, capsys):
+    """The SentencePiece model in the data folder becomes a MarianTokenizer: raw text in, the ids
+    fairseq's binarised data holds (pieces through the dictionary, </s> last), text back out."""
+    from transformers import AutoTokenizer
+
+    checkpoint, data, processor = spm_checkpoint
+    folder = export(checkpoint, tmp_path / "spm_hf")
+    assert "raw text (SentencePiece model spm.model)" in capsys.readouterr().err
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    assert type(tokenizer).__name__ == "MarianTokenizer"
+    dictionary = Dictionary.load(str(data / "dict.src.txt"))
+    lines = (tiny_data_bin.parent / "raw" / "test.src").read_text().splitlines()
+    for line in lines:
+        pieces = " ".join(processor.encode(line, out_type=str))
+        ids = tokenizer(line)["input_ids"]
+        assert ids == dictionary.encode_line(pieces, add_if_not_exist=False).tolist()
+        assert tokenizer.decode(ids, skip_special_tokens=True) == line
+    logits = load_hf(folder)(**tokenizer(lines[:4], return_tensors="pt", padding=True),
+                             decoder_input_ids=torch.full((4, 1), 2)).logits
+    assert logits.shape[-1] == len(dictionary)

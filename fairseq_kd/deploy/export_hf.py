@@ -10,9 +10,9 @@ The folder is a model of the Hugging Face family whose layout is fairseq's, weig
   so the export stores fairseq's table, shifted by fairseq's padding offset (fairseq position
   ``padding_idx + 1 + i`` is Marian's row ``i``), in ``model.safetensors``; ``from_pretrained``
   reads it. A folder re-saved with ``save_pretrained`` loses it (Marian leaves positions out when
-  saving): re-export instead. CTranslate2's Marian converter starts the decoder from a zero
-  embedding and drops the vocabulary's last row, so it does not decode a fairseq model's output
-  from such a folder: use ``--format ctranslate2`` for those.
+  saving): re-export instead. CTranslate2's transformers converter cannot read such a folder (its
+  Marian loader drops the vocabulary's last row, assumed to be Marian's ``<pad>``, and starts the
+  decoder from a zero embedding, where fairseq starts from ``</s>``'s): use ``--format ctranslate2``.
 * ``M2M100ForConditionalGeneration`` for pre-norm with final layer norms on both sides. M2M100
   computes fairseq's own sinusoidal table (the same rule, offset ``padding_idx + 1`` with
   ``padding_idx`` 1) from the tokens, so nothing is stored for positions.
@@ -55,6 +55,9 @@ INSTALL_HINT = "pip install 'fairseq-kd[hf]' (transformers>=5,<6 and sentencepie
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_accurate": "gelu_new", "gelu_fast": "gelu_new",
                "swish": "swish", "tanh": "tanh", "linear": "linear"}
 FAMILIES = {"marian": "MarianMTModel", "m2m_100": "M2M100ForConditionalGeneration"}
+#: what CTranslate2's transformers converter makes of each family's export
+CTRANSLATE2_NOTE = {"m2m_100": "ctranslate2.converters.TransformersConverter reads this folder",
+                    "marian": "CTranslate2's Marian converter cannot read this folder; use --format ctranslate2"}
 #: logits of the reloaded folder must match the fairseq model's this closely (float32)
 SELF_CHECK_TOLERANCE = 1e-4
 
@@ -176,7 +179,7 @@ def _generation_config(transformers, config, loaded: LoadedTransformer):
     return transformers.GenerationConfig(
         decoder_start_token_id=dictionary.eos(), bos_token_id=dictionary.bos(), eos_token_id=dictionary.eos(),
         pad_token_id=dictionary.pad(), forced_eos_token_id=None, num_beams=1, do_sample=False,
-        max_length=min(201, int(loaded.model.max_positions()[1])), min_new_tokens=1,
+        max_new_tokens=min(200, int(loaded.model.max_positions()[1]) - 1), min_new_tokens=1,
         suppress_tokens=[dictionary.pad()],
     )
 
@@ -379,5 +382,5 @@ def export_hf(checkpoint: str, output: str, data: Optional[str] = None, spm_mode
             shutil.rmtree(staging)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     return {"output": str(out), "format": "hf", "family": family, "architecture": FAMILIES[family], "bytes": size,
-            "tokenizer": text, **{k: record[k] for k in ("parameters", "num_updates", "source_lang", "target_lang",
+            "tokenizer": text, "ctranslate2": CTRANSLATE2_NOTE[family], **{k: record[k] for k in ("parameters", "num_updates", "source_lang", "target_lang",
                                                         "max_logit_difference")}}
