@@ -64,7 +64,9 @@ class CTranslate2Engine:
     """A CTranslate2 ``Translator`` over a model folder, bound to the data's dictionaries."""
 
     def __init__(self, model_dir: str, source_dictionary, target_dictionary, device: str = "cpu",
-                 threads: int = 0, compute_type: str = "default", flag: str = "--model"):
+                 threads: int = 0, compute_type: str = "default", flag: str = "--model", device_index: int = 0):
+        """``device_index``: the GPU (among the visible ones) with ``device="cuda"``: a teacher-pass
+        rank decodes on its own GPU, as the fairseq engine does (teacher_pass.common.pick_device)."""
         ctranslate2 = import_ctranslate2()
         folder = Path(model_dir)
         if folder.is_file():
@@ -95,7 +97,7 @@ class CTranslate2Engine:
         # 2 intra-op threads 292 sentences/s, 1 thread 299, 2 workers 543; docs/results/deploy_cpu.md).
         self.workers = threads if threads > 1 and device == "cpu" else 1
         self.translator = ctranslate2.Translator(
-            str(folder), device=device, compute_type=compute_type,
+            str(folder), device=device, device_index=device_index, compute_type=compute_type,
             inter_threads=self.workers, intra_threads=1 if self.workers > 1 else threads)
 
     def max_length(self, longest_source: int, settings: DecodingSettings) -> int:

@@ -411,11 +411,6 @@ def _load(plan_: _Plan, workers: Workers):
         if use_cuda and ctranslate2.get_cuda_device_count() == 0:
             raise SeqKDError("--engine ctranslate2: this CTranslate2 build sees no CUDA device; pass --cpu "
                              "or install a CUDA build of CTranslate2")
-        if use_cuda and device.index:
-            raise SeqKDError(f"--engine ctranslate2: {workers.label}would decode on GPU 0, not on its GPU "
-                             f"{device.index} (the CTranslate2 engine takes no device index yet); give each rank "
-                             "one visible GPU (srun --gpus-per-task=1), use --num-shards/--shard-id with one "
-                             "GPU per worker, or --engine fairseq")
         return task, dataset, teacher.model, device  # the torch model stays on the CPU, unused
     return task, dataset, on_device(teacher.model, device, plan_.config.fp16), device
 
@@ -456,7 +451,7 @@ def make_decoder(plan_: _Plan, task, dataset, model, device, ct2_model: Optional
         from ..deploy.ctranslate2_engine import CTranslate2Engine, DecodingSettings
 
         engine = CTranslate2Engine(str(ct2_model), task.source_dictionary, task.target_dictionary,
-                                   device=device.type, threads=config.threads)
+                                   device=device.type, device_index=device.index or 0, threads=config.threads)
         settings = DecodingSettings(beam=config.beam, lenpen=config.lenpen, max_len_a=config.max_len_a,
                                     max_len_b=config.max_len_b)
 
