@@ -7,7 +7,6 @@ reads it offline, and CTranslate2's transformers converter decodes the same from
 Nothing is downloaded; the models are the suite's tiny ones.
 """
 import json
-from argparse import Namespace
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ pytest.importorskip("transformers")
 
 from conftest import COMMON_TRAIN_ARGS, TINY_TEACHER_ARGS, USER_DIR, build_tiny_student, run_cli  # noqa: E402
 from fairseq.data import Dictionary, LanguagePairDataset, data_utils  # noqa: E402
+from test_safety import gadget  # noqa: E402,F401 - a checkpoint carrying a pickle gadget (fixture)
 
 PRE_NORM_ARGS = ["--encoder-normalize-before", "--decoder-normalize-before", "--share-all-embeddings",
                  "--activation-fn", "gelu"]
@@ -169,7 +169,8 @@ def test_ctranslate2_converts_the_m2m100_folder(models, exported, tiny_data_bin,
     expected = fairseq_greedy(loaded, batch)
     ctranslate2.converters.TransformersConverter(str(exported["m2m_100"])).convert(str(tmp_path / "ct2"))
     translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", intra_threads=1)
-    sources = [[dictionary[i] for i in row[row.ne(dictionary.pad())].tolist()] for row in batch["net_input"]["src_tokens"]]
+    sources = [[dictionary[i] for i in row[row.ne(dictionary.pad())].tolist()]
+               for row in batch["net_input"]["src_tokens"]]
     results = translator.translate_batch(sources, beam_size=1, max_decoding_length=MAX_LEN)
     got = {int(i): [dictionary.index(t) for t in r.hypotheses[0]] for i, r in zip(batch["id"], results)}
     got = {i: t + [None if len(t) == MAX_LEN else dictionary.eos()] for i, t in got.items()}
@@ -323,3 +324,15 @@ def test_sentencepiece_data_gives_a_tokenizer_of_raw_text(spm_checkpoint, tiny_d
     logits = load_hf(folder)(**tokenizer(lines[:4], return_tensors="pt", padding=True),
                              decoder_input_ids=torch.full((4, 1), 2)).logits
     assert logits.shape[-1] == len(dictionary)
+
+
+def test_a_pickle_gadget_is_refused_and_never_runs(gadget, tiny_data_bin, tmp_path):
+    """The checkpoint is read with weights_only=True, explicitly: a gadget in it is refused naming it
+    even with TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1, in one line, and nothing is written."""
+    from test_safety import BIN, _refused, _run
+
+    evil, marker = gadget
+    proc = _run([BIN / "fairseq-kd-export", evil, tmp_path / "out", "--format", "hf", "--data", tiny_data_bin])
+    _refused(proc, marker, "error:")
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -96,7 +96,7 @@ def family_and_differences(loaded: LoadedTransformer) -> Tuple[Optional[str], Li
         family = "marian"
     if loaded.activation_fn not in ACTIVATIONS:
         found.append(f"--activation-fn {loaded.activation_fn} (expressible: {', '.join(ACTIVATIONS)})")
-    if getattr(encoder, "layernorm_embedding", None) is not None or getattr(decoder, "layernorm_embedding", None) is not None:
+    if any(getattr(module, "layernorm_embedding", None) is not None for module in (encoder, decoder)):
         found.append("--layernorm-embedding (neither Marian nor M2M100 normalises the embeddings)")
     for side, module in (("encoder", encoder), ("decoder", decoder)):
         positions = module.embed_positions
@@ -119,7 +119,8 @@ def family_and_differences(loaded: LoadedTransformer) -> Tuple[Optional[str], Li
         ffn = {layer.fc1.out_features for layer in module.layers}
         if len(heads) > 1 or len(ffn) > 1:
             found.append(f"{side} layers of different head counts or FFN widths")
-    if {layer.encoder_attn.num_heads for layer in decoder.layers} != {layer.self_attn.num_heads for layer in decoder.layers}:
+    cross_heads = {layer.encoder_attn.num_heads for layer in decoder.layers}
+    if cross_heads != {layer.self_attn.num_heads for layer in decoder.layers}:
         found.append("decoder cross-attention heads differ from its self-attention heads")
     normformer = sorted({name for layer in layers for name in ("attn_ln", "ffn_layernorm", "c_attn", "w_resid")
                          if getattr(layer, name, None) is not None})
@@ -382,5 +383,6 @@ def export_hf(checkpoint: str, output: str, data: Optional[str] = None, spm_mode
             shutil.rmtree(staging)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     return {"output": str(out), "format": "hf", "family": family, "architecture": FAMILIES[family], "bytes": size,
-            "tokenizer": text, "ctranslate2": CTRANSLATE2_NOTE[family], **{k: record[k] for k in ("parameters", "num_updates", "source_lang", "target_lang",
-                                                        "max_logit_difference")}}
+            "tokenizer": text, "ctranslate2": CTRANSLATE2_NOTE[family],
+            **{k: record[k] for k in ("parameters", "num_updates", "source_lang", "target_lang",
+                                      "max_logit_difference")}}
