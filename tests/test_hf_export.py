@@ -262,6 +262,12 @@ def test_overwrite_only_with_the_flag_and_only_an_export(tiny_teacher, exported,
         export(tiny_teacher, other, "--overwrite")
     assert "not a fairseq-kd Hugging Face export" in capsys.readouterr().err
     assert [p.name for p in other.iterdir()] == ["notes.txt"]
+    ct2 = tmp_path / "ct2"  # a CTranslate2 export has a record too, of its own format
+    ct2.mkdir()
+    (ct2 / "fairseq_kd_export.json").write_text(json.dumps({"format": "fairseq-kd-ctranslate2/1"}))
+    with pytest.raises(SystemExit):
+        export(tiny_teacher, ct2, "--overwrite")
+    assert "not a fairseq-kd Hugging Face export" in capsys.readouterr().err
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging folder left
 
 

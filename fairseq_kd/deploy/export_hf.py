@@ -265,6 +265,14 @@ def _write_tokenizer(transformers, folder: Path, dictionary, spm_model: Optional
     return "pre-tokenised text (tokenised and BPE-segmented as for fairseq; the tokenizer splits on spaces)"
 
 
+def _record_format(folder: Path) -> Optional[str]:
+    """The format its export record names (a CTranslate2 export's record names another), or None."""
+    try:
+        return json.loads((folder / RECORD_NAME).read_text(encoding="utf-8")).get("format")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _check_output(checkpoint: str, output: str, overwrite: bool) -> Path:
     out = Path(output)
     if out.exists() and not out.is_dir():
@@ -276,7 +284,7 @@ def _check_output(checkpoint: str, output: str, overwrite: bool) -> Path:
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise HuggingFaceExportError(f"output {output!r} already exists and is not empty; choose another folder "
                                      "or pass --overwrite")
-    if out.is_dir() and any(out.iterdir()) and not (out / RECORD_NAME).is_file():
+    if out.is_dir() and any(out.iterdir()) and _record_format(out) != RECORD_FORMAT:
         raise HuggingFaceExportError(f"output {output!r} holds files that are not a fairseq-kd Hugging Face "
                                      "export; --overwrite replaces only such a folder: choose another folder")
     return out
