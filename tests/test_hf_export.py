@@ -269,6 +269,14 @@ def test_overwrite_only_with_the_flag_and_only_an_export(tiny_teacher, exported,
         export(tiny_teacher, ct2, "--overwrite")
     assert "not a fairseq-kd Hugging Face export" in capsys.readouterr().err
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging folder left
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for flags, message in (((a_file / "out",), f"{str(a_file)!r} is a file, not a folder"),
+                           ((tmp_path / "new", "--spm-model", tmp_path / "none.model"), "--spm-model")):
+        with pytest.raises(SystemExit):
+            export(tiny_teacher, *flags)
+        assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "new").exists()
 
 
 # ------------------------------------------------------------------------ SentencePiece data

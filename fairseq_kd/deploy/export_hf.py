@@ -274,10 +274,15 @@ def _record_format(folder: Path) -> Optional[str]:
 
 
 def _check_output(checkpoint: str, output: str, overwrite: bool) -> Path:
+    from ..cli.user_errors import OUTPUT_FOLDER, path_problem
+
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise HuggingFaceExportError(f"output {output!r} is a file; a Hugging Face model is a folder: give a new "
                                      "folder path")
+    problem = path_problem(out, OUTPUT_FOLDER)
+    if problem is not None:
+        raise HuggingFaceExportError(f"output {output!r}: {problem}")
     if out.resolve() == Path(checkpoint).resolve().parent or Path(checkpoint).resolve().is_relative_to(out.resolve()):
         raise HuggingFaceExportError(f"output {output!r} holds the input checkpoint; choose another folder "
                                      "(the export never replaces its input)")
@@ -329,6 +334,8 @@ def export_hf(checkpoint: str, output: str, data: Optional[str] = None, spm_mode
     transformers = _import_transformers()  # before any work: a missing extra is one line naming the fix
     transformers.utils.logging.disable_progress_bar()  # its weight-loading bars are no progress of ours
     out = _check_output(checkpoint, output, overwrite)
+    if spm_model is not None and not Path(spm_model).is_file():
+        raise HuggingFaceExportError(f"--spm-model {spm_model!r}: no such file")
     try:
         loaded = load_transformer(checkpoint, data)
     except CTranslate2ExportError as err:
