@@ -350,3 +350,32 @@ def test_a_pickle_gadget_is_refused_and_never_runs(gadget, tiny_data_bin, tmp_pa
     _refused(proc, marker, "error:")
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_pre_norm_with_untied_embeddings(tiny_teacher, tiny_data_bin, tmp_path):
+    """M2M100 with tie_word_embeddings False carries fairseq's three separate matrices: the tiny
+    teacher's weights made pre-norm (final layer norms added), exported, give fairseq's logits."""
+    from fairseq_kd.cli import export_student
+
+    plain = tmp_path / "plain.pt"
+    export_student.cli_main([str(tiny_teacher), str(plain)])
+    state = torch.load(plain, weights_only=True)
+    state["cfg"]["model"].update(encoder_normalize_before=True, decoder_normalize_before=True)
+    dim = state["model"]["encoder.embed_tokens.weight"].size(1)
+    for side in ("encoder", "decoder"):
+        state["model"][f"{side}.layer_norm.weight"] = 1 + 0.1 * torch.randn(dim)
+        state["model"][f"{side}.layer_norm.bias"] = 0.1 * torch.randn(dim)
+    torch.save(state, plain)
+    folder = export(plain, tmp_path / "hf")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "m2m_100" and config["tie_word_embeddings"] is False
+    loaded = fairseq_model(plain, tiny_data_bin)
+    dictionary = loaded.target_dictionary
+    batch = split_batch(tiny_data_bin, dictionary)
+    source = right_padded(batch["net_input"]["src_tokens"], dictionary.pad())
+    with torch.no_grad():
+        expected = loaded.model(**batch["net_input"])[0]
+        logits = load_hf(folder)(input_ids=source, attention_mask=source.ne(dictionary.pad()),
+                                 decoder_input_ids=batch["net_input"]["prev_output_tokens"]).logits
+    real = batch["target"].ne(dictionary.pad())
+    torch.testing.assert_close(logits[real], expected[real], atol=2e-5, rtol=1e-5)
