@@ -70,6 +70,26 @@ def write_reverse_corpus(folder: Path, sizes=(("train", 400), ("valid", 40), ("t
     return folder
 
 
+def run_cli_here(name: str, *args) -> subprocess.CompletedProcess:
+    """Run one of the plugin's own console scripts (``fairseq-kd-*``) in this process, for tests of
+    what it refuses before any work: the same ``cli_main`` and the same one line as
+    :func:`run_cli` gives, without a new interpreter's seconds of importing torch and fairseq.
+    Commands that do work (train, decode, export) run through :func:`run_cli`."""
+    import contextlib
+    import io
+    from importlib.metadata import entry_points
+
+    (entry,) = entry_points(group="console_scripts", name=name)
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            entry.load()([str(arg) for arg in args])
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    return subprocess.CompletedProcess([name, *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
 def run_cli(name: str, *args, check=True, cwd=None, timeout=600) -> subprocess.CompletedProcess:
     """Run a console script of the environment (fairseq-train, fairseq-generate, ...)."""
     cmd = [str(BIN / name), *map(str, args)]

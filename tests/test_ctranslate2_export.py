@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import COMMON_TRAIN_ARGS, QUIET_ENV, TINY_TEACHER_ARGS, USER_DIR, run_cli, run_module
+from conftest import COMMON_TRAIN_ARGS, QUIET_ENV, TINY_TEACHER_ARGS, USER_DIR, run_cli, run_cli_here, run_module
 
 pytest.importorskip("ctranslate2")
 
@@ -122,7 +122,7 @@ def test_the_plain_export_loads_with_from_pretrained(trained, tiny_data_bin, tmp
 
 
 def _refusal(*args):
-    proc = run_cli("fairseq-kd-export", *args, check=False)
+    proc = run_cli_here("fairseq-kd-export", *args)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("fairseq-kd-export: error:")]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -171,9 +171,9 @@ def test_translate_refuses_data_with_other_dictionaries(exported, tiny_data_bin,
         (other / path.name).write_bytes(path.read_bytes())
     dictionary = (other / "dict.src.txt").read_text().splitlines()
     (other / "dict.src.txt").write_text("\n".join([dictionary[1], dictionary[0], *dictionary[2:]]) + "\n")
-    proc = run_cli("fairseq-kd-translate", other, "--model", exported["int8"], check=False)
+    proc = run_cli_here("fairseq-kd-translate", other, "--model", exported["int8"])
     assert proc.returncode == 2 and "differs from the data's source dictionary" in proc.stderr, proc.stderr
-    proc = run_cli("fairseq-kd-translate", tiny_data_bin, "--model", tmp_path / "missing", check=False)
+    proc = run_cli_here("fairseq-kd-translate", tiny_data_bin, "--model", tmp_path / "missing")
     assert proc.returncode == 2 and "--model" in proc.stderr and "Traceback" not in proc.stderr
 
 

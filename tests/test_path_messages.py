@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import BIN, run_cli, train_student
+from conftest import BIN, run_cli_here, train_student
 from fairseq_kd.cli.user_errors import (FILE, FOLDER, OUTPUT_FILE, OUTPUT_FOLDER, PathError, message_of,
                                         path_problem, require_path)
 
@@ -80,10 +80,10 @@ def _one_line_error(proc, prog, *fragments):
 def test_export_refuses_a_folder_and_an_output_under_a_file(tiny_teacher, paths, tmp_path):
     folder, a_file = paths
     shutil.copy(tiny_teacher, folder / "checkpoint_best.pt")
-    proc = run_cli("fairseq-kd-export", folder, tmp_path / "out.pt", check=False)
+    proc = run_cli_here("fairseq-kd-export", folder, tmp_path / "out.pt")
     _one_line_error(proc, "fairseq-kd-export", f"checkpoint {str(folder)!r}: is a folder, not a file",
                     "checkpoint_best.pt")
-    proc = run_cli("fairseq-kd-export", tiny_teacher, a_file / "out.pt", check=False)
+    proc = run_cli_here("fairseq-kd-export", tiny_teacher, a_file / "out.pt")
     _one_line_error(proc, "fairseq-kd-export", f"{str(a_file)!r} is a file, not a folder")
     assert not (tmp_path / "out.pt").exists()
 
@@ -107,32 +107,31 @@ def test_teacher_data_that_is_a_file(kd_task, tiny_teacher, paths):
 
 def test_teacher_cache_teacher_checkpoint_that_is_a_folder(tiny_data_bin, paths, tmp_path):
     folder, _ = paths
-    proc = run_cli("fairseq-kd-teacher-cache", "--data", tiny_data_bin, "--teacher-checkpoint", folder,
-                   "--output", tmp_path / "cache", "--cpu", check=False)
+    proc = run_cli_here("fairseq-kd-teacher-cache", "--data", tiny_data_bin, "--teacher-checkpoint", folder,
+                        "--output", tmp_path / "cache", "--cpu")
     _one_line_error(proc, "fairseq-kd-teacher-cache", f"--teacher-checkpoint {str(folder)!r}: is a folder, not a file")
 
 
-# The calls below belong to the teacher passes (fairseq_kd/teacher_pass/, cli/seqkd_decode.py,
-# cli/teacher_cache.py), which call the shared checks of fairseq_kd.cli.user_errors and
-# fairseq_kd.models.from_checkpoint; strict: the marker goes once they do.
+# The teacher passes (fairseq_kd/teacher_pass/, cli/seqkd_decode.py, cli/teacher_cache.py) call
+# the same shared checks (fairseq_kd.cli.user_errors, models.teacher.teacher_file_problem).
 def test_seqkd_teacher_checkpoint_that_is_a_folder(tiny_data_bin, paths, tmp_path):
     folder, _ = paths
-    proc = run_cli("fairseq-kd-seqkd", "--data", tiny_data_bin, "--teacher-checkpoint", folder,
-                   "--output", tmp_path / "out", "--cpu", "--split", "valid", check=False)
+    proc = run_cli_here("fairseq-kd-seqkd", "--data", tiny_data_bin, "--teacher-checkpoint", folder,
+                        "--output", tmp_path / "out", "--cpu", "--split", "valid")
     _one_line_error(proc, "fairseq-kd-seqkd", f"--teacher-checkpoint {str(folder)!r}: is a folder, not a file")
 
 
 @pytest.mark.parametrize("command", ["fairseq-kd-seqkd", "fairseq-kd-teacher-cache"])
 def test_teacher_pass_data_that_is_a_file(command, tiny_teacher, paths, tmp_path):
     _, a_file = paths
-    proc = run_cli(command, "--data", a_file, "--teacher-checkpoint", tiny_teacher, "--output", tmp_path / "out",
-                   "--cpu", check=False)
+    proc = run_cli_here(command, "--data", a_file, "--teacher-checkpoint", tiny_teacher, "--output", tmp_path / "out",
+                        "--cpu")
     _one_line_error(proc, command, f"--data {str(a_file)!r}: is a file, not a folder")
 
 
 @pytest.mark.parametrize("command", ["fairseq-kd-seqkd", "fairseq-kd-teacher-cache"])
 def test_teacher_pass_output_that_is_a_file(command, tiny_data_bin, tiny_teacher, paths):
     _, a_file = paths
-    proc = run_cli(command, "--data", tiny_data_bin, "--teacher-checkpoint", tiny_teacher, "--output", a_file,
-                   "--cpu", check=False)
+    proc = run_cli_here(command, "--data", tiny_data_bin, "--teacher-checkpoint", tiny_teacher, "--output", a_file,
+                        "--cpu")
     _one_line_error(proc, command, f"--output {str(a_file)!r}: is a file, not a folder")

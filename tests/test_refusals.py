@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import (BIN, COMMON_TRAIN_ARGS, QUIET_ENV, REPO, TINY_STUDENT_ARGS, USER_DIR, run_cli, run_module,
+from conftest import (BIN, COMMON_TRAIN_ARGS, QUIET_ENV, REPO, TINY_STUDENT_ARGS, USER_DIR, run_cli, run_cli_here, run_module,
                       train_student)
 
 
@@ -89,7 +89,7 @@ def test_moved_teacher_through_seqkd(tiny_data_bin, moved_teacher, tmp_path):
     """fairseq-kd-seqkd runs a stock translation task: it too refuses unverifiable dictionaries."""
     args = ["--data", tiny_data_bin, "--teacher-checkpoint", moved_teacher, "--split", "valid",
             "--beam", "1", "--max-len-b", "10", "--cpu"]
-    proc = run_cli("fairseq-kd-seqkd", *args, "--output", tmp_path / "out", check=False)
+    proc = run_cli_here("fairseq-kd-seqkd", *args, "--output", tmp_path / "out")
     assert proc.returncode != 0 and "--teacher-data DIR" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     proc = run_cli("fairseq-kd-seqkd", *args, "--output", tmp_path / "out", "--teacher-data", tiny_data_bin)
@@ -190,7 +190,7 @@ def test_command_line_tools_print_one_line_for_user_errors(tmp_path):
                 str(bad), "UTF-8")
     _user_error(run_module("fairseq_kd.cli.plot", "curves", "--log", folder, "--output", tmp_path / "c.png",
                            check=False), "is a folder")
-    _user_error(run_module("fairseq_kd.cli.export_student", bad, tmp_path / "out.pt", check=False))
+    _user_error(run_cli_here("fairseq-kd-export", bad, tmp_path / "out.pt"))
 
 
 def test_preparation_recipe_and_seqkd_print_one_line_for_user_errors(tmp_path):
@@ -213,8 +213,8 @@ def test_preparation_recipe_and_seqkd_print_one_line_for_user_errors(tmp_path):
                 "fairseq-kd-recipe: error:", "--teacher", "no such checkpoint file")
     _user_error(run_module("fairseq_kd_recipes.recipe", "multi30k_fr_en", "--archives", tmp_path / "missing", check=False),
                 "fairseq-kd-recipe: error:", "--archives")
-    _user_error(run_cli("fairseq-kd-seqkd", "--data", tmp_path / "missing", "--teacher-checkpoint", a_file,
-                        "--output", tmp_path / "out", check=False), "fairseq-kd-seqkd: error:", "--data")
+    _user_error(run_cli_here("fairseq-kd-seqkd", "--data", tmp_path / "missing", "--teacher-checkpoint", a_file,
+                             "--output", tmp_path / "out"), "fairseq-kd-seqkd: error:", "--data")
 
 
 def test_flags_lists_the_plugin_flags():

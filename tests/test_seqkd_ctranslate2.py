@@ -13,7 +13,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import BIN, QUIET_ENV, run_cli
+from conftest import BIN, QUIET_ENV, run_cli, run_cli_here
 
 pytest.importorskip("ctranslate2")
 
@@ -207,8 +207,8 @@ def test_bad_engine_flags_are_refused_in_one_line(tiny_data_bin, tiny_teacher, t
     cases = ((["--engine", "nope"], "--engine 'nope': choose one of fairseq, ctranslate2"),
              (["--engine", "ctranslate2", "--fp16"], "--ct2-quantization float16 or int8_float16 on CUDA"))
     for flags, message in cases:
-        proc = run_cli("fairseq-kd-seqkd", "--data", tiny_data_bin, "--teacher-checkpoint", tiny_teacher,
-                       "--output", output, *flags, check=False)
+        proc = run_cli_here("fairseq-kd-seqkd", "--data", tiny_data_bin, "--teacher-checkpoint", tiny_teacher,
+                            "--output", output, *flags)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert proc.stderr.strip().splitlines()[-1].startswith("fairseq-kd-seqkd: error:")
         assert "Traceback" not in proc.stderr
