@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -40,6 +38,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import import_ctranslate2
+from .model_folder import check_output, staged
 
 #: CTranslate2's weight types (``ct2-*-converter --quantization``); the *_float16/bfloat16 ones
 #: compute in that type on a GPU and fall back to what the CPU supports.
@@ -249,20 +248,10 @@ def build_spec(loaded: LoadedTransformer):
 
 
 def _check_output(checkpoint: str, output: str, overwrite: bool) -> Path:
-    out = Path(output)
-    if out.exists() and not out.is_dir():
-        raise CTranslate2ExportError(f"output {output!r} is a file; a CTranslate2 model is a folder: give a "
-                                     "new folder path")
-    if out.resolve() == Path(checkpoint).resolve().parent or Path(checkpoint).resolve().is_relative_to(out.resolve()):
-        raise CTranslate2ExportError(f"output {output!r} holds the input checkpoint; choose another folder "
-                                     "(the export never replaces its input)")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise CTranslate2ExportError(f"output {output!r} already exists and is not empty; choose another folder "
-                                     "or pass --overwrite")
-    if out.is_dir() and any(out.iterdir()) and not (out / "model.bin").is_file():
-        raise CTranslate2ExportError(f"output {output!r} holds files that are not a CTranslate2 model; "
-                                     "--overwrite replaces only a model folder: choose another folder")
-    return out
+    return check_output(checkpoint, output, overwrite, kind="CTranslate2",
+                        is_export=lambda folder: (folder / "model.bin").is_file(),
+                        not_an_export="holds files that are not a CTranslate2 model; --overwrite replaces only a "
+                                      "model folder: choose another folder", error=CTranslate2ExportError)
 
 
 def export_ctranslate2(checkpoint: str, output: str, quantization: str = "int8", data: Optional[str] = None,
@@ -287,8 +276,7 @@ def export_ctranslate2(checkpoint: str, output: str, quantization: str = "int8",
         def _load(self):
             return spec
 
-    staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
-    try:
+    with staged(out) as staging:
         _BuiltSpec().convert(str(staging), quantization=None if quantization == "float32" else quantization,
                              force=True)
         record = {
@@ -310,17 +298,6 @@ def export_ctranslate2(checkpoint: str, output: str, quantization: str = "int8",
             "ctranslate2_version": ct2.__version__,
         }
         (staging / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
-        if out.exists():  # --overwrite of a model folder (checked above): swap, then delete the old one
-            retired = out.parent / f".{out.name}.replaced-{uuid.uuid4().hex[:8]}"
-            os.replace(out, retired)
-            os.replace(staging, out)
-            shutil.rmtree(retired)
-        else:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(staging, out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     return {"output": str(out), "format": "ctranslate2", "quantization": quantization, "bytes": size,
             **{k: record[k] for k in ("parameters", "num_updates", "encoder_layers", "decoder_layers",

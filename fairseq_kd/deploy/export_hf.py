@@ -38,15 +38,14 @@ and checked against the fairseq model's logits, then renamed.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 import torch
 
 from .export_ctranslate2 import CTranslate2ExportError, LoadedTransformer, load_transformer
+from .model_folder import check_output, staged
 
 RECORD_NAME = "fairseq_kd_export.json"
 RECORD_FORMAT = "fairseq-kd-hf/1"
@@ -274,25 +273,11 @@ def _record_format(folder: Path) -> Optional[str]:
 
 
 def _check_output(checkpoint: str, output: str, overwrite: bool) -> Path:
-    from ..cli.user_errors import OUTPUT_FOLDER, path_problem
-
-    out = Path(output)
-    if out.exists() and not out.is_dir():
-        raise HuggingFaceExportError(f"output {output!r} is a file; a Hugging Face model is a folder: give a new "
-                                     "folder path")
-    problem = path_problem(out, OUTPUT_FOLDER)
-    if problem is not None:
-        raise HuggingFaceExportError(f"output {output!r}: {problem}")
-    if out.resolve() == Path(checkpoint).resolve().parent or Path(checkpoint).resolve().is_relative_to(out.resolve()):
-        raise HuggingFaceExportError(f"output {output!r} holds the input checkpoint; choose another folder "
-                                     "(the export never replaces its input)")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise HuggingFaceExportError(f"output {output!r} already exists and is not empty; choose another folder "
-                                     "or pass --overwrite")
-    if out.is_dir() and any(out.iterdir()) and _record_format(out) != RECORD_FORMAT:
-        raise HuggingFaceExportError(f"output {output!r} holds files that are not a fairseq-kd Hugging Face "
-                                     "export; --overwrite replaces only such a folder: choose another folder")
-    return out
+    return check_output(checkpoint, output, overwrite, kind="Hugging Face",
+                        is_export=lambda folder: _record_format(folder) == RECORD_FORMAT,
+                        not_an_export="holds files that are not a fairseq-kd Hugging Face export; --overwrite "
+                                      "replaces only such a folder: choose another folder",
+                        error=HuggingFaceExportError)
 
 
 def _self_check(transformers, family: str, folder: Path, loaded: LoadedTransformer) -> float:
@@ -360,9 +345,7 @@ def export_hf(checkpoint: str, output: str, data: Optional[str] = None, spm_mode
         hf_model.final_logits_bias.zero_()
     hf_model.generation_config = _generation_config(transformers, config, loaded)
 
-    staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with staged(out) as staging:
         hf_model.save_pretrained(str(staging), safe_serialization=True)
         if family == "marian":
             _save_marian_positions(staging, state)
@@ -386,16 +369,6 @@ def export_hf(checkpoint: str, output: str, data: Optional[str] = None, spm_mode
             "transformers_version": transformers.__version__,
         }
         (staging / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
-        if out.exists():  # --overwrite of an export folder (checked above): swap, then delete the old one
-            retired = out.parent / f".{out.name}.replaced-{uuid.uuid4().hex[:8]}"
-            os.replace(out, retired)
-            os.replace(staging, out)
-            shutil.rmtree(retired)
-        else:
-            os.replace(staging, out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     return {"output": str(out), "format": "hf", "family": family, "architecture": FAMILIES[family], "bytes": size,
             "tokenizer": text, "ctranslate2": CTRANSLATE2_NOTE[family],
