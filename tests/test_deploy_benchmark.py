@@ -148,3 +148,50 @@ def test_output_comparison_across_settings(tmp_path):
     same = deploy_benchmark.identical_outputs(row)
     assert same["across_threads"] is True and same["across_batch_sizes"] is False
     assert same["differing"] == [{"threads": 1, "batch_size": 16}]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--fairseq-weights", "float16"], "--fairseq-weights float16: fairseq decodes in half precision on CUDA only"),
+    (["--fairseq-weights", "float8"], "--fairseq-weights: 'float8'; choose from float32, float16, bfloat16"),
+    (["--device", "cuda"], "--threads: applies to --device cpu"),
+])
+def test_device_refusals(first_run, extra, message, capsys):
+    out, argv = first_run
+    argv = [*argv, "--output-md", str(out / "other.md"), "--output-json", str(out / "other.json"), *extra]
+    with pytest.raises(SystemExit) as exit_info:
+        deploy_benchmark.cli_main(argv)
+    assert exit_info.value.code == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert errors[0].startswith(f"fairseq-kd-deploy-benchmark: error: {message}")
+    if extra[0] == "--device" and not torch_cuda():
+        assert any("--device cuda: torch sees no CUDA device here" in line for line in errors)
+    assert not (out / "other.md").exists()
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def test_gpu_rows_and_commands():
+    """--device cuda --fairseq-weights float32,float16: a teacher row per precision against the first
+    student at that precision, the student's float16 row against its float32 row, CTranslate2 rows
+    against the float32 one; fairseq-generate without --cpu, with --fp16 for float16 rows."""
+    rows = deploy_benchmark.build_rows("t.pt", [("a", "a.pt"), ("b", "b.pt")], ["int8_float16"],
+                                       ["float32", "float16"])
+    assert [(row.id, row.baseline) for row in rows] == [
+        ("teacher/fairseq/float32", "a/fairseq/float32"), ("teacher/fairseq/float16", "a/fairseq/float16"),
+        ("a/fairseq/float32", None), ("a/fairseq/float16", "a/fairseq/float32"),
+        ("a/ctranslate2/int8_float16", "a/fairseq/float32"),
+        ("b/fairseq/float32", None), ("b/fairseq/float16", "b/fairseq/float32"),
+        ("b/ctranslate2/int8_float16", "b/fairseq/float32")]
+    args = deploy_benchmark.argparse.Namespace(data=".", gen_subset="test", beam=5, lenpen=1.0, max_len_a=0.0,
+                                               max_len_b=200, langs=("de", "en"), device="cuda")
+    for row in rows:
+        row.model = Path("model")
+    fp32, fp16, ct2 = (deploy_benchmark.decode_command(rows[i], args, 1, 32, Path("out")) for i in (0, 1, 4))
+    assert "--cpu" not in fp32 + fp16 and "--fp16" not in fp32 and "--fp16" in fp16
+    assert ct2[ct2.index("--device") + 1] == "cuda"
+    args.device = "cpu"
+    assert "--cpu" in deploy_benchmark.decode_command(rows[0], args, 1, 32, Path("out"))

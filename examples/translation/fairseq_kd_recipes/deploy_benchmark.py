@@ -62,6 +62,9 @@ PROG = "fairseq-kd-deploy-benchmark"
 FORMAT = "fairseq-kd-deploy-benchmark/1"
 LOGGER = "fairseq_kd_recipes.deploy_benchmark"
 DEFAULT_QUANTIZATIONS = "float32,int8"
+DEVICES = ("cpu", "cuda")
+#: the fairseq rows' precisions and the fairseq-generate flag that gives each
+FAIRSEQ_WEIGHTS = {"float32": [], "float16": ["--fp16"], "bfloat16": ["--bf16"]}
 TEACHER = "teacher"
 FAIRSEQ, CT2 = "fairseq", "ctranslate2"
 ENGINE_NAMES = {FAIRSEQ: "fairseq", CT2: "CTranslate2"}
@@ -102,9 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
                          help="CTranslate2 weight types, comma-separated (default: %(default)s; any of "
                               "fairseq-kd-export --quantization's; 'none' for no CTranslate2 rows)")
     timing = parser.add_argument_group("decoding")
+    timing.add_argument("--device", default="cpu", choices=DEVICES,
+                        help="where every system decodes: cpu (at each --threads count) or cuda (the first visible "
+                             "GPU, one process at a time) (default: %(default)s)")
+    timing.add_argument("--fairseq-weights", default="float32", metavar="W,W",
+                        help="precision of the fairseq rows, comma-separated: float32, and with --device cuda "
+                             "float16 (fairseq-generate --fp16) or bfloat16 (--bf16); each gives a teacher row and a "
+                             "row per student, the first is the baseline (default: %(default)s)")
     timing.add_argument("--threads", default=None, metavar="T,T",
                         help="thread counts, comma-separated (default: 1 and every core this process may use, "
-                             "deduplicated)")
+                             "deduplicated; --device cpu only)")
     timing.add_argument("--batch-sizes", default="32", metavar="B,B",
                         help="sentences per batch, comma-separated (default: %(default)s)")
     timing.add_argument("--beam", type=int, default=5, help="beam size (default: %(default)s)")
@@ -245,11 +255,23 @@ def validate(args: argparse.Namespace) -> List[str]:
             errors.append(f"--quantizations: {error}; or pass --quantizations none")
     args.quantization_list = list(dict.fromkeys(quantizations))
     # decoding
-    cores = available_cores()
-    if args.threads is None:
-        args.thread_counts = list(dict.fromkeys([1, cores]))
+    args.fairseq_weight_list = list(dict.fromkeys(_csv(args.fairseq_weights)))
+    unknown = [w for w in args.fairseq_weight_list if w not in FAIRSEQ_WEIGHTS]
+    if not args.fairseq_weight_list or unknown:
+        errors.append(f"--fairseq-weights: {', '.join(map(repr, unknown)) or 'nothing given'}; choose from "
+                      f"{', '.join(FAIRSEQ_WEIGHTS)}, comma-separated")
+    elif args.device == "cpu" and args.fairseq_weight_list != ["float32"]:
+        errors.append(f"--fairseq-weights {args.fairseq_weights}: fairseq decodes in half precision on CUDA only; "
+                      "pass --device cuda, or float32")
+    if args.device == "cuda":
+        errors.extend(_cuda_problems(args))
+        args.thread_counts = [1]  # one process on the GPU; CPU threads are not what is measured
     else:
-        args.thread_counts = _positive_ints(args.threads, "--threads", errors, upper=cores)
+        cores = available_cores()
+        if args.threads is None:
+            args.thread_counts = list(dict.fromkeys([1, cores]))
+        else:
+            args.thread_counts = _positive_ints(args.threads, "--threads", errors, upper=cores)
     args.batch_size_list = _positive_ints(args.batch_sizes, "--batch-sizes", errors)
     if args.beam < 1:
         errors.append(f"--beam: {args.beam} must be at least 1")
@@ -288,7 +310,28 @@ def validate(args: argparse.Namespace) -> List[str]:
             errors.append(f"{flag}: {str(path)!r} is one of the inputs; choose another path")
     if errors:
         return errors
-    args.rows = build_rows(args.teacher, students, args.quantization_list)
+    args.rows = build_rows(args.teacher, students, args.quantization_list, args.fairseq_weight_list)
+    return errors
+
+
+def _cuda_problems(args) -> List[str]:
+    errors = []
+    if args.threads is not None:
+        errors.append("--threads: applies to --device cpu; with --device cuda each system decodes in one process "
+                      "on the GPU")
+    import torch
+
+    if not torch.cuda.is_available():
+        errors.append("--device cuda: torch sees no CUDA device here; pass --device cpu")
+    elif args.quantization_list:
+        try:
+            from fairseq_kd.deploy import import_ctranslate2
+
+            if import_ctranslate2().get_cuda_device_count() < 1:
+                errors.append("--device cuda: this CTranslate2 build sees no CUDA device (a CPU-only wheel, or its "
+                              "CUDA libraries missing); pass --quantizations none for fairseq rows only")
+        except ImportError:
+            pass  # said under --quantizations
     return errors
 
 
@@ -313,13 +356,18 @@ def _check_split(args) -> List[str]:
     return errors
 
 
-def build_rows(teacher: str, students: Sequence[Tuple[str, str]], quantizations: Sequence[str]) -> List[Row]:
-    """Teacher (fairseq) first, then per student its fairseq row and its CTranslate2 rows."""
-    first = Row(students[0][0], "student", FAIRSEQ, "float32", Path(students[0][1]))
-    rows = [Row(TEACHER, TEACHER, FAIRSEQ, "float32", Path(teacher), baseline=first.id)]
+def build_rows(teacher: str, students: Sequence[Tuple[str, str]], quantizations: Sequence[str],
+               fairseq_weights: Sequence[str] = ("float32",)) -> List[Row]:
+    """Teacher (fairseq) first, one row per fairseq precision, each compared with the first student at
+    that precision; then per student its fairseq rows (the later precisions compared with the first)
+    and its CTranslate2 rows (compared with the student's first fairseq row)."""
+    first_student = students[0][0]
+    rows = [Row(TEACHER, TEACHER, FAIRSEQ, w, Path(teacher), baseline=f"{first_student}/{FAIRSEQ}/{w}")
+            for w in fairseq_weights]
     for name, path in students:
-        student = Row(name, "student", FAIRSEQ, "float32", Path(path))
+        student = Row(name, "student", FAIRSEQ, fairseq_weights[0], Path(path))
         rows.append(student)
+        rows.extend(Row(name, "student", FAIRSEQ, w, Path(path), baseline=student.id) for w in fairseq_weights[1:])
         rows.extend(Row(name, "student", CT2, q, Path(path), baseline=student.id) for q in quantizations)
     return rows
 
@@ -337,7 +385,64 @@ def _version(module: str) -> Optional[str]:
         return None
 
 
-def machine_info() -> Dict:
+def gpu_name() -> Optional[str]:
+    """The first visible GPU's name (NVML, which opens no CUDA context; torch where NVML is missing)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(_first_visible_gpu()))
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001 - NVML absent or refusing: ask torch
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def _first_visible_gpu() -> int:
+    """NVML counts every GPU; CUDA_VISIBLE_DEVICES=3,1 makes the children's GPU 0 NVML's 3."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return int(visible) if visible.isdigit() else 0
+
+
+class GpuMemoryPeak:
+    """The most GPU memory in use while a child decodes, above what was in use when it started (NVML's
+    device total, polled every 10 ms from a thread): the child's CUDA context, model, caches and
+    activations. None where NVML is not installed."""
+
+    def __init__(self):
+        import threading
+
+        import pynvml
+
+        pynvml.nvmlInit()
+        self._nvml = pynvml
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(_first_visible_gpu())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self.before = self.peak = self._used()
+
+    def _used(self) -> int:
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+
+    def _poll(self):
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self._used())
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def bytes(self) -> int:
+        return self.peak - self.before
+
+
+def machine_info(device: str = "cpu") -> Dict:
     cpu = None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -348,7 +453,8 @@ def machine_info() -> Dict:
         pass
     return {"cpu": cpu or platform.processor() or platform.machine(), "cores_available": available_cores(),
             "cores_total": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": _version("torch"), "fairseq": _version("fairseq"), "ctranslate2": _version("ctranslate2")}
+            "torch": _version("torch"), "fairseq": _version("fairseq"), "ctranslate2": _version("ctranslate2"),
+            **({"gpu": gpu_name()} if device == "cuda" else {})}
 
 
 def data_fingerprint(args) -> str:
@@ -421,19 +527,26 @@ def decode_command(row: Row, args, threads: int, batch_size: int, results: Path)
               "--max-len-b", str(args.max_len_b), "-s", args.langs[0], "-t", args.langs[1],
               "--results-path", str(results)]
     if row.engine == FAIRSEQ:
+        device = ["--cpu"] if args.device == "cpu" else FAIRSEQ_WEIGHTS[row.weights]
         return [sys.executable, "-m", "fairseq_cli.generate", *common, "--path", str(row.model.resolve()),
-                "--task", "translation", "--required-batch-size-multiple", "1", "--cpu", "--num-workers", "0"]
+                "--task", "translation", "--required-batch-size-multiple", "1", *device, "--num-workers", "0"]
     return [sys.executable, "-m", "fairseq_kd.cli.translate", *common, "--model", str(row.model.resolve()),
-            "--threads", str(threads), "--overwrite"]
+            "--threads", str(threads), "--device", args.device, "--overwrite"]
 
 
-def run_measured(command: List[str], env: Dict[str, str], log_path: Path) -> Tuple[int, int, float]:
-    """Run ``command`` alone, output to ``log_path``; returns (exit status, peak RSS bytes, wall s)."""
+def run_measured(command: List[str], env: Dict[str, str], log_path: Path,
+                 gpu_memory: Optional["GpuMemoryPeak"] = None) -> Tuple[int, int, float]:
+    """Run ``command`` alone, output to ``log_path``; returns (exit status, peak RSS bytes, wall s).
+    ``gpu_memory`` (a :class:`GpuMemoryPeak`) polls the GPU while it runs."""
     start = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
         try:
-            _, status, usage = os.wait4(proc.pid, 0)
+            if gpu_memory is not None:
+                with gpu_memory:
+                    _, status, usage = os.wait4(proc.pid, 0)
+            else:
+                _, status, usage = os.wait4(proc.pid, 0)
         except BaseException:
             proc.kill()
             proc.wait()
@@ -463,11 +576,14 @@ def parse_translated(*paths: Path) -> Dict:
 
 def decode_key(row: Row, args, threads: int, batch_size: int) -> Dict:
     """Everything that changes a decode's output or timing: a changed value means a new decode."""
-    return {"system": row.id, "model_sha256": row.checkpoint_sha256, "data": str(Path(args.data).resolve()),
-            "data_sha256": args.data_sha256, "gen_subset": args.gen_subset, "langs": list(args.langs),
-            "beam": args.beam, "lenpen": args.lenpen, "max_len_a": args.max_len_a, "max_len_b": args.max_len_b,
-            "threads": threads, "batch_size": batch_size, "machine": {k: args.machine[k] for k in (
-                "cpu", "cores_available", "torch", "fairseq", "ctranslate2")}}
+    key = {"system": row.id, "model_sha256": row.checkpoint_sha256, "data": str(Path(args.data).resolve()),
+           "data_sha256": args.data_sha256, "gen_subset": args.gen_subset, "langs": list(args.langs),
+           "beam": args.beam, "lenpen": args.lenpen, "max_len_a": args.max_len_a, "max_len_b": args.max_len_b,
+           "threads": threads, "batch_size": batch_size, "machine": {k: args.machine[k] for k in (
+               "cpu", "cores_available", "torch", "fairseq", "ctranslate2")}}
+    if args.device != "cpu":  # (only then: CPU decodes keep the keys they were recorded under)
+        key.update(device=args.device, gpu=args.machine.get("gpu"))
+    return key
 
 
 def decode_all(rows: List[Row], args, log) -> Tuple[int, int]:
@@ -486,7 +602,8 @@ def decode_all(rows: List[Row], args, log) -> Tuple[int, int]:
                           f"{row.name}.{row.engine}.{row.weights}.t{threads}.b{batch_size}.{digest}")
                 output = folder / f"generate-{args.gen_subset}.txt"
                 record_path = folder / "measure.json"
-                label = f"[{count}/{total}] {row.id} threads {threads} batch {batch_size}"
+                where = f"threads {threads}" if args.device == "cpu" else args.device
+                label = f"[{count}/{total}] {row.id} {where} batch {batch_size}"
                 if record_path.is_file() and output.is_file():
                     record = json.loads(record_path.read_text())
                     if record.get("key") == key:
@@ -500,13 +617,15 @@ def decode_all(rows: List[Row], args, log) -> Tuple[int, int]:
                 env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                        "PYTHONWARNINGS": "ignore"}
                 log(f"{label}: decoding")
-                status, peak, wall = run_measured(command, env, folder / "decode.log")
+                gpu_memory = _gpu_memory_poller() if args.device == "cuda" else None
+                status, peak, wall = run_measured(command, env, folder / "decode.log", gpu_memory)
                 if status != 0:
                     tail = (folder / "decode.log").read_text(errors="replace").strip().splitlines()[-1:] or [""]
                     raise BenchmarkError(f"decoding {row.id} (threads {threads}, batch {batch_size}) failed with "
                                          f"exit status {status}: {tail[0][:300]} (full log: {folder / 'decode.log'})")
                 measured = parse_translated(output, folder / "decode.log")
                 measurement = {"threads": threads, "batch_size": batch_size, **measured, "peak_rss_bytes": peak,
+                               "peak_gpu_bytes": gpu_memory.bytes if gpu_memory is not None else None,
                                "wall_s": round(wall, 3), "output": str(output), "command": shlex.join(command),
                                "decoded_at": datetime.datetime.now().isoformat(timespec="seconds")}
                 tmp = record_path.with_suffix(".tmp")
@@ -517,6 +636,13 @@ def decode_all(rows: List[Row], args, log) -> Tuple[int, int]:
                 log(f"{label}: {measured['sentences_per_s']:.2f} sent/s, {measured['tokens_per_s']:.1f} tok/s, "
                     f"peak {peak / 2**20:.0f} MiB")
     return done, reused
+
+
+def _gpu_memory_poller() -> Optional[GpuMemoryPeak]:
+    try:
+        return GpuMemoryPeak()
+    except Exception:  # noqa: BLE001 - no NVML (nvidia-ml-py) here: the GPU column says '-'
+        return None
 
 
 # --------------------------------------------------------------------------- scoring
@@ -581,7 +707,9 @@ def build_report(rows: List[Row], scores: Dict[str, Dict], args, argv: Sequence[
         measurements = []
         for m in row.measurements:
             base = teacher_rates.get((m["threads"], m["batch_size"]))
+            gpu_bytes = m.get("peak_gpu_bytes")
             measurements.append({**m, "peak_rss_mb": m["peak_rss_bytes"] / 2**20,
+                                 "peak_gpu_mb": gpu_bytes / 2**20 if gpu_bytes is not None else None,
                                  "speedup_vs_teacher": m["sentences_per_s"] / base if base else None})
         size = model_bytes(row.model)
         score = scores[row.id]
@@ -605,7 +733,8 @@ def build_report(rows: List[Row], scores: Dict[str, Dict], args, argv: Sequence[
         "settings": {
             "data": str(data.resolve()), "data_sha256": args.data_sha256, "gen_subset": args.gen_subset,
             "langs": list(args.langs), "beam": args.beam, "lenpen": args.lenpen, "max_len_a": args.max_len_a,
-            "max_len_b": args.max_len_b, "threads": args.thread_counts, "batch_sizes": args.batch_size_list,
+            "max_len_b": args.max_len_b, "device": args.device, "threads": args.thread_counts,
+            "batch_sizes": args.batch_size_list, "fairseq_weights": args.fairseq_weight_list,
             "quantizations": args.quantization_list,
             "scoring": {**args.processing.to_dict(), **args.settings.to_dict(),
                         "ref": str(args.ref) if args.ref else None, "ref_is_plain": args.ref_is_plain, "bootstrap": args.bootstrap, "ar_trials": args.ar_trials,
@@ -617,20 +746,37 @@ def build_report(rows: List[Row], scores: Dict[str, Dict], args, argv: Sequence[
     }
 
 
+GPU_MEMORY_NOTE = ("GPU MB: the most GPU memory in use while the decode ran, above what was in use before it "
+                   "(NVML's device total, polled every 10 ms): the process's CUDA context, model, caches and "
+                   "activations, in MiB")
+
+
 def notes(args) -> List[str]:
-    first = f"threads {args.thread_counts[0]}, batch {args.batch_size_list[0]}"
+    cuda = args.device == "cuda"
+    first = f"batch {args.batch_size_list[0]}" if cuda else \
+        f"threads {args.thread_counts[0]}, batch {args.batch_size_list[0]}"
+    where = f"CUDA ({args.machine.get('gpu') or 'GPU'})" if cuda else "CPU"
+    weights = args.fairseq_weight_list
+    precisions = "" if len(weights) == 1 else (
+        f"; fairseq rows at {', '.join(weights[1:])}: the same system at {weights[0]} (the teacher's: the first "
+        "student at the same precision)")
+    generate = "fairseq-generate on the exported checkpoint" + (
+        "" if weights == ["float32"] else " (float16: --fp16, bfloat16: --bf16)")
     return [
         f"BLEU: sacreBLEU ({args.settings.tokenize}{', lowercased' if args.settings.lowercase else ''}) on the output "
         f"at {first}; 95% CI: μ ± half-width of the {args.bootstrap}-resample bootstrap interval.",
         "Δ, p: BLEU of the row minus its baseline's and sacreBLEU's paired bootstrap p; baseline: the same student "
-        "under fairseq for CTranslate2 rows, the first student under fairseq for the teacher.",
+        f"under fairseq ({weights[0]}) for CTranslate2 rows, the first student under fairseq for the teacher"
+        f"{precisions}.",
         f"Decoding: beam {args.beam}, lenpen {args.lenpen}, max length {args.max_len_a}·S + {args.max_len_b}, "
-        "CPU, one process at a time; fairseq rows: fairseq-generate on the exported checkpoint; CTranslate2 rows: "
+        f"{where}, one process at a time; fairseq rows: {generate}; CTranslate2 rows: "
         "fairseq-kd-translate (same batching).",
         "sent/s, tok/s: decoding time only (the 'Translated ...' line; no start-up or model loading); tokens are "
-        "target tokens with </s>. speed-up: sent/s over the teacher's under fairseq at the same threads and batch.",
+        f"target tokens with </s>. speed-up: sent/s over the teacher's under fairseq ({weights[0]}) at the same "
+        f"{'batch size' if cuda else 'threads and batch'}.",
         "size MB: the exported .pt file, or the CTranslate2 model folder (10^6 bytes).",
         MEMORY_NOTE + ".",
+        *([GPU_MEMORY_NOTE + "."] if cuda else []),
     ]
 
 
@@ -646,15 +792,20 @@ def to_markdown(report: Dict) -> str:
     from fairseq_kd.scoring.report import format_mean_ci, format_p_value
 
     machine, settings = report["machine"], report["settings"]
+    cuda = settings.get("device") == "cuda"
     combos = [(t, b) for b in settings["batch_sizes"] for t in settings["threads"]]
+    gpu = f"GPU {machine.get('gpu')}; " if cuda else ""
     lines = [f"## {report['title']}", "",
-             f"Machine: {machine['cpu']}, {machine['cores_available']} cores available (of {machine['cores_total']}); "
+             f"Machine: {gpu}{machine['cpu']}, {machine['cores_available']} cores available (of "
+             f"{machine['cores_total']}); "
              f"torch {machine['torch']}, fairseq {machine['fairseq']}, CTranslate2 {machine['ctranslate2'] or '-'}; "
              f"{report['date']}", "",
              f"Command: `{report['command']}`", ""]
     header = ["system", "engine", "weights", "BLEU", "95% CI", "Δ", "p", "size MB"]
     for t, b in combos:
-        header += [f"sent/s T={t} B={b}", f"tok/s T={t} B={b}", f"speed-up T={t} B={b}", f"peak MB T={t} B={b}"]
+        at = f"B={b}" if cuda else f"T={t} B={b}"
+        header += [f"sent/s {at}", f"tok/s {at}", f"speed-up {at}", f"peak MB {at}"]
+        header += [f"GPU MB {at}"] if cuda else []
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(["---"] * 3 + ["---:"] * (len(header) - 3)) + "|")
     for row in report["rows"]:
@@ -667,6 +818,7 @@ def to_markdown(report: Dict) -> str:
             m = by_combo[combo]
             cells += [f"{m['sentences_per_s']:.1f}", f"{m['tokens_per_s']:.0f}",
                       _f(m["speedup_vs_teacher"], ".2f", "x"), f"{m['peak_rss_mb']:.0f}"]
+            cells += [_f(m.get("peak_gpu_mb"), ".0f")] if cuda else []
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines.extend(f"- {note}" for note in report["notes"])
@@ -704,7 +856,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
 
     with progress_to_stderr(LOGGER) as logger:
         log = logger.info
-        args.machine = machine_info()
+        args.machine = machine_info(args.device)
         args.data_sha256 = data_fingerprint(args)
         args.workdir.mkdir(parents=True, exist_ok=True)
         export_models(args.rows, args, log)
