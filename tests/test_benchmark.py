@@ -27,12 +27,13 @@ def child_calls(monkeypatch):
     """Child training runs stubbed: records (method, teacher_forward) per call."""
     calls = []
 
-    def fake_child(flags, steps, warmup, teacher_forward=False, epoch=1):
+    def fake_child(flags, steps, warmup, teacher_forward=False, epoch=1, top_ops=0):
         calls.append((flags[0], teacher_forward) if epoch == 1 else (flags[0], teacher_forward, epoch))
         return {"step_ms": 30.0 if teacher_forward else 20.0, "peak_mb": 1.0}
 
     monkeypatch.setattr(benchmark, "prepare_config", lambda name, workdir: {})
     monkeypatch.setattr(benchmark, "training_flags", lambda name, paths, method: [method])
+    monkeypatch.setattr(benchmark, "config_shapes", lambda name, paths: {})
     monkeypatch.setattr(benchmark, "_train_in_child", fake_child)
     monkeypatch.setattr(benchmark, "measure_decoding",
                         lambda *args, **kwargs: {"teacher": 1.0, "student": 2.0, "student_speedup": 2.0})
@@ -80,3 +81,18 @@ def test_cpu_step_peak_counts_the_bytes_a_step_holds_at_once():
         return third.sum()
 
     assert benchmark.cpu_step_peak_mb(step) == pytest.approx(8.0, abs=0.01)
+
+
+def test_a_real_vocabulary_configuration_runs_a_step_and_records_its_shapes(tmp_path, monkeypatch):
+    """d64_8k on a smaller corpus: the dictionary padded to 8,000 types (data, teacher and student
+    all at that vocabulary), one word_kd training step measured in-process with its top operators."""
+    monkeypatch.setitem(benchmark.CONFIGS, "d64_8k", {**benchmark.CONFIGS["d64_8k"], "corpus_train": 300})
+    paths = benchmark.prepare_config("d64_8k", tmp_path)
+    shapes = benchmark.config_shapes("d64_8k", paths)
+    assert shapes["vocab"] == 8000 and shapes["max_tokens"] == 1024 and shapes["mean_tgt_len"] > 1
+    result = benchmark.measure_training(benchmark.training_flags("d64_8k", paths, "word_kd"), steps=1, warmup=0,
+                                        top_ops=3)
+    assert result["step_ms"] > 0 and result["peak_mb"] > 0
+    assert len(result["top_ops"]) == 3 and all(op["self_ms"] >= 0 for op in result["top_ops"])
+    with pytest.raises(ValueError, match="more than the configuration's vocab"):
+        benchmark.write_padded_dictionary(tmp_path / "d64_8k" / "corpus-dict" / "dict.src.txt", tmp_path / "x", 10)

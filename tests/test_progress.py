@@ -102,8 +102,10 @@ def test_benchmark_counts_its_training_runs(monkeypatch, capsys, terminal):
     monkeypatch.setattr(benchmark, "prepare_config", lambda name, workdir: {})
     monkeypatch.setattr(benchmark, "training_flags", lambda name, paths, method: [method])
     monkeypatch.setattr(benchmark, "_train_in_child",
-                        lambda flags, steps, warmup, teacher_forward=False, epoch=1: {"step_ms": 10.0, "peak_mb": 1.0})
+                        lambda flags, steps, warmup, teacher_forward=False, epoch=1, top_ops=0:
+                        {"step_ms": 10.0, "peak_mb": 1.0})
     monkeypatch.setattr(benchmark, "measure_decoding", lambda *args, **kwargs: {})
+    monkeypatch.setattr(benchmark, "config_shapes", lambda name, paths: {})
     stderr = FakeTerminal() if terminal else io.StringIO()
     monkeypatch.setattr("sys.stderr", stderr)
     report = benchmark.run(["tiny"], ["plain", "word_kd"], steps=1, warmup=0, repeats=2, workdir=None)

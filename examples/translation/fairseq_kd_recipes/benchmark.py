@@ -100,6 +100,28 @@ CONFIGS = {
         "corpus_train": 3000,
     },
 }
+# Configurations shaped like the students people distil for deployment (issue 28): small widths with
+# real vocabularies. The synthetic corpus has a few hundred types; its joined dictionary is padded
+# with never-seen symbols to ``vocab`` types, so the output projection, the softmaxes and the
+# vocabulary-sized KD terms cost what they cost at that vocabulary (their cost does not depend on
+# which types the data uses).
+_D64_STUDENT = ["--encoder-attention-heads", "4", "--decoder-attention-heads", "4"]
+_WIDTH = {d: ["--encoder-embed-dim", str(d), "--decoder-embed-dim", str(d), "--encoder-ffn-embed-dim", str(4 * d),
+              "--decoder-ffn-embed-dim", str(4 * d), "--encoder-attention-heads", "4",
+              "--decoder-attention-heads", "4"] for d in (128, 256)}
+CONFIGS.update({
+    # the issue's measured shape: student 2+2 d 64, teacher 4+4 d 128, an 8k joined vocabulary
+    "d64_8k": {"teacher_arch": "transformer_kd_tiny_teacher", "student_arch": "transformer_kd_tiny_student",
+               "student_args": _D64_STUDENT, "max_tokens": 1024, "corpus_train": 3000, "vocab": 8000},
+    "d128_8k": {"teacher_arch": "transformer_kd_iwslt_teacher", "student_arch": "transformer_kd_iwslt_student_3l",
+                "student_args": _WIDTH[128], "max_tokens": 2048, "corpus_train": 3000, "vocab": 8000},
+    "d256_32k": {"teacher_arch": "transformer_kd_iwslt_teacher", "student_arch": "transformer_kd_iwslt_student_3l",
+                 "student_args": _WIDTH[256], "max_tokens": 2048, "corpus_train": 3000, "vocab": 32000},
+    "d512_32k": {"teacher_arch": "transformer_kd_iwslt_teacher", "student_arch": "transformer_kd_iwslt_student_3l",
+                 "student_args": [], "max_tokens": 2048, "corpus_train": 3000, "vocab": 32000},
+    "wmt_40k": {"teacher_arch": "transformer_kd_wmt_teacher", "student_arch": "transformer_kd_wmt_student_4l",
+                "student_args": [], "max_tokens": 4096, "corpus_train": 3000, "vocab": 40000},
+})
 DEFAULT_CONFIGS = ["tiny", "small"]
 
 
@@ -124,12 +146,17 @@ def prepare_config(name: str, workdir: Path) -> Dict[str, str]:
     if not (raw / "corpus.json").exists():
         write_corpus(raw, seed=7, train_size=config["corpus_train"], valid_size=100, test_size=200)
     if not (data_bin / "dict.src.txt").exists():
-        subprocess.run(
-            [_bin("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
-             "--trainpref", raw / "train", "--validpref", raw / "valid", "--testpref", raw / "test",
-             "--destdir", data_bin, "--joined-dictionary", "--workers", "1"],
-            check=True, capture_output=True, env=_quiet_env(),
-        )
+        preprocess = [_bin("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
+                      "--trainpref", raw / "train", "--validpref", raw / "valid", "--testpref", raw / "test",
+                      "--joined-dictionary", "--workers", "1"]
+        if config.get("vocab"):
+            corpus_dict = root / "corpus-dict"
+            subprocess.run([*preprocess, "--destdir", corpus_dict, "--only-source", "--trainpref", raw / "train"],
+                           check=True, capture_output=True, env=_quiet_env())
+            padded = root / "dict.padded.txt"
+            write_padded_dictionary(corpus_dict / "dict.src.txt", padded, config["vocab"])
+            preprocess += ["--srcdict", padded]
+        subprocess.run([*preprocess, "--destdir", data_bin], check=True, capture_output=True, env=_quiet_env())
     teacher = teacher_dir / "checkpoint_last.pt"
     if not teacher.exists():
         # One update is enough: timing does not depend on the teacher's quality.
@@ -147,6 +174,30 @@ def prepare_config(name: str, workdir: Path) -> Dict[str, str]:
                         "--teacher-checkpoint", teacher, "--output", cache, "--k", "8", "--cpu"],
                        check=True, capture_output=True, env=_quiet_env())
     return {"data": str(data_bin), "teacher": str(teacher), "teacher_cache": str(cache)}
+
+
+def write_padded_dictionary(corpus_dict: Path, out: Path, vocab: int) -> None:
+    """The corpus's dictionary file with never-seen symbols appended, so that fairseq's dictionary
+    (4 special symbols first) holds ``vocab`` types."""
+    lines = corpus_dict.read_text().splitlines()
+    fillers = vocab - 4 - len(lines)
+    if fillers < 0:
+        raise ValueError(f"the corpus has {len(lines) + 4} types, more than the configuration's vocab {vocab}")
+    out.write_text("\n".join(lines + [f"unseen{i:06d} 0" for i in range(fillers)]) + "\n")
+
+
+def config_shapes(config_name: str, paths: Dict[str, str]) -> dict:
+    """What a configuration's rows measured: the vocabulary, the tokens per batch and the corpus's
+    mean lengths (the models' shapes are their architectures' and ``student_args``)."""
+    from fairseq.data import Dictionary, data_utils
+
+    data = Path(paths["data"])
+    shapes = {"vocab": len(Dictionary.load(str(data / "dict.src.txt"))),
+              "max_tokens": CONFIGS[config_name]["max_tokens"]}
+    for lang in ("src", "tgt"):
+        dataset = data_utils.load_indexed_dataset(str(data / f"train.src-tgt.{lang}"), None)
+        shapes[f"mean_{lang}_len"] = round(float(dataset.sizes.mean()), 2)
+    return shapes
 
 
 def _user_dir() -> str:
@@ -169,7 +220,7 @@ def training_flags(config_name: str, paths: Dict[str, str], method: str) -> List
 
 
 def measure_training(flags: List[str], steps: int, warmup: int, teacher_forward: bool = False,
-                     epoch: int = 1) -> dict:
+                     epoch: int = 1, top_ops: int = 0) -> dict:
     """Run in a child process: build what fairseq-train builds and time ``train_step`` (followed,
     with ``teacher_forward``, by the teacher's forward pass on the same batch: the ``limit`` row)."""
     import torch
@@ -240,7 +291,26 @@ def measure_training(flags: List[str], steps: int, warmup: int, teacher_forward:
         peak, measure = torch.cuda.max_memory_allocated() / 2**20, "cuda_max_allocated"
     else:
         peak, measure = cpu_step_peak_mb(lambda: step(first_timed)), "cpu_step_peak_allocated"
-    return {"step_ms": 1000 * statistics.median(times), "peak_mb": peak, "memory_measure": measure}
+    result = {"step_ms": 1000 * statistics.median(times), "peak_mb": peak, "memory_measure": measure}
+    if top_ops:
+        result["top_ops"] = top_operators(lambda: step(first_timed), top_ops, cuda)
+    return result
+
+
+def top_operators(run_step, count: int, cuda: bool) -> List[dict]:
+    """Where one more step's time goes: the ``count`` operators with the most self time (on the GPU
+    when there is one), from the torch profiler; times in ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        run_step()
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    total = sum(getattr(e, key, 0) for e in events) or 1
+    ranked = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:count]
+    return [{"op": e.key, "self_ms": getattr(e, key, 0) / 1000, "share": getattr(e, key, 0) / total,
+             "calls": e.count} for e in ranked]
 
 
 def cpu_step_peak_mb(run_step) -> float:
@@ -315,10 +385,10 @@ def measure_decoding(paths: Dict[str, str], student_arch: str, student_args: Lis
 
 
 def _train_in_child(flags: List[str], steps: int, warmup: int, teacher_forward: bool = False,
-                    epoch: int = 1) -> dict:
+                    epoch: int = 1, top_ops: int = 0) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "fairseq_kd_recipes.benchmark", "--child-train", json.dumps(flags),
-         "--steps", str(steps), "--warmup", str(warmup), "--child-epoch", str(epoch),
+         "--steps", str(steps), "--warmup", str(warmup), "--child-epoch", str(epoch), "--top-ops", str(top_ops),
          *(["--child-teacher-forward"] if teacher_forward else [])],
         capture_output=True, text=True, env=_quiet_env(),
     )
@@ -329,7 +399,7 @@ def _train_in_child(flags: List[str], steps: int, warmup: int, teacher_forward: 
 
 
 def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats: int,
-        workdir: Path) -> dict:
+        workdir: Path, top_ops: int = 0) -> dict:
     """Methods run interleaved in ``repeats`` rounds; each keeps its fastest round, which filters
     out interference from other processes on a shared machine."""
     from fairseq_kd.progress import print_above_bars, progress_bar
@@ -348,8 +418,10 @@ def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats
                 if "error" in rows.get(method, {}):
                     bar.update()
                     continue
+                last_round = round_index == repeats - 1
                 result = _train_in_child(training_flags(config_name, paths, method), steps, warmup,
-                                         teacher_forward=method == LIMIT, epoch=TIMED_EPOCHS.get(method, 1))
+                                         teacher_forward=method == LIMIT, epoch=TIMED_EPOCHS.get(method, 1),
+                                         top_ops=top_ops if last_round else 0)
                 bar.update()
                 if "error" in result:
                     rows[method] = result
@@ -357,13 +429,19 @@ def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats
                     continue
                 rounds.setdefault(method, []).append(result["step_ms"])
                 best = rows.get(method)
+                operators = result.pop("top_ops", None)
                 if best is None or result["step_ms"] < best["step_ms"]:
                     rows[method] = {**result, "peak_mb": min(result["peak_mb"], (best or result)["peak_mb"])}
+                if operators:
+                    rows[method]["top_ops"] = operators
                 say(f"[{config_name}] round {round_index + 1}: {method}: {result['step_ms']:.1f} ms/step")
+                for op in operators or []:
+                    say(f"    {op['self_ms']:8.2f} ms {100 * op['share']:5.1f}%  {op['calls']:5d}x  {op['op']}")
         add_ratios(rows, rounds)
         decoding = measure_decoding(paths, CONFIGS[config_name]["student_arch"],
                                     CONFIGS[config_name]["student_args"], sentences=200, length=20)
-        report[config_name] = {"config": CONFIGS[config_name], "methods": rows, "decoding": decoding}
+        report[config_name] = {"config": CONFIGS[config_name], "shapes": config_shapes(config_name, paths),
+                               "methods": rows, "decoding": decoding}
     bar.close()
     return report
 
@@ -396,8 +474,12 @@ def to_markdown(report: dict) -> str:
     lines = []
     for config_name, result in report.items():
         cfg = result["config"]
-        lines.append(f"### {config_name}: teacher `{cfg['teacher_arch']}`, student `{cfg['student_arch']}`, "
-                     f"max-tokens {cfg['max_tokens']}")
+        shapes = result.get("shapes", {})
+        student = f" {' '.join(cfg['student_args'])}" if cfg["student_args"] else ""
+        lines.append(f"### {config_name}: teacher `{cfg['teacher_arch']}`, student `{cfg['student_arch']}{student}`, "
+                     f"max-tokens {cfg['max_tokens']}"
+                     + (f", vocabulary {shapes['vocab']:,}, mean lengths {shapes['mean_src_len']} / "
+                        f"{shapes['mean_tgt_len']} tokens" if shapes else ""))
         lines.append("")
         lines.append("| method | step (ms) | vs plain | vs limit | spread | peak mem (MB) | memory vs plain "
                      "| memory vs limit |")
@@ -442,13 +524,17 @@ def cli_main(argv=None):
                         help="where corpora and teacher checkpoints are made (reused across runs)")
     parser.add_argument("--output-dir", type=Path, default=Path("benchmark_output"),
                         help="writes benchmark.json and benchmark.md here")
+    parser.add_argument("--top-ops", type=int, default=0, metavar="N",
+                        help="print (and record) where each row's step time goes: its N operators with the "
+                             "most self time in one more step of the last round (torch profiler)")
     parser.add_argument("--child-train", help=argparse.SUPPRESS)
     parser.add_argument("--child-teacher-forward", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-epoch", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child_train:
         result = measure_training(json.loads(args.child_train), args.steps, args.warmup,
-                                  teacher_forward=args.child_teacher_forward, epoch=args.child_epoch)
+                                  teacher_forward=args.child_teacher_forward, epoch=args.child_epoch,
+                                  top_ops=args.top_ops)
         print(json.dumps(result))
         return
     methods = args.methods or DEFAULT_METHODS
@@ -457,7 +543,7 @@ def cli_main(argv=None):
         parser.error(f"--methods: unknown {unknown}; known: {sorted(METHODS)}")
     methods = [PLAIN, LIMIT, *(m for m in methods if m not in (PLAIN, LIMIT))]
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    report = run(args.configs, methods, args.steps, args.warmup, args.repeats, args.workdir)
+    report = run(args.configs, methods, args.steps, args.warmup, args.repeats, args.workdir, args.top_ops)
     (args.output_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
     markdown = to_markdown(report)
     (args.output_dir / "benchmark.md").write_text(markdown)
