@@ -410,3 +410,16 @@ def test_teacher_follows_the_students_dtype(teachers, data_bins):
     assert float(half[..., 0].exp().max()) == 0.0
     real = batch["target"].ne(task.target_dictionary.pad())
     assert float((half - full).exp().sub(1).abs()[real][:, 1:].max()) < 0.2  # within bfloat16's precision
+
+
+def test_loading_leaves_the_random_state(teachers, data_bins):
+    """As a fairseq teacher's loading (tests/test_teacher_loading.py): the student's initial weights do
+    not depend on whether its teacher is a fairseq checkpoint or a Hugging Face folder."""
+    for family in FAMILIES:
+        task = data_task(data_bins[family])
+        torch.manual_seed(5)
+        untouched = torch.rand(8)
+        torch.manual_seed(5)
+        load_teacher(str(teachers[family]), task)
+        assert torch.equal(torch.rand(8), untouched), family
+

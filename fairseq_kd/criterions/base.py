@@ -62,6 +62,7 @@ from fairseq.logging import metrics
 from torch import Tensor
 
 from ..models.feature_capture import CapturedFeatures, CaptureRequest, FeatureCapture
+from .losses import label_smoothed_ce_and_word_kd, label_smoothed_cross_entropy
 
 #: the logging-output key counting the steps whose scheduled weights were logged (each worker's
 #: micro-batch adds 1), by which their sum is divided back into the step's value
@@ -203,6 +204,11 @@ class DistillationBatch:
     #: the cached teacher's top-k (log-probabilities, token ids), (batch, tgt_len, k) each, when the
     #: run reads --teacher-cache instead of running the teacher
     teacher_topk: Optional[Tuple[Tensor, Tensor]] = None
+    #: word-level KD at ``target_mask`` and ``fused_temperature``, computed by the base together with
+    #: CE (:func:`.losses.label_smoothed_ce_and_word_kd`; its gradient is in the step's loss already):
+    #: what :func:`.losses.word_kd_term` returns for it
+    fused_word_kd: Optional[Tensor] = None
+    fused_temperature: float = 1.0
 
     @property
     def student_logits(self) -> Tensor:
@@ -453,37 +459,57 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
         student_request, teacher_request = self.capture_requests(weights) if distilling else (CaptureRequest(),) * 2
         with FeatureCapture(model, student_request) as capture:
             net_output = model(**sample["net_input"])
-        ce_loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=True)
-
-        terms: Dict[str, Tensor] = {}
-        extra_logs: Dict[str, object] = {}
+        target_mask = self.target_mask(sample)
+        teacher_output, teacher_features, teacher_topk = None, CapturedFeatures(), None
         if distilling:
-            teacher_topk = None
             if from_cache:
-                teacher_output, teacher_features = None, CapturedFeatures()
                 teacher_topk = self.teacher_cache.lookup(sample["id"], sample["target"].ne(self.padding_idx))
             else:
                 self.teacher.follow(next(model.parameters()))
                 teacher_output, teacher_features = self.teacher.forward(sample["net_input"], teacher_request)
+        # Word-level KD from the live teacher shares CE's pass over the student's logits (one
+        # log-softmax, one vocabulary-sized gradient buffer): its weighted sum with CE carries both
+        # gradients, and the criterion's word_kd term is that pass's value.
+        fused = (teacher_output is not None and weights.get("word_kd", 0) != 0 and "word_kd" not in self.SENTENCE_TERMS
+                 and not teacher_output[0].requires_grad and self.plain_logits(model))
+        fused_word_kd = combined = None
+        if fused:
+            combined, ce_loss, nll_loss, fused_word_kd = label_smoothed_ce_and_word_kd(
+                net_output[0], teacher_output[0], sample["target"], target_mask, self.eps, self.kd_temperature,
+                weights["ce"], weights["word_kd"])
+        elif distilling:
+            ce_loss, nll_loss = self.cross_entropy(model, net_output, sample)
+        else:  # no term active: exactly fairseq's criterion (its reduction order too)
+            ce_loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=True)
+
+        terms: Dict[str, Tensor] = {}
+        extra_logs: Dict[str, object] = {}
+        if distilling:
             batch = DistillationBatch(
                 sample=sample,
                 student_output=net_output,
                 teacher_output=teacher_output,
                 student=capture.features(),
                 teacher=teacher_features,
-                target_mask=self.target_mask(sample),
+                target_mask=target_mask,
                 teacher_topk=teacher_topk,
+                fused_word_kd=fused_word_kd,
+                fused_temperature=self.kd_temperature,
             )
             terms = self.distillation_terms(batch)
             extra_logs = getattr(terms, "logs", {})
+            if fused and terms.get("word_kd") is not fused_word_kd:
+                raise RuntimeError(
+                    f"{self.criterion_name()}: its word_kd term must come from losses.word_kd_term(batch, "
+                    "batch.target_mask, self.kd_temperature), which returns the value computed with CE")
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
         nsentences = sample["target"].size(0)
         for name in self.SENTENCE_TERMS:
             if name in terms and nsentences > 0:
                 terms[name] = terms[name] * (sample_size / nsentences)
-        loss = weights["ce"] * ce_loss
+        loss = combined if fused else weights["ce"] * ce_loss
         for name in self.TERM_NAMES:
-            if name in terms and weights[name] != 0:
+            if name in terms and weights[name] != 0 and not (fused and name == "word_kd"):
                 loss = loss + weights[name] * terms[name]
         if model.training and torch.is_grad_enabled():
             # The criterion's own parameters (projections, A2D's alignment) join the graph even in a
@@ -516,6 +542,21 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
             logging_output["n_correct"] = utils.item(n_correct.data)
             logging_output["total"] = utils.item(total.data)
         return loss, sample_size, logging_output
+
+    def cross_entropy(self, model, net_output, sample) -> Tuple[Tensor, Tensor]:
+        """fairseq's label-smoothed CE and nll (``compute_loss``, reduced), computed in chunks of
+        positions (:func:`.losses.label_smoothed_cross_entropy`: the same values, without the
+        full-vocabulary copies fairseq's path holds). A decoder whose output is not plain logits
+        (adaptive softmax) goes through fairseq's own ``compute_loss``."""
+        if not self.plain_logits(model):
+            return self.compute_loss(model, net_output, sample, reduce=True)
+        return label_smoothed_cross_entropy(net_output[0], sample["target"], self.target_mask(sample), self.eps)
+
+    @staticmethod
+    def plain_logits(model) -> bool:
+        """Whether the model's first output is the logits its log-probabilities are the log-softmax
+        of (not an adaptive softmax's head)."""
+        return getattr(getattr(model, "decoder", None), "adaptive_softmax", None) is None
 
     def target_mask(self, sample) -> Tensor:
         """True at target tokens that count: not padding and not in the ignored prefix."""

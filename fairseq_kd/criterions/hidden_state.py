@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from ..models.feature_capture import CaptureRequest
 from .base import DistillationBatch, KDCriterionBase, KDCriterionConfig, weight
-from .losses import word_level_kd
+from .losses import word_kd_term
 
 LAYER_SIDES = ChoiceEnum(["encoder", "decoder", "both"])
 SIDES_OF = {"encoder": ("encoder",), "decoder": ("decoder",), "both": ("encoder", "decoder")}
@@ -118,7 +118,7 @@ class HiddenStateKDCriterion(KDCriterionBase):
         return terms
 
     def word_kd_term(self, batch: DistillationBatch) -> Tensor:
-        return word_level_kd(batch.student_logits, batch.teacher_logits, batch.target_mask, self.kd_temperature)
+        return word_kd_term(batch, batch.target_mask, self.kd_temperature)
 
     # ------------------------------------------------------------------ helpers
     def register_layer_index(self, name: str, layers) -> None:

@@ -6,19 +6,178 @@ loss weights mean the same at any batch size and on any number of workers.
 """
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 
+#: positions x vocabulary entries per chunk of the vocabulary-sized losses (label-smoothed CE, word
+#: KD), on the CPU and on CUDA: a chunk's float32 temporaries are at most 4 MiB (CPU) or 64 MiB (GPU,
+#: where each chunk costs a dozen kernel launches) each, so a loss adds its one (positions,
+#: vocabulary) gradient buffer and a few chunks to a step, not several batch-sized copies of the
+#: distributions: at a real vocabulary (32k types, 4k target tokens: 512 MiB per float32 copy) those
+#: copies, not the model, were what distillation added to a step. (The CUDA budget is not measured
+#: yet; docs/results/benchmark_cpu_vocab.md has the CPU's.)
+CHUNK_ELEMENTS = {"cpu": 2**20, "cuda": 2**24}
+#: and never fewer chunks than this (a batch smaller than the budget still holds a fraction of a
+#: (positions, vocabulary) tensor per temporary at a time)
+MIN_CHUNKS = 8
+
+
+def rows_per_chunk(vocab: int, rows: Optional[int] = None, positions: int = 0, device: str = "cpu") -> int:
+    """Positions per chunk: ``rows`` if given (tests), else what :data:`CHUNK_ELEMENTS` allows on
+    ``device``'s type, and at most a :data:`MIN_CHUNKS`-th of the ``positions``."""
+    if rows is not None:
+        if rows < 1:
+            raise ValueError(f"rows per chunk must be at least 1, got {rows}")
+        return rows
+    budget = CHUNK_ELEMENTS.get(device, CHUNK_ELEMENTS["cpu"]) // vocab
+    return max(1, min(budget, -(-positions // MIN_CHUNKS)) if positions else budget)
+
+
+def _chunk_rows(logits: Tensor, rows: Optional[int]) -> int:
+    return rows_per_chunk(logits.size(-1), rows, logits.numel() // logits.size(-1), logits.device.type)
+
+
+def label_smoothed_cross_entropy(
+    logits: Tensor, target: Tensor, target_mask: Tensor, epsilon: float, rows: Optional[int] = None
+) -> Tuple[Tensor, Tensor]:
+    """fairseq's label-smoothed cross-entropy (``label_smoothed_nll_loss``, Szegedy et al., 2016,
+    as fairseq writes it): ``sum_t (1 - eps - eps_i) nll_t + eps_i smooth_t`` with ``nll_t = -log
+    p(y_t)``, ``smooth_t = -sum_v log p(v)`` and ``eps_i = eps / (V - 1)``; returns (that sum, the
+    sum of ``nll_t``), both over the positions where ``target_mask`` is True (fairseq: target !=
+    padding, past the ignored prefix).
+
+    Computed in chunks of positions (:data:`CHUNK_ELEMENTS`, :data:`MIN_CHUNKS`), in float32 whatever
+    the logits' dtype, with the gradient formed in the forward pass:
+    ``p - eps_i - (1 - eps - eps_i) onehot(y)`` (the coefficient of ``p`` is
+    ``1 - eps + eps_i (V - 1) = 1``). What it keeps for the backward pass is
+    that one float32 ``(positions, V)`` tensor, which is what fairseq's path keeps (its
+    log-probabilities), without fairseq's second and third such tensors in the backward pass (the
+    gradient of the log-probabilities, then of the logits). logits: ``(..., V)``; target and
+    target_mask: the leading shape.
+    """
+    return _LabelSmoothedCE.apply(logits, target, target_mask, float(epsilon), _chunk_rows(logits, rows))
+
+
+class _LabelSmoothedCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, target_mask, epsilon, rows):
+        vocab = logits.size(-1)
+        flat = logits.reshape(-1, vocab)
+        targets = target.reshape(-1, 1)
+        keep = target_mask.reshape(-1)
+        eps_i = epsilon / (vocab - 1)
+        gradient = (torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
+                    if ctx.needs_input_grad[0] else None)
+        nll_sum = torch.zeros((), dtype=torch.float32, device=flat.device)
+        smooth_sum = torch.zeros((), dtype=torch.float32, device=flat.device)
+        for start in range(0, flat.size(0), rows):
+            here, index = keep[start:start + rows], targets[start:start + rows]
+            log_probs = F.log_softmax(flat[start:start + rows].float(), dim=-1)
+            # torch.where, not a product with the mask: a padded position's row is never summed
+            nll_sum -= torch.where(here, log_probs.gather(-1, index).squeeze(-1), 0.0).sum()
+            smooth_sum -= torch.where(here, log_probs.sum(-1), 0.0).sum()
+            if gradient is not None:
+                chunk = gradient[start:start + rows]
+                torch.exp(log_probs, out=chunk)
+                chunk.sub_(eps_i)
+                chunk.scatter_add_(-1, index, chunk.new_full(index.shape, -(1.0 - epsilon - eps_i)))
+                chunk.masked_fill_(~here.unsqueeze(-1), 0.0)
+        loss = (1.0 - epsilon - eps_i) * nll_sum + eps_i * smooth_sum
+        ctx.mark_non_differentiable(nll_sum)
+        if gradient is not None:
+            ctx.save_for_backward(gradient)
+            ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        return loss, nll_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_nll):
+        (gradient,) = ctx.saved_tensors
+        # in place: the buffer is this function's own and the backward pass runs once
+        return gradient.mul_(grad_loss).view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None, None
+
+
+def label_smoothed_ce_and_word_kd(
+    logits: Tensor, teacher_logits: Tensor, target: Tensor, target_mask: Tensor, epsilon: float,
+    temperature: float, ce_weight: float, kd_weight: float, rows: Optional[int] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``ce_weight * CE + kd_weight * KD`` in one pass over the student's logits: CE is
+    :func:`label_smoothed_cross_entropy`, KD :func:`word_level_kd`, both at ``target_mask``; returns
+    (that weighted sum, CE, nll, KD). Only the weighted sum carries a gradient; the other three are
+    its parts' values, for the logs.
+
+    One log-softmax of the student per chunk serves both losses (at ``tau = 1``), and the two
+    gradients are summed into one float32 ``(positions, V)`` buffer in the forward pass, which
+    knows the weights: the step keeps one vocabulary-sized tensor for the backward pass where CE
+    and KD computed apart keep two.
+    """
+    rows = _chunk_rows(logits, rows)
+    return _CEAndWordKD.apply(logits, teacher_logits, target, target_mask, float(epsilon), float(temperature),
+                              float(ce_weight), float(kd_weight), rows)
+
+
+class _CEAndWordKD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, teacher_logits, target, target_mask, epsilon, temperature, ce_weight, kd_weight,
+                rows):
+        vocab = logits.size(-1)
+        student, teacher = logits.reshape(-1, vocab), teacher_logits.reshape(-1, vocab)
+        targets, keep = target.reshape(-1, 1), target_mask.reshape(-1)
+        eps_i = epsilon / (vocab - 1)
+        gradient = (torch.empty(student.shape, dtype=torch.float32, device=student.device)
+                    if ctx.needs_input_grad[0] else None)
+        nll_sum, smooth_sum, kd_sum = (torch.zeros((), dtype=torch.float32, device=student.device) for _ in range(3))
+        for start in range(0, student.size(0), rows):
+            here, index = keep[start:start + rows], targets[start:start + rows]
+            student_chunk = student[start:start + rows].float()
+            log_probs = F.log_softmax(student_chunk, dim=-1)
+            nll_sum -= torch.where(here, log_probs.gather(-1, index).squeeze(-1), 0.0).sum()
+            smooth_sum -= torch.where(here, log_probs.sum(-1), 0.0).sum()
+            student_lp = log_probs if temperature == 1.0 else F.log_softmax(student_chunk / temperature, dim=-1)
+            teacher_lp = _log_softmax_at(teacher[start:start + rows], temperature)
+            teacher_p = teacher_lp.exp()
+            kd_sum += torch.where(here, teacher_lp.sub_(student_lp).mul_(teacher_p).sum(-1), 0.0).sum()
+            if gradient is not None:
+                # ce_weight (p - eps_i - (1 - eps - eps_i) onehot) + kd_weight tau (p_tau - p_T)
+                chunk = gradient[start:start + rows]
+                torch.exp(log_probs, out=chunk)
+                if temperature == 1.0:
+                    chunk.mul_(ce_weight + kd_weight)
+                else:
+                    chunk.mul_(ce_weight).add_(student_lp.exp_(), alpha=kd_weight * temperature)
+                chunk.add_(teacher_p, alpha=-kd_weight * temperature).sub_(ce_weight * eps_i)
+                chunk.scatter_add_(-1, index, chunk.new_full(index.shape, -ce_weight * (1.0 - epsilon - eps_i)))
+                chunk.masked_fill_(~here.unsqueeze(-1), 0.0)
+        ce = (1.0 - epsilon - eps_i) * nll_sum + eps_i * smooth_sum
+        kd = (temperature**2) * kd_sum
+        combined = ce_weight * ce + kd_weight * kd
+        ctx.mark_non_differentiable(ce, nll_sum, kd)
+        if gradient is not None:
+            ctx.save_for_backward(gradient)
+            ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        return combined, ce, nll_sum, kd
+
+    @staticmethod
+    def backward(ctx, grad_combined, _grad_ce, _grad_nll, _grad_kd):
+        (gradient,) = ctx.saved_tensors
+        # in place: the buffer is this function's own and the backward pass runs once
+        grad_logits = gradient.mul_(grad_combined).view(ctx.logits_shape).to(ctx.logits_dtype)
+        return (grad_logits,) + (None,) * 8
+
+
 def word_level_kd(
-    student_logits: Tensor, teacher_logits: Tensor, target_mask: Tensor, temperature: float = 1.0
+    student_logits: Tensor, teacher_logits: Tensor, target_mask: Tensor, temperature: float = 1.0,
+    rows: Optional[int] = None,
 ) -> Tensor:
     """Word-level KD (Hinton et al., 2015): ``tau^2 * sum_t KL(p_T^tau(.|t) || p_S^tau(.|t))``.
 
     student_logits, teacher_logits: ``(batch, tgt_len, vocab)``; target_mask: ``(batch, tgt_len)``,
     True at real target tokens. The ``tau^2`` factor keeps gradient magnitudes comparable across
-    temperatures (Hinton et al., Sec. 2). Computed in float32 whatever the model dtype.
+    temperatures (Hinton et al., Sec. 2). Computed in float32 whatever the model dtype, in chunks
+    of positions (:data:`CHUNK_ELEMENTS`; ``rows`` overrides, for tests).
     """
     if teacher_logits.requires_grad:
         # a teacher trained jointly (self-distillation) needs the gradient on its side too, which
@@ -27,39 +186,50 @@ def word_level_kd(
         teacher_lp = _log_softmax_at(teacher_logits, temperature)
         per_position = F.kl_div(student_lp, teacher_lp, reduction="none", log_target=True).sum(-1)
         return (temperature**2) * per_position.masked_select(target_mask).sum()
-    return _WordLevelKD.apply(student_logits, teacher_logits, target_mask, float(temperature))
+    return _WordLevelKD.apply(student_logits, teacher_logits, target_mask, float(temperature),
+                              _chunk_rows(student_logits, rows))
 
 
 class _WordLevelKD(torch.autograd.Function):
-    """:func:`word_level_kd` with its gradient formed in the forward pass.
+    """:func:`word_level_kd` in chunks of positions, with its gradient formed in the forward pass.
 
     The gradient with respect to the student's logits is ``tau (p_S^tau - p_T^tau)`` at the masked
-    positions, so the forward pass, which has both distributions at hand, keeps that one
-    ``(batch, len, vocab)`` tensor for the backward pass instead of the student's and the
-    teacher's log-probabilities that autograd through ``log_softmax`` and ``kl_div`` would keep
-    (plus their elementwise KL). At a real vocabulary (10k types, 4k target tokens: 160 MB per such
-    float32 tensor) this is most of what word-level KD adds to a step's memory.
+    positions, so the forward pass, which has both distributions at hand, writes that into one
+    float32 ``(positions, vocab)`` buffer kept for the backward pass; the distributions themselves
+    exist one chunk at a time. Autograd through ``log_softmax`` and ``kl_div`` would keep the
+    student's and the teacher's log-probabilities whole, plus their elementwise KL.
     """
 
     @staticmethod
-    def forward(ctx, student_logits, teacher_logits, target_mask, temperature):
-        student_lp = _log_softmax_at(student_logits, temperature)
-        teacher_lp = _log_softmax_at(teacher_logits, temperature)
-        teacher_p = teacher_lp.exp()
-        # in place from here on: the three tensors are this function's own
-        per_position = teacher_lp.sub_(student_lp).mul_(teacher_p).sum(-1)
-        loss = (temperature**2) * per_position.masked_select(target_mask).sum()
-        if ctx.needs_input_grad[0]:
-            gradient = student_lp.exp_().sub_(teacher_p).mul_(temperature)
-            gradient.masked_fill_(~target_mask.unsqueeze(-1), 0.0)
+    def forward(ctx, student_logits, teacher_logits, target_mask, temperature, rows):
+        vocab = student_logits.size(-1)
+        student, teacher = student_logits.reshape(-1, vocab), teacher_logits.reshape(-1, vocab)
+        keep = target_mask.reshape(-1)
+        gradient = (torch.empty(student.shape, dtype=torch.float32, device=student.device)
+                    if ctx.needs_input_grad[0] else None)
+        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        for start in range(0, student.size(0), rows):
+            here = keep[start:start + rows]
+            student_lp = _log_softmax_at(student[start:start + rows], temperature)
+            teacher_lp = _log_softmax_at(teacher[start:start + rows], temperature)
+            teacher_p = teacher_lp.exp()
+            # in place from here on: the chunk's tensors are this function's own
+            per_position = teacher_lp.sub_(student_lp).mul_(teacher_p).sum(-1)
+            total += torch.where(here, per_position, 0.0).sum()
+            if gradient is not None:
+                chunk = gradient[start:start + rows]
+                torch.exp(student_lp, out=chunk)
+                chunk.sub_(teacher_p).mul_(temperature).masked_fill_(~here.unsqueeze(-1), 0.0)
+        if gradient is not None:
             ctx.save_for_backward(gradient)
-            ctx.student_dtype = student_logits.dtype
-        return loss
+            ctx.student_shape, ctx.student_dtype = student_logits.shape, student_logits.dtype
+        return (temperature**2) * total
 
     @staticmethod
     def backward(ctx, grad_loss):
         (gradient,) = ctx.saved_tensors
-        return (gradient * grad_loss).to(ctx.student_dtype), None, None, None
+        # in place: the buffer is this function's own and the backward pass runs once
+        return gradient.mul_(grad_loss).view(ctx.student_shape).to(ctx.student_dtype), None, None, None, None
 
 
 def _log_softmax_at(logits: Tensor, temperature: float) -> Tensor:
@@ -89,7 +259,12 @@ def topk_word_level_kd(
 
 def word_kd_term(batch, target_mask: Tensor, temperature: float) -> Tensor:
     """Word-level KD of a :class:`~.base.DistillationBatch` at ``target_mask``: from the live
-    teacher's logits, or from the cached top-k teacher when the batch carries it."""
+    teacher's logits, or from the cached top-k teacher when the batch carries it. Where the base
+    computed it together with CE (``batch.fused_word_kd``: the live teacher, at the batch's target
+    mask and the criterion's temperature), that value; its gradient is already in the step's loss."""
+    fused = getattr(batch, "fused_word_kd", None)
+    if fused is not None and target_mask is batch.target_mask and temperature == batch.fused_temperature:
+        return fused
     if batch.teacher_topk is not None:
         return topk_word_level_kd(batch.student_logits, *batch.teacher_topk, target_mask, temperature)
     return word_level_kd(batch.student_logits, batch.teacher_logits, target_mask, temperature)

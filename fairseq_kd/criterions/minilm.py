@@ -33,7 +33,7 @@ from torch import Tensor
 from ..models.feature_capture import DECODER_CROSS, DECODER_SELF, ENCODER_SELF, AttentionMaps, CaptureRequest
 from .startup_checks import check_capturable, check_equal_heads
 from .base import KDCriterionBase, KDCriterionConfig, weight
-from .losses import masked_row_kl, word_level_kd
+from .losses import masked_row_kl, word_kd_term
 
 MINILM_KINDS = {"self": (ENCODER_SELF, DECODER_SELF), "all": (ENCODER_SELF, DECODER_SELF, DECODER_CROSS)}
 
@@ -94,9 +94,7 @@ class MiniLMCriterion(KDCriterionBase):
                 for kind in self.kinds
             )
         if self.weights["word_kd"] != 0:
-            terms["word_kd"] = word_level_kd(
-                batch.student_logits, batch.teacher_logits, batch.target_mask, self.kd_temperature
-            )
+            terms["word_kd"] = word_kd_term(batch, batch.target_mask, self.kd_temperature)
         return terms
 
 

@@ -40,7 +40,7 @@ from ..modules.layer_mapping import LayerMappingError, uniform_mapping
 from ..modules.projection import width_projection
 from .startup_checks import check_capturable, check_equal_heads
 from .base import KDCriterionBase, KDCriterionConfig, weight
-from .losses import masked_mse_sum, sum_of_squares, word_level_kd
+from .losses import masked_mse_sum, sum_of_squares, word_kd_term
 
 #: the side whose layer mapping each attention kind follows
 KIND_SIDE = {ENCODER_SELF: "encoder", DECODER_SELF: "decoder", DECODER_CROSS: "decoder"}
@@ -132,9 +132,7 @@ class TinyBERTCriterion(KDCriterionBase):
                 for side in SIDES
             )
         if self.weights["word_kd"] != 0:
-            terms["word_kd"] = word_level_kd(
-                batch.student_logits, batch.teacher_logits, batch.target_mask, self.kd_temperature
-            )
+            terms["word_kd"] = word_kd_term(batch, batch.target_mask, self.kd_temperature)
         return terms
 
 

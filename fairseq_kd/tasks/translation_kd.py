@@ -220,10 +220,20 @@ class TranslationKDTask(TranslationTask):
 
 def load_teacher(path: str, task) -> FrozenTeacher:
     """The teacher ``--teacher-checkpoint`` names: a Hugging Face ``save_pretrained`` folder
-    (:mod:`fairseq_kd.models.hf_teacher`) or a fairseq checkpoint file."""
-    if is_hugging_face_folder(path):
-        return HuggingFaceTeacher.load(path, task)
-    return FrozenTeacher.load(path, task)
+    (:mod:`fairseq_kd.models.hf_teacher`) or a fairseq checkpoint file.
+
+    Loading leaves torch's random state where it was. fairseq-train seeds, sets the task up (this
+    runs then) and builds the student after; building a fairseq teacher initialises its parameters
+    randomly before its weights are read, so without this the student's initial weights would
+    depend on the teacher's architecture and format: a student distilled from a teacher, one
+    distilled from the same teacher exported to Hugging Face, and the no-KD baseline with the same
+    seed would start from different weights. With it they start from the same ones."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):  # the CPU generator: teachers are built on the CPU
+        if is_hugging_face_folder(path):
+            return HuggingFaceTeacher.load(path, task)
+        return FrozenTeacher.load(path, task)
 
 
 def reads_output_only(criterion_name: str) -> bool:

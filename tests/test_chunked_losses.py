@@ -1,0 +1,133 @@
+"""The vocabulary-sized losses computed in chunks of positions (criterions/losses.py) equal the
+unchunked computations they replace, in value and gradient: fairseq's own label-smoothed
+cross-entropy (log_softmax over the whole batch, then label_smoothed_nll_loss, gradient by autograd)
+and word-level KD written position by position. With padding, an ignored prefix, chunk sizes that
+do not divide the positions, one position per chunk and one chunk for all, float32 and bfloat16
+logits, and an upstream gradient other than 1."""
+import pytest
+import torch
+from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
+
+from fairseq_kd.criterions import losses
+from fairseq_kd.criterions.losses import label_smoothed_cross_entropy, word_level_kd
+
+PAD = 1
+CHUNKS = [1, 3, 7, None, 10_000]  # None: the default (CHUNK_ELEMENTS // vocab)
+
+
+def batch(dtype, vocab=11, seed=0):
+    torch.manual_seed(seed)
+    logits = (4 * torch.randn(3, 5, vocab)).to(dtype)
+    target = torch.randint(4, vocab, (3, 5))
+    target[0, 3:] = PAD  # padding at the end of two sentences
+    target[2, 1:] = PAD
+    return logits, target
+
+
+def fairseq_reference(logits, target, epsilon, ignore_prefix=0):
+    """fairseq's LabelSmoothedCrossEntropyCriterion.compute_loss on these logits (float64)."""
+    lprobs = torch.log_softmax(logits.double(), dim=-1)[:, ignore_prefix:]
+    return label_smoothed_nll_loss(lprobs.reshape(-1, lprobs.size(-1)), target[:, ignore_prefix:].reshape(-1),
+                                   epsilon, ignore_index=PAD, reduce=True)
+
+
+@pytest.mark.parametrize("rows", CHUNKS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("epsilon, ignore_prefix", [(0.1, 0), (0.0, 0), (0.2, 1)])
+def test_label_smoothed_cross_entropy_equals_fairseqs(rows, dtype, epsilon, ignore_prefix):
+    logits, target = batch(dtype)
+    mask = target.ne(PAD)
+    mask[:, :ignore_prefix] = False
+    student = logits.clone().requires_grad_()
+    loss, nll = label_smoothed_cross_entropy(student, target, mask, epsilon, rows=rows)
+    (3.5 * loss).backward()
+
+    reference_logits = logits.double().requires_grad_()
+    reference_loss, reference_nll = fairseq_reference(reference_logits, target, epsilon, ignore_prefix)
+    (3.5 * reference_loss).backward()
+    assert loss.dtype == nll.dtype == torch.float32 and not nll.requires_grad
+    torch.testing.assert_close(loss.double(), reference_loss, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(nll.double(), reference_nll, rtol=1e-6, atol=1e-5)
+    assert student.grad.dtype == dtype
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(student.grad.double(), reference_logits.grad, rtol=tolerance, atol=tolerance)
+    assert (student.grad[~mask] == 0).all()
+
+
+def test_label_smoothed_cross_entropy_without_gradient_and_padding_invariance():
+    """Under no_grad (validation) the values are the same; appending padded positions changes nothing."""
+    logits, target = batch(torch.float32)
+    mask = target.ne(PAD)
+    with torch.no_grad():
+        values = label_smoothed_cross_entropy(logits, target, mask, 0.1, rows=4)
+    padded_logits = torch.cat([logits, 50 * torch.randn(3, 4, logits.size(-1))], dim=1)
+    padded_target = torch.cat([target, torch.full((3, 4), PAD)], dim=1)
+    padded = label_smoothed_cross_entropy(padded_logits, padded_target, padded_target.ne(PAD), 0.1, rows=4)
+    torch.testing.assert_close(torch.stack(values), torch.stack(padded), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", CHUNKS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_word_level_kd_in_chunks_equals_the_per_position_reference(rows, dtype, temperature):
+    logits, target = batch(dtype, seed=1)
+    teacher = (3 * torch.randn(logits.shape)).to(dtype)
+    mask = target.ne(PAD)
+    student = logits.clone().requires_grad_()
+    (0.7 * word_level_kd(student, teacher, mask, temperature, rows=rows)).backward()
+
+    reference_logits = logits.double().requires_grad_()
+    reference = 0.0
+    for b in range(mask.size(0)):
+        for t in range(mask.size(1)):
+            if mask[b, t]:
+                p = torch.softmax(teacher[b, t].double() / temperature, -1)
+                log_q = torch.log_softmax(reference_logits[b, t] / temperature, -1)
+                reference = reference + temperature**2 * (p * (p.log() - log_q)).sum()
+    (0.7 * reference).backward()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert student.grad.dtype == dtype and (student.grad[~mask] == 0).all()
+    torch.testing.assert_close(student.grad.double(), reference_logits.grad, rtol=tolerance, atol=tolerance)
+    with torch.no_grad():
+        value = word_level_kd(student, teacher, mask, temperature, rows=rows)
+    assert value.item() == pytest.approx(reference.item(), rel=1e-5, abs=1e-5)
+
+
+def test_default_chunks_hold_a_bounded_number_of_entries():
+    for device, budget in losses.CHUNK_ELEMENTS.items():
+        assert losses.rows_per_chunk(32_000, positions=4096, device=device) * 32_000 <= budget
+        assert losses.rows_per_chunk(10 * budget, positions=4096, device=device) == 1  # one row at least
+    # a small batch is still cut into MIN_CHUNKS chunks
+    assert losses.rows_per_chunk(100, positions=80) == 80 // losses.MIN_CHUNKS
+    with pytest.raises(ValueError):
+        losses.rows_per_chunk(100, 0)
+
+
+@pytest.mark.parametrize("rows", [1, 4, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature, ce_weight, kd_weight", [(1.0, 0.5, 0.5), (2.0, 0.3, 0.9), (1.0, 0.0, 1.0)])
+def test_ce_and_word_kd_in_one_pass_equal_their_weighted_sum(rows, dtype, temperature, ce_weight, kd_weight):
+    """label_smoothed_ce_and_word_kd: its weighted sum and gradient are ce_weight * fairseq's CE +
+    kd_weight * word KD, each computed by autograd through the unchunked reference; its parts are the
+    two losses' values."""
+    logits, target = batch(dtype, seed=2)
+    teacher = (3 * torch.randn(logits.shape)).to(dtype)
+    mask = target.ne(PAD)
+    student = logits.clone().requires_grad_()
+    combined, ce, nll, kd = losses.label_smoothed_ce_and_word_kd(student, teacher, target, mask, 0.1, temperature,
+                                                                 ce_weight, kd_weight, rows=rows)
+    (1.7 * combined).backward()
+
+    reference_logits = logits.double().requires_grad_()
+    reference_ce, reference_nll = fairseq_reference(reference_logits, target, 0.1)
+    teacher_lp = torch.log_softmax(teacher.double() / temperature, -1)
+    student_lp = torch.log_softmax(reference_logits / temperature, -1)
+    reference_kd = temperature**2 * (teacher_lp.exp() * (teacher_lp - student_lp)).sum(-1)[mask].sum()
+    (1.7 * (ce_weight * reference_ce + kd_weight * reference_kd)).backward()
+    for value, reference in ((ce, reference_ce), (nll, reference_nll), (kd, reference_kd),
+                             (combined, ce_weight * reference_ce + kd_weight * reference_kd)):
+        torch.testing.assert_close(value.double(), reference.detach(), rtol=1e-6, atol=1e-5)
+    assert not (ce.requires_grad or nll.requires_grad or kd.requires_grad)
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    assert student.grad.dtype == dtype and (student.grad[~mask] == 0).all()
+    torch.testing.assert_close(student.grad.double(), reference_logits.grad, rtol=tolerance, atol=tolerance)
