@@ -423,3 +423,24 @@ def test_loading_leaves_the_random_state(teachers, data_bins):
         load_teacher(str(teachers[family]), task)
         assert torch.equal(torch.rand(8), untouched), family
 
+
+def test_teacher_cache_from_a_hugging_face_teacher(teachers, data_bins, tmp_path):
+    """fairseq-kd-teacher-cache reads a Hugging Face folder: the cached top-k are the adapter's own
+    top log-probabilities at every target token, and a training run with the same folder as its
+    teacher accepts the cache (the binding digest is the folder's)."""
+    from fairseq_kd.teacher_pass.common import translation_task
+    from fairseq_kd.teacher_pass.teacher_cache import CacheConfig, TeacherCache, build_cache
+
+    family, output = "marian", tmp_path / "cache"
+    build_cache(CacheConfig(data=data_bins[family], teacher_checkpoint=teachers[family], output=output, k=4,
+                            cpu=True), log=lambda _: None)
+    task = translation_task(data_bins[family], SRC, TGT, "train")
+    teacher = load_teacher(str(teachers[family]), task)
+    cache = TeacherCache.open(str(output), task, teacher_sha256=teacher.sha256)
+    batch = split_batch(data_bins[family], task, split="train")
+    mask = batch["target"].ne(task.target_dictionary.pad())
+    cached_values, cached_ids = cache.lookup(batch["id"], mask)
+    with torch.no_grad():
+        values, ids = teacher.model(**batch["net_input"])[0].float().log_softmax(-1).topk(4, dim=-1)
+    torch.testing.assert_close(cached_values[mask], values[mask], rtol=1e-5, atol=1e-5)
+    assert torch.equal(cached_ids[mask].long(), ids[mask])

@@ -48,7 +48,8 @@ gives every feature method what a fairseq teacher gives, in the student's batch 
   ``<pad>``.
 
 Output-only methods ask for nothing and pay nothing: no attention weights or hidden states are
-requested from the model then. Not yet supported with such a teacher: the teacher cache and
+requested from the model then. The teacher cache (``fairseq-kd-teacher-cache``) runs this
+adapter's forward pass as it runs a fairseq teacher's. Not yet supported with such a teacher:
 sequence-level KD.
 """
 from __future__ import annotations

@@ -107,9 +107,15 @@ def load_split(task, split: str):
 def load_teacher(task, checkpoint, teacher_data: Optional[str], sha256: Optional[str]):
     """The frozen teacher of ``checkpoint`` for ``task``'s dictionaries (checked symbol for symbol,
     see :func:`fairseq_kd.models.teacher.check_dictionaries`); ``sha256``: the checkpoint's digest
-    when the caller has just fingerprinted it."""
-    from ..models.teacher import FrozenTeacher  # importing fairseq_kd.models registers the architectures
+    when the caller has just fingerprinted it. A Hugging Face ``save_pretrained`` folder is read
+    through :mod:`fairseq_kd.models.hf_teacher` (whose model returns logits over the task's
+    dictionary, as a fairseq teacher's does)."""
+    from ..models.teacher import FrozenTeacher, is_hugging_face_folder  # registers the architectures
 
+    if is_hugging_face_folder(str(checkpoint)):
+        from ..models.hf_teacher import HuggingFaceTeacher
+
+        return HuggingFaceTeacher.load(str(checkpoint), task, teacher_data=teacher_data, sha256=sha256)
     return FrozenTeacher.load(str(checkpoint), task, teacher_data=teacher_data, sha256=sha256)
 
 

@@ -112,7 +112,8 @@ class CacheConfig:
     """Inputs of :func:`build_cache`, one flag of ``fairseq-kd-teacher-cache`` each (``--field-name``)."""
 
     data: Path = field(metadata={"help": "fairseq-preprocess --destdir of the training data"})
-    teacher_checkpoint: Path = field(metadata={"help": "the teacher (fairseq checkpoint)"})
+    teacher_checkpoint: Path = field(metadata={"help": "the teacher: a fairseq checkpoint, or a Hugging Face "
+                                                       "save_pretrained folder (the hf extra)"})
     output: Path = field(metadata={"help": "folder of the cache (created)"})
     k: int = field(default=8, metadata={"help": "log-probabilities kept per token"})
     split: str = field(default="train", metadata={"help": "binarised split to cover"})
@@ -203,6 +204,10 @@ def _set_up(config: CacheConfig):
     task = translation_task(data, src, tgt, config.split)
     teacher = load_teacher(task, config.teacher_checkpoint, config.teacher_data,
                            teacher_fingerprint and teacher_fingerprint["sha256"])
+    if teacher_fingerprint is None and teacher_path.is_dir():
+        # a Hugging Face folder: its files' fingerprints, and the digest that binds a training run to
+        # the teacher (HuggingFaceTeacher.sha256, what TeacherCache.open compares)
+        teacher_fingerprint = {**fingerprint(teacher_path, recorded.get("teacher")), "sha256": teacher.sha256}
     if config.k > len(task.target_dictionary):
         raise TeacherCacheError(f"--k {config.k} exceeds the target vocabulary ({len(task.target_dictionary)} symbols)")
     parameters = {
