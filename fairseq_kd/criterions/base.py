@@ -478,7 +478,7 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
                 net_output[0], teacher_output[0], sample["target"], target_mask, self.eps, self.kd_temperature,
                 weights["ce"], weights["word_kd"])
         elif distilling:
-            ce_loss, nll_loss = self.cross_entropy(model, net_output, sample)
+            ce_loss, nll_loss = self.cross_entropy(model, net_output, sample, target_mask)
         else:  # no term active: exactly fairseq's criterion (its reduction order too)
             ce_loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=True)
 
@@ -543,14 +543,15 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
             logging_output["total"] = utils.item(total.data)
         return loss, sample_size, logging_output
 
-    def cross_entropy(self, model, net_output, sample) -> Tuple[Tensor, Tensor]:
+    def cross_entropy(self, model, net_output, sample, target_mask: Tensor) -> Tuple[Tensor, Tensor]:
         """fairseq's label-smoothed CE and nll (``compute_loss``, reduced), computed in chunks of
         positions (:func:`.losses.label_smoothed_cross_entropy`: the same values, without the
         full-vocabulary copies fairseq's path holds). A decoder whose output is not plain logits
-        (adaptive softmax) goes through fairseq's own ``compute_loss``."""
+        (adaptive softmax) goes through fairseq's own ``compute_loss``. ``target_mask``: the step's
+        :meth:`target_mask`."""
         if not self.plain_logits(model):
             return self.compute_loss(model, net_output, sample, reduce=True)
-        return label_smoothed_cross_entropy(net_output[0], sample["target"], self.target_mask(sample), self.eps)
+        return label_smoothed_cross_entropy(net_output[0], sample["target"], target_mask, self.eps)
 
     @staticmethod
     def plain_logits(model) -> bool:

@@ -41,6 +41,20 @@ def _chunk_rows(logits: Tensor, rows: Optional[int]) -> int:
     return rows_per_chunk(logits.size(-1), rows, logits.numel() // logits.size(-1), logits.device.type)
 
 
+def _keep_gradient(ctx, gradient: Optional[Tensor], logits: Tensor) -> None:
+    """Save the float32 gradient a vocabulary loss formed in its forward pass (None: none asked)."""
+    if gradient is not None:
+        ctx.save_for_backward(gradient)
+        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+
+
+def _kept_gradient(ctx, grad_output: Tensor) -> Tensor:
+    """That gradient times the upstream one, in the logits' shape and dtype: in place, since the
+    buffer is the function's own and the backward pass runs once."""
+    (gradient,) = ctx.saved_tensors
+    return gradient.mul_(grad_output).view(ctx.logits_shape).to(ctx.logits_dtype)
+
+
 def label_smoothed_cross_entropy(
     logits: Tensor, target: Tensor, target_mask: Tensor, epsilon: float, rows: Optional[int] = None
 ) -> Tuple[Tensor, Tensor]:
@@ -88,16 +102,12 @@ class _LabelSmoothedCE(torch.autograd.Function):
                 chunk.masked_fill_(~here.unsqueeze(-1), 0.0)
         loss = (1.0 - epsilon - eps_i) * nll_sum + eps_i * smooth_sum
         ctx.mark_non_differentiable(nll_sum)
-        if gradient is not None:
-            ctx.save_for_backward(gradient)
-            ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        _keep_gradient(ctx, gradient, logits)
         return loss, nll_sum
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_nll):
-        (gradient,) = ctx.saved_tensors
-        # in place: the buffer is this function's own and the backward pass runs once
-        return gradient.mul_(grad_loss).view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None, None
+        return _kept_gradient(ctx, grad_loss), None, None, None, None
 
 
 def label_smoothed_ce_and_word_kd(
@@ -155,17 +165,12 @@ class _CEAndWordKD(torch.autograd.Function):
         kd = (temperature**2) * kd_sum
         combined = ce_weight * ce + kd_weight * kd
         ctx.mark_non_differentiable(ce, nll_sum, kd)
-        if gradient is not None:
-            ctx.save_for_backward(gradient)
-            ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        _keep_gradient(ctx, gradient, logits)
         return combined, ce, nll_sum, kd
 
     @staticmethod
     def backward(ctx, grad_combined, _grad_ce, _grad_nll, _grad_kd):
-        (gradient,) = ctx.saved_tensors
-        # in place: the buffer is this function's own and the backward pass runs once
-        grad_logits = gradient.mul_(grad_combined).view(ctx.logits_shape).to(ctx.logits_dtype)
-        return (grad_logits,) + (None,) * 8
+        return (_kept_gradient(ctx, grad_combined),) + (None,) * 8
 
 
 def word_level_kd(
@@ -220,16 +225,12 @@ class _WordLevelKD(torch.autograd.Function):
                 chunk = gradient[start:start + rows]
                 torch.exp(student_lp, out=chunk)
                 chunk.sub_(teacher_p).mul_(temperature).masked_fill_(~here.unsqueeze(-1), 0.0)
-        if gradient is not None:
-            ctx.save_for_backward(gradient)
-            ctx.student_shape, ctx.student_dtype = student_logits.shape, student_logits.dtype
+        _keep_gradient(ctx, gradient, student_logits)
         return (temperature**2) * total
 
     @staticmethod
     def backward(ctx, grad_loss):
-        (gradient,) = ctx.saved_tensors
-        # in place: the buffer is this function's own and the backward pass runs once
-        return gradient.mul_(grad_loss).view(ctx.student_shape).to(ctx.student_dtype), None, None, None, None
+        return _kept_gradient(ctx, grad_loss), None, None, None, None
 
 
 def _log_softmax_at(logits: Tensor, temperature: float) -> Tensor:

@@ -60,7 +60,7 @@ import logging
 import os
 import pickle
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -91,15 +91,18 @@ MISSING_SYMBOL_MARGIN = 1e4
 INSTALL_HINT = "pip install 'fairseq-kd[hf]' (transformers>=5,<6 and sentencepiece)"
 
 
-def folder_sha256(folder) -> str:
+def folder_sha256(folder, file_digests: Optional[Mapping[str, str]] = None) -> str:
     """The content hash of a teacher folder: SHA-256 over the names and SHA-256 of its files (not
-    recursive; what ``save_pretrained`` writes), so a moved copy binds as the same teacher."""
+    recursive; what ``save_pretrained`` writes), so a moved copy binds as the same teacher.
+    ``file_digests``: {file name: SHA-256} the caller has just taken (a folder fingerprint's), so
+    that no file is read twice."""
     import hashlib
 
     digest = hashlib.sha256()
     for child in sorted(Path(folder).iterdir()):
         if child.is_file():
-            digest.update(f"{child.name}\0{file_sha256(child)}\n".encode())
+            sha256 = (file_digests or {}).get(child.name) or file_sha256(child)
+            digest.update(f"{child.name}\0{sha256}\n".encode())
     return digest.hexdigest()
 
 

@@ -206,8 +206,13 @@ def _set_up(config: CacheConfig):
                            teacher_fingerprint and teacher_fingerprint["sha256"])
     if teacher_fingerprint is None and teacher_path.is_dir():
         # a Hugging Face folder: its files' fingerprints, and the digest that binds a training run to
-        # the teacher (HuggingFaceTeacher.sha256, what TeacherCache.open compares)
-        teacher_fingerprint = {**fingerprint(teacher_path, recorded.get("teacher")), "sha256": teacher.sha256}
+        # the teacher (HuggingFaceTeacher.sha256, what TeacherCache.open compares), from the same
+        # file digests
+        from ..models.hf_teacher import folder_sha256
+
+        files = fingerprint(teacher_path, recorded.get("teacher"))
+        digests = {name: record["sha256"] for name, record in files["files"].items()}
+        teacher_fingerprint = {**files, "sha256": folder_sha256(teacher_path, digests)}
     if config.k > len(task.target_dictionary):
         raise TeacherCacheError(f"--k {config.k} exceeds the target vocabulary ({len(task.target_dictionary)} symbols)")
     parameters = {

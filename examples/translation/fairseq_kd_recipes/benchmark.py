@@ -146,12 +146,14 @@ def prepare_config(name: str, workdir: Path) -> Dict[str, str]:
     if not (raw / "corpus.json").exists():
         write_corpus(raw, seed=7, train_size=config["corpus_train"], valid_size=100, test_size=200)
     if not (data_bin / "dict.src.txt").exists():
-        preprocess = [_bin("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
-                      "--trainpref", raw / "train", "--validpref", raw / "valid", "--testpref", raw / "test",
-                      "--joined-dictionary", "--workers", "1"]
+        languages = [_bin("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
+                     "--joined-dictionary", "--workers", "1"]
+        preprocess = [*languages, "--trainpref", raw / "train", "--validpref", raw / "valid", "--testpref", raw / "test"]
         if config.get("vocab"):
+            # the corpus's joined dictionary (from the training split alone, as fairseq-preprocess
+            # builds it), padded below and handed to the real binarisation
             corpus_dict = root / "corpus-dict"
-            subprocess.run([*preprocess, "--destdir", corpus_dict, "--only-source", "--trainpref", raw / "train"],
+            subprocess.run([*languages, "--trainpref", raw / "train", "--destdir", corpus_dict, "--dict-only"],
                            check=True, capture_output=True, env=_quiet_env())
             padded = root / "dict.padded.txt"
             write_padded_dictionary(corpus_dict / "dict.src.txt", padded, config["vocab"])
