@@ -204,7 +204,7 @@ def test_resume_with_another_engine_is_refused_naming_engine(tiny_data_bin, tiny
 
 def test_bad_engine_flags_are_refused_in_one_line(tiny_data_bin, tiny_teacher, tmp_path):
     output = tmp_path / "out"
-    cases = ((["--engine", "nope"], "--engine 'nope': choose one of fairseq, ctranslate2"),
+    cases = ((["--engine", "nope"], "--engine 'nope': choose one of auto, fairseq, ctranslate2, transformers"),
              (["--engine", "ctranslate2", "--fp16"], "--ct2-quantization float16 or int8_float16 on CUDA"))
     for flags, message in cases:
         proc = run_cli_here("fairseq-kd-seqkd", "--data", tiny_data_bin, "--teacher-checkpoint", tiny_teacher,

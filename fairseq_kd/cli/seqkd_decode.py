@@ -5,6 +5,7 @@ Usage::
     fairseq-kd-seqkd --data data-bin/iwslt14.de-en --teacher-checkpoint checkpoints/teacher/checkpoint_best.pt \\
         --output data-bin/iwslt14.de-en.seqkd [--beam 5] [--max-tokens 4096] [--shard-size 10000] \\
         [--engine ctranslate2 [--ct2-quantization float32] [--threads 0]]
+    fairseq-kd-seqkd --data data-bin/de-en.opus --teacher-checkpoint opus-mt-de-en/ --output data-bin/de-en.opus.seqkd
 
 (or ``python -m fairseq_kd.cli.seqkd_decode``). The output folder is a binarised dataset for
 ``fairseq-train`` (any criterion): the teacher's beam-search outputs as training targets, the
@@ -22,8 +23,12 @@ LOCAL_RANK; rank 0 binarises after the others). The output is one process's, byt
 ``--ct2-quantization`` weights (float32 by default, which gives fairseq's tokens with beam 1 and on
 most sentences with beam 5; float16 or int8_float16 on CUDA instead of ``--fp16``), decoded with
 ``--threads`` intra-op threads, on CUDA when available and not ``--cpu``. Same batches, length
-limits, shards and output; the engine is part of what a resumed run must repeat. See
-``fairseq_kd/teacher_pass/seqkd.py``.
+limits, shards and output; the engine is part of what a resumed run must repeat.
+
+A Hugging Face teacher (``--teacher-checkpoint DIR``, a ``save_pretrained`` folder; the data
+binarised in its vocabulary by ``fairseq-kd-hf-data``) decodes with its own ``generate`` under the
+same rules (``--engine transformers``, what the default ``--engine auto`` chooses for a folder; the
+``hf`` extra). See ``fairseq_kd/teacher_pass/seqkd.py``.
 """
 from __future__ import annotations
 

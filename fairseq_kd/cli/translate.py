@@ -1,8 +1,16 @@
-"""Decode a binarised split with a CTranslate2 model, in fairseq-generate's output format.
+"""Decode a binarised split with a CTranslate2 model or a Hugging Face teacher, in fairseq-generate's
+output format.
 
     fairseq-kd-export checkpoints/student/checkpoint_best.pt student-int8 --format ctranslate2
     fairseq-kd-translate data-bin/iwslt14.de-en --model student-int8 --gen-subset test --beam 5 \\
         --batch-size 32 --threads 2 --remove-bpe --results-path gen/student-int8
+    fairseq-kd-translate data-bin/de-en.hf --model opus-mt-de-en/ --gen-subset test --results-path gen/teacher
+
+``--model`` is a CTranslate2 model folder (``model.bin``) or a Hugging Face ``save_pretrained``
+folder (``config.json``) whose vocabulary the data is binarised in (``fairseq-kd-hf-data``): the
+latter decodes with the model's own ``generate`` under fairseq-generate's rules
+(:mod:`fairseq_kd.deploy.hf_engine`), so that a report scores a Hugging Face teacher beside the
+students distilled from it.
 
 The output (``RESULTS_PATH/generate-SUBSET.txt``, or standard output) has fairseq-generate's
 ``S-``/``T-``/``H-``/``D-`` lines, its ``Translated N sentences ... (X sentences/s, Y tokens/s)``
@@ -35,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fairseq-kd-translate", description=__doc__.split("\n\n")[0])
     parser.add_argument("data", help="binarised data folder (fairseq-preprocess --destdir) with the split to decode")
     parser.add_argument("--model", required=True, metavar="DIR",
-                        help="CTranslate2 model folder (fairseq-kd-export CKPT DIR --format ctranslate2)")
+                        help="CTranslate2 model folder (fairseq-kd-export CKPT DIR --format ctranslate2), or a "
+                             "Hugging Face save_pretrained folder (its own generate; the data binarised in its "
+                             "vocabulary by fairseq-kd-hf-data)")
     parser.add_argument("--gen-subset", default="test", help="split to decode (default: %(default)s)")
     parser.add_argument("-s", "--source-lang", default=None, help="source language (default: from the file names)")
     parser.add_argument("-t", "--target-lang", default=None, help="target language (default: from the file names)")
@@ -52,10 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="source tokens per batch (default: 12000 when --batch-size is not given either)")
     parser.add_argument("--threads", type=int, default=0, metavar="N",
                         help="CTranslate2 threads on the CPU: N > 1 decodes each batch as N parts in parallel, one "
-                             "thread each (0: CTranslate2's default)")
+                             "thread each (0: CTranslate2's default); a Hugging Face model: torch's threads")
     parser.add_argument("--device", default="cpu", choices=DEVICES, help="where to decode (default: %(default)s)")
     parser.add_argument("--compute-type", default="default", choices=COMPUTE_TYPES,
-                        help="CTranslate2 compute type (default: the type the model was exported in)")
+                        help="CTranslate2 compute type (default: the type the model was exported in); a Hugging "
+                             "Face model decodes in float32 (default), or float16 on CUDA")
     parser.add_argument("--remove-bpe", "--post-process", dest="post_process", nargs="?", const="@@ ", default=None,
                         help="remove BPE from the H-/D- lines as fairseq-generate does (subword_nmt, sentencepiece, "
                              "or a continuation marker; bare flag: '@@ ')")
@@ -100,12 +111,19 @@ def translate(args) -> dict:
 
     fairseq_kd.register()
     from fairseq_kd.deploy.ctranslate2_engine import CTranslate2Engine, DecodingSettings
+    from fairseq_kd.models.teacher import is_hugging_face_folder
 
     task = _translation_task(args, data)
-    engine = CTranslate2Engine(args.model, task.source_dictionary, task.target_dictionary, device=args.device,
-                               threads=args.threads, compute_type=args.compute_type)
+    hugging_face = is_hugging_face_folder(args.model)
+    if hugging_face:
+        _check_hugging_face_settings(args)
+    else:
+        engine = CTranslate2Engine(args.model, task.source_dictionary, task.target_dictionary, device=args.device,
+                                   threads=args.threads, compute_type=args.compute_type)
     task.load_dataset(args.gen_subset)
     dataset = task.dataset(args.gen_subset)
+    if hugging_face:
+        engine = _hugging_face_engine(args, task, dataset)
     batches = _batches(dataset, args)
     settings = DecodingSettings(beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
                                 max_len_b=args.max_len_b, min_len=args.min_len)
@@ -125,9 +143,14 @@ def translate(args) -> dict:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     lines.append(f"{stamp} | INFO | fairseq_kd.cli.translate | Translated {sentences:,} sentences ({tokens:,} tokens) "
                  f"in {seconds:.1f}s ({rate:.2f} sentences/s, {token_rate:.2f} tokens/s)")
-    quantization = engine.record.get("quantization", "unknown")
-    lines.append(f"Generate {args.gen_subset} with beam={args.beam}: CTranslate2 model {args.model} "
-                 f"({quantization}, compute type {args.compute_type}, {args.device}); score with fairseq-kd-score")
+    if hugging_face:
+        lines.append(f"Generate {args.gen_subset} with beam={args.beam}: Hugging Face model {args.model} "
+                     f"({engine.hf_model.config.model_type}, {next(engine.hf_model.parameters()).dtype}, "
+                     f"{args.device}); score with fairseq-kd-score")
+    else:
+        quantization = engine.record.get("quantization", "unknown")
+        lines.append(f"Generate {args.gen_subset} with beam={args.beam}: CTranslate2 model {args.model} "
+                     f"({quantization}, compute type {args.compute_type}, {args.device}); score with fairseq-kd-score")
     text = "\n".join(lines) + "\n"
     if output_path is None:
         sys.stdout.write(text)
@@ -149,6 +172,38 @@ def _check_settings(args) -> None:
         raise ValueError("--batch-size and --max-tokens must be positive")
     if args.max_len_b < 1 or args.max_len_a < 0 or args.min_len < 0:
         raise ValueError("--max-len-b must be >= 1, --max-len-a and --min-len >= 0")
+
+
+def _check_hugging_face_settings(args) -> None:
+    """What a Hugging Face model can be asked for, checked before it is read."""
+    import torch
+
+    if args.compute_type not in ("default", "float32", "float16"):
+        raise ValueError(f"--compute-type {args.compute_type}: a Hugging Face --model decodes in float32 or "
+                         "float16 (CUDA only)")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here; use --device cpu")
+    if args.compute_type == "float16" and args.device != "cuda":
+        raise ValueError("--compute-type float16 needs --device cuda for a Hugging Face --model")
+
+
+def _hugging_face_engine(args, task, dataset):
+    """The Hugging Face model of ``--model`` (checked against the data's dictionaries symbol for
+    symbol, as training checks it) as a decoding engine on ``--device``."""
+    import torch
+
+    from fairseq_kd.deploy.hf_engine import HuggingFaceEngine, first_target_symbol
+    from fairseq_kd.models.hf_teacher import HuggingFaceTeacher
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    teacher = HuggingFaceTeacher.load(args.model, task)
+    model = teacher.model.to(args.device)
+    if args.compute_type == "float16":
+        model = model.half()
+    return HuggingFaceEngine(model, first_target_symbol(args.model, dataset, task.target_dictionary, "--model"))
 
 
 def _translation_task(args, data: Path):

@@ -54,10 +54,10 @@ def teacher_file_problem(path) -> Optional[str]:
     """Why ``path`` cannot be read as a fairseq teacher checkpoint, in words for a message after the
     flag (``--teacher-checkpoint 'PATH': ...``), None when it can: the one check of training's and
     both teacher passes' --teacher-checkpoint (a Hugging Face folder is read by training and the
-    teacher cache, through :mod:`.hf_teacher`, never by this class)."""
+    teacher passes, through :mod:`.hf_teacher`, never by this class)."""
     if is_hugging_face_folder(path):
-        return ("is a Hugging Face model folder: fairseq-train --task translation_kd and fairseq-kd-teacher-cache "
-                "read such a teacher; sequence-level KD from it is not yet supported. Pass a fairseq "
+        return ("is a Hugging Face model folder, which is read as a teacher by fairseq-train --task translation_kd, "
+                "fairseq-kd-teacher-cache, fairseq-kd-seqkd and fairseq-kd-translate, not here. Pass a fairseq "
                 "checkpoint file here.")
     problem = checkpoint_file_problem(path)
     if problem is None:

@@ -119,6 +119,27 @@ def load_teacher(task, checkpoint, teacher_data: Optional[str], sha256: Optional
     return FrozenTeacher.load(str(checkpoint), task, teacher_data=teacher_data, sha256=sha256)
 
 
+def teacher_fingerprint(path: Path, recorded: Optional[dict] = None) -> Optional[dict]:
+    """The fingerprint (:mod:`fairseq_kd.fingerprint`) of a teacher, with ``sha256`` its content
+    digest: a checkpoint file's SHA-256, or for a Hugging Face folder its files' fingerprints and
+    :func:`fairseq_kd.models.hf_teacher.folder_sha256` of them (the digest that binds a training run
+    to the teacher), so that a folder's files are read once. ``recorded``: the fingerprint a previous
+    run wrote, whose checksums are reused for unchanged files. None for a path that is neither a
+    readable file nor a folder (the teacher's loader says why)."""
+    from ..fingerprint import fingerprint
+
+    path = Path(path)
+    if path.is_file() and os.access(path, os.R_OK):
+        return fingerprint(path, recorded)
+    if not path.is_dir():
+        return None
+    from ..models.hf_teacher import folder_sha256
+
+    files = fingerprint(path, recorded)
+    digests = {name: record["sha256"] for name, record in files["files"].items()}
+    return {**files, "sha256": folder_sha256(path, digests)}
+
+
 def pick_device(cpu: bool, workers: Optional["Workers"] = None) -> torch.device:
     """CUDA when torch sees a GPU and ``cpu`` is not asked, else the CPU; a rank of ``torchrun`` or
     ``srun`` takes GPU ``LOCAL_RANK`` (modulo the GPUs it sees: one each when the launcher gives

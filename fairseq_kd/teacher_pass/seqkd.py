@@ -58,10 +58,17 @@ binaries and manifest are the same. In float32 its hypotheses are fairseq's toke
 beam 1; with a larger beam most sentences agree, the rest differ on near-ties and on hypotheses cut
 by the length limit (fairseq lets a forced ``</s>`` at the limit compete in the beam; CTranslate2
 stops). The engine and, for ``ctranslate2``, the quantisation are part of the identity; a manifest
-written before engines existed has none and counts as ``fairseq``. ``fp16`` is fairseq's only: use
-``ct2_quantization`` ``float16`` or ``int8_float16`` on CUDA. The complete manifest's ``decoding``
-section records the engine, the quantisation and CTranslate2's version. CTranslate2 is the
-``deploy`` extra; without it ``--engine ctranslate2`` is refused before decoding, naming the fix.
+written before engines existed has none and counts as ``fairseq``. ``fp16`` is for fairseq and
+transformers: use ``ct2_quantization`` ``float16`` or ``int8_float16`` on CUDA. The complete
+manifest's ``decoding`` section records the engine, the quantisation and CTranslate2's (or
+transformers') version. CTranslate2 is the ``deploy`` extra; without it ``--engine ctranslate2`` is
+refused before decoding, naming the fix. ``transformers`` decodes with a Hugging Face teacher folder
+(``save_pretrained``; data binarised in its vocabulary by ``fairseq-kd-hf-data``) through its own
+``generate`` under the same rules (:mod:`fairseq_kd.deploy.hf_engine`; a multilingual teacher starts
+every hypothesis with the target-language tag of the split's targets); its content is the folder's
+digest (:func:`fairseq_kd.teacher_pass.common.teacher_fingerprint`). ``engine`` ``auto`` (the default)
+is ``transformers`` for a folder and ``fairseq`` for a checkpoint file; the manifest records the
+engine it chose.
 
 Every check (flags, data folder and split, dictionaries, output folder, teacher checkpoint and its
 dictionaries, source lengths, CTranslate2's presence) happens before decoding starts; the
@@ -77,7 +84,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -85,19 +92,20 @@ import torch
 
 from ..deploy.export_ctranslate2 import QUANTIZATIONS
 from ..cli.user_errors import FOLDER, OUTPUT_FOLDER, PathError, require_path
-from ..fingerprint import fingerprint, fingerprint_files, write_json
-from ..models.teacher import teacher_file_problem
+from ..fingerprint import fingerprint_files, write_json
+from ..models.teacher import is_hugging_face_folder, teacher_file_problem
 from .common import (JOB_ARRAY, MERGED, MERGED_BEFORE, SHARDS_REMAIN, Workers, check_max_tokens, identity,
                      infer_languages, length_ordered_indices, load_split, load_teacher, merge_lock, merge_when_complete,
                      num_shards_field, on_device, pick_device, rank_group, read_record, refuse_older_format,
                      replace_atomically, shard_batches, shard_id_field, shard_progress, shard_range, split_files,
-                     translation_task, wait_for_ranks, workers_for)
+                     teacher_fingerprint, translation_task, wait_for_ranks, workers_for)
 
 MANIFEST_NAME = "seqkd.json"
 WORK_DIR_NAME = "seqkd_work"
 FORMAT_VERSION = 2  # seqkd.json's "format"
-#: decoding engines (``--engine``)
-ENGINES = ("fairseq", "ctranslate2")
+#: decoding engines (``--engine``); ``auto`` is ``transformers`` for a Hugging Face folder, ``fairseq`` otherwise
+ENGINES = ("fairseq", "ctranslate2", "transformers")
+AUTO_ENGINE = "auto"
 #: the CTranslate2 teacher's folder inside the work folder
 CT2_TEACHER_DIR = "ctranslate2_teacher"
 #: identity parameters a manifest may lack because it was written before they existed, and the value
@@ -120,7 +128,8 @@ class SeqKDConfig:
     data: str = field(metadata=_help(
         "binarised data folder (fairseq-preprocess --destdir) holding dict.*.txt and the split to decode"))
     teacher_checkpoint: str = field(metadata=_help(
-        "fairseq Transformer translation checkpoint trained with the same dictionaries as --data"))
+        "fairseq Transformer translation checkpoint trained with the same dictionaries as --data, or a Hugging "
+        "Face save_pretrained folder whose vocabulary --data is binarised in (fairseq-kd-hf-data)"))
     output: str = field(metadata=_help(
         "folder to write the new dataset into: new or empty, one this command started with the same flags "
         "(resumed), or any folder with --force"))
@@ -157,9 +166,11 @@ class SeqKDConfig:
     max_shards: Optional[int] = field(default=None, metadata=_help(
         "decode at most this many not-yet-written shards, then stop without binarising (re-run to "
         "continue); splits a long job across sessions (default: all)"))
-    engine: str = field(default="fairseq", metadata=_help(
-        "decoding engine: fairseq (SequenceGenerator) or ctranslate2 (the teacher converted to CTranslate2 "
-        "once per run; needs the deploy extra)", metavar="{fairseq,ctranslate2}"))
+    engine: str = field(default=AUTO_ENGINE, metadata=_help(
+        "decoding engine: fairseq (SequenceGenerator), ctranslate2 (the teacher converted to CTranslate2 "
+        "once per run; needs the deploy extra) or transformers (a Hugging Face teacher folder's own generate; "
+        "needs the hf extra); auto: transformers for a Hugging Face folder, fairseq otherwise",
+        metavar="{auto,fairseq,ctranslate2,transformers}"))
     ct2_quantization: str = field(default="float32", metadata=_help(
         f"with --engine ctranslate2: weight type of the converted teacher, one of {', '.join(QUANTIZATIONS)} "
         "(float32 gives fairseq's tokens most closely)", metavar="TYPE"))
@@ -224,6 +235,9 @@ class _Plan:
     parameters: dict
     inputs: dict
     manifest: Optional[dict]
+    #: engine transformers: the fairseq index every hypothesis starts with (a multilingual teacher's
+    #: target-language tag), found by _load; None for none
+    first_target: Optional[int] = None
 
     @property
     def record(self) -> dict:
@@ -241,9 +255,17 @@ class _Plan:
         return self.output / f"{self.config.split}.{self.src}-{self.tgt}.{lang}"
 
 
+def resolve_engine(config: SeqKDConfig) -> SeqKDConfig:
+    """``config`` with ``--engine auto`` replaced by the engine it means for its teacher."""
+    if config.engine != AUTO_ENGINE:
+        return config
+    engine = "transformers" if is_hugging_face_folder(config.teacher_checkpoint) else "fairseq"
+    return replace(config, engine=engine)
+
+
 def _check_flags(config: SeqKDConfig) -> None:
     if config.engine not in ENGINES:
-        raise SeqKDError(f"--engine {config.engine!r}: choose one of {', '.join(ENGINES)}")
+        raise SeqKDError(f"--engine {config.engine!r}: choose one of {', '.join((AUTO_ENGINE,) + ENGINES)}")
     if config.ct2_quantization not in QUANTIZATIONS:
         raise SeqKDError(f"--ct2-quantization {config.ct2_quantization!r}: choose one of "
                          f"{', '.join(QUANTIZATIONS)}")
@@ -273,6 +295,7 @@ def _check_flags(config: SeqKDConfig) -> None:
 
 def plan(config: SeqKDConfig) -> _Plan:
     """Every check that needs no model: flags, data, split, output folder. Raises SeqKDError."""
+    config = resolve_engine(config)
     _check_flags(config)
     if os.pathsep in config.data:
         raise SeqKDError(f"--data {config.data!r}: give one binarised folder, not a {os.pathsep!r}-separated list")
@@ -293,9 +316,7 @@ def plan(config: SeqKDConfig) -> _Plan:
     if sum(p.stat().st_size for p in source_bins) == 0:  # every sentence holds at least </s>
         raise SeqKDError(f"--split {config.split}: the split in {data} has no sentences "
                          f"({', '.join(p.name for p in source_bins) or 'no .bin file'})")
-    problem = teacher_file_problem(config.teacher_checkpoint)
-    if problem is not None:
-        raise SeqKDError(f"--teacher-checkpoint {config.teacher_checkpoint!r}: {problem}")
+    _check_teacher_for_engine(config)
     output = Path(config.output).resolve()
     if output == data:
         raise SeqKDError(f"--output {config.output} is the --data folder; the input split would be "
@@ -327,11 +348,28 @@ def plan(config: SeqKDConfig) -> _Plan:
     inputs = {
         "split_files": fingerprint_files(files, recorded.get("split_files")),
         "dictionaries": fingerprint_files(dictionaries, recorded.get("dictionaries")),
-        "teacher": fingerprint(teacher, recorded.get("teacher")),
+        "teacher": teacher_fingerprint(teacher, recorded.get("teacher")),
     }
     plan_ = _Plan(config, data, output, src, tgt, parameters, inputs, manifest=None)
     plan_.manifest = _check_output_folder(plan_, manifest)
     return plan_
+
+
+def _check_teacher_for_engine(config: SeqKDConfig) -> None:
+    """The teacher is what the engine reads: a Hugging Face folder for ``transformers``, a readable
+    fairseq checkpoint for the others."""
+    flag = f"--teacher-checkpoint {config.teacher_checkpoint!r}"
+    folder = is_hugging_face_folder(config.teacher_checkpoint)
+    if config.engine == "transformers" and not folder:
+        raise SeqKDError(f"{flag}: --engine transformers decodes with a Hugging Face save_pretrained folder (one "
+                         "holding config.json); for a fairseq checkpoint use --engine fairseq or ctranslate2")
+    if folder and config.engine != "transformers":
+        raise SeqKDError(f"{flag} is a Hugging Face model folder: decode with --engine transformers (what --engine "
+                         f"auto chooses for a folder), not --engine {config.engine}")
+    if not folder:
+        problem = teacher_file_problem(config.teacher_checkpoint)
+        if problem is not None:
+            raise SeqKDError(f"{flag}: {problem}")
 
 
 def _identity(record: dict) -> dict:
@@ -412,6 +450,14 @@ def _load(plan_: _Plan, workers: Workers):
             raise SeqKDError("--engine ctranslate2: this CTranslate2 build sees no CUDA device; pass --cpu "
                              "or install a CUDA build of CTranslate2")
         return task, dataset, teacher.model, device  # the torch model stays on the CPU, unused
+    if plan_.config.engine == "transformers":
+        from ..deploy.hf_engine import HuggingFaceDecodingError, first_target_symbol
+
+        try:  # a multilingual teacher's target-language tag, read from the split's targets
+            plan_.first_target = first_target_symbol(plan_.config.teacher_checkpoint, dataset, task.target_dictionary,
+                                                     "--teacher-checkpoint")
+        except HuggingFaceDecodingError as error:
+            raise SeqKDError(str(error)) from None
     return task, dataset, on_device(teacher.model, device, plan_.config.fp16), device
 
 
@@ -463,6 +509,22 @@ def make_decoder(plan_: _Plan, task, dataset, model, device, ct2_model: Optional
             return [torch.tensor(h.tokens, dtype=torch.int32) for h in hypotheses]
 
         return decode_ctranslate2
+
+    if config.engine == "transformers":
+        from ..deploy.ctranslate2_engine import DecodingSettings
+        from ..deploy.hf_engine import HuggingFaceEngine
+
+        engine = HuggingFaceEngine(model, plan_.first_target)
+        settings = DecodingSettings(beam=config.beam, lenpen=config.lenpen, max_len_a=config.max_len_a,
+                                    max_len_b=config.max_len_b)
+
+        def decode_transformers(sample: dict) -> List[torch.Tensor]:
+            sources = [dataset[int(i)]["source"].tolist() for i in sample["id"].tolist()]
+            longest = sample["net_input"]["src_tokens"].size(1)
+            hypotheses = engine.translate(sources, settings, longest_source=longest)
+            return [torch.tensor(h.tokens, dtype=torch.int32) for h in hypotheses]
+
+        return decode_transformers
 
     from fairseq import utils
     from fairseq.dataclass.configs import GenerationConfig
@@ -607,7 +669,7 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
     sentences, shard_count = len(dataset), math.ceil(len(dataset) / config.shard_size)
     output_existed = plan_.output.exists()
     manifest = _start_manifest(plan_, sentences, shard_count)
-    ct2_model = _prepare_ctranslate2(plan_, workers, output_existed) if config.engine == "ctranslate2" else None
+    ct2_model = _prepare_ctranslate2(plan_, workers, output_existed) if plan_.config.engine == "ctranslate2" else None
     decode = make_decoder(plan_, task, dataset, model, device, ct2_model)
     del model  # the CTranslate2 engine holds its own copy of the teacher; fairseq's decoder keeps its own
     with rank_group(workers):
@@ -716,7 +778,11 @@ def _merge(plan_: _Plan, dataset, task, manifest: dict, device) -> None:
         from ..deploy import import_ctranslate2
 
         decoding["ctranslate2_version"] = import_ctranslate2().__version__
-    else:  # settings of the other engine, not used
+    else:  # settings of the CTranslate2 engine, not used
+        if plan_.config.engine == "transformers":
+            import transformers
+
+            decoding["transformers_version"] = transformers.__version__
         decoding = {k: v for k, v in decoding.items() if k not in ("ct2_quantization", "threads")}
     complete = {**manifest, "status": "complete", **stats, "copied": copied, "device": str(device),
                 "files": {name: (plan_.output / name).stat().st_size for name in written + copied},

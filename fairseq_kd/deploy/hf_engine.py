@@ -1,0 +1,164 @@
+"""Decoding fairseq-binarised data with a Hugging Face teacher's own ``generate``: ids in, ids out.
+
+The engine of a teacher given as a ``save_pretrained`` folder (:mod:`fairseq_kd.models.hf_teacher`)
+for sequence-level KD (``fairseq-kd-seqkd --teacher-checkpoint DIR``: ``--engine transformers``,
+chosen by default for a folder) and for ``fairseq-kd-translate --model DIR`` (a test set in
+fairseq-generate's format, so a report scores the teacher beside its students). The data is
+binarised in the teacher's vocabulary (``fairseq-kd-hf-data``); the adapter's fixed index maps turn
+the sources into the model's ids and the hypotheses back into the data's dictionary.
+
+The search is Hugging Face's beam search (``generate``: ``num_beams``, ``length_penalty``,
+``early_stopping=True``), given fairseq-generate's rules, as the CTranslate2 engine is
+(:mod:`.ctranslate2_engine`), so that the same flags decode alike whatever the engine:
+
+* the length limit is fairseq's: at most ``max_len_a * S + max_len_b`` tokens before ``</s>``, ``S``
+  the length of the batch's longest source (with its ``</s>``), capped by the model's positions
+  minus one; ``</s>`` is forced when a hypothesis reaches it (``forced_eos_token_id``), as
+  ``SequenceGenerator`` forces it;
+* at least ``min_len`` tokens before ``</s>`` (fairseq's ``--min-len 1``: ``min_new_tokens``);
+* ``<pad>`` is never generated (fairseq sets its log-probability to -inf), nor any row of the
+  model that has no symbol in the data's dictionary (NLLB's spare rows): such a token could not be
+  written into fairseq data;
+* scores normalised by length to the power ``lenpen`` (length counted with ``</s>``, as fairseq);
+* a multilingual teacher (M2M100, NLLB) starts every hypothesis with its target-language tag
+  (``forced_bos_token_id``), the symbol ``fairseq-kd-hf-data`` puts first in every target
+  sentence: it is read from the split's targets, so a hypothesis looks like the data it replaces.
+
+The folder's own ``generation_config.json`` is not read: its search settings (OPUS-MT Marian's
+``num_beams`` 4 and ``bad_words_ids``, a ``no_repeat_ngram_size``, ...) would make this engine
+decode otherwise than the fairseq engine with the same flags. Hugging Face's beam search stops when
+``beam`` hypotheses have finished, as CTranslate2's does; on near-ties it may choose otherwise than
+fairseq's (greedy decoding gives fairseq's tokens: the tests compare them on a fairseq teacher
+exported with ``fairseq-kd-export --format hf``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Sequence
+
+import torch
+
+from .ctranslate2_engine import DecodingSettings, Hypothesis
+
+logger = logging.getLogger(__name__)
+
+
+class HuggingFaceDecodingError(ValueError):
+    """The Hugging Face teacher cannot decode this data."""
+
+
+def first_target_symbol(folder, dataset, target_dictionary, flag: str) -> Optional[int]:
+    """The symbol every hypothesis of the teacher in ``folder`` must start with, as a fairseq index:
+    for a multilingual tokenizer (one with ``src_lang`` and ``tgt_lang``: M2M100, NLLB) the
+    target-language tag that starts every target sentence of ``dataset``; None for a tokenizer
+    without languages (Marian). Refuses, in one line, a multilingual teacher's split whose targets
+    are missing or do not all start with the same language tag."""
+    from ..models.hf_teacher import load_tokenizer
+
+    tokenizer = load_tokenizer(folder)
+    if not (hasattr(tokenizer, "src_lang") and hasattr(tokenizer, "tgt_lang")):
+        return None
+    targets = getattr(dataset, "tgt", None)
+    if targets is None or len(targets) == 0:
+        raise HuggingFaceDecodingError(
+            f"{flag} {str(folder)!r} is a multilingual teacher whose target-language tag is read from the first "
+            "token of the split's target sentences, but the split has no target side; binarise it with "
+            "fairseq-kd-hf-data --teacher-target-lang CODE")
+    firsts = {int(targets[i][0]) for i in range(len(targets))}
+    tags = {symbol for symbol in firsts if _is_language_tag(tokenizer, target_dictionary[symbol])}
+    if len(firsts) != 1 or len(tags) != 1:
+        shown = ", ".join(sorted(target_dictionary[s] for s in firsts)[:5])
+        raise HuggingFaceDecodingError(
+            f"{flag} {str(folder)!r} is a multilingual teacher, but the split's target sentences do not all start "
+            f"with one language tag (first tokens: {shown}); binarise the data with fairseq-kd-hf-data "
+            "--teacher-target-lang CODE, which puts the tag first in every target sentence")
+    return tags.pop()
+
+
+def _is_language_tag(tokenizer, symbol: str) -> bool:
+    """Whether ``symbol`` is one of the tokenizer's language tags: M2M100's ``lang_token_to_id``
+    (``__en__``; transformers 5 lists them among no special tokens), or a special token that is none
+    of ``<s> <pad> </s> <unk> <mask>`` (NLLB's ``eng_Latn``)."""
+    if symbol in (getattr(tokenizer, "lang_token_to_id", None) or {}):
+        return True
+    specials = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    plain = {getattr(tokenizer, f"{role}_token", None) for role in ("bos", "pad", "eos", "unk", "mask")}
+    return symbol in specials and symbol not in plain
+
+
+class HuggingFaceEngine:
+    """Beam search of a :class:`fairseq_kd.models.hf_teacher.HuggingFaceTeacherModel` over batches of
+    fairseq source ids (see the module docstring). ``first_target`` is :func:`first_target_symbol`'s
+    answer for the data (None: no forced first token)."""
+
+    def __init__(self, model, first_target: Optional[int] = None):
+        from transformers import GenerationConfig
+
+        self.model = model.eval()
+        target, self.hf_model = model.vocabulary, model.hf_model
+        hf_of_fairseq = target.hf_id_of_fairseq
+        self.hf_eos, self.hf_pad = hf_of_fairseq[2], hf_of_fairseq[1]  # fairseq's </s> and <pad>
+        self.fairseq_of_hf = torch.tensor(target.fairseq_id_of_hf, dtype=torch.long)
+        rows = self.hf_model.get_output_embeddings().weight.size(0)
+        unwritable = [i for i in range(rows) if i >= len(self.fairseq_of_hf) or int(self.fairseq_of_hf[i]) < 0]
+        self.forced_first = None if first_target is None else hf_of_fairseq[first_target]
+        self.max_positions = model.max_positions()[1]
+        # the only generation settings the model keeps: token ids; every search setting is given per call
+        self.hf_model.generation_config = GenerationConfig(
+            decoder_start_token_id=model.decoder_start_token_id, eos_token_id=self.hf_eos, pad_token_id=self.hf_pad)
+        self.suppressed = sorted({self.hf_pad, *unwritable})
+
+    def max_length(self, longest_source: int, settings: DecodingSettings) -> int:
+        """fairseq's ``SequenceGenerator`` limit for a batch whose longest source (with ``</s>``)
+        has ``longest_source`` tokens."""
+        limit = int(settings.max_len_a * longest_source + settings.max_len_b)
+        if self.max_positions:
+            limit = min(limit, int(self.max_positions) - 1)
+        return limit
+
+    def generation_config(self, settings: DecodingSettings, limit: int):
+        from transformers import GenerationConfig
+
+        return GenerationConfig(
+            num_beams=settings.beam, length_penalty=settings.lenpen, do_sample=False,
+            early_stopping=True if settings.beam > 1 else None,
+            num_return_sequences=1, max_new_tokens=limit + 1, min_new_tokens=settings.min_len,
+            decoder_start_token_id=self.model.decoder_start_token_id, eos_token_id=self.hf_eos,
+            pad_token_id=self.hf_pad, forced_eos_token_id=self.hf_eos, forced_bos_token_id=self.forced_first,
+            suppress_tokens=self.suppressed, output_scores=True, return_dict_in_generate=True, use_cache=True)
+
+    @torch.no_grad()
+    def translate(self, sources: Sequence[Sequence[int]], settings: DecodingSettings,
+                  longest_source: Optional[int] = None) -> List[Hypothesis]:
+        """Decode one fairseq batch of source id sequences (each ending with ``</s>``): the best
+        hypothesis of each, as target dictionary ids ending with ``</s>``."""
+        if not sources:
+            return []
+        longest = longest_source if longest_source is not None else max(len(s) for s in sources)
+        limit = self.max_length(longest, settings)
+        pad = self.model.fairseq_pad
+        device = next(self.hf_model.parameters()).device
+        src_tokens = torch.full((len(sources), max(len(s) for s in sources)), pad, dtype=torch.long)
+        for row, ids in zip(src_tokens, sources):
+            row[:len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
+        input_ids, attention_mask = self.model.encoder_inputs(src_tokens.to(device))
+        config = self.generation_config(settings, limit)
+        output = self.hf_model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        sequences = output.sequences[:, 1:].cpu()  # without the decoder start token
+        if settings.beam > 1:
+            scores = output.sequences_scores.float().cpu().tolist()
+        else:
+            steps = self.hf_model.compute_transition_scores(output.sequences, output.scores, normalize_logits=True)
+            scores = None
+            step_scores = steps.float().cpu()
+        hypotheses = []
+        for row, hf_ids in enumerate(sequences.tolist()):
+            tokens = hf_ids[:hf_ids.index(self.hf_eos) + 1] if self.hf_eos in hf_ids else hf_ids + [self.hf_eos]
+            fairseq_ids = self.fairseq_of_hf[torch.tensor(tokens)].tolist()
+            if scores is not None:
+                score = scores[row]
+            else:  # greedy: the tokens' log-probabilities, normalised as beam search normalises them
+                taken = step_scores[row, :min(len(tokens), step_scores.size(1))]
+                score = float(taken[torch.isfinite(taken)].sum()) / len(tokens) ** settings.lenpen
+            hypotheses.append(Hypothesis(fairseq_ids, score))
+        return hypotheses
