@@ -114,7 +114,8 @@ def translate(args) -> dict:
     from fairseq_kd.models.teacher import is_hugging_face_folder
 
     task = _translation_task(args, data)
-    hugging_face = is_hugging_face_folder(args.model)
+    # a CTranslate2 folder has a config.json too: its model.bin tells it apart
+    hugging_face = is_hugging_face_folder(args.model) and not (Path(args.model) / "model.bin").is_file()
     if hugging_face:
         _check_hugging_face_settings(args)
     else:
