@@ -1,4 +1,5 @@
-"""A Hugging Face seq2seq model as the teacher (issue 30, part A): MarianMT, M2M100 and NLLB.
+"""A Hugging Face seq2seq model as the teacher (issue 30, part A): MarianMT (with one vocabulary,
+and with separate source and target vocabularies), M2M100 and NLLB.
 
 Nothing is downloaded: tiny models are built from configs with a SentencePiece model trained here
 on the synthetic corpus (and on real text from ../shared/data when present), saved with
@@ -9,8 +10,10 @@ import os
 import io
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
+from typing import List, Tuple
 
 import pytest
 import torch
@@ -30,12 +33,15 @@ from fairseq_kd.models.hf_teacher import (  # noqa: E402
     load_tokenizer,
     read_config,
     vocabulary_map,
+    vocabulary_maps,
 )
 from fairseq_kd.models.hf_vocabulary import NO_ID  # noqa: E402
 from fairseq_kd.models.teacher import FrozenTeacher, TeacherCheckpointError  # noqa: E402
 from fairseq_kd.tasks.translation_kd import TranslationKDTask, load_teacher  # noqa: E402
 
-FAMILIES = ("marian", "m2m_100", "nllb")  # nllb: the NLLB tokenizer with an M2M100 model, as NLLB ships
+#: nllb: the NLLB tokenizer with an M2M100 model, as NLLB ships; marian_separate: a Marian model whose
+#: source and target vocabularies differ (two SentencePiece models, vocab.json and target_vocab.json)
+FAMILIES = ("marian", "marian_separate", "m2m_100", "nllb")
 SRC, TGT = "de", "en"  # wmt21's M2M100 language codes include both
 #: each multilingual family's language codes for SRC and TGT (what --teacher-*-lang takes), and its tags
 LANGUAGE_CODES = {"m2m_100": ("de", "en"), "nllb": ("deu_Latn", "eng_Latn")}
@@ -50,7 +56,7 @@ STUDENT_ARGS = [
 ]
 
 
-def train_sentencepiece(lines, vocab_size=120) -> Path:
+def train_sentencepiece(lines, vocab_size=120) -> Tuple[List[str], bytes]:
     """SentencePiece pieces (no control or unknown pieces) and the model's bytes."""
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size,
@@ -62,20 +68,51 @@ def train_sentencepiece(lines, vocab_size=120) -> Path:
     return pieces, model.getvalue()
 
 
-def save_teacher(family: str, lines, folder: Path, seed: int = 0, **sizes) -> Path:
+def marian_vocabulary(pieces) -> dict:
+    """Marian's layout: </s> 0, <unk> 1, pieces, <pad> last; no <s>."""
+    vocab = {"</s>": 0, "<unk>": 1, **{p: i + 2 for i, p in enumerate(pieces)}}
+    vocab["<pad>"] = len(vocab)
+    return vocab
+
+
+def save_teacher(family: str, lines, folder: Path, seed: int = 0, target_lines=None, **sizes) -> Path:
     """A tiny ``family`` model and its tokenizer, written by save_pretrained into ``folder``;
-    ``sizes`` replace entries of ``TINY`` (layers, heads, widths)."""
+    ``sizes`` replace entries of ``TINY`` (layers, heads, widths). The SentencePiece model is
+    trained on ``lines``; for ``marian_separate`` ``lines`` are the source side's and
+    ``target_lines`` the target side's, each with its own SentencePiece model and vocabulary."""
     import transformers
 
     tiny = {**TINY, **sizes}
 
-    pieces, model_bytes = train_sentencepiece(lines)
     work = folder.parent / f"{folder.name}_files"
     work.mkdir(parents=True)
+    if family == "marian_separate":
+        # the source vocabulary is the larger: Marian's encoder embedding takes the config's
+        # pad_token_id (a target id, <pad> last) as its padding row
+        vocabs = {}
+        for side, side_lines, size in (("source", lines, 150), ("target", target_lines, 70)):
+            pieces, model_bytes = train_sentencepiece(side_lines, vocab_size=size)
+            (work / f"{side}.model").write_bytes(model_bytes)
+            vocabs[side] = marian_vocabulary(pieces)
+        assert len(vocabs["target"]) < len(vocabs["source"]), {side: len(v) for side, v in vocabs.items()}
+        (work / "vocab.json").write_text(json.dumps(vocabs["source"]))
+        (work / "target_vocab.json").write_text(json.dumps(vocabs["target"]))
+        tokenizer = transformers.MarianTokenizer(str(work / "source.model"), str(work / "target.model"),
+                                                 str(work / "vocab.json"), separate_vocabs=True,
+                                                 target_vocab_file=str(work / "target_vocab.json"))
+        target_pad = vocabs["target"]["<pad>"]
+        config = transformers.MarianConfig(vocab_size=len(vocabs["source"]), decoder_vocab_size=len(vocabs["target"]),
+                                           share_encoder_decoder_embeddings=False, pad_token_id=target_pad,
+                                           eos_token_id=0, decoder_start_token_id=target_pad, forced_eos_token_id=0,
+                                           **tiny)
+        torch.manual_seed(seed)
+        transformers.MarianMTModel(config).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return folder
+    pieces, model_bytes = train_sentencepiece(lines)
     (work / "sp.model").write_bytes(model_bytes)
-    if family == "marian":  # Marian's layout: </s> 0, <unk> 1, pieces, <pad> last; no <s>
-        vocab = {"</s>": 0, "<unk>": 1, **{p: i + 2 for i, p in enumerate(pieces)}}
-        vocab["<pad>"] = len(vocab)
+    if family == "marian":
+        vocab = marian_vocabulary(pieces)
         (work / "vocab.json").write_text(json.dumps(vocab))
         tokenizer = transformers.MarianTokenizer(str(work / "sp.model"), str(work / "sp.model"), str(work / "vocab.json"))
         config = transformers.MarianConfig(vocab_size=len(vocab), pad_token_id=vocab["<pad>"], eos_token_id=0,
@@ -107,11 +144,22 @@ def raw_corpus(tmp_path_factory) -> Path:
     return folder
 
 
+def save_teachers(families, raw: Path, root: Path, **sizes) -> dict:
+    """``save_teacher`` of each family on the training text in ``raw``: one SentencePiece model on
+    both sides' lines, or for ``marian_separate`` one on each side's."""
+    sides = {lang: (raw / f"train.{lang}").read_text().splitlines() for lang in (SRC, TGT)}
+    teachers = {}
+    for family in families:
+        if family == "marian_separate":
+            teachers[family] = save_teacher(family, sides[SRC], root / family, target_lines=sides[TGT], **sizes)
+        else:
+            teachers[family] = save_teacher(family, sides[SRC] + sides[TGT], root / family, **sizes)
+    return teachers
+
+
 @pytest.fixture(scope="module")
 def teachers(raw_corpus, tmp_path_factory) -> dict:
-    lines = [line for lang in (SRC, TGT) for line in (raw_corpus / f"train.{lang}").read_text().splitlines()]
-    root = tmp_path_factory.mktemp("hf_teachers")
-    return {family: save_teacher(family, lines, root / family) for family in FAMILIES}
+    return save_teachers(FAMILIES, raw_corpus, tmp_path_factory.mktemp("hf_teachers"))
 
 
 @pytest.fixture(scope="module")
@@ -142,32 +190,51 @@ def split_batch(data_bin: Path, task, split="valid") -> dict:
 
 
 # ------------------------------------------------------------------------ the adapter's numbers
+def own_tokenizer(folder: Path, family: str):
+    """The folder's tokenizer, set to the test's languages when it is multilingual."""
+    tokenizer = load_tokenizer(folder)
+    if family in LANGUAGE_CODES:
+        tokenizer.src_lang, tokenizer.tgt_lang = LANGUAGE_CODES[family]
+    return tokenizer
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_log_probabilities_equal_the_models_own(family, teachers, data_bins):
-    """The adapter's log-probabilities over the fairseq dictionary, read through the index map,
-    equal the Hugging Face model's own on each unpadded sentence (teacher forcing with the model's
-    decoder start token and the labels its tokenizer makes); a symbol the teacher lacks has 0."""
+def test_log_probabilities_equal_the_models_own(family, teachers, data_bins, raw_corpus):
+    """The adapter's log-probabilities over the fairseq dictionary, read through the target index
+    map, equal the Hugging Face model's own on each unpadded sentence, fed the ids its own tokenizer
+    makes of the raw source and target lines (teacher forcing with the model's decoder start token);
+    the binarised batch is those ids through the source map (source) and the target map (target);
+    a symbol the teacher lacks has 0."""
     task = data_task(data_bins[family])
     teacher = HuggingFaceTeacher.load(str(teachers[family]), task)
+    tokenizer = own_tokenizer(teachers[family], family)
+    lines = {lang: (raw_corpus / f"valid.{lang}").read_text(encoding="utf-8").splitlines() for lang in (SRC, TGT)}
     batch = split_batch(data_bins[family], task)
     assert batch["net_input"]["src_tokens"][:, 0].eq(task.source_dictionary.pad()).any()  # left padding tested
     output, features = teacher.forward(batch["net_input"], CaptureRequest())
     log_probs = output[0].float().log_softmax(-1)
-    vocabulary = teacher.model.vocabulary
+    vocabulary, source_vocabulary = teacher.model.vocabulary, teacher.model.source_vocabulary
+    assert (source_vocabulary is vocabulary) == (family != "marian_separate")
     mapped = torch.tensor([i for i, h in enumerate(vocabulary.hf_id_of_fairseq) if h != NO_ID])
     hf_ids = torch.tensor(vocabulary.hf_id_of_fairseq)[mapped]
     hf_model = teacher.model.hf_model
+    if family == "marian_separate":  # logits over the target vocabulary, the smaller one
+        rows = hf_model.get_output_embeddings().out_features
+        assert rows == vocabulary.hf_vocab_size < source_vocabulary.hf_vocab_size
     for row, sentence_id in enumerate(batch["id"].tolist()):
         target = batch["target"][row]
         length = int(target.ne(task.target_dictionary.pad()).sum())
-        labels = torch.tensor([vocabulary.to_hf(target[:length].tolist())])
+        labels = tokenizer(text_target=[lines[TGT][sentence_id]])["input_ids"]
+        assert vocabulary.to_hf(target[:length].tolist()) == labels[0]
         source = batch["net_input"]["src_tokens"][row]
-        input_ids = torch.tensor([vocabulary.to_hf(source[source.ne(task.source_dictionary.pad())].tolist())])
+        input_ids = tokenizer([lines[SRC][sentence_id]])["input_ids"]
+        assert source_vocabulary.to_hf(source[source.ne(task.source_dictionary.pad())].tolist()) == input_ids[0]
         with torch.no_grad():
-            reference = hf_model(input_ids=input_ids, labels=labels).logits.log_softmax(-1)[0]
+            reference = hf_model(input_ids=torch.tensor(input_ids), labels=torch.tensor(labels)).logits
+        reference = reference.log_softmax(-1)[0]
         torch.testing.assert_close(log_probs[row, :length][:, mapped], reference[:, hf_ids], atol=1e-5, rtol=1e-5)
     missing = [i for i, h in enumerate(vocabulary.hf_id_of_fairseq) if h == NO_ID]
-    assert missing == ([0] if family == "marian" else [])  # Marian has no <s>
+    assert missing == ([0] if family.startswith("marian") else [])  # Marian has no <s>
     if missing:
         assert float(log_probs[..., missing].exp().max()) == 0.0
     assert not features.attention and features.encoder_hidden is None and features.decoder_hidden is None
@@ -176,26 +243,66 @@ def test_log_probabilities_equal_the_models_own(family, teachers, data_bins):
 # ------------------------------------------------------------------------ vocabulary and data
 @pytest.mark.parametrize("family", FAMILIES)
 def test_index_maps_are_inverse(family, teachers):
-    """Hugging Face ids -> fairseq -> Hugging Face is the identity on the whole vocabulary, and
-    fairseq's specials map by role (Marian: </s> 0, <unk> 1, <pad> last, no <s>)."""
-    tokenizer = load_tokenizer(teachers[family])
-    vocabulary = vocabulary_map(teachers[family], tokenizer, read_config(teachers[family]))
-    every_id = list(range(vocabulary.hf_vocab_size))
-    assert vocabulary.to_hf(vocabulary.to_fairseq(every_id)) == every_id
-    specials = vocabulary.hf_id_of_fairseq[:4]
-    pad_id = tokenizer.pad_token_id
-    assert specials == ((NO_ID, pad_id, 0, 1) if family == "marian" else (0, 1, 2, 3))  # M2M100, NLLB
-    assert vocabulary.fairseq_symbols[4:] == tuple(tokenizer.convert_ids_to_tokens(list(vocabulary.hf_id_of_fairseq[4:])))
+    """Hugging Face ids -> fairseq -> Hugging Face is the identity on each side's whole vocabulary,
+    fairseq's specials map by role (Marian: </s> 0, <unk> 1, <pad> last, no <s>) and fairseq 4..
+    are the side's other tokens in id order. One map serves both sides, except for
+    marian_separate: the source map is vocab.json's, the target map target_vocab.json's (which
+    differ in size and in the ids of the pieces they share), and the config's pad and decoder start
+    are target ids."""
+    folder = teachers[family]
+    tokenizer, config = load_tokenizer(folder), read_config(folder)
+    source, target = vocabulary_maps(folder, tokenizer, config)
+    assert vocabulary_map(folder, tokenizer, config) == target
+    files = {side: json.loads((folder / name).read_text()) for side, name in
+             (("source", "vocab.json"), ("target", "target_vocab.json")) if (folder / name).is_file()}
+    if family == "marian_separate":
+        assert source is not target and source != target
+        assert (source.hf_vocab_size, target.hf_vocab_size) == (len(files["source"]), len(files["target"]))
+        assert len(files["source"]) != len(files["target"])
+        shared_pieces = set(files["source"]) & set(files["target"])
+        assert any(files["source"][piece] != files["target"][piece] for piece in shared_pieces)
+        assert config["pad_token_id"] == config["decoder_start_token_id"] == files["target"]["<pad>"]
+        assert tokenizer.pad_token_id == files["source"]["<pad>"] != files["target"]["<pad>"]  # a source id
+    else:
+        assert source is target
+        files["target"] = files.get("source")
+    for side, vocabulary in (("source", source), ("target", target)):
+        every_id = list(range(vocabulary.hf_vocab_size))
+        assert vocabulary.to_hf(vocabulary.to_fairseq(every_id)) == every_id
+        specials, others = vocabulary.hf_id_of_fairseq[:4], vocabulary.fairseq_symbols[4:]
+        if family.startswith("marian"):
+            vocab = files[side]
+            assert specials == (NO_ID, vocab["<pad>"], vocab["</s>"], vocab["<unk>"]) == (NO_ID, len(vocab) - 1, 0, 1)
+            assert others == tuple(token for token, _ in sorted(vocab.items(), key=lambda item: item[1])
+                                   if token not in ("<pad>", "</s>", "<unk>"))
+        else:  # M2M100, NLLB
+            assert specials == (0, 1, 2, 3)
+            assert others == tuple(tokenizer.convert_ids_to_tokens(list(vocabulary.hf_id_of_fairseq[4:])))
     if family in LANGUAGE_TAGS:  # language tags are symbols (M2M100's: transformers 5 leaves them out of get_vocab)
-        assert set(LANGUAGE_TAGS[family]) <= set(vocabulary.fairseq_symbols)
+        assert set(LANGUAGE_TAGS[family]) <= set(target.fairseq_symbols)
 
 
-def assert_text_round_trip(tokenizer, vocabulary, data_bin: Path, split: str, raw_prefix: Path):
-    """Every binarised sentence is the tokenizer's own ids (mapped, fairseq's </s> closing it), and
-    decodes to the text the tokenizer's own ids decode to."""
+def source_decoder(teacher: Path, tokenizer):
+    """What decodes source ids as the teacher's tokenizer means them: the tokenizer itself, or for
+    separate vocabularies a one-vocabulary Marian tokenizer over the folder's source files
+    (transformers' MarianTokenizer decodes every id through its target vocabulary)."""
+    if not getattr(tokenizer, "separate_vocabs", False):
+        return tokenizer
+    import transformers
+
+    return transformers.MarianTokenizer(str(teacher / "source.spm"), str(teacher / "source.spm"),
+                                        str(teacher / "vocab.json"))
+
+
+def assert_text_round_trip(tokenizer, vocabularies, data_bin: Path, split: str, raw_prefix: Path, decoders):
+    """Every binarised sentence is the tokenizer's own ids through its side's map (``vocabularies``:
+    source, target), fairseq's </s> closing it, and decodes to the text that side's ``decoders``
+    (source, target) make of the tokenizer's own ids."""
     task = data_task(data_bin)
-    for lang, target in ((SRC, False), (TGT, True)):
+    for lang, target, vocabulary, decoder in ((SRC, False, vocabularies[0], decoders[0]),
+                                              (TGT, True, vocabularies[1], decoders[1])):
         dictionary = task.source_dictionary if not target else task.target_dictionary
+        assert vocabulary.mismatch(dictionary.symbols) is None
         binarised = data_utils.load_indexed_dataset(str(data_bin / f"{split}.{SRC}-{TGT}.{lang}"), dictionary)
         lines = (raw_prefix.parent / f"{raw_prefix.name}.{lang}").read_text(encoding="utf-8").splitlines()
         assert len(binarised) == len(lines)
@@ -203,27 +310,33 @@ def assert_text_round_trip(tokenizer, vocabulary, data_bin: Path, split: str, ra
         for index, (line, hf_ids) in enumerate(zip(lines, own["input_ids"])):
             fairseq_ids = binarised[index].tolist()
             assert vocabulary.to_hf(fairseq_ids) == hf_ids
-            assert hf_data.decode_fairseq_ids(tokenizer, vocabulary, fairseq_ids) == tokenizer.decode(
-                hf_ids, skip_special_tokens=True)
+            decoded = hf_data.decode_fairseq_ids(tokenizer, vocabulary, fairseq_ids, source=not target)
+            assert decoded == decoder.decode(hf_ids, skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_binarised_data_is_the_tokenizers_own(family, teachers, data_bins, raw_corpus):
-    """fairseq-kd-hf-data writes the teacher's vocabulary as dictionaries (symbol for symbol) and
-    the tokenizer's own ids: M2M100's language tags open every source and target sentence."""
-    tokenizer = load_tokenizer(teachers[family])
-    vocabulary = vocabulary_map(teachers[family], tokenizer, read_config(teachers[family]))
+    """fairseq-kd-hf-data writes each side's vocabulary as its dictionary (symbol for symbol) and
+    the tokenizer's own ids through that side's map: M2M100's language tags open every source and
+    target sentence; marian_separate's dictionaries differ (dict.SRC.txt is vocab.json's,
+    dict.TGT.txt target_vocab.json's)."""
+    tokenizer = own_tokenizer(teachers[family], family)
+    vocabularies = vocabulary_maps(teachers[family], tokenizer, read_config(teachers[family]))
     task = data_task(data_bins[family])
-    for dictionary in (task.source_dictionary, task.target_dictionary):
-        assert vocabulary.mismatch(dictionary.symbols) is None
+    assert (task.source_dictionary.symbols == task.target_dictionary.symbols) == (family != "marian_separate")
     if family in LANGUAGE_CODES:
-        tokenizer.src_lang, tokenizer.tgt_lang = LANGUAGE_CODES[family]
         batch = split_batch(data_bins[family], task, "train")
         source_tag, target_tag = (task.source_dictionary.index(tag) for tag in LANGUAGE_TAGS[family])
         assert set(batch["target"][:, 0].tolist()) == {target_tag}
         first_real = batch["net_input"]["src_tokens"].ne(task.source_dictionary.pad()).int().argmax(1)
         assert set(batch["net_input"]["src_tokens"].gather(1, first_real[:, None]).flatten().tolist()) == {source_tag}
-    assert_text_round_trip(tokenizer, vocabulary, data_bins[family], "valid", raw_corpus / "valid")
+    decoders = (source_decoder(teachers[family], tokenizer), tokenizer)
+    for split in ("train", "valid"):
+        assert_text_round_trip(tokenizer, vocabularies, data_bins[family], split, raw_corpus / split, decoders)
+    for lang, dictionary in ((SRC, task.source_dictionary), (TGT, task.target_dictionary)):  # each side's counts
+        train = data_utils.load_indexed_dataset(str(data_bins[family] / f"train.{SRC}-{TGT}.{lang}"), dictionary)
+        counted = Counter(i for sentence in train for i in sentence[:-1].tolist())
+        assert dictionary.count[4:] == [counted[i] for i in range(4, len(dictionary))]
 
 
 def real_lines(count=300):
@@ -238,23 +351,28 @@ def real_lines(count=300):
     return texts
 
 
-def test_round_trip_on_real_text(tmp_path):
-    """Real text (Multi30k fr-en) through a Marian teacher's own SentencePiece model: binarised
-    ids are the tokenizer's, decoding gives the tokenizer's text back."""
+@pytest.mark.parametrize("family", ("marian", "marian_separate"))
+def test_round_trip_on_real_text(family, tmp_path):
+    """Real text (Multi30k fr-en) through a Marian teacher's own SentencePiece model(s): binarised
+    ids are the tokenizer's, decoding gives the tokenizer's text back, on each side."""
     texts = real_lines()
     raw = tmp_path / "raw"
     raw.mkdir()
     for lang, name in (("fr", SRC), ("en", TGT)):  # file names in the test's languages
         (raw / f"train.{name}").write_text("\n".join(texts[lang][:250]) + "\n", encoding="utf-8")
         (raw / f"valid.{name}").write_text("\n".join(texts[lang][250:]) + "\n", encoding="utf-8")
-    teacher = save_teacher("marian", texts["fr"][:250] + texts["en"][:250], tmp_path / "marian")
+    teacher = save_teachers([family], raw, tmp_path)[family]
     hf_data.cli_main(["--teacher", str(teacher), "-s", SRC, "-t", TGT, "--trainpref", str(raw / "train"),
                       "--validpref", str(raw / "valid"), "--destdir", str(tmp_path / "bin")])
     tokenizer = load_tokenizer(teacher)
-    vocabulary = vocabulary_map(teacher, tokenizer, read_config(teacher))
-    assert_text_round_trip(tokenizer, vocabulary, tmp_path / "bin", "valid", raw / "valid")
-    decoded = hf_data.decode_fairseq_ids(tokenizer, vocabulary, vocabulary.to_fairseq(tokenizer(texts["fr"][0]).input_ids))
-    assert decoded == texts["fr"][0]  # a training sentence: every piece is known
+    vocabularies = vocabulary_maps(teacher, tokenizer, read_config(teacher))
+    decoders = (source_decoder(teacher, tokenizer), tokenizer)
+    assert_text_round_trip(tokenizer, vocabularies, tmp_path / "bin", "valid", raw / "valid", decoders)
+    for side, (lang, target) in enumerate((("fr", False), ("en", True))):  # training sentences: every piece is known
+        hf_ids = (tokenizer(text_target=texts[lang][0]) if target else tokenizer(texts[lang][0])).input_ids
+        fairseq_ids = vocabularies[side].to_fairseq(hf_ids)
+        decoded = hf_data.decode_fairseq_ids(tokenizer, vocabularies[side], fairseq_ids, source=not target)
+        assert decoded == texts[lang][0]
 
 
 # ------------------------------------------------------------------------ training
@@ -274,6 +392,25 @@ def test_word_kd_trains_from_a_marian_teacher_and_resumes(teachers, data_bins, t
 
     binding = task_state(read_transformer_checkpoint(str(save / "checkpoint_last.pt")))["binding"]
     assert binding["teacher_sha256"] == folder_sha256(teacher)
+
+
+def test_word_kd_trains_from_a_teacher_with_separate_vocabularies(teachers, data_bins, tmp_path):
+    """fairseq-train --criterion word_kd from the Marian folder with separate source and target
+    vocabularies (the student's dictionaries differ too, so nothing is shared): 3 updates, every
+    word_kd term finite and positive, the teacher read with both vocabularies."""
+    import math
+    import re
+
+    data, teacher = data_bins["marian_separate"], teachers["marian_separate"]
+    task = data_task(data)
+    assert len(task.source_dictionary) != len(task.target_dictionary)
+    run = train_student(data, teacher, tmp_path / "student", ["--criterion", "word_kd"], STUDENT_ARGS, max_update=3,
+                        extra=["-s", SRC, "-t", TGT, "--cpu"])
+    log = run.stdout + run.stderr
+    assert "num_updates=3" in log, log[-2000:]
+    assert f"{len(task.source_dictionary)} source and {len(task.target_dictionary)} target symbols" in log, log[-2000:]
+    values = [float(v) for v in re.findall(r"\bword_kd_loss=([^\s,|]+)", log)]
+    assert len(values) >= 3 and all(math.isfinite(v) and v > 0 for v in values), values
 
 
 # ------------------------------------------------------------------------ refusals
@@ -329,7 +466,42 @@ def test_refusals_are_one_line(teachers, data_bins, tmp_path):
     assert TranslationKDTask.require_teacher(task, "selective_kd") is task.teacher
 
     message = one_line_refusal(lambda: FrozenTeacher.load(str(teachers["marian"]), marian_task))
-    assert "not yet supported" in message
+    assert "is a Hugging Face model folder" in message and "Pass a fairseq checkpoint file here" in message
+
+
+def test_separate_vocabularies_refusals(teachers, data_bins, tmp_path):
+    """A teacher with separate vocabularies refuses, in one line naming the side and what to do:
+    data binarised for a one-vocabulary teacher (its source side), data whose source and target
+    dictionaries are swapped (each side is compared with its own vocabulary), a target vocabulary
+    without <pad>, and a model whose encoder has fewer rows than the source vocabulary."""
+    teacher = teachers["marian_separate"]
+    message = one_line_refusal(lambda: load_teacher(str(teacher), data_task(data_bins["marian"])))
+    assert "the data's source dictionary is not the teacher's source vocabulary" in message
+    assert "fairseq-kd-hf-data --teacher" in message
+
+    swapped = data_task(data_bins["marian_separate"])
+    swapped.target_dictionary = swapped.source_dictionary
+    message = one_line_refusal(lambda: load_teacher(str(teacher), swapped))
+    assert "the data's target dictionary is not the teacher's target vocabulary" in message
+
+    no_pad = tmp_path / "no_pad"
+    shutil.copytree(teacher, no_pad)
+    target_vocab = json.loads((no_pad / "target_vocab.json").read_text())
+    del target_vocab["<pad>"]
+    (no_pad / "target_vocab.json").write_text(json.dumps(target_vocab))
+    message = one_line_refusal(lambda: load_teacher(str(no_pad), data_task(data_bins["marian_separate"])))
+    assert "--teacher-checkpoint" in message and "target vocabulary (target_vocab.json)" in message
+    assert "no pad token '<pad>'" in message
+
+    from fairseq_kd.models.hf_teacher import check_model_fits
+
+    task = data_task(data_bins["marian_separate"])
+    model = load_teacher(str(teacher), task).model
+    hf_model = model.hf_model
+    hf_model.model.encoder.embed_tokens = torch.nn.Embedding(len(task.target_dictionary), 16)
+    message = one_line_refusal(lambda: check_model_fits(str(teacher), hf_model, model.vocabulary,
+                                                        source_vocabulary=model.source_vocabulary))
+    assert "input embeddings but its tokenizer source vocabulary" in message
 
 
 class _WithoutLayers(torch.nn.Module):
@@ -424,14 +596,16 @@ def test_loading_leaves_the_random_state(teachers, data_bins):
         assert torch.equal(torch.rand(8), untouched), family
 
 
-def test_teacher_cache_from_a_hugging_face_teacher(teachers, data_bins, tmp_path):
-    """fairseq-kd-teacher-cache reads a Hugging Face folder: the cached top-k are the adapter's own
+@pytest.mark.parametrize("family", ("marian", "marian_separate"))
+def test_teacher_cache_from_a_hugging_face_teacher(family, teachers, data_bins, tmp_path):
+    """fairseq-kd-teacher-cache reads a Hugging Face folder (with one vocabulary, or separate source
+    and target vocabularies: ids over the target dictionary): the cached top-k are the adapter's own
     top log-probabilities at every target token, and a training run with the same folder as its
     teacher accepts the cache (the binding digest is the folder's)."""
     from fairseq_kd.teacher_pass.common import translation_task
     from fairseq_kd.teacher_pass.teacher_cache import CacheConfig, TeacherCache, build_cache
 
-    family, output = "marian", tmp_path / "cache"
+    output = tmp_path / "cache"
     build_cache(CacheConfig(data=data_bins[family], teacher_checkpoint=teachers[family], output=output, k=4,
                             cpu=True), log=lambda _: None)
     task = translation_task(data_bins[family], SRC, TGT, "train")

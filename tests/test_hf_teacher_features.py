@@ -3,8 +3,9 @@ states are the Hugging Face model's own, in the student's batch layout, under th
 of a fairseq teacher; every feature method runs with such a teacher; a2d_kd and pkd train through
 fairseq-train from a Marian teacher and resume.
 
-Nothing is downloaded: tiny Marian and M2M100 models (3+3 layers, 2 heads, d 16) are built from
-configs with the fixtures of test_hf_teacher.py.
+Nothing is downloaded: tiny Marian (with one vocabulary, and with separate source and target
+vocabularies) and M2M100 models (3+3 layers, 2 heads, d 16) are built from configs with the
+fixtures of test_hf_teacher.py.
 """
 import math
 import re
@@ -23,7 +24,7 @@ from test_hf_teacher import (  # noqa: E402
     STUDENT_ARGS,
     TGT,
     data_task,
-    save_teacher,
+    save_teachers,
     split_batch,
 )
 from fairseq_kd.cli import hf_data  # noqa: E402
@@ -38,7 +39,8 @@ from fairseq_kd.models.feature_capture import (  # noqa: E402
 from fairseq_kd.models.hf_teacher import HuggingFaceTeacher  # noqa: E402
 from fairseq_kd.tasks.translation_kd import TranslationKDTask  # noqa: E402
 
-FAMILIES = ("marian", "m2m_100")  # post-norm without, and pre-norm with, final layer norms
+#: post-norm without, and pre-norm with, final layer norms; marian_separate: a source and a target vocabulary
+FAMILIES = ("marian", "marian_separate", "m2m_100")
 SIZES = dict(encoder_layers=3, decoder_layers=3)
 EVERYTHING = CaptureRequest(encoder_hidden=True, decoder_hidden=True, attention_kinds=ATTENTION_KINDS,
                             attention_scores=True, attention_values=True)
@@ -53,9 +55,7 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def teachers(corpus, tmp_path_factory) -> dict:
-    lines = [line for lang in (SRC, TGT) for line in (corpus / f"train.{lang}").read_text().splitlines()]
-    root = tmp_path_factory.mktemp("hf_features_teachers")
-    return {family: save_teacher(family, lines, root / family, **SIZES) for family in FAMILIES}
+    return save_teachers(FAMILIES, corpus, tmp_path_factory.mktemp("hf_features_teachers"), **SIZES)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,8 @@ def own_outputs(teacher, source, target):
     hf.config._attn_implementation = "eager"
     try:
         with torch.no_grad():
-            return hf(input_ids=model.to_hf_ids(source)[None], decoder_input_ids=model.decoder_inputs(target[None]),
+            return hf(input_ids=model.to_hf_ids(source, source=True)[None],
+                      decoder_input_ids=model.decoder_inputs(target[None]),
                       output_attentions=True, output_hidden_states=True, use_cache=False)
     finally:
         hf.config._attn_implementation = previous

@@ -23,7 +23,7 @@ import fairseq_kd  # noqa: E402
 from fairseq.data import Dictionary, indexed_dataset  # noqa: E402
 from fairseq_kd.deploy.hf_engine import HuggingFaceDecodingError, first_target_symbol  # noqa: E402
 from fairseq_kd.teacher_pass import seqkd  # noqa: E402
-from test_hf_teacher import SRC, STUDENT_ARGS, TGT, save_teacher  # noqa: E402
+from test_hf_teacher import SRC, STUDENT_ARGS, TGT, save_teachers  # noqa: E402
 
 fairseq_kd.register()
 
@@ -149,61 +149,73 @@ def test_refusals_are_one_line(tiny_data_bin, tiny_teacher, exported_teacher, tm
     assert "--compute-type int8: a Hugging Face --model decodes in float32" in refused.stderr
 
 
-# ------------------------------------------------------------------- a multilingual teacher
+# ------------------------------------------- a multilingual teacher, and one with two vocabularies
 @pytest.fixture(scope="module")
-def m2m100(tmp_path_factory):
-    """A tiny M2M100 teacher (SentencePiece on the synthetic corpus) and its data, binarised by
-    fairseq-kd-hf-data in its vocabulary: every target sentence starts with ``__en__``."""
+def hf_teachers(tmp_path_factory):
+    """Tiny M2M100 and separate-vocabulary Marian teachers (SentencePiece on the synthetic corpus)
+    and their data, binarised by fairseq-kd-hf-data in each one's vocabulary (M2M100: every target
+    sentence starts with ``__en__``)."""
     from fairseq_kd.cli import hf_data
     from fairseq_kd.data.synthetic import write_corpus
 
-    root = tmp_path_factory.mktemp("seqkd_m2m100")
+    root = tmp_path_factory.mktemp("seqkd_hf_teachers")
     write_corpus(root / "raw", seed=3, train_size=48, valid_size=8, test_size=8, source_lang=SRC, target_lang=TGT)
-    lines = [line for lang in (SRC, TGT) for line in (root / "raw" / f"train.{lang}").read_text().splitlines()]
-    teacher = save_teacher("m2m_100", lines, root / "teacher")
-    hf_data.cli_main(["--teacher", str(teacher), "-s", SRC, "-t", TGT, "--trainpref", str(root / "raw" / "train"),
-                      "--validpref", str(root / "raw" / "valid"), "--destdir", str(root / "bin"),
-                      "--teacher-source-lang", "de", "--teacher-target-lang", "en"])
-    return SimpleNamespace(root=root, teacher=teacher, data=root / "bin")
+    teachers = save_teachers(("m2m_100", "marian_separate"), root / "raw", root / "teachers")
+    for family, folder in teachers.items():
+        languages = ["--teacher-source-lang", "de", "--teacher-target-lang", "en"] if family == "m2m_100" else []
+        hf_data.cli_main(["--teacher", str(folder), "-s", SRC, "-t", TGT, "--trainpref", str(root / "raw" / "train"),
+                          "--validpref", str(root / "raw" / "valid"), "--destdir", str(root / family), *languages])
+    return {family: SimpleNamespace(root=root, teacher=folder, data=root / family)
+            for family, folder in teachers.items()}
 
 
-def test_multilingual_teacher_decodes_as_its_own_generate(m2m100, tmp_path):
-    """Every hypothesis starts with the target-language tag, and each equals Hugging Face's greedy
-    generate on the raw sentence through the tokenizer (the same tag forced, the same length
-    limit: the model's 64 positions cap fairseq's max_len_b 200 at 63 tokens before </s>)."""
+@pytest.mark.parametrize("family", ("m2m_100", "marian_separate"))
+def test_teacher_decodes_as_its_own_generate(family, hf_teachers, tmp_path):
+    """Each hypothesis equals Hugging Face's greedy generate on the raw sentence through the
+    tokenizer (the same length limit: the model's 64 positions cap fairseq's max_len_b 200 at 63
+    tokens before </s>; M2M100: the target-language tag forced first, as every hypothesis must
+    start with it; Marian with separate vocabularies: source ids and hypotheses in their own
+    vocabularies), and a student distils from the folder on those hypotheses."""
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
+    case = hf_teachers[family]
     out = tmp_path / "seqkd"
-    result = seqkd.run(seqkd.SeqKDConfig(data=str(m2m100.data), teacher_checkpoint=str(m2m100.teacher),
+    result = seqkd.run(seqkd.SeqKDConfig(data=str(case.data), teacher_checkpoint=str(case.teacher),
                                          output=str(out), beam=1, shard_size=16), log=quiet)
     assert result.status == "complete" and result.sentences == 48
-    dictionary = Dictionary.load(str(m2m100.data / f"dict.{TGT}.txt"))
-    got = [dictionary.string(torch.tensor(h)).split() for h in
-           read_split(out, f"train.{SRC}-{TGT}.{TGT}")]
+    dictionary = Dictionary.load(str(case.data / f"dict.{TGT}.txt"))
+    got = [dictionary.string(torch.tensor(h)).split() for h in read_split(out, f"train.{SRC}-{TGT}.{TGT}")]
 
-    tokenizer = AutoTokenizer.from_pretrained(str(m2m100.teacher), local_files_only=True, src_lang="de", tgt_lang="en")
-    model = AutoModelForSeq2SeqLM.from_pretrained(str(m2m100.teacher), local_files_only=True).eval()
-    tag = tokenizer.convert_tokens_to_ids("__en__")
-    sources = (m2m100.root / "raw" / f"train.{SRC}").read_text().splitlines()
+    languages = dict(src_lang="de", tgt_lang="en") if family == "m2m_100" else {}
+    tokenizer = AutoTokenizer.from_pretrained(str(case.teacher), local_files_only=True, **languages)
+    model = AutoModelForSeq2SeqLM.from_pretrained(str(case.teacher), local_files_only=True).eval()
+    forced = dict(forced_bos_token_id=tokenizer.convert_tokens_to_ids("__en__")) if family == "m2m_100" else {}
+    target_tokens = ({i: t for t, i in tokenizer.target_encoder.items()} if family == "marian_separate"
+                     else None)  # transformers' convert_ids_to_tokens reads the target vocabulary
+    sources = (case.root / "raw" / f"train.{SRC}").read_text().splitlines()
     for sentence, hypothesis in zip(sources, got):
         encoded = tokenizer(sentence, return_tensors="pt")
         with torch.no_grad():
             ids = model.generate(**encoded, num_beams=1, do_sample=False, max_new_tokens=64, min_new_tokens=1,
-                                 forced_bos_token_id=tag, forced_eos_token_id=tokenizer.eos_token_id,
-                                 suppress_tokens=[tokenizer.pad_token_id])[0].tolist()
-        tokens = tokenizer.convert_ids_to_tokens(ids[1:])  # without the decoder start token
+                                 forced_eos_token_id=model.config.eos_token_id,
+                                 suppress_tokens=[model.config.pad_token_id], **forced)[0].tolist()
+        ids = ids[1:]  # without the decoder start token
+        tokens = [target_tokens[i] for i in ids] if target_tokens else tokenizer.convert_ids_to_tokens(ids)
         tokens = tokens[:tokens.index("</s>")] if "</s>" in tokens else tokens  # fairseq's string() drops </s>
         assert hypothesis == tokens
-        assert hypothesis[0] == "__en__"
+        if family == "m2m_100":
+            assert hypothesis[0] == "__en__"
 
     # a student trains on the teacher's hypotheses, distilling from the same folder
-    shutil.copy(m2m100.data / f"dict.{SRC}.txt", out / f"dict.{SRC}.txt")
-    train_student(out, m2m100.teacher, tmp_path / "student", ["--criterion", "word_kd"],
-                  student_args=[*STUDENT_ARGS, "--share-all-embeddings"], max_update=2)
+    shutil.copy(case.data / f"dict.{SRC}.txt", out / f"dict.{SRC}.txt")
+    shared = ["--share-all-embeddings"] if family == "m2m_100" else []
+    train_student(out, case.teacher, tmp_path / "student", ["--criterion", "word_kd"],
+                  student_args=[*STUDENT_ARGS, *shared], max_update=2)
     assert (tmp_path / "student" / "checkpoint_last.pt").is_file()
 
 
-def test_the_target_tag_must_start_every_target(m2m100):
+def test_the_target_tag_must_start_every_target(hf_teachers):
+    m2m100 = hf_teachers["m2m_100"]
     dictionary = Dictionary.load(str(m2m100.data / f"dict.{TGT}.txt"))
     tag, word = dictionary.index("__en__"), dictionary.index("__de__")
     same = SimpleNamespace(tgt=[torch.tensor([tag, 9, 2]), torch.tensor([tag, 2])])

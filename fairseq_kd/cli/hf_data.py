@@ -10,11 +10,14 @@ Each line is tokenised by the teacher's own tokenizer (``AutoTokenizer``, offlin
 teacher's own training put them (M2M100/NLLB: the source language tag first in every source
 sentence, the target language tag first in every target sentence; Marian: none). The tokenizer's
 closing ``</s>`` is dropped because fairseq appends its own, which maps to it. The ids are mapped to
-fairseq indices by :class:`fairseq_kd.models.hf_vocabulary.VocabularyMap` and written with
-fairseq's own indexed-dataset builder (``mmap``), as ``fairseq-preprocess`` writes them, with
-``dict.SRC.txt`` / ``dict.TGT.txt`` holding exactly the teacher's vocabulary (counts from the
-training text). ``fairseq-train --task translation_kd --teacher-checkpoint DIR`` then checks those
-dictionaries symbol for symbol.
+fairseq indices by :class:`fairseq_kd.models.hf_vocabulary.VocabularyMap`, one per side, and
+written with fairseq's own indexed-dataset builder (``mmap``), as ``fairseq-preprocess`` writes
+them, with ``dict.SRC.txt`` / ``dict.TGT.txt`` holding exactly the teacher's vocabulary of that side
+(counts from that side's training text): the same symbols on both sides for a tokenizer with one
+vocabulary; for a Marian teacher with separate vocabularies, ``dict.SRC.txt`` is its source
+vocabulary (``vocab.json``) and ``dict.TGT.txt`` its target vocabulary (``target_vocab.json``), each
+side's ids mapped by its own map. ``fairseq-train --task translation_kd --teacher-checkpoint DIR``
+then checks each dictionary symbol for symbol against its side.
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ from typing import Iterator, List, Optional, Sequence
 from fairseq_kd.cli.user_errors import FILE, FOLDER, exits_on_user_error, require_path
 
 PROG = "fairseq-kd-hf-data"
+#: fairseq's ``</s>`` and its first ordinary symbol (fairseq.data.Dictionary: ``<s> <pad> </s> <unk>``)
+FAIRSEQ_EOS, FAIRSEQ_FIRST_SYMBOL = 2, 4
 #: lines tokenised per call of the tokenizer
 CHUNK_LINES = 1000
 
@@ -89,21 +94,32 @@ def set_languages(tokenizer, args) -> None:
 
 def encode_chunk(tokenizer, vocabulary, lines: List[str], target: bool) -> List[List[int]]:
     """fairseq indices of ``lines`` without the closing ``</s>`` (fairseq's binarisation appends
-    it); refuses a tokenizer that does not close sentences with its ``</s>``."""
+    it), mapped by ``vocabulary``, the map of the side ``target`` says; refuses a tokenizer that does
+    not close sentences with that side's ``</s>``."""
     encoded = tokenizer(text_target=lines) if target else tokenizer(lines)
+    eos = vocabulary.hf_id_of_fairseq[FAIRSEQ_EOS]
     rows = []
     for hf_ids in encoded["input_ids"]:
-        if not hf_ids or hf_ids[-1] != tokenizer.eos_token_id:
+        if not hf_ids or hf_ids[-1] != eos:
             raise ValueError(f"the teacher's tokenizer does not end sentences with its {tokenizer.eos_token!r} "
                              "(fairseq appends one to every sentence), so it is not supported")
         rows.append(vocabulary.to_fairseq(hf_ids[:-1]))
     return rows
 
 
-def decode_fairseq_ids(tokenizer, vocabulary, fairseq_ids: Sequence[int]) -> str:
+def decode_fairseq_ids(tokenizer, vocabulary, fairseq_ids: Sequence[int], source: bool = False) -> str:
     """The text of a binarised sentence (fairseq indices, ending with ``</s>``) as the teacher's
-    tokenizer decodes it (special tokens and language tags skipped)."""
-    return tokenizer.decode(vocabulary.to_hf(fairseq_ids), skip_special_tokens=True)
+    tokenizer decodes it (``skip_special_tokens``: NLLB's language tags go, M2M100's stay, being no
+    special tokens in transformers 5); ``vocabulary`` is the map of
+    the sentence's side, the source side's when ``source``."""
+    hf_ids = vocabulary.to_hf(fairseq_ids)
+    if source and getattr(tokenizer, "separate_vocabs", False):
+        # transformers' MarianTokenizer turns ids into tokens through its target vocabulary only,
+        # so a source sentence of separate vocabularies is read through the source map's symbols
+        # and the source SentencePiece model, as the tokenizer's decode does for a shared one
+        pieces = [vocabulary.fairseq_symbols[i] for i in fairseq_ids if i >= FAIRSEQ_FIRST_SYMBOL]
+        return tokenizer.spm_source.decode_pieces(pieces).replace("\u2581", " ").strip()
+    return tokenizer.decode(hf_ids, skip_special_tokens=True)
 
 
 def binarise_split(tokenizer, vocabulary, dictionary, text_prefix: str, output_prefix: Path, lang: str,
@@ -141,7 +157,7 @@ def output_files(args) -> List[Path]:
 @exits_on_user_error(PROG)
 def cli_main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
-    from fairseq_kd.models.hf_teacher import load_tokenizer, read_config, vocabulary_map
+    from fairseq_kd.models.hf_teacher import load_tokenizer, read_config, vocabulary_maps
 
     teacher = require_path(args.teacher, "--teacher", FOLDER, "give the teacher's save_pretrained folder")
     if args.source_lang == args.target_lang:
@@ -156,25 +172,30 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
                          "to replace them, or another --destdir")
     config = read_config(teacher)
     tokenizer = load_tokenizer(teacher)
-    vocabulary = vocabulary_map(teacher, tokenizer, config)
+    source_vocabulary, target_vocabulary = vocabulary_maps(teacher, tokenizer, config)
     set_languages(tokenizer, args)
     dest = Path(args.destdir)
     dest.mkdir(parents=True, exist_ok=True)
     pair = f"{args.source_lang}-{args.target_lang}"
+    sides = ((args.source_lang, False, source_vocabulary), (args.target_lang, True, target_vocabulary))
     counts = {args.source_lang: Counter(), args.target_lang: Counter()}
     for split, pref in (("train", args.trainpref), ("valid", args.validpref), ("test", args.testpref)):
         if not pref:
             continue
         sizes = [binarise_split(tokenizer, vocabulary, vocabulary.dictionary(), pref, dest / f"{split}.{pair}",
                                 lang, target, counts[lang] if split == "train" else None, f"--{split}pref")
-                 for lang, target in ((args.source_lang, False), (args.target_lang, True))]
+                 for lang, target, vocabulary in sides]
         if sizes[0] != sizes[1]:
             raise ValueError(f"{pref}.{args.source_lang} has {sizes[0]} lines but {pref}.{args.target_lang} "
                              f"has {sizes[1]}; parallel files need one sentence per line on both sides")
         print(f"{PROG}: {split}: {sizes[0]} sentence pairs")
-    for lang, counted in counts.items():
-        vocabulary.dictionary(counted).save(str(dest / f"dict.{lang}.txt"))
-    print(f"{PROG}: wrote {dest} ({len(vocabulary)} symbols, the vocabulary of {teacher})")
+    for lang, _, vocabulary in sides:
+        vocabulary.dictionary(counts[lang]).save(str(dest / f"dict.{lang}.txt"))
+    if source_vocabulary is target_vocabulary:
+        print(f"{PROG}: wrote {dest} ({len(target_vocabulary)} symbols, the vocabulary of {teacher})")
+    else:
+        print(f"{PROG}: wrote {dest} ({len(source_vocabulary)} source and {len(target_vocabulary)} target symbols, "
+              f"the vocabularies of {teacher})")
 
 
 if __name__ == "__main__":

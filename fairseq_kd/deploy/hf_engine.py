@@ -147,10 +147,13 @@ class HuggingFaceEngine:
         sequences = output.sequences[:, 1:].cpu()  # without the decoder start token
         if settings.beam > 1:
             scores = output.sequences_scores.float().cpu().tolist()
-        else:
-            steps = self.hf_model.compute_transition_scores(output.sequences, output.scores, normalize_logits=True)
+        else:  # each chosen token's log-probability under the processed logits, one step at a time
+            # (transformers' compute_transition_scores reshapes by config.vocab_size, which is the source
+            # vocabulary's size for a Marian model with separate vocabularies)
             scores = None
-            step_scores = steps.float().cpu()
+            chosen = output.sequences[:, 1:]
+            step_scores = torch.stack([step.float().log_softmax(-1).gather(1, chosen[:, t:t + 1]).squeeze(1)
+                                       for t, step in enumerate(output.scores)], 1).cpu()
         hypotheses = []
         for row, hf_ids in enumerate(sequences.tolist()):
             tokens = hf_ids[:hf_ids.index(self.hf_eos) + 1] if self.hf_eos in hf_ids else hf_ids + [self.hf_eos]

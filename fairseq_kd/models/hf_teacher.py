@@ -8,22 +8,31 @@ read offline (``local_files_only``; nothing is downloaded), safetensors first, p
 through ``weights_only=True``, no remote code. The data must be binarised in the teacher's
 vocabulary (``fairseq-kd-hf-data``), whose dictionaries are checked symbol for symbol here.
 
+Vocabularies: one :class:`.hf_vocabulary.VocabularyMap` per side (:func:`vocabulary_maps`). Most
+tokenizers have one vocabulary, so both sides are the same map and ``dict.SRC.txt`` equals
+``dict.TGT.txt``. A Marian model with separate source and target vocabularies (tokenizer
+``separate_vocabs=True``: ``vocab.json`` and ``target_vocab.json``; model
+``share_encoder_decoder_embeddings=False``, encoder embeddings over the source vocabulary, decoder
+embeddings and logits over the target one, ``pad``/``eos``/``decoder_start`` ids of the target
+side) has two maps: the source map reads the encoder's input and ``dict.SRC.txt``; the target map
+the decoder's input, the logits and ``dict.TGT.txt``.
+
 :class:`HuggingFaceTeacherModel` speaks fairseq's model interface, so the criterions see the same
 ``(logits, extra)`` as from a fairseq teacher, over the data's dictionary:
 
 * source: fairseq's ``src_tokens`` (left-padded by default) are re-padded on the right and mapped
-  to Hugging Face ids, with the attention mask of the real tokens (Marian's positions count from
-  the first slot, so left padding would shift them);
+  to Hugging Face ids by the source map (``source_vocabulary``), with the attention mask of the
+  real tokens (Marian's positions count from the first slot, so left padding would shift them);
 * target: fairseq's ``prev_output_tokens`` is ``</s>`` followed by the target; its first column
   becomes the model's ``decoder_start_token_id`` (Marian: ``<pad>``; M2M100/NLLB: ``</s>``), the
-  rest is mapped id for id. M2M100/NLLB's target language tag is the first token of every target
-  sentence in the binarised data (as Hugging Face's ``text_target`` tokenisation puts it in the
-  labels), so the decoder reads ``</s> __en__ ...`` exactly as in Hugging Face training and the
-  student learns to emit the tag first;
-* logits: an ``index_select`` of the model's logits by :class:`.hf_vocabulary.VocabularyMap`
-  (one fixed index in each direction). A fairseq symbol the teacher lacks (Marian's ``<s>``) gets a
-  logit 10,000 below the position's lowest, probability exactly 0 in float32 at any temperature the
-  loss uses, without the NaN that ``-inf`` gives in ``0 * log 0``.
+  rest is mapped id for id by the target map (``vocabulary``). M2M100/NLLB's target language tag
+  is the first token of every target sentence in the binarised data (as Hugging Face's
+  ``text_target`` tokenisation puts it in the labels), so the decoder reads ``</s> __en__ ...``
+  exactly as in Hugging Face training and the student learns to emit the tag first;
+* logits: an ``index_select`` of the model's logits by the target map (one fixed index in each
+  direction). A fairseq symbol the teacher lacks (Marian's ``<s>``) gets a logit 10,000 below the
+  position's lowest, probability exactly 0 in float32 at any temperature the loss uses, without
+  the NaN that ``-inf`` gives in ``0 * log 0``.
 
 Features (:class:`HuggingFaceFeatureCapture`, the capture contract of
 :mod:`.feature_capture`): a model whose encoder and decoder have fairseq's layer layout
@@ -49,8 +58,9 @@ gives every feature method what a fairseq teacher gives, in the student's batch 
 
 Output-only methods ask for nothing and pay nothing: no attention weights or hidden states are
 requested from the model then. The teacher cache (``fairseq-kd-teacher-cache``) runs this
-adapter's forward pass as it runs a fairseq teacher's. Not yet supported with such a teacher:
-sequence-level KD.
+adapter's forward pass as it runs a fairseq teacher's; sequence-level KD and test-set decoding
+(``fairseq-kd-seqkd``, ``fairseq-kd-translate``) run the model's own ``generate`` through
+:mod:`fairseq_kd.deploy.hf_engine`, with this adapter's source and target maps.
 """
 from __future__ import annotations
 
@@ -75,7 +85,7 @@ from .feature_capture import (
     CaptureRequest,
     NotATransformerError,
 )
-from .hf_vocabulary import NO_ID, VocabularyError, VocabularyMap
+from .hf_vocabulary import NO_ID, VocabularyError, VocabularyMap, tokenizer_maps
 from .shape import TransformerShape
 from .teacher import FLAG, HF_CONFIG_FILE as CONFIG_FILE, FrozenTeacher, TeacherCheckpointError
 
@@ -204,46 +214,62 @@ def unsafe_weights_problem(folder) -> str:
             "code, so it was not loaded (weights_only=True). Save the model as safetensors with save_pretrained.")
 
 
-def vocabulary_map(folder, tokenizer, config: dict) -> VocabularyMap:
-    """The tokenizer's :class:`VocabularyMap`, refusing a vocabulary fairseq cannot hold."""
-    if getattr(tokenizer, "separate_vocabs", False):
-        raise refuse(folder, "a Marian model with separate source and target vocabularies is not yet "
-                     "supported as a teacher")
+def vocabulary_maps(folder, tokenizer, config: dict) -> Tuple[VocabularyMap, VocabularyMap]:
+    """``(source, target)``: the tokenizer's :class:`VocabularyMap` of each side, one object twice
+    when it has one vocabulary (:func:`.hf_vocabulary.tokenizer_maps`), refusing a vocabulary fairseq
+    cannot hold."""
     try:
-        return VocabularyMap.from_tokenizer(tokenizer, int(config.get("vocab_size") or 0))
+        return tokenizer_maps(tokenizer, int(config.get("vocab_size") or 0))
     except VocabularyError as err:
         raise refuse(folder, f"its tokenizer's vocabulary cannot be a fairseq dictionary: {err}") from None
+
+
+def vocabulary_map(folder, tokenizer, config: dict) -> VocabularyMap:
+    """The target side's :class:`VocabularyMap` (the only one when the vocabulary is shared): the
+    map of the logits and of target ids; :func:`vocabulary_maps` gives both sides."""
+    return vocabulary_maps(folder, tokenizer, config)[1]
 
 
 # ------------------------------------------------------------------------------- the adapter
 class HuggingFaceTeacherModel(nn.Module):
     """fairseq's model interface over a Hugging Face seq2seq LM (see the module docstring):
     ``forward(src_tokens, src_lengths, prev_output_tokens)`` gives ``(logits, {})`` with logits over
-    the fairseq dictionary of ``vocabulary``. :meth:`feature_capture` is what
+    the fairseq dictionary of ``vocabulary``, the target side's map (decoder inputs, logits, target
+    ids); ``source_vocabulary`` is the source side's (encoder inputs), the same object when the
+    tokenizer has one vocabulary. :meth:`feature_capture` is what
     :class:`.feature_capture.FeatureCapture` uses for it."""
 
-    def __init__(self, hf_model: nn.Module, vocabulary: VocabularyMap, fairseq_pad: int = 1):
+    def __init__(self, hf_model: nn.Module, vocabulary: VocabularyMap, fairseq_pad: int = 1,
+                 source_vocabulary: Optional[VocabularyMap] = None):
         super().__init__()
         self.hf_model = hf_model
         self.vocabulary = vocabulary
+        self.source_vocabulary = vocabulary if source_vocabulary is None else source_vocabulary
         self.fairseq_pad = fairseq_pad
         self.decoder_start_token_id = hf_model.config.decoder_start_token_id
         hf_of_fairseq, _ = vocabulary.tensors()
+        source_hf_of_fairseq, _ = self.source_vocabulary.tensors()
         self.register_buffer("hf_of_fairseq", hf_of_fairseq, persistent=False)
+        self.register_buffer("source_hf_of_fairseq", source_hf_of_fairseq, persistent=False)
         self.register_buffer("logit_index", hf_of_fairseq.clamp_min(0), persistent=False)
         self.register_buffer("lacks_symbol", hf_of_fairseq.eq(NO_ID), persistent=False)
         self.has_missing_symbols = bool(self.lacks_symbol.any())
+        self.source_has_missing_symbols = bool(source_hf_of_fairseq.eq(NO_ID).any())
         self.hf_pad = int(hf_of_fairseq[fairseq_pad])
+        self.hf_source_pad = int(source_hf_of_fairseq[fairseq_pad])
         self.active_capture: Optional["HuggingFaceFeatureCapture"] = None
 
     def max_positions(self) -> Tuple[Optional[int], Optional[int]]:
         limit = getattr(self.hf_model.config, "max_position_embeddings", None)
         return limit, limit
 
-    def to_hf_ids(self, fairseq_tokens: torch.Tensor) -> torch.Tensor:
-        """fairseq indices -> Hugging Face ids; refuses a symbol the teacher lacks."""
-        hf_ids = self.hf_of_fairseq[fairseq_tokens]
-        if self.has_missing_symbols and bool(hf_ids.eq(NO_ID).any()):
+    def to_hf_ids(self, fairseq_tokens: torch.Tensor, source: bool = False) -> torch.Tensor:
+        """fairseq indices -> Hugging Face ids of the target side (``source``: of the source side);
+        refuses a symbol the teacher lacks."""
+        table, missing = ((self.source_hf_of_fairseq, self.source_has_missing_symbols) if source
+                          else (self.hf_of_fairseq, self.has_missing_symbols))
+        hf_ids = table[fairseq_tokens]
+        if missing and bool(hf_ids.eq(NO_ID).any()):
             raise ValueError("the batch holds a symbol the teacher's vocabulary lacks (fairseq's <s>: "
                              "do not use --prepend-bos with a Hugging Face teacher)")
         return hf_ids
@@ -256,15 +282,16 @@ class HuggingFaceTeacherModel(nn.Module):
 
     def encoder_inputs(self, src_tokens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``input_ids`` right-padded and ``attention_mask`` from fairseq's (left- or right-padded)
-        source (see :meth:`source_order`)."""
+        source (see :meth:`source_order`), mapped by ``source_vocabulary``."""
         order = self.source_order(src_tokens)
         tokens = src_tokens.gather(1, order)
         real = tokens.ne(self.fairseq_pad)
-        input_ids = self.to_hf_ids(tokens).masked_fill(~real, self.hf_pad)
+        input_ids = self.to_hf_ids(tokens, source=True).masked_fill(~real, self.hf_source_pad)
         return input_ids, real.long()
 
     def decoder_inputs(self, prev_output_tokens: torch.Tensor) -> torch.Tensor:
-        """``decoder_input_ids``: the model's start token, then the target shifted as fairseq's."""
+        """``decoder_input_ids``: the model's start token, then the target shifted as fairseq's,
+        mapped by ``vocabulary`` (the target side's)."""
         decoder_input_ids = self.to_hf_ids(prev_output_tokens)
         decoder_input_ids[:, 0] = self.decoder_start_token_id
         return decoder_input_ids
@@ -527,16 +554,20 @@ class HuggingFaceTeacher(FrozenTeacher):
                          "holds its own vocabulary: drop --teacher-data")
         config = read_config(path)
         cls_of_model = model_class(import_transformers(), path, config["model_type"])
-        vocabulary = vocabulary_map(path, load_tokenizer(path), config)
-        check_data_dictionaries(path, vocabulary, task.source_dictionary, task.target_dictionary)
+        source_vocabulary, vocabulary = vocabulary_maps(path, load_tokenizer(path), config)
+        check_data_dictionaries(path, vocabulary, task.source_dictionary, task.target_dictionary,
+                                source_vocabulary=source_vocabulary)
         if getattr(task_cfg, "left_pad_target", False):
             raise refuse(path, "--left-pad-target is not supported with a Hugging Face teacher (its "
                          "decoder positions count from the first slot); drop it")
         model = load_model(path, cls_of_model)
-        check_model_fits(path, model, vocabulary)
+        check_model_fits(path, model, vocabulary, source_vocabulary=source_vocabulary)
+        symbols = (f"{len(vocabulary)} symbols" if source_vocabulary is vocabulary else
+                   f"{len(source_vocabulary)} source and {len(vocabulary)} target symbols")
         logger.info(f"{FLAG} {path}: Hugging Face {model.config.model_type} teacher, "
-                    f"{len(vocabulary)} symbols, dictionaries compared symbol for symbol")
-        return cls(HuggingFaceTeacherModel(model, vocabulary, task.target_dictionary.pad()), path, sha256)
+                    f"{symbols}, dictionaries compared symbol for symbol")
+        return cls(HuggingFaceTeacherModel(model, vocabulary, task.target_dictionary.pad(),
+                                           source_vocabulary=source_vocabulary), path, sha256)
 
     @property
     def sha256(self) -> Optional[str]:
@@ -547,21 +578,40 @@ class HuggingFaceTeacher(FrozenTeacher):
     # forward: FrozenTeacher's; its FeatureCapture delegates to HuggingFaceTeacherModel.feature_capture
 
 
-def check_model_fits(path, model, vocabulary: VocabularyMap) -> None:
-    """The model starts its decoder somewhere and has a logit for every token of its tokenizer."""
+def check_model_fits(path, model, vocabulary: VocabularyMap,
+                     source_vocabulary: Optional[VocabularyMap] = None) -> None:
+    """The model starts its decoder somewhere, has a logit for every token of its target vocabulary
+    (``vocabulary``) and an encoder input embedding for every token of its source vocabulary
+    (``source_vocabulary``; ``vocabulary`` when None: one vocabulary for both sides)."""
+    source_vocabulary = vocabulary if source_vocabulary is None else source_vocabulary
+    separate = source_vocabulary is not vocabulary
     if model.config.decoder_start_token_id is None:
         raise refuse(path, f"{CONFIG_FILE} sets no decoder_start_token_id, so the decoder's first input is unknown")
     rows = model.get_output_embeddings().weight.size(0)
     if rows < vocabulary.hf_vocab_size:
-        raise refuse(path, f"the model has {rows} output logits but its tokenizer {vocabulary.hf_vocab_size} "
-                     "tokens; the model and tokenizer do not belong together")
+        raise refuse(path, f"the model has {rows} output logits but its tokenizer"
+                     f"{' target vocabulary' if separate else ''} {vocabulary.hf_vocab_size} tokens; the model "
+                     "and tokenizer do not belong together")
+    try:  # the encoder's (Marian with separate vocabularies: not the decoder's)
+        rows = model.get_input_embeddings().weight.size(0)
+    except (AttributeError, NotImplementedError):  # a model that does not say: its forward pass will
+        return
+    if rows < source_vocabulary.hf_vocab_size:
+        raise refuse(path, f"the model's encoder has {rows} input embeddings but its tokenizer"
+                     f"{' source vocabulary' if separate else ''} {source_vocabulary.hf_vocab_size} tokens; the "
+                     "model and tokenizer do not belong together")
 
 
-def check_data_dictionaries(path, vocabulary: VocabularyMap, source_dictionary, target_dictionary) -> None:
-    """The data's dictionaries must be the teacher's vocabulary, index for index."""
-    for side, dictionary in (("source", source_dictionary), ("target", target_dictionary)):
-        problem = vocabulary.mismatch(dictionary.symbols)
+def check_data_dictionaries(path, vocabulary: VocabularyMap, source_dictionary, target_dictionary,
+                            source_vocabulary: Optional[VocabularyMap] = None) -> None:
+    """The data's dictionaries must be the teacher's vocabularies, index for index: the target
+    dictionary ``vocabulary``, the source dictionary ``source_vocabulary`` (``vocabulary`` when None:
+    one vocabulary for both sides)."""
+    source_vocabulary = vocabulary if source_vocabulary is None else source_vocabulary
+    separate = source_vocabulary is not vocabulary
+    for side, dictionary, side_vocabulary in (("source", source_dictionary, source_vocabulary),
+                                              ("target", target_dictionary, vocabulary)):
+        problem = side_vocabulary.mismatch(dictionary.symbols)
         if problem is not None:
-            raise refuse(path, f"the data's {side} dictionary is not the teacher's vocabulary ({problem}); "
-                         "binarise the data with fairseq-kd-hf-data --teacher "
-                         f"{path}")
+            raise refuse(path, f"the data's {side} dictionary is not the teacher's {f'{side} ' if separate else ''}"
+                         f"vocabulary ({problem}); binarise the data with fairseq-kd-hf-data --teacher {path}")

@@ -14,7 +14,15 @@ pieces). The mapping, the same in both directions and for every split:
   the tokenizer's tokens (NLLB's spare rows) have no fairseq index: the teacher's distribution is
   read over the tokens the data can hold.
 
-Hugging Face ids -> fairseq ids -> Hugging Face ids is the identity on the tokenizer's vocabulary.
+Most tokenizers have one vocabulary for both sides: one mapping serves the source and the target
+(:func:`tokenizer_maps` returns the same object twice). A Marian tokenizer with
+``separate_vocabs=True`` has two (``vocab.json`` for the source, ``target_vocab.json`` for the
+target, of different sizes and ids): one mapping per side, built by the same rules from that side's
+vocabulary, each special found by its string in that side's vocabulary (the tokenizer's own
+``<role>_token_id`` are source ids). The source mapping serves the encoder's input; the target
+mapping the decoder's input, the logits and everything else on the target side.
+
+Hugging Face ids -> fairseq ids -> Hugging Face ids is the identity on each side's vocabulary.
 Imports neither transformers nor sentencepiece: it works on the vocabulary as a ``token -> id`` dict.
 """
 from __future__ import annotations
@@ -30,6 +38,8 @@ FAIRSEQ_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
 SPECIAL_ROLES = ("bos", "pad", "eos", "unk")
 #: the roles a teacher's tokenizer must have (fairseq pads, ends every sentence and maps unknowns)
 REQUIRED_ROLES = ("pad", "eos", "unk")
+#: each side's vocabulary file of a Marian tokenizer with ``separate_vocabs=True`` (named in refusals)
+SEPARATE_VOCABULARY_FILES = {"source": "vocab.json", "target": "target_vocab.json"}
 #: "this fairseq index has no Hugging Face token"
 NO_ID = -1
 
@@ -77,6 +87,20 @@ class VocabularyMap:
             if token is not None and token not in vocabulary and tokenizer.convert_tokens_to_ids(token) == hf_id:
                 vocabulary[token] = hf_id
         special_ids = {role: getattr(tokenizer, f"{role}_token_id", None) for role in SPECIAL_ROLES}
+        return cls.from_vocabulary(vocabulary, special_ids)
+
+    @classmethod
+    def from_side(cls, vocabulary: Mapping[str, int], tokenizer) -> "VocabularyMap":
+        """The mapping of one side's ``vocabulary`` (token -> id) of a tokenizer with a vocabulary
+        per side: each special is the id of the tokenizer's ``<role>_token`` string in
+        ``vocabulary``, not the tokenizer's ``<role>_token_id`` (a source id)."""
+        special_ids = {}
+        for role in SPECIAL_ROLES:
+            token = getattr(tokenizer, f"{role}_token", None)
+            special_ids[role] = None if token is None else vocabulary.get(str(token))
+            if role in REQUIRED_ROLES and special_ids[role] is None:
+                raise VocabularyError(f"it has no {role} token{f' {str(token)!r}' if token is not None else ''}; "
+                                      "fairseq needs one")
         return cls.from_vocabulary(vocabulary, special_ids)
 
     def __len__(self) -> int:
@@ -132,6 +156,30 @@ class VocabularyMap:
                      min(len(symbols), len(self)))
         return (f"{len(symbols)} symbols vs the teacher's {len(self)}, first difference at index {first}"
                 f" ({_symbol_at(symbols, first)!r} vs {_symbol_at(self.fairseq_symbols, first)!r})")
+
+
+def tokenizer_maps(tokenizer, model_vocab_size: int = 0) -> Tuple[VocabularyMap, VocabularyMap]:
+    """``(source, target)``: the mappings of a tokenizer's source and target vocabularies. One
+    object twice when the tokenizer has one vocabulary (:meth:`VocabularyMap.from_tokenizer`, with
+    ``model_vocab_size``, the model's rows); two for a Marian tokenizer with
+    ``separate_vocabs=True``: its source vocabulary (``get_src_vocab()``, ``vocab.json``) and its
+    target vocabulary (``target_encoder``, ``target_vocab.json``: transformers 5's
+    ``get_tgt_vocab()`` fails on the tokenizer's added specials), each read by
+    :meth:`VocabularyMap.from_side`."""
+    if not getattr(tokenizer, "separate_vocabs", False):
+        shared = VocabularyMap.from_tokenizer(tokenizer, model_vocab_size)
+        return shared, shared
+    target = getattr(tokenizer, "target_encoder", None)
+    if not isinstance(target, Mapping):
+        raise VocabularyError("the tokenizer has separate vocabularies but no target vocabulary (target_encoder)")
+    source = {token: hf_id for token, hf_id in tokenizer.get_src_vocab().items() if isinstance(token, str)}
+    maps = []
+    for side, vocabulary in (("source", source), ("target", dict(target))):
+        try:
+            maps.append(VocabularyMap.from_side(vocabulary, tokenizer))
+        except VocabularyError as err:
+            raise VocabularyError(f"the {side} vocabulary ({SEPARATE_VOCABULARY_FILES[side]}): {err}") from None
+    return maps[0], maps[1]
 
 
 def _symbol_at(symbols: Sequence[str], index: int) -> Optional[str]:
