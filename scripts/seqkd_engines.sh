@@ -2,6 +2,8 @@
 # Sequence-level KD through both decoding engines, on the same data, teacher, beam and machine:
 #   fairseq-kd-seqkd --engine fairseq      (fairseq's SequenceGenerator)
 #   fairseq-kd-seqkd --engine ctranslate2  (the teacher converted to CTranslate2, float32)
+#   fairseq-kd-seqkd --engine transformers (with SEQKD_HF_TEACHER=DIR: the same teacher as a Hugging
+#                                           Face folder, fairseq-kd-export --format hf, decoded by generate)
 # then one student trained on each engine's output with the same settings, both decoded with
 # stock fairseq-generate, and a report: BLEU with 95% intervals and the paired tests of the
 # CTranslate2-data student against the fairseq-data student (they should match within noise), the
@@ -22,6 +24,9 @@ DATA="${SEQKD_DATA:-$DEMO/data-bin}"
 TEACHER="${SEQKD_TEACHER:-$DEMO/checkpoints/teacher/checkpoint_best.pt}"
 OUT="$(mkdir -p "${SEQKD_OUT:-$DEMO/seqkd_engines}" && cd "${SEQKD_OUT:-$DEMO/seqkd_engines}" && pwd)"
 THREADS="${SEQKD_THREADS:-2}"
+HF_TEACHER="${SEQKD_HF_TEACHER:-}"
+ENGINES=(fairseq ctranslate2)
+[[ -n "$HF_TEACHER" ]] && ENGINES+=(transformers)
 SPLIT="${SEQKD_SPLIT:-train}"
 MAX_LEN="${MAX_LEN:-200}"
 TRAIN_STUDENTS="${SEQKD_TRAIN_STUDENTS:-$([[ -z "${SEQKD_DATA:-}" ]] && echo 1 || echo 0)}"
@@ -30,13 +35,14 @@ export PYTHONWARNINGS=ignore ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 ONEDNN_MAX_C
 [[ -d "$DATA" ]] || { echo "no data folder $DATA: run scripts/demo.sh first, or set SEQKD_DATA" >&2; exit 2; }
 [[ -f "$TEACHER" ]] || { echo "no teacher checkpoint $TEACHER: run scripts/demo.sh first, or set SEQKD_TEACHER" >&2; exit 2; }
 
-for engine in fairseq ctranslate2; do
+for engine in "${ENGINES[@]}"; do
     if [[ ! -f "$OUT/$engine.log" ]] || ! grep -q "sentences/s" "$OUT/$engine.log"; then
         echo "== decoding the $SPLIT split with --engine $engine ($THREADS threads, beam 5)"
-        extra=()
+        extra=() teacher="$TEACHER"
         [[ "$engine" == ctranslate2 ]] && extra=(--ct2-quantization float32 --threads "$THREADS")
+        [[ "$engine" == transformers ]] && teacher="$HF_TEACHER"
         OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS "$BIN/fairseq-kd-seqkd" --data "$DATA" \
-            --teacher-checkpoint "$TEACHER" --output "$OUT/data-$engine" --split "$SPLIT" --beam 5 \
+            --teacher-checkpoint "$teacher" --output "$OUT/data-$engine" --split "$SPLIT" --beam 5 \
             --max-tokens 8192 --max-len-a 0 --max-len-b "$MAX_LEN" --cpu --engine "$engine" "${extra[@]}" \
             >"$OUT/$engine.log.tmp" 2>&1
         mv "$OUT/$engine.log.tmp" "$OUT/$engine.log"
@@ -77,18 +83,21 @@ if [[ "$TRAIN_STUDENTS" == 1 ]]; then
         2> >(grep -v -e "tokenized period" -e "forgot to detokenize" -e "suppress this message" >&2)
 fi
 
-"$PY" - "$OUT" "$SPLIT" <<'PYEOF'
-# How many training targets the two engines decoded identically (the binarised target files)
+"$PY" - "$OUT" "$SPLIT" "${ENGINES[@]}" <<'PYEOF'
+# How many training targets each engine decoded as the fairseq engine did (the binarised target files)
 import sys
 from pathlib import Path
 from fairseq.data import data_utils
-out, split = Path(sys.argv[1]), sys.argv[2]
+out, split, engines = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 datasets = {}
-for engine in ("fairseq", "ctranslate2"):
+for engine in engines:
     folder = out / f"data-{engine}"
     src, tgt = data_utils.infer_language_pair(str(folder))
     datasets[engine] = data_utils.load_indexed_dataset(str(folder / f"{split}.{src}-{tgt}.{tgt}"), None)
-a, b = datasets["fairseq"], datasets["ctranslate2"]
-same = sum(a[i].tolist() == b[i].tolist() for i in range(len(a)))
-print(f"identical teacher outputs: {same} of {len(a)} sentences ({100 * same / len(a):.2f}%)")
+a = datasets["fairseq"]
+for engine in engines[1:]:
+    b = datasets[engine]
+    same = sum(a[i].tolist() == b[i].tolist() for i in range(len(a)))
+    print(f"{engine}: teacher outputs identical to the fairseq engine's: {same} of {len(a)} sentences "
+          f"({100 * same / len(a):.2f}%)")
 PYEOF

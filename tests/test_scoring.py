@@ -407,6 +407,33 @@ def test_translated_count_and_duplicated_runs_are_refused(tmp_path):
         read_generate_output(path)
 
 
+def test_detok_hf_without_transformers_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):
+    """Scoring runs where only sacreBLEU is installed; --detok-hf then says how to install what it
+    needs, in one line. (Its decoding is checked against the tokenizers' own in
+    tests/test_recipe_hf_teacher.py.)"""
+    from fairseq_kd.cli import score
+    from fairseq_kd.scoring.detok import load_hf_tokenizer
+
+    output, references, model = tmp_path / "gen.out", tmp_path / "ref.txt", tmp_path / "teacher"
+    output.write_text(GENERATE_OUTPUT, encoding="utf-8")
+    references.write_text("".join(f"ref {i}\n" for i in range(11)), encoding="utf-8")
+    model.mkdir()
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers: ImportError
+    load_hf_tokenizer.cache_clear()
+    with pytest.raises(SystemExit) as exit_:
+        score.cli_main(["--generate-output", str(output), "--detok-hf", str(model), "--ref", str(references),
+                        "--ref-is-plain"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "--detok-hf needs transformers: pip install 'fairseq-kd[hf]'" in error
+    # the tokenizer replaces BPE removal and Moses detokenisation; both at once is refused
+    with pytest.raises(ValueError, match="--detok-hf .* drop --remove-bpe and --detok-moses"):
+        detokenize_lines(["a b"], "sentencepiece", None, hf_folder=str(model))
+    with pytest.raises(SystemExit):
+        score.cli_main(["--generate-output", str(output), "--detok-hf", str(model), "--detok-moses", "en"])
+    assert "drop --remove-bpe and --detok-moses" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- import isolation
 
 

@@ -11,6 +11,9 @@ Examples::
     # plain files
     fairseq-kd-score --hyp hyp.bpe.txt --ref test.bpe.en --remove-bpe subword_nmt
 
+    # a model trained on data in a Hugging Face teacher's vocabulary (fairseq-kd-hf-data --teacher DIR)
+    fairseq-kd-score --generate-output gen.txt --detok-hf opus-mt-de-en/ --ref raw/test.en --ref-is-plain
+
 The JSON score record (format in ``fairseq_kd.scoring.report``) keeps the scored, detokenised text,
 so later runs and ``fairseq-kd-report`` run sacreBLEU's paired tests on exactly what was scored.
 """
@@ -64,6 +67,15 @@ def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
         "recipes that Moses-tokenised the text (IWSLT'14), never for SentencePiece recipes",
     )
     group.add_argument(
+        "--detok-hf",
+        metavar="DIR",
+        default=None,
+        help="the output's data was binarised in the vocabulary of the Hugging Face model in DIR "
+        "(fairseq-kd-hf-data --teacher DIR): its tokenizer turns the tokens into text (target side; "
+        "language tags and </s> dropped), instead of --remove-bpe and --detok-moses. Needs pip install "
+        "'fairseq-kd[hf]'",
+    )
+    group.add_argument(
         "--ref-is-plain",
         action="store_true",
         help="the --ref file is already plain detokenised text: apply --remove-bpe and "
@@ -111,9 +123,11 @@ def scoring_settings(args: argparse.Namespace) -> Tuple[TextProcessing, BleuSett
     if args.ref_is_plain and args.ref is None:
         raise ValueError("--ref-is-plain applies to --ref only; fairseq-generate T- lines are "
                          "processed like the hypotheses")
+    if args.detok_hf is not None and (args.remove_bpe != "none" or args.detok_moses):
+        raise ValueError("--detok-hf turns the model's tokens into text itself: drop --remove-bpe and --detok-moses")
     check_n_bootstrap(args.bootstrap)
     check_n_trials(args.ar_trials)
-    return (TextProcessing(remove_bpe=args.remove_bpe, moses_lang=args.detok_moses),
+    return (TextProcessing(remove_bpe=args.remove_bpe, moses_lang=args.detok_moses, hf_folder=args.detok_hf),
             BleuSettings(tokenize=args.tokenize, lowercase=args.lowercase))
 
 

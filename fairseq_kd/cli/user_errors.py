@@ -34,7 +34,7 @@ FILE, FOLDER, OUTPUT_FILE, OUTPUT_FOLDER = "file", "folder", "output file", "out
 USER_ERRORS = (ValueError, OSError)
 USER_RUNTIME_ERRORS = ("UnsafeCheckpointError",)
 # A missing optional dependency is the user's to install: the error names the fix.
-USER_IMPORT_ERRORS = ("CTranslate2MissingError", "FairseqMissingError")
+USER_IMPORT_ERRORS = ("CTranslate2MissingError", "FairseqMissingError", "HuggingFaceMissingError")
 
 
 class PathError(ValueError):

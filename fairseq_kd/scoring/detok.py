@@ -11,9 +11,14 @@ recipes of this project segment text in two ways, undone here in reverse order:
 2. Moses tokenisation (IWSLT'14 tokenises with the Moses tokenizer before BPE); undone by
    :func:`moses_detokenize` through sacremoses. SentencePiece recipes work on raw text and need no
    Moses step.
+
+Data binarised in a Hugging Face model's vocabulary (``fairseq-kd-hf-data --teacher DIR``) holds
+that model's own tokens instead; :class:`HuggingFaceDetokenizer` turns them back into text with the
+model's tokenizer, in place of both steps.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,14 +67,106 @@ def moses_detokenize(lines: Sequence[str], lang: str) -> List[str]:
     return [detokenizer.detokenize(line.split()) for line in lines]
 
 
+#: what ``--detok-hf`` needs beyond sacreBLEU (the ``hf`` extra: transformers and sentencepiece)
+HF_INSTALL_HINT = "pip install 'fairseq-kd[hf]'"
+#: fairseq's special symbols (dictionary indices 0-3) that stand for no text: in data binarised by
+#: fairseq-kd-hf-data they are the tokenizer's tokens of those roles (fairseq_kd/models/hf_vocabulary.py),
+#: which its decode skips
+FAIRSEQ_CONTROL_SYMBOLS = frozenset({"<s>", "<pad>", "</s>"})
+#: fairseq's <unk>, and fairseq-generate's escaped <unk> of its T- lines: the tokenizer's unknown token
+FAIRSEQ_UNKNOWN_SYMBOLS = frozenset({"<unk>", "<<unk>>"})
+
+
+class HuggingFaceMissingError(ImportError):
+    """``--detok-hf`` without transformers installed; the message names the fix."""
+
+
+@functools.lru_cache(maxsize=4)
+def load_hf_tokenizer(folder: str):
+    """The tokenizer of a ``save_pretrained`` folder, offline (nothing downloaded, no remote code),
+    loaded once per folder. transformers is imported here only: scoring without ``--detok-hf``
+    needs nothing beyond sacreBLEU."""
+    if not Path(folder).is_dir():
+        problem = "is a file, not a folder" if Path(folder).exists() else "no such folder"
+        raise FileNotFoundError(f"--detok-hf {folder!r}: {problem}; give the Hugging Face save_pretrained folder "
+                                "the data was binarised with (fairseq-kd-hf-data --teacher)")
+    try:
+        import transformers
+    except ImportError as error:
+        raise HuggingFaceMissingError(f"--detok-hf needs transformers: {HF_INSTALL_HINT} ({error})") from None
+    try:
+        return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    except Exception as error:  # noqa: BLE001 - any failure means: no usable tokenizer there
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        raise ValueError(f"--detok-hf {folder!r}: its tokenizer cannot be loaded offline ({type(error).__name__}: "
+                         f"{first_line}); give the save_pretrained folder the data was binarised with "
+                         "(fairseq-kd-hf-data --teacher)") from None
+
+
+class HuggingFaceDetokenizer:
+    """Text of lines of fairseq symbols (fairseq-generate's H-/D-/T- lines without ``--remove-bpe``)
+    of data binarised in a Hugging Face model's vocabulary (``fairseq-kd-hf-data --teacher DIR``),
+    as the model's own tokenizer decodes them. The pieces become the tokenizer's ids through its
+    ``convert_tokens_to_ids`` in its target mode, as ``tokenizer(text_target=...)`` encoded them (a
+    Marian tokenizer with separate vocabularies: the target vocabulary); fairseq's ``<unk>`` is the
+    tokenizer's unknown token, and its ``<s> <pad> </s>``, which the decode would skip, are left out,
+    and so is M2M100's language tag (``__en__``: transformers 5 counts M2M100's tags among no special
+    tokens, so its decode would keep them). Then ``decode(ids, skip_special_tokens=True)``, which
+    drops NLLB's language tag (a special token) and decodes a separate-vocabulary Marian target with
+    the target SentencePiece model. A piece the tokenizer does
+    not know is refused: the output was not decoded from data in this model's vocabulary."""
+
+    def __init__(self, folder) -> None:
+        self.folder = str(folder)
+        self.tokenizer = load_hf_tokenizer(self.folder)
+        self.language_tags = set((getattr(self.tokenizer, "lang_token_to_id", None) or {}).values())
+
+    def ids(self, line: str) -> List[int]:
+        """The tokenizer's ids of one line of fairseq symbols (call in target mode, :meth:`__call__`)."""
+        tokenizer, ids = self.tokenizer, []
+        for piece in line.split():
+            if piece in FAIRSEQ_CONTROL_SYMBOLS:
+                continue
+            if piece in FAIRSEQ_UNKNOWN_SYMBOLS:
+                piece = str(tokenizer.unk_token)
+            token_id = tokenizer.convert_tokens_to_ids(piece)
+            if token_id is None or (token_id == tokenizer.unk_token_id and piece != str(tokenizer.unk_token)):
+                raise ValueError(f"--detok-hf {self.folder!r}: {piece!r} is not a token of its tokenizer; was this "
+                                 f"output decoded from data binarised with fairseq-kd-hf-data --teacher {self.folder}?")
+            if token_id not in self.language_tags:
+                ids.append(token_id)
+        return ids
+
+    def __call__(self, lines: Sequence[str]) -> List[str]:
+        tokenizer = self.tokenizer
+        # The target side's vocabulary, as ``tokenizer(text_target=...)`` encoded it.
+        to_target, to_input = (getattr(tokenizer, name, None) for name in ("_switch_to_target_mode",
+                                                                             "_switch_to_input_mode"))
+        if to_target is not None:
+            to_target()
+        try:
+            ids = [self.ids(line) for line in lines]
+        finally:
+            if to_input is not None:
+                to_input()
+        return [tokenizer.decode(row, skip_special_tokens=True) for row in ids]
+
+
 def detokenize_lines(
-    lines: Sequence[str], remove_bpe_scheme: str = "none", moses_lang: Optional[str] = None
+    lines: Sequence[str], remove_bpe_scheme: str = "none", moses_lang: Optional[str] = None,
+    hf_folder: Optional[str] = None,
 ) -> List[str]:
-    """Apply :func:`remove_bpe` and then, if ``moses_lang`` is given, :func:`moses_detokenize`."""
+    """Apply :func:`remove_bpe` and then, if ``moses_lang`` is given, :func:`moses_detokenize`; or,
+    with ``hf_folder``, :class:`HuggingFaceDetokenizer` of that folder instead of both."""
     if remove_bpe_scheme not in BPE_SCHEMES:
         raise ValueError(
             f"unknown subword scheme {remove_bpe_scheme!r}; expected one of {', '.join(BPE_SCHEMES)}"
         )
+    if hf_folder is not None:
+        if remove_bpe_scheme != "none" or moses_lang:
+            raise ValueError("--detok-hf turns the model's tokens into text itself: drop --remove-bpe and "
+                             "--detok-moses")
+        return HuggingFaceDetokenizer(hf_folder)(lines)
     plain = [remove_bpe(line, remove_bpe_scheme) for line in lines]
     if moses_lang:
         plain = moses_detokenize(plain, moses_lang)

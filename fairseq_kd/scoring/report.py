@@ -58,12 +58,18 @@ class TextProcessing:
 
     remove_bpe: str = "none"
     moses_lang: Optional[str] = None
+    #: a Hugging Face model folder whose tokenizer decodes the text (data binarised in its
+    #: vocabulary by fairseq-kd-hf-data), instead of ``remove_bpe`` and ``moses_lang``
+    hf_folder: Optional[str] = None
 
     def apply(self, lines: Sequence[str]) -> List[str]:
-        return detokenize_lines(lines, self.remove_bpe, self.moses_lang)
+        return detokenize_lines(lines, self.remove_bpe, self.moses_lang, self.hf_folder)
 
     def to_dict(self) -> Dict:
-        return {"remove_bpe": self.remove_bpe, "detok_moses": self.moses_lang}
+        described = {"remove_bpe": self.remove_bpe, "detok_moses": self.moses_lang}
+        if self.hf_folder is not None:
+            described["detok_hf"] = self.hf_folder
+        return described
 
 
 def references_fingerprint(references: Sequence[str]) -> str:

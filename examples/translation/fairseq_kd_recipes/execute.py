@@ -14,8 +14,8 @@ the ``--update-freq`` that keeps the tokens per update) is not part of the setti
 be continued on another machine. Derived files (exports, decodings, scores, figures, the report)
 belong to the recipe's working folder and are rewritten when their inputs change.
 
-The light steps that run this project's own commands (export, score, plot, report) run inside
-the recipe's process, which saves a Python start-up per step; their output goes to the step's
+The light steps that run this project's own commands (export, score, plot, report, and the
+tokenisation of a Hugging Face teacher's data) run inside the recipe's process, which saves a Python start-up per step; their output goes to the step's
 log file all the same, the log lines of the libraries they call (fairseq's, sacreBLEU's INFO
 lines) included, which stay off the terminal. Training, decoding and preparation run as child
 processes.
@@ -55,10 +55,10 @@ TRAIN_RECORD_NAME = "recipe_train.json"
 #: version of recipe_train.json (records without one are format 1: sizes and modification times)
 TRAIN_RECORD_FORMAT = 2
 MANIFEST_FORMAT = 1
-#: this project's commands that run inside the recipe's process (light, CPU-only)
+#: this project's commands that run inside the recipe's process (CPU-only, no model run)
 IN_PROCESS_MODULES = frozenset({
     "fairseq_kd.cli.export_student", "fairseq_kd.cli.score", "fairseq_kd.cli.report",
-    "fairseq_kd.cli.plot",
+    "fairseq_kd.cli.plot", "fairseq_kd.cli.hf_data",
 })
 
 

@@ -4,7 +4,9 @@ A recipe is a list of steps, each one or more command lines of the project's ent
 fairseq's own (``fairseq-train``, ``fairseq-generate``)::
 
     prepare                  python -m fairseq_kd_recipes.prepare.scripts.<corpus> (unless --data is given)
-    train-teacher            fairseq-train --task translation, label-smoothed CE
+    hf-data                  fairseq-kd-hf-data: the prepared text in a Hugging Face teacher's vocabulary
+                             (--teacher DIR only; see :mod:`.hf_teacher`)
+    train-teacher            fairseq-train --task translation, label-smoothed CE (unless --teacher is given)
     export-, generate-, score-, curves-teacher
     seqkd-data               fairseq-kd-seqkd: the teacher's beam outputs (only for seq_kd)
     train-<method>           fairseq-train --task translation_kd --criterion <method's>
@@ -40,6 +42,7 @@ from fairseq_kd.fingerprint import write_json
 from .cluster import DEFAULT_PORT, Launch, resolve_launch
 from .execute import (MANIFEST_NAME, TRAIN_RECORD_NAME, CommandExecutor, RecipeError, check_checkpoint_folder,
                       console_script, python_module)
+from .hf_teacher import RAW_TEXT, HuggingFaceTeacher, method_problems, read_teacher
 from .methods import BASELINE, METHODS, TEACHER, Method, baseline_of
 from .pairs import BEAM, EVAL_BLEU_ARGS, LABEL_SMOOTHING, PAIRS, PairRecipe
 from .profiles import PROFILES, Profile
@@ -74,8 +77,12 @@ class RecipeOptions:
     train_args: Sequence[str] = ()
     workers: int = DEFAULT_PREPARE_WORKERS
     seed: int = 1
-    #: an already trained teacher checkpoint to distil from (no train-teacher step)
+    #: an already trained teacher to distil from (no train-teacher step): a fairseq checkpoint trained
+    #: on the corpus, or a Hugging Face save_pretrained folder (:mod:`.hf_teacher`)
     teacher: Optional[Path] = None
+    #: a multilingual Hugging Face teacher's codes of the pair's languages (fairseq-kd-hf-data's)
+    teacher_source_lang: Optional[str] = None
+    teacher_target_lang: Optional[str] = None
     #: the plan is printed or written as batch scripts, not run here: ``gpus`` names the GPUs of each
     #: node of the machines that will run it, which this one need not have
     print_only: bool = False
@@ -216,6 +223,27 @@ def check_prepared_data(pair: PairRecipe, data: Path) -> None:
                           f"{pair.prepare_script} in a checkout, or leave --data out)")
 
 
+def check_teacher(options: RecipeOptions, pair: PairRecipe) -> Optional[HuggingFaceTeacher]:
+    """``--teacher``: a fairseq checkpoint file, or a Hugging Face model folder (returned, checked
+    by :func:`.hf_teacher.read_teacher`), whose data the recipe binarises from the prepared text."""
+    teacher = options.teacher
+    codes = [flag for flag, code in (("--teacher-source-lang", options.teacher_source_lang),
+                                     ("--teacher-target-lang", options.teacher_target_lang)) if code is not None]
+    if teacher is None or teacher.is_file():
+        if codes:
+            raise RecipeError(f"{'/'.join(codes)} name a multilingual Hugging Face teacher's language codes: give "
+                              "its save_pretrained folder as --teacher DIR, or drop them")
+        return None
+    if not teacher.is_dir():
+        raise RecipeError(f"--teacher {teacher}: no such checkpoint file or Hugging Face model folder")
+    if options.data is not None:
+        # A prepared --dest keeps only the held-out references as text (raw/valid, raw/test).
+        raise RecipeError(f"--teacher {teacher} is a Hugging Face model folder, whose data the recipe binarises from "
+                          f"the untokenised text its preparation keeps (WORKDIR/{RAW_TEXT}); --data {options.data} "
+                          "holds no training text: leave --data out")
+    return read_teacher(teacher, pair.source, pair.target, options.teacher_source_lang, options.teacher_target_lang)
+
+
 def check_criterions(methods: Sequence[Method]) -> None:
     """Every criterion the methods use is registered with fairseq (the plugin imports them all)."""
     fairseq_kd.register()
@@ -256,18 +284,31 @@ class _Planner:
     """Builds the steps of one recipe run (pure: touches no file)."""
 
     def __init__(self, options: RecipeOptions, pair: PairRecipe, profile: Profile, launch: Launch,
-                 methods: list[Method], workdir: Path, executor: Callable[[Sequence[str], Path], None]):
+                 methods: list[Method], workdir: Path, executor: Callable[[Sequence[str], Path], None],
+                 hf_teacher: Optional[HuggingFaceTeacher] = None):
         self.options, self.pair, self.profile, self.launch = options, pair, profile, launch
         self.world_size = launch.world_size
         self.methods, self.workdir, self.execute = methods, workdir, executor
-        self.data = options.data.resolve() if options.data is not None else workdir / "data-bin"
+        self.hf_teacher = hf_teacher
+        #: the prepared corpus (its untouched references in raw/)
+        self.corpus = options.data.resolve() if options.data is not None else workdir / "data-bin"
+        #: what every model trains on and is decoded from: the corpus, or its text in a Hugging Face
+        #: teacher's vocabulary
+        self.data = workdir / "data-hf" if hf_teacher is not None else self.corpus
         self.seqkd_data = workdir / "data-seqkd"
         self.steps: list[RecipeStep] = []
-        self.scoring = ["--remove-bpe", pair.remove_bpe, "--tokenize", pair.sacrebleu_tokenize]
-        if pair.lowercased:
-            self.scoring += ["--lowercase"]
-        if pair.detok_moses:
-            self.scoring += ["--detok-moses", pair.detok_moses]
+        # The pair's own tokenised-BLEU table reads BPE-segmented, lowercased T- lines, which data
+        # in a Hugging Face teacher's vocabulary does not have.
+        self.tokenized_bleu = pair.tokenized_bleu and hf_teacher is None
+        if hf_teacher is not None:
+            # cased text, in the teacher's tokens: its tokenizer makes them text again
+            self.scoring = ["--detok-hf", str(hf_teacher.folder), "--tokenize", pair.sacrebleu_tokenize]
+        else:
+            self.scoring = ["--remove-bpe", pair.remove_bpe, "--tokenize", pair.sacrebleu_tokenize]
+            if pair.lowercased:
+                self.scoring += ["--lowercase"]
+            if pair.detok_moses:
+                self.scoring += ["--detok-moses", pair.detok_moses]
 
     # paths
     def save_dir(self, system: str) -> Path:
@@ -298,7 +339,13 @@ class _Planner:
 
     def test_reference(self) -> Path:
         """The untouched test references the preparation keeps (one line per test sentence)."""
-        return self.data / "raw" / f"test.{self.pair.target}"
+        return self.corpus / "raw" / f"test.{self.pair.target}"
+
+    def shipped_model(self, system: str) -> Path:
+        """What a system ships as: its exported checkpoint, or a Hugging Face teacher's folder."""
+        if system == TEACHER and self.hf_teacher is not None:
+            return self.hf_teacher.folder
+        return self.model(system)
 
     def log(self, step: str) -> Path:
         return self.workdir / "logs" / f"{step}.log"
@@ -320,6 +367,8 @@ class _Planner:
     def plan(self) -> list[RecipeStep]:
         if self.options.data is None:
             self.add_prepare()
+        if self.hf_teacher is not None:
+            self.add_hf_data()
         if self.options.teacher is None:
             self.add_teacher()
         self.add_evaluation(TEACHER, data=self.data)
@@ -342,14 +391,27 @@ class _Planner:
             args += self.pair.smoke_prepare_args
         args += self.options.prepare_args
         command = [*python_module(self.pair.prepare_module), *args,
-                   "--workdir", str(self.workdir / "prepare"), "--dest", str(self.data)]
+                   "--workdir", str(self.workdir / "prepare"), "--dest", str(self.corpus)]
         # Where the archives lie and how many processes work are no settings of the corpus:
         # changing them does not re-run the preparation.
         placement = ["--workers", str(self.options.workers)]
         if self.options.archives is not None:
             placement += ["--archives", str(self.options.archives.resolve())]
-        self.add("prepare", [(command, placement)], [], [self.data],
-                 description=f"prepare {self.pair.title} into {self.data}")
+        self.add("prepare", [(command, placement)], [], [self.corpus],
+                 description=f"prepare {self.pair.title} into {self.corpus}")
+
+    def add_hf_data(self) -> None:
+        """The prepared text (untokenised, cased: what the teacher's tokenizer reads) binarised in the
+        Hugging Face teacher's vocabulary. The preparation keeps it in its working folder."""
+        teacher, raw = self.hf_teacher, self.workdir / RAW_TEXT
+        source, target = self.pair.source, self.pair.target
+        command = [*python_module("fairseq_kd.cli.hf_data"), "--teacher", str(teacher.folder), "-s", source,
+                   "-t", target, "--trainpref", str(raw / "train"), "--validpref", str(raw / "valid"),
+                   "--testpref", str(raw / "test"), "--destdir", str(self.data), *teacher.language_flags(),
+                   "--overwrite"]
+        texts = [raw / f"{split}.{lang}" for split in ("train", "valid", "test") for lang in (source, target)]
+        self.add("hf-data", [(command, [])], [*texts, teacher.folder], [self.data],
+                 description=f"the prepared text in the vocabulary of the teacher {teacher.folder.name}")
 
     # training
     def training_values(self) -> dict[str, str]:
@@ -371,7 +433,9 @@ class _Planner:
         """How fairseq picks checkpoint_best.pt: never by a KD criterion's total loss, whose terms
         change weight per epoch (pairs.py), but by the references' nll or by BLEU."""
         flags = ["--patience", str(self.pair.patience)] if self.pair.patience else []
-        if self.pair.selection == "nll":
+        # fairseq's --eval-bleu undoes BPE or SentencePiece, not a Hugging Face tokenizer (its
+        # language tags, byte-level pieces): with such a teacher the references' nll selects.
+        if self.pair.selection == "nll" or self.hf_teacher is not None:
             return flags + ["--best-checkpoint-metric", "nll_loss"]
         remove_bpe = "@@ " if self.pair.remove_bpe == "subword_nmt" else self.pair.remove_bpe
         flags += ["--eval-bleu", "--eval-bleu-args", EVAL_BLEU_ARGS, "--eval-bleu-remove-bpe", remove_bpe]
@@ -423,6 +487,25 @@ class _Planner:
             return list(self.profile.architectures[role])
         return list(self.pair.teacher if role == TEACHER else self.pair.students[role])
 
+    def model_args(self) -> list[str]:
+        """The pair's model flags; on a Hugging Face teacher's data, sized to the sentences it reads."""
+        args = list(self.pair.model_args)
+        teacher = self.hf_teacher
+        if teacher is None:
+            return args
+        if teacher.separate_vocabularies and "--share-all-embeddings" in args:
+            # A Marian teacher with separate vocabularies: the data's source and target dictionaries
+            # differ, which fairseq's --share-all-embeddings refuses; the decoder's own input and
+            # output embeddings can still be one matrix.
+            args[args.index("--share-all-embeddings")] = "--share-decoder-input-output-embed"
+        if teacher.max_positions is not None and teacher.max_positions < DEFAULT_MAX_POSITIONS:
+            # The teacher reads no longer sentences (training refuses a task that lets them through):
+            # longer training pairs are skipped, and so are such validation pairs.
+            limit = str(teacher.max_positions)
+            args += ["--max-source-positions", limit, "--max-target-positions", limit,
+                     "--skip-invalid-size-inputs-valid-test"]
+        return args
+
     def train_command(self, system: str, data: Path, task_args: list[str], role: str,
                       criterion: str, criterion_args: Sequence[str]) -> list[str]:
         """fairseq-train's arguments, without the placement flags."""
@@ -430,7 +513,7 @@ class _Planner:
         return [
             *console_script("fairseq-train", "fairseq_cli.train"), str(data),
             "--user-dir", str(USER_DIR), *task_args,
-            *self.architecture(role), *self.pair.model_args,
+            *self.architecture(role), *self.model_args(),
             "--criterion", criterion, "--label-smoothing", LABEL_SMOOTHING, *criterion_args,
             *self.training_flags(), "--seed", str(self.options.seed),
             "--save-dir", str(save_dir), *self.checkpoint_flags(),
@@ -476,10 +559,15 @@ class _Planner:
         inputs = [data]
         if method.uses_teacher:
             task_args += ["--teacher-checkpoint", str(self.checkpoint(TEACHER))]
-            if self.options.teacher is not None:
+            if self.options.teacher is not None and self.hf_teacher is None:
                 # A teacher given with --teacher was trained on this data (--teacher's help): its
                 # dictionaries are the data's, wherever its own data folder was.
                 task_args += ["--teacher-data", str(self.data)]
+            inputs.append(self.checkpoint(TEACHER))
+        elif self.hf_teacher is not None:
+            # Its data is in the teacher's vocabulary: the students that never query the teacher are
+            # bound to it too, so checkpoints of a run with another teacher are refused before any
+            # step (the data folder itself is rewritten only by the hf-data step, later).
             inputs.append(self.checkpoint(TEACHER))
         if method.teacher_cache:
             task_args += ["--teacher-cache", str(self.teacher_cache)]
@@ -507,7 +595,7 @@ class _Planner:
         command = [*python_module("fairseq_kd.cli.teacher_cache"), "--data", str(self.data),
                    "--teacher-checkpoint", str(self.checkpoint(TEACHER)), "--output", str(self.teacher_cache),
                    "--k", str(TEACHER_CACHE_K)]
-        if self.options.teacher is not None:
+        if self.options.teacher is not None and self.hf_teacher is None:
             command += ["--teacher-data", str(self.data)]
         self.add("teacher-cache", [(command, placement)], [self.data, self.checkpoint(TEACHER)], [self.teacher_cache],
                  description=f"the teacher's top-{TEACHER_CACHE_K} log-probabilities of every training token",
@@ -519,6 +607,37 @@ class _Planner:
 
     # evaluation
     def add_evaluation(self, system: str, data: Path) -> None:
+        if system == TEACHER and self.hf_teacher is not None:
+            self.add_hf_teacher_decoding(data)
+        else:
+            self.add_decoding(system, data)
+        self.add_scoring(system)
+        log = self.checkpoint(system).parent / "train.log"
+        given_teacher = system == TEACHER and self.options.teacher is not None
+        if given_teacher and (self.hf_teacher is not None or not log.is_file()):
+            return  # a teacher trained elsewhere, without its fairseq log beside it: no curves
+        curves = self.workdir / "plots" / f"{system}-curves.png"
+        self.add(f"curves-{system}",
+                 [([*python_module("fairseq_kd.cli.plot"), "curves", "--log", str(log), "--output", str(curves),
+                    "--overwrite"], [])],
+                 [log], [curves], description="training curves of every loss term")
+
+    def add_hf_teacher_decoding(self, data: Path) -> None:
+        """A Hugging Face teacher decodes the test set with its own generate, under
+        fairseq-generate's rules and in its output format (H- lines of the data's symbols)."""
+        folder = self.hf_teacher.folder
+        command = [*python_module("fairseq_kd.cli.translate"), str(data), "--model", str(folder),
+                   "--gen-subset", "test", "--beam", str(self.beam()),
+                   *(["--lenpen", str(self.pair.lenpen)] if self.pair.lenpen != 1.0 else []),
+                   "--max-tokens", self.training_values()["--max-tokens"], *self.profile.generate_args,
+                   "--results-path", str(self.generate_output(TEACHER).parent), "--overwrite"]
+        placement = ["--device", "cuda", "--compute-type", "float16"] if self.profile.device == "cuda" else [
+            "--device", "cpu"]
+        self.add(f"generate-{TEACHER}", [(command, placement)], [data, folder], [self.generate_output(TEACHER)],
+                 description=f"decode the test set with the teacher's own generate, beam {self.beam()}"
+                 + (f", length penalty {self.pair.lenpen}" if self.pair.lenpen != 1.0 else ""))
+
+    def add_decoding(self, system: str, data: Path) -> None:
         model = self.model(system)
         self.add(f"export-{system}",
                  [([*python_module("fairseq_kd.cli.export_student"), str(self.checkpoint(system)), str(model),
@@ -540,6 +659,8 @@ class _Planner:
         self.add(f"generate-{system}", [(generate, placement)], [data, model], [self.generate_output(system)],
                  description=f"decode the test set, beam {self.beam()}"
                  + (f", length penalty {self.pair.lenpen}" if self.pair.lenpen != 1.0 else ""))
+
+    def add_scoring(self, system: str) -> None:
         self.add(f"score-{system}",
                  [([*python_module("fairseq_kd.cli.score"), "--generate-output", str(self.generate_output(system)),
                     "--system", system, *self.scoring, "--ref", str(self.test_reference()), "--ref-is-plain",
@@ -547,7 +668,7 @@ class _Planner:
                  [self.generate_output(system), self.test_reference()], [self.score(system)],
                  description="detokenised sacreBLEU with 95% CI against the untouched references, every "
                  "test sentence present")
-        if self.pair.tokenized_bleu:
+        if self.tokenized_bleu:
             self.add(f"score-tokenized-{system}",
                      [([*python_module("fairseq_kd.cli.score"), "--generate-output", str(self.generate_output(system)),
                         "--system", system, "--remove-bpe", self.pair.remove_bpe,
@@ -555,14 +676,6 @@ class _Planner:
                         "--output-json", str(self.score(system, tokenized=True)), "--overwrite"], [])],
                      [self.generate_output(system), self.test_reference()], [self.score(system, tokenized=True)],
                      description="the paper's BLEU: sacreBLEU on the tokenised, lowercased T- lines")
-        log = self.checkpoint(system).parent / "train.log"
-        if system == TEACHER and self.options.teacher is not None and not log.is_file():
-            return  # a teacher trained elsewhere, without its fairseq log beside it: no curves
-        curves = self.workdir / "plots" / f"{system}-curves.png"
-        self.add(f"curves-{system}",
-                 [([*python_module("fairseq_kd.cli.plot"), "curves", "--log", str(log), "--output", str(curves),
-                    "--overwrite"], [])],
-                 [log], [curves], description="training curves of every loss term")
 
     def add_figure(self, method: Method) -> None:
         if method.figure is None:
@@ -591,7 +704,7 @@ class _Planner:
 
     def add_systems(self) -> None:
         systems = [TEACHER] + [method.name for method in self.methods]
-        decodings = {system: SystemDecoding(self.model(system), self.generate_output(system),
+        decodings = {system: SystemDecoding(self.shipped_model(system), self.generate_output(system),
                                             self.log(f"generate-{system}")) for system in systems}
         sidecar = self.workdir / "report" / "systems.json"
         data, test_prefix = self.data, f"test.{self.pair.source}-{self.pair.target}.{self.pair.target}"
@@ -627,7 +740,7 @@ class _Planner:
     def add_report(self) -> None:
         for suffix, systems, baseline in self.report_groups():
             self.add_report_table(suffix, systems, baseline, tokenized=False)
-            if self.pair.tokenized_bleu:
+            if self.tokenized_bleu:
                 self.add_report_table(suffix, systems, baseline, tokenized=True)
 
     def add_report_table(self, suffix: str, systems: list[str], baseline: str, tokenized: bool) -> None:
@@ -645,8 +758,12 @@ class _Planner:
             scoring = ["--remove-bpe", self.pair.remove_bpe]
         else:
             title = (f"{self.pair.title}: detokenised sacreBLEU against the untouched test references "
-                     f"(raw/test.{self.pair.target})" + (", case-insensitive (the corpus is lowercased)"
-                                                         if self.pair.lowercased else ""))
+                     f"(raw/test.{self.pair.target})")
+            if self.hf_teacher is not None:
+                title += (f"; every model reads and writes the Hugging Face teacher {self.hf_teacher.folder.name}'s "
+                          "tokens (cased text), made text by its tokenizer")
+            elif self.pair.lowercased:
+                title += ", case-insensitive (the corpus is lowercased)"
             scoring = self.scoring
         if suffix:
             title += f"; students of the {baseline} shape against {baseline}"
@@ -662,6 +779,8 @@ class _Planner:
 
 #: log-probabilities per token in a recipe's teacher cache (the top 8, as Tan et al. 2019)
 TEACHER_CACHE_K = 8
+#: fairseq's translation task's default --max-source-positions / --max-target-positions
+DEFAULT_MAX_POSITIONS = 1024
 
 
 def batch_split(tokens_per_update: int, max_tokens: int, world_size: int) -> tuple[int, int]:
@@ -714,18 +833,24 @@ def build_plan(options: RecipeOptions, executor: Optional[Callable[[Sequence[str
         raise RecipeError(f"--max-update must be >= 1, got {options.max_update}")
     if options.workers < 1:
         raise RecipeError(f"--workers must be >= 1, got {options.workers}")
+    hf_teacher = check_teacher(options, pair)
     if options.data is not None:
         if options.archives is not None:
             raise RecipeError("--data uses an already prepared corpus: --archives would not be read; give one of them")
         check_prepared_data(pair, options.data)
     check_archives(pair, options.archives)
     check_criterions(methods)
-    if options.teacher is not None and not options.teacher.is_file():
-        raise RecipeError(f"--teacher {options.teacher}: no such checkpoint file")
     workdir = (options.workdir or default_workdir(pair, profile)).resolve()
     check_workdir(workdir, pair, profile)
     execute = executor or CommandExecutor()
-    planner = _Planner(options, pair, profile, launch, methods, workdir, execute)
+    planner = _Planner(options, pair, profile, launch, methods, workdir, execute, hf_teacher)
+    if hf_teacher is not None:
+        problems = method_problems(hf_teacher, methods, {method.student: planner.architecture(method.student)
+                                                         for method in methods})
+        if problems:
+            raise RecipeError(f"--teacher {hf_teacher.folder}: {'; '.join(problems)}. Leave these methods out of "
+                              "--methods (the methods that read only the teacher's output distribution run with any "
+                              "Hugging Face teacher: word_kd, word_kd_cached, selective_kd, seq_kd)")
     steps = planner.plan()
     return RecipePlan(pair=pair, profile=profile, world_size=launch.world_size, launch=launch, methods=methods,
                       workdir=workdir, data=planner.data, steps=steps,

@@ -8,6 +8,7 @@ Examples::
     fairseq-kd-recipe wmt14_en_de --profile gpu --gpus 8 --methods no_kd,a2d_kd_8h
     fairseq-kd-recipe iwslt14_de_en --list-methods
     fairseq-kd-recipe iwslt14_de_en --dry-run                        # steps, their state, commands
+    fairseq-kd-recipe iwslt14_de_en --teacher opus-mt-de-en/ --methods no_kd,word_kd   # a Hugging Face teacher
     fairseq-kd-recipe wmt14_en_de --print-commands --gpus-per-node 8 --nodes 2    # on a login node
     fairseq-kd-recipe wmt14_en_de --sbatch slurm/ --gpus-per-node 8 --nodes 2     # SLURM batch scripts
 
@@ -92,9 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=DEFAULT_PREPARE_WORKERS, metavar="N",
                         help="worker processes of the preparation (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=1, help="seed of training and decoding (default: %(default)s)")
-    parser.add_argument("--teacher", type=Path, metavar="CKPT",
-                        help="distil from this already trained teacher checkpoint (trained on the same "
-                        "binarised --data) instead of training one; it is scored like a trained teacher")
+    parser.add_argument("--teacher", type=Path, metavar="CKPT|DIR",
+                        help="distil from this already trained teacher instead of training one; it is scored like "
+                        "a trained teacher. A fairseq checkpoint trained on the same binarised --data, or a Hugging "
+                        "Face save_pretrained folder (MarianMT, M2M100, NLLB; needs pip install 'fairseq-kd[hf]'): "
+                        "then the prepared text is binarised in its vocabulary (step hf-data), every student trains "
+                        "on that, and every system is scored after its tokenizer has decoded it")
+    parser.add_argument("--teacher-source-lang", metavar="CODE",
+                        help="a multilingual Hugging Face --teacher's code of the source language (M2M100: de; "
+                        "NLLB: deu_Latn; default: the pair's), for fairseq-kd-hf-data")
+    parser.add_argument("--teacher-target-lang", metavar="CODE",
+                        help="the same for the target language (M2M100: en; NLLB: eng_Latn)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the steps, whether each is done, and their command lines; run nothing")
     parser.add_argument("--print-commands", action="store_true",
@@ -136,7 +145,9 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         pair=args.pair, methods=args.methods, profile=args.profile, workdir=args.workdir,
         archives=args.archives, data=args.data, gpus=args.gpus, max_update=args.max_update,
         prepare_args=args.prepare_args, train_args=args.train_args, workers=args.workers, seed=args.seed,
-        teacher=args.teacher, nodes=args.nodes, launcher=args.launcher, master_port=args.master_port,
+        teacher=args.teacher, teacher_source_lang=args.teacher_source_lang,
+        teacher_target_lang=args.teacher_target_lang, nodes=args.nodes, launcher=args.launcher,
+        master_port=args.master_port,
         print_only=args.dry_run or args.print_commands or args.sbatch is not None,
     )
     # the recipe's own progress and that of the plugin's commands it runs in-process

@@ -50,7 +50,10 @@ def decoded_sentences(generate_output: Path) -> int:
 
 
 def count_parameters(checkpoint: Path, data: Path) -> int:
-    """Parameters of the model in ``checkpoint`` as stock fairseq builds it (shared weights once)."""
+    """Parameters of the model in ``checkpoint`` as stock fairseq builds it (shared weights once);
+    of a Hugging Face teacher's ``save_pretrained`` folder, as transformers builds it."""
+    if Path(checkpoint).is_dir():
+        return count_hf_parameters(Path(checkpoint))
     import fairseq_kd
 
     fairseq_kd.register()
@@ -58,6 +61,15 @@ def count_parameters(checkpoint: Path, data: Path) -> int:
 
     models, _ = checkpoint_utils.load_model_ensemble([str(checkpoint)], arg_overrides={"data": str(data)})
     return sum(parameter.numel() for parameter in models[0].parameters())
+
+
+def count_hf_parameters(folder: Path) -> int:
+    """Parameters of a ``save_pretrained`` folder's seq2seq model (tied weights once), read as the
+    teacher is read (offline, weights only)."""
+    from fairseq_kd.models.hf_teacher import import_transformers, load_model, model_class, read_config
+
+    model = load_model(folder, model_class(import_transformers(), folder, read_config(folder)["model_type"]))
+    return sum(parameter.numel() for parameter in model.parameters())
 
 
 def split_size(data: Path, prefix: str) -> int:

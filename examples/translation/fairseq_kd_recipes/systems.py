@@ -23,8 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fairseq_kd_recipes.systems", description=__doc__.split("\n\n")[0])
     parser.add_argument("--system", nargs=4, action="append", required=True,
                         metavar=("NAME", "MODEL", "GENERATE_OUTPUT", "LOG"),
-                        help="a system: its name, exported model, fairseq-generate output and the log of that "
-                        "decoding (repeat per system, in the report's order)")
+                        help="a system: its name, exported model (or a Hugging Face teacher's folder), "
+                        "fairseq-generate output and the log of that decoding (repeat per system, in the report's order)")
     parser.add_argument("--data", type=Path, required=True, metavar="DIR",
                         help="the binarised corpus the models were trained on (dictionaries, test split)")
     parser.add_argument("--test-prefix", required=True, metavar="PREFIX",
