@@ -93,6 +93,44 @@ def test_word_level_kd_in_chunks_equals_the_per_position_reference(rows, dtype, 
     assert value.item() == pytest.approx(reference.item(), rel=1e-5, abs=1e-5)
 
 
+@pytest.mark.parametrize("rows", CHUNKS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_topk_word_level_kd_in_chunks_equals_the_per_position_reference(rows, dtype, temperature):
+    """The cached teacher's word KD (its top-k log-probabilities, renormalised): value and gradient
+    of the chunked function against autograd through the loss written position by position."""
+    logits, target = batch(dtype, seed=3)
+    k = 4
+    values, ids = torch.log_softmax(3 * torch.randn(logits.shape), -1).topk(k, -1)
+    mask = target.ne(PAD)
+    student = logits.clone().requires_grad_()
+    (0.7 * losses.topk_word_level_kd(student, values, ids, mask, temperature, rows=rows)).backward()
+
+    reference_logits = logits.double().requires_grad_()
+    reference = 0.0
+    for b in range(mask.size(0)):
+        for t in range(mask.size(1)):
+            if mask[b, t]:
+                q = torch.softmax(values[b, t].double() / temperature, -1)
+                log_p = torch.log_softmax(reference_logits[b, t] / temperature, -1)[ids[b, t]]
+                reference = reference + temperature**2 * (q * (q.log() - log_p)).sum()
+    (0.7 * reference).backward()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert student.grad.dtype == dtype and (student.grad[~mask] == 0).all()
+    torch.testing.assert_close(student.grad.double(), reference_logits.grad, rtol=tolerance, atol=tolerance)
+    with torch.no_grad():
+        value = losses.topk_word_level_kd(student, values, ids, mask, temperature, rows=rows)
+    assert value.item() == pytest.approx(reference.item(), rel=1e-5, abs=1e-5)
+    # padded positions appended change nothing (but the order of the chunks' sums)
+    padded = torch.cat([logits, 50 * torch.randn(3, 2, logits.size(-1)).to(dtype)], dim=1)
+    padded_values = torch.cat([values, values[:, :2]], dim=1)
+    padded_ids = torch.cat([ids, ids[:, :2]], dim=1)
+    padded_mask = torch.cat([mask, torch.zeros(3, 2, dtype=torch.bool)], dim=1)
+    with torch.no_grad():
+        assert losses.topk_word_level_kd(padded, padded_values, padded_ids, padded_mask, temperature,
+                                         rows=rows).item() == pytest.approx(value.item(), rel=1e-6)
+
+
 def test_default_chunks_hold_a_bounded_number_of_entries():
     for device, budget in losses.CHUNK_ELEMENTS.items():
         assert losses.rows_per_chunk(32_000, positions=4096, device=device) * 32_000 <= budget

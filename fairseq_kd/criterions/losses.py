@@ -241,7 +241,7 @@ def _log_softmax_at(logits: Tensor, temperature: float) -> Tensor:
 
 def topk_word_level_kd(
     student_logits: Tensor, teacher_topk_logprobs: Tensor, teacher_topk_ids: Tensor, target_mask: Tensor,
-    temperature: float = 1.0,
+    temperature: float = 1.0, rows: Optional[int] = None,
 ) -> Tensor:
     """Word-level KD from a cached teacher (:mod:`fairseq_kd.teacher_pass.teacher_cache`):
     ``tau^2 * sum_t sum_i q_i (log q_i - log p_S^tau(id_i | t))``, where ``q`` is the softmax of the
@@ -250,12 +250,51 @@ def topk_word_level_kd(
     ``k`` token ids. When the teacher's mass lies within its top k this is :func:`word_level_kd`.
 
     teacher_topk_logprobs, teacher_topk_ids: ``(batch, tgt_len, k)``; the rest as
-    :func:`word_level_kd`. Computed in float32.
+    :func:`word_level_kd`. Computed in float32, in chunks of positions (``rows`` overrides, for
+    tests): the student's full-vocabulary log-probabilities exist one chunk at a time.
     """
-    student_lp = _log_softmax_at(student_logits, temperature).gather(-1, teacher_topk_ids)
-    teacher_lp = _log_softmax_at(teacher_topk_logprobs, temperature)
-    per_position = (teacher_lp.exp() * (teacher_lp - student_lp)).sum(-1)
-    return (temperature**2) * per_position.masked_select(target_mask).sum()
+    if teacher_topk_logprobs.requires_grad:  # stored values never do; a caller's own teacher might
+        student_lp = _log_softmax_at(student_logits, temperature).gather(-1, teacher_topk_ids)
+        teacher_lp = _log_softmax_at(teacher_topk_logprobs, temperature)
+        per_position = (teacher_lp.exp() * (teacher_lp - student_lp)).sum(-1)
+        return (temperature**2) * per_position.masked_select(target_mask).sum()
+    return _TopkWordLevelKD.apply(student_logits, teacher_topk_logprobs, teacher_topk_ids, target_mask,
+                                  float(temperature), _chunk_rows(student_logits, rows))
+
+
+class _TopkWordLevelKD(torch.autograd.Function):
+    """:func:`topk_word_level_kd` in chunks of positions, its gradient formed in the forward pass:
+    with ``q`` summing to 1 over the teacher's ``k`` tokens, the gradient with respect to the
+    student's logits is ``tau (p_S^tau - q scattered at the k ids)`` at the masked positions,
+    written into one float32 ``(positions, vocab)`` buffer (as :class:`_WordLevelKD` does)."""
+
+    @staticmethod
+    def forward(ctx, student_logits, teacher_topk_logprobs, teacher_topk_ids, target_mask, temperature, rows):
+        vocab, k = student_logits.size(-1), teacher_topk_ids.size(-1)
+        student = student_logits.reshape(-1, vocab)
+        teacher, ids = teacher_topk_logprobs.reshape(-1, k), teacher_topk_ids.reshape(-1, k)
+        keep = target_mask.reshape(-1)
+        gradient = (torch.empty(student.shape, dtype=torch.float32, device=student.device)
+                    if ctx.needs_input_grad[0] else None)
+        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        for start in range(0, student.size(0), rows):
+            here, chunk_ids = keep[start:start + rows], ids[start:start + rows]
+            student_lp = _log_softmax_at(student[start:start + rows], temperature)
+            teacher_lp = _log_softmax_at(teacher[start:start + rows], temperature)
+            teacher_p = teacher_lp.exp()
+            per_position = (teacher_p * (teacher_lp - student_lp.gather(-1, chunk_ids))).sum(-1)
+            total += torch.where(here, per_position, 0.0).sum()
+            if gradient is not None:
+                chunk = gradient[start:start + rows]
+                torch.exp(student_lp, out=chunk)
+                chunk.scatter_add_(-1, chunk_ids, -teacher_p)
+                chunk.mul_(temperature).masked_fill_(~here.unsqueeze(-1), 0.0)
+        _keep_gradient(ctx, gradient, student_logits)
+        return (temperature**2) * total
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        return _kept_gradient(ctx, grad_loss), None, None, None, None, None
 
 
 def word_kd_term(batch, target_mask: Tensor, temperature: float) -> Tensor:
