@@ -96,3 +96,22 @@ def test_a_real_vocabulary_configuration_runs_a_step_and_records_its_shapes(tmp_
     assert len(result["top_ops"]) == 3 and all(op["self_ms"] >= 0 for op in result["top_ops"])
     with pytest.raises(ValueError, match="more than the configuration's vocab"):
         benchmark.write_padded_dictionary(tmp_path / "d64_8k" / "corpus-dict" / "dict.src.txt", tmp_path / "x", 10)
+
+
+def test_longer_lines_join_consecutive_pairs_in_order(tmp_path):
+    """d64_8k_long's corpus: every split's pairs, in order, joined into lines of a geometric number of
+    pairs (mean 2.25): no sentence lost, source and target still parallel, target lines about 24
+    tokens on average (IWSLT'14's), with a long tail."""
+    from fairseq_kd.data.synthetic import write_corpus
+
+    write_corpus(tmp_path / "raw", seed=7, train_size=3000, valid_size=10, test_size=10)
+    benchmark.join_sentence_pairs(tmp_path / "raw", tmp_path / "joined", 2.25, seed=7)
+    for split in ("train", "valid", "test"):
+        for lang in ("src", "tgt"):
+            original = (tmp_path / "raw" / f"{split}.{lang}").read_text().split()
+            assert (tmp_path / "joined" / f"{split}.{lang}").read_text().split() == original
+    lines = {lang: (tmp_path / "joined" / f"train.{lang}").read_text().splitlines() for lang in ("src", "tgt")}
+    assert len(lines["src"]) == len(lines["tgt"])
+    assert 3000 / 2.6 < len(lines["tgt"]) < 3000 / 1.9
+    lengths = [len(line.split()) + 1 for line in lines["tgt"]]
+    assert 20 < sum(lengths) / len(lengths) < 28 and max(lengths) > 60
