@@ -131,6 +131,37 @@ def test_topk_word_level_kd_in_chunks_equals_the_per_position_reference(rows, dt
                                          rows=rows).item() == pytest.approx(value.item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("rows", [1, 4, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_ce_and_word_kd_at_fewer_positions_equal_their_weighted_sum(rows, dtype, temperature):
+    """label_smoothed_ce_and_word_kd with a kd_mask (selective KD's chosen tokens): CE at every
+    target token, KD at the chosen ones only, value and gradient against autograd through the
+    unchunked references."""
+    logits, target = batch(dtype, seed=4)
+    teacher = (3 * torch.randn(logits.shape)).to(dtype)
+    mask = target.ne(PAD)
+    chosen = mask & (torch.rand(mask.shape) < 0.5)
+    chosen[1, 0] = True  # at least one
+    student = logits.clone().requires_grad_()
+    combined, ce, nll, kd = losses.label_smoothed_ce_and_word_kd(student, teacher, target, mask, 0.1, temperature,
+                                                                 0.6, 0.4, rows=rows, kd_mask=chosen)
+    (1.3 * combined).backward()
+
+    reference_logits = logits.double().requires_grad_()
+    reference_ce, reference_nll = fairseq_reference(reference_logits, target, 0.1)
+    teacher_lp = torch.log_softmax(teacher.double() / temperature, -1)
+    student_lp = torch.log_softmax(reference_logits / temperature, -1)
+    reference_kd = temperature**2 * (teacher_lp.exp() * (teacher_lp - student_lp)).sum(-1)[chosen].sum()
+    (1.3 * (0.6 * reference_ce + 0.4 * reference_kd)).backward()
+    for value, reference in ((ce, reference_ce), (nll, reference_nll), (kd, reference_kd),
+                             (combined, 0.6 * reference_ce + 0.4 * reference_kd)):
+        torch.testing.assert_close(value.double(), reference.detach(), rtol=1e-6, atol=1e-5)
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(student.grad.double(), reference_logits.grad, rtol=tolerance, atol=tolerance)
+    assert (student.grad[~mask] == 0).all()
+
+
 def test_default_chunks_hold_a_bounded_number_of_entries():
     for device, budget in losses.CHUNK_ELEMENTS.items():
         assert losses.rows_per_chunk(32_000, positions=4096, device=device) * 32_000 <= budget

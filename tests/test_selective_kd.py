@@ -100,6 +100,42 @@ def test_word_rate_one_is_word_level_kd(kd_task, tiny_batch, selection):
     assert 0 < log_half["selective_kd_loss"] < log_word["word_kd_loss"]
 
 
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_selected_tokens_get_kd_in_the_step_and_the_rest_ce_only(kd_task, tiny_batch, temperature):
+    """Word rate 0.5: the criterion's loss and its gradient are (1 - a) CE over every target token
+    plus a word KD over the chosen half only, written here with fairseq's label_smoothed_nll_loss and
+    torch's kl_div, with the selection recomputed from the student's own per-token CE."""
+    from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
+
+    student = build_tiny_student(kd_task)
+    criterion = selective(kd_task, word_rate=0.5, selection="batch", kd_temperature=temperature, kd_weight=0.4,
+                          label_smoothing=0.1)
+    loss, _, log = criterion(student, tiny_batch)
+    loss.backward()
+    got = {name: p.grad.clone() for name, p in student.named_parameters() if p.grad is not None}
+    student.zero_grad()
+
+    logits = student(**tiny_batch["net_input"])[0].float()
+    teacher = kd_task.teacher.model(**tiny_batch["net_input"])[0].float().detach()
+    target = tiny_batch["target"]
+    mask = target.ne(criterion.padding_idx)
+    token_ce = -torch.log_softmax(logits.detach(), -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    chosen = select_batch_level(token_ce, mask, 0.5)
+    lprobs = torch.log_softmax(logits, -1)
+    ce, _ = label_smoothed_nll_loss(lprobs.view(-1, lprobs.size(-1)), target.view(-1), 0.1,
+                                    ignore_index=criterion.padding_idx, reduce=True)
+    kl = torch.nn.functional.kl_div(torch.log_softmax(logits / temperature, -1),
+                                    torch.log_softmax(teacher / temperature, -1), reduction="none", log_target=True)
+    kd = temperature**2 * kl.sum(-1)[chosen].sum()
+    (0.6 * ce + 0.4 * kd).backward()
+    assert int(log["kd_selected_tokens"]) == int(chosen.sum()) < int(mask.sum())
+    torch.testing.assert_close(log["selective_kd_loss"].double(), kd.detach().double(),
+                               rtol=1e-5, atol=1e-5)
+    for name, p in student.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-6)
+
+
 def test_token_cross_entropy_of_hand_made_logits():
     target = torch.tensor([[1, 2, 3], [4, 5, 1]])
     wanted = torch.tensor([[0.25, 1.0, 2.5], [0.7, 3.0, 0.1]])
@@ -109,6 +145,20 @@ def test_token_cross_entropy_of_hand_made_logits():
     by_hand = torch.log(torch.exp(x) + 5) - x
     assert torch.allclose(by_hand, wanted, atol=1e-5)
     assert torch.allclose(token_cross_entropy(logits, target), wanted, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_cross_entropy_in_chunks_equals_cross_entropy(rows, dtype):
+    """The ranking's per-token CE, in chunks of positions, is torch's cross-entropy in float64."""
+    torch.manual_seed(0)
+    logits = (5 * torch.randn(3, 7, 50)).to(dtype)
+    target = torch.randint(0, 50, (3, 7))
+    expected = torch.nn.functional.cross_entropy(logits.double().reshape(-1, 50), target.reshape(-1),
+                                                 reduction="none").view(3, 7)
+    got = token_cross_entropy(logits, target, rows=rows)
+    assert got.dtype == torch.float32 and got.shape == (3, 7)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-5)
 
 
 def test_batch_level_selects_the_expected_tokens(kd_task):

@@ -209,6 +209,9 @@ class DistillationBatch:
     #: what :func:`.losses.word_kd_term` returns for it
     fused_word_kd: Optional[Tensor] = None
     fused_temperature: float = 1.0
+    #: the positions that fused word KD covers when they are not ``target_mask``
+    #: (:meth:`KDCriterionBase.fused_kd_mask`: selective KD's chosen tokens)
+    fused_kd_mask: Optional[Tensor] = None
 
     @property
     def student_logits(self) -> Tensor:
@@ -295,6 +298,9 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
     #: the terms a --teacher-cache can supply: a method whose other terms all have weight 0 from some
     #: epoch on (see :meth:`last_live_teacher_epoch`) reads the cache from then on
     CACHE_SERVED_TERMS: Tuple[str, ...] = ("word_kd",)
+    #: the term that is word-level KD from the live teacher's output, which the base computes in CE's
+    #: pass over the student's logits (at :meth:`fused_kd_mask`'s positions) when its weight is not 0
+    FUSED_WORD_KD_TERM: str = "word_kd"
 
     #: the config field that names ``--kd-weight`` after the method's paper (see the module
     #: docstring); when set it replaces ``kd_weight``
@@ -470,13 +476,16 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
         # Word-level KD from the live teacher shares CE's pass over the student's logits (one
         # log-softmax, one vocabulary-sized gradient buffer): its weighted sum with CE carries both
         # gradients, and the criterion's word_kd term is that pass's value.
-        fused = (teacher_output is not None and weights.get("word_kd", 0) != 0 and "word_kd" not in self.SENTENCE_TERMS
-                 and not teacher_output[0].requires_grad and self.plain_logits(model))
-        fused_word_kd = combined = None
+        fused_term = self.FUSED_WORD_KD_TERM
+        fused = (teacher_output is not None and weights.get(fused_term, 0) != 0
+                 and fused_term not in self.SENTENCE_TERMS and not teacher_output[0].requires_grad
+                 and self.plain_logits(model))
+        fused_word_kd = combined = kd_mask = None
         if fused:
+            kd_mask = self.fused_kd_mask(net_output[0], sample, target_mask)
             combined, ce_loss, nll_loss, fused_word_kd = label_smoothed_ce_and_word_kd(
                 net_output[0], teacher_output[0], sample["target"], target_mask, self.eps, self.kd_temperature,
-                weights["ce"], weights["word_kd"])
+                weights["ce"], weights[fused_term], kd_mask=kd_mask)
         elif distilling:
             ce_loss, nll_loss = self.cross_entropy(model, net_output, sample, target_mask)
         else:  # no term active: exactly fairseq's criterion (its reduction order too)
@@ -495,13 +504,15 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
                 teacher_topk=teacher_topk,
                 fused_word_kd=fused_word_kd,
                 fused_temperature=self.kd_temperature,
+                fused_kd_mask=kd_mask,
             )
             terms = self.distillation_terms(batch)
             extra_logs = getattr(terms, "logs", {})
-            if fused and terms.get("word_kd") is not fused_word_kd:
+            if fused and terms.get(fused_term) is not fused_word_kd:
                 raise RuntimeError(
-                    f"{self.criterion_name()}: its word_kd term must come from losses.word_kd_term(batch, "
-                    "batch.target_mask, self.kd_temperature), which returns the value computed with CE")
+                    f"{self.criterion_name()}: its {fused_term} term must come from losses.word_kd_term(batch, "
+                    "batch.fused_kd_mask or batch.target_mask, self.kd_temperature), which returns the value "
+                    "computed with CE")
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
         nsentences = sample["target"].size(0)
         for name in self.SENTENCE_TERMS:
@@ -509,7 +520,7 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
                 terms[name] = terms[name] * (sample_size / nsentences)
         loss = combined if fused else weights["ce"] * ce_loss
         for name in self.TERM_NAMES:
-            if name in terms and weights[name] != 0 and not (fused and name == "word_kd"):
+            if name in terms and weights[name] != 0 and not (fused and name == fused_term):
                 loss = loss + weights[name] * terms[name]
         if model.training and torch.is_grad_enabled():
             # The criterion's own parameters (projections, A2D's alignment) join the graph even in a
@@ -558,6 +569,13 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
         """Whether the model's first output is the logits its log-probabilities are the log-softmax
         of (not an adaptive softmax's head)."""
         return getattr(getattr(model, "decoder", None), "adaptive_softmax", None) is None
+
+    def fused_kd_mask(self, student_logits: Tensor, sample, target_mask: Tensor) -> Tensor:
+        """The positions of the fused word-KD term (:data:`FUSED_WORD_KD_TERM`), called once per
+        forward pass before it is computed: ``target_mask`` itself by default (the same object).
+        A method whose KD covers fewer positions returns them (a subset of ``target_mask``) and
+        reads them back from ``batch.fused_kd_mask``."""
+        return target_mask
 
     def target_mask(self, sample) -> Tensor:
         """True at target tokens that count: not padding and not in the ignored prefix."""

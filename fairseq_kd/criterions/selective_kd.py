@@ -43,9 +43,9 @@ Selection (``--selection``):
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from fairseq import utils
 from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
@@ -54,7 +54,7 @@ from fairseq.logging import metrics
 from torch import Tensor
 
 from .base import DistillationTerms, ranged
-from .losses import word_kd_term
+from .losses import rows_per_chunk, word_kd_term
 from .word_kd import WordKDConfig, WordKDCriterion
 
 logger = logging.getLogger(__name__)
@@ -82,11 +82,21 @@ class SelectiveKDConfig(WordKDConfig):
 
 
 # ------------------------------------------------------------------ selection (pure functions)
-def token_cross_entropy(student_logits: Tensor, target: Tensor) -> Tensor:
-    """``-log p_S(y_t)`` per position, ``(batch, tgt_len)``, float32, detached (ranking only)."""
+def token_cross_entropy(student_logits: Tensor, target: Tensor, rows: Optional[int] = None) -> Tensor:
+    """``-log p_S(y_t)`` per position, ``(batch, tgt_len)``, float32, detached (ranking only):
+    ``logsumexp(z) - z[y]`` in chunks of positions (:func:`.losses.rows_per_chunk`; ``rows``
+    overrides, for tests), so no (positions, vocabulary) log-softmax is held for the ranking."""
     with torch.no_grad():
-        log_probs = F.log_softmax(student_logits.detach().float(), dim=-1)
-        return -log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        logits = student_logits.detach()
+        vocab = logits.size(-1)
+        flat, flat_target = logits.reshape(-1, vocab), target.reshape(-1, 1)
+        step = rows_per_chunk(vocab, rows, flat.size(0), flat.device.type)
+        values = torch.empty(flat.size(0), dtype=torch.float32, device=flat.device)
+        for start in range(0, flat.size(0), step):
+            chunk = flat[start:start + step].float()
+            values[start:start + step] = (torch.logsumexp(chunk, -1)
+                                          - chunk.gather(-1, flat_target[start:start + step]).squeeze(-1))
+        return values.view(target.shape)
 
 
 def selection_count(word_rate: float, total: int) -> int:
@@ -185,9 +195,20 @@ class SelectiveKDCriterion(WordKDCriterion):
             queue = push_to_queue(self.queue, local_values, self.queue_size)
         return select_global_level(token_ce, target_mask, queue_threshold(queue, self.word_rate))
 
+    #: its KD term is word-level KD at the selected tokens: the base computes it in CE's pass
+    FUSED_WORD_KD_TERM = "selective_kd"
+
+    def fused_kd_mask(self, student_logits, sample, target_mask):
+        """The selected tokens, chosen (and the queue updated) once per forward pass, before the
+        base computes CE and KD in one pass."""
+        return self.select(token_cross_entropy(student_logits, sample["target"]), target_mask)
+
     def distillation_terms(self, batch):
-        token_ce = token_cross_entropy(batch.student_logits, batch.sample["target"])
-        selected = self.select(token_ce, batch.target_mask)
+        if batch.fused_kd_mask is not None:  # chosen by fused_kd_mask in this forward pass
+            selected = batch.fused_kd_mask
+        else:
+            selected = self.select(token_cross_entropy(batch.student_logits, batch.sample["target"]),
+                                   batch.target_mask)
         return DistillationTerms(
             {"selective_kd": word_kd_term(batch, selected, self.kd_temperature)},
             logs={"kd_selected_tokens": selected.sum().data},
