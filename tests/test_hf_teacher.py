@@ -532,6 +532,14 @@ def test_data_command_refusals(teachers, raw_corpus, tmp_path, capsys):
             hf_data.cli_main(args + extra)
         error = capsys.readouterr().err
         assert exit_info.value.code == 2 and expected in error and error.count("\n") == 1, error
+    # a folder the teacher loader refuses is named by this command's flag
+    broken = tmp_path / "broken"
+    shutil.copytree(teachers["m2m_100"], broken)
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(SystemExit):
+        hf_data.cli_main(["--teacher", str(broken), *args[2:], "--overwrite"])
+    error = capsys.readouterr().err
+    assert f"--teacher {str(broken)!r}: config.json is not readable JSON" in error and "--teacher-checkpoint" not in error
 
 
 class _MakesMarkerWhenUnpickled:

@@ -158,6 +158,7 @@ def output_files(args) -> List[Path]:
 def cli_main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     from fairseq_kd.models.hf_teacher import load_tokenizer, read_config, vocabulary_maps
+    from fairseq_kd.models.teacher import TeacherCheckpointError
 
     teacher = require_path(args.teacher, "--teacher", FOLDER, "give the teacher's save_pretrained folder")
     if args.source_lang == args.target_lang:
@@ -170,9 +171,12 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
         raise ValueError(f"--destdir {args.destdir!r} already holds {existing[0]}"
                          f"{f' and {len(existing) - 1} more' if len(existing) > 1 else ''}; pass --overwrite "
                          "to replace them, or another --destdir")
-    config = read_config(teacher)
-    tokenizer = load_tokenizer(teacher)
-    source_vocabulary, target_vocabulary = vocabulary_maps(teacher, tokenizer, config)
+    try:  # the teacher loader's refusals name training's flag; here the folder is --teacher
+        config = read_config(teacher)
+        tokenizer = load_tokenizer(teacher)
+        source_vocabulary, target_vocabulary = vocabulary_maps(teacher, tokenizer, config)
+    except TeacherCheckpointError as err:
+        raise ValueError(str(err).replace("--teacher-checkpoint", "--teacher", 1)) from None
     set_languages(tokenizer, args)
     dest = Path(args.destdir)
     dest.mkdir(parents=True, exist_ok=True)
