@@ -54,6 +54,17 @@ class DecodingSettings:
     min_len: int = 1
 
 
+def fairseq_length_limit(longest_source: int, settings: DecodingSettings,
+                         max_target_positions: Optional[int]) -> int:
+    """fairseq's ``SequenceGenerator`` limit (tokens before ``</s>``) for a batch whose longest
+    source (with ``</s>``) has ``longest_source`` tokens, capped by the model's target positions
+    minus one when known; every engine decodes within it."""
+    limit = int(settings.max_len_a * longest_source + settings.max_len_b)
+    if max_target_positions:
+        limit = min(limit, int(max_target_positions) - 1)
+    return limit
+
+
 @dataclass
 class Hypothesis:
     tokens: List[int]  # target dictionary ids, ending with </s>
@@ -101,12 +112,7 @@ class CTranslate2Engine:
             inter_threads=self.workers, intra_threads=1 if self.workers > 1 else threads)
 
     def max_length(self, longest_source: int, settings: DecodingSettings) -> int:
-        """fairseq's ``SequenceGenerator`` limit for a batch whose longest source (with ``</s>``)
-        has ``longest_source`` tokens."""
-        limit = int(settings.max_len_a * longest_source + settings.max_len_b)
-        if self.max_target_positions:
-            limit = min(limit, int(self.max_target_positions) - 1)
-        return limit
+        return fairseq_length_limit(longest_source, settings, self.max_target_positions)
 
     def source_tokens(self, ids: Sequence[int]) -> List[str]:
         ids = list(ids)

@@ -38,7 +38,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .ctranslate2_engine import DecodingSettings, Hypothesis
+from .ctranslate2_engine import DecodingSettings, Hypothesis, fairseq_length_limit
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +109,7 @@ class HuggingFaceEngine:
         self.suppressed = sorted({self.hf_pad, *unwritable})
 
     def max_length(self, longest_source: int, settings: DecodingSettings) -> int:
-        """fairseq's ``SequenceGenerator`` limit for a batch whose longest source (with ``</s>``)
-        has ``longest_source`` tokens."""
-        limit = int(settings.max_len_a * longest_source + settings.max_len_b)
-        if self.max_positions:
-            limit = min(limit, int(self.max_positions) - 1)
-        return limit
+        return fairseq_length_limit(longest_source, settings, self.max_positions)
 
     def generation_config(self, settings: DecodingSettings, limit: int):
         from transformers import GenerationConfig

@@ -493,38 +493,27 @@ def make_decoder(plan_: _Plan, task, dataset, model, device, ct2_model: Optional
     """The engine's batch decoder: fairseq's ``SequenceGenerator`` over ``model``, or CTranslate2
     over the converted teacher folder ``ct2_model``, with the same search settings."""
     config = plan_.config
-    if config.engine == "ctranslate2":
+    if config.engine in ("ctranslate2", "transformers"):
         from ..deploy.ctranslate2_engine import CTranslate2Engine, DecodingSettings
 
-        engine = CTranslate2Engine(str(ct2_model), task.source_dictionary, task.target_dictionary,
-                                   device=device.type, device_index=device.index or 0, threads=config.threads)
+        if config.engine == "ctranslate2":
+            engine = CTranslate2Engine(str(ct2_model), task.source_dictionary, task.target_dictionary,
+                                       device=device.type, device_index=device.index or 0, threads=config.threads)
+        else:
+            from ..deploy.hf_engine import HuggingFaceEngine
+
+            engine = HuggingFaceEngine(model, plan_.first_target)
         settings = DecodingSettings(beam=config.beam, lenpen=config.lenpen, max_len_a=config.max_len_a,
                                     max_len_b=config.max_len_b)
 
-        def decode_ctranslate2(sample: dict) -> List[torch.Tensor]:
+        def decode_with_engine(sample: dict) -> List[torch.Tensor]:
             sources = [dataset[int(i)]["source"].tolist() for i in sample["id"].tolist()]
             # fairseq's length limit comes from the padded batch's source length
             longest = sample["net_input"]["src_tokens"].size(1)
             hypotheses = engine.translate(sources, settings, longest_source=longest)
             return [torch.tensor(h.tokens, dtype=torch.int32) for h in hypotheses]
 
-        return decode_ctranslate2
-
-    if config.engine == "transformers":
-        from ..deploy.ctranslate2_engine import DecodingSettings
-        from ..deploy.hf_engine import HuggingFaceEngine
-
-        engine = HuggingFaceEngine(model, plan_.first_target)
-        settings = DecodingSettings(beam=config.beam, lenpen=config.lenpen, max_len_a=config.max_len_a,
-                                    max_len_b=config.max_len_b)
-
-        def decode_transformers(sample: dict) -> List[torch.Tensor]:
-            sources = [dataset[int(i)]["source"].tolist() for i in sample["id"].tolist()]
-            longest = sample["net_input"]["src_tokens"].size(1)
-            hypotheses = engine.translate(sources, settings, longest_source=longest)
-            return [torch.tensor(h.tokens, dtype=torch.int32) for h in hypotheses]
-
-        return decode_transformers
+        return decode_with_engine
 
     from fairseq import utils
     from fairseq.dataclass.configs import GenerationConfig

@@ -79,6 +79,7 @@ from .common import (Workers, check_max_tokens, identity, infer_languages, is_te
                      pick_device, rank_group, read_record, refuse_older_format, replace_atomically, shard_batches,
                      shard_count, shard_id_field, shard_progress, shard_range, split_files, translation_task,
                      wait_for_ranks, workers_for)
+from .common import teacher_fingerprint as fingerprint_of_teacher
 
 CACHE_FORMAT = "fairseq-kd-teacher-cache/3"
 #: what a cache is made with besides its inputs (whose contents are compared: :func:`_identity`)
@@ -196,23 +197,13 @@ def _set_up(config: CacheConfig):
     if interrupted is not None:
         _refuse_older_format(interrupted.get("parameters") or {}, f"--output {output}: {PROGRESS}")
     recorded = (existing or (interrupted or {}).get("parameters") or {}).get("inputs") or {}
-    teacher_path = Path(config.teacher_checkpoint)
-    # fingerprinted first, so that a recorded checksum saves reading an unchanged checkpoint; a
-    # missing or unreadable one is left to FrozenTeacher.load's message
-    teacher_fingerprint = (fingerprint(teacher_path, recorded.get("teacher"))
-                           if teacher_path.is_file() and os.access(teacher_path, os.R_OK) else None)
+    # fingerprinted first, so that a recorded checksum saves reading an unchanged checkpoint (a
+    # Hugging Face folder: its files' and its digest, what TeacherCache.open compares); a missing or
+    # unreadable one is left to the teacher loader's message
+    teacher_fingerprint = fingerprint_of_teacher(Path(config.teacher_checkpoint), recorded.get("teacher"))
     task = translation_task(data, src, tgt, config.split)
     teacher = load_teacher(task, config.teacher_checkpoint, config.teacher_data,
                            teacher_fingerprint and teacher_fingerprint["sha256"])
-    if teacher_fingerprint is None and teacher_path.is_dir():
-        # a Hugging Face folder: its files' fingerprints, and the digest that binds a training run to
-        # the teacher (HuggingFaceTeacher.sha256, what TeacherCache.open compares), from the same
-        # file digests
-        from ..models.hf_teacher import folder_sha256
-
-        files = fingerprint(teacher_path, recorded.get("teacher"))
-        digests = {name: record["sha256"] for name, record in files["files"].items()}
-        teacher_fingerprint = {**files, "sha256": folder_sha256(teacher_path, digests)}
     if config.k > len(task.target_dictionary):
         raise TeacherCacheError(f"--k {config.k} exceeds the target vocabulary ({len(task.target_dictionary)} symbols)")
     parameters = {
