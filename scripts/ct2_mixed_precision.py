@@ -2,8 +2,8 @@
 
     .venv/bin/python scripts/ct2_mixed_precision.py CKPT DATA WORKDIR [--keep embeddings,projection]
 
-Exports CKPT (a fairseq checkpoint the plugin reads) four ways: float32, int8 through
-``fairseq-kd-export``, and int8 with the variables whose CTranslate2 names contain any of ``--keep``
+Exports CKPT (a fairseq checkpoint the plugin reads) three ways: float32, int8 (8-bit weights, as
+CTranslate2 rounds them) through ``fairseq-kd-export``, and int8 with the variables whose CTranslate2 names contain any of ``--keep``
 left in float32 (written by CTranslate2's own spec API: validate, alias, quantise the rest, save).
 Each is decoded on DATA's test split (beam 5, 32 sentences per batch, 2 workers) and the
 hypotheses are compared. If the mixed model decodes exactly what the all-int8 one decodes although
@@ -61,8 +61,9 @@ def main() -> None:
     models = {}
     for quantization in ("float32", "int8"):
         models[quantization] = work / f"export-{quantization}"
+        # int8 as CTranslate2 rounds it (8-bit weights), as the mixed model's int8 matrices are
         export_ctranslate2(args.checkpoint, str(models[quantization]), quantization=quantization, data=args.data,
-                           overwrite=True)
+                           overwrite=True, int8_weight_bits=8 if quantization == "int8" else None)
     models["int8+float32 " + args.keep] = work / "export-mixed"
     mixed = mixed_export(args.checkpoint, args.data, models["int8+float32 " + args.keep], args.keep.split(","))
     outputs = {name: hypotheses(folder, args.data, work / f"decode-{folder.name}") for name, folder in models.items()}

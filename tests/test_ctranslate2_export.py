@@ -141,6 +141,9 @@ def test_export_refusals(trained, exported, tiny_data_bin, tmp_path):
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     assert "--data" in _refusal(trained, tmp_path / "b", *ct2, "--data", tmp_path / "nowhere")
     assert "--quantization" in _refusal(trained, tmp_path / "c", "--quantization", "int8")  # fairseq format
+    assert "--int8-weight-bits" in _refusal(trained, tmp_path / "d", "--int8-weight-bits", "8")  # fairseq format
+    message = _refusal(trained, tmp_path / "e", *ct2, "--quantization", "float32", "--int8-weight-bits", "8")
+    assert "--int8-weight-bits" in message and "float32" in message and not (tmp_path / "e").exists()
 
 
 def test_overwrite_replaces_a_model_folder_whole(trained, tmp_path):
@@ -184,3 +187,154 @@ def test_a_missing_ctranslate2_is_one_line_naming_the_fix(trained, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=QUIET_ENV, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert "fairseq-kd[deploy]" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- int8 weights' bits
+
+CT2_DTYPES = ("float32", "int8", "int16", "int32", "float16", "bfloat16")  # CTranslate2's type ids
+
+
+def read_model_bin(path):
+    """{name: array} of a CTranslate2 ``model.bin``, read here from the file format CTranslate2's
+    ``ModelSpec._serialize`` writes (binary version, spec name and revision, then each variable's
+    name, rank, dimensions, type id, byte count and bytes); bfloat16 variables are left out."""
+    import struct
+
+    import numpy as np
+
+    data, position = path.read_bytes(), 0
+
+    def take(fmt):
+        nonlocal position
+        values = struct.unpack_from(fmt, data, position)
+        position += struct.calcsize(fmt)
+        return values
+
+    def string():
+        nonlocal position
+        (length,) = take("H")
+        text = data[position:position + length - 1].decode()
+        position += length
+        return text
+
+    take("I"), string(), take("I")
+    (count,) = take("I")
+    variables = {}
+    for _ in range(count):
+        name = string()
+        (rank,) = take("B")
+        shape = take("I" * rank)
+        (type_id,) = take("B")
+        (size,) = take("I")
+        raw = data[position:position + size]
+        position += size
+        if CT2_DTYPES[type_id] != "bfloat16":
+            variables[name] = np.frombuffer(raw, dtype=CT2_DTYPES[type_id]).reshape(shape)
+    return variables
+
+
+def _export_int8(checkpoint, folder, bits):
+    """fairseq-kd-export --format ctranslate2 --int8-weight-bits BITS, in this process."""
+    from fairseq_kd.deploy.export_ctranslate2 import export_ctranslate2
+
+    summary = export_ctranslate2(str(checkpoint), str(folder), quantization="int8", int8_weight_bits=bits)
+    assert summary["int8_weight_bits"] == bits and summary["quantization"] == "int8"
+    return folder
+
+
+def test_int8_weights_have_the_bits_asked_for_and_8_bits_are_ctranslate2s_own(trained, exported, tmp_path):
+    """Every int8 weight (all linear layers, the embeddings and the output projection) is rounded
+    per output row to +-63 (7 bits, the default) or +-127 (8 bits), reaching the bound on every
+    row but all-zero ones, within half a step of the float32 export's value; and the 8-bit export is byte for byte
+    what CTranslate2's own converter writes."""
+    import ctranslate2
+    import numpy as np
+
+    from fairseq_kd.deploy.export_ctranslate2 import build_spec, load_transformer
+
+    floats = read_model_bin(exported["float32"] / "model.bin")
+    default = json.loads((exported["int8"] / "fairseq_kd_export.json").read_text())
+    assert default["int8_weight_bits"] == 7
+    for bits, bound in ((7, 63), (8, 127)):
+        folder = exported["int8"] if bits == 7 else _export_int8(trained, tmp_path / "w8", 8)
+        values = read_model_bin(folder / "model.bin")
+        quantized = [name[:-len("_scale")] for name in values if name.endswith("weight_scale")]
+        assert len(quantized) >= 3 * 4 + 3 * 6 and any("embeddings" in name for name in quantized)
+        for name in quantized:
+            codes, scale = values[name], values[name + "_scale"]
+            assert codes.dtype == np.int8, name
+            rows = codes.reshape(codes.shape[0], -1).astype(np.int64)
+            reference = floats[name].reshape(rows.shape)
+            zero = (reference == 0).all(axis=1)  # e.g. the padding symbol's embedding: codes 0
+            assert (np.abs(rows).max(axis=1) == np.where(zero, 0, bound)).all(), (name, bits)
+            step = 1.0 / scale[:, None]
+            assert (np.abs(rows * step - reference) <= 0.5 * step * (1 + 1e-5)).all(), (name, bits)
+
+    class OwnConverter(ctranslate2.converters.Converter):
+        def _load(self):
+            return build_spec(load_transformer(str(trained), None))
+
+    OwnConverter().convert(str(tmp_path / "own"), quantization="int8", force=True)
+    assert (tmp_path / "own" / "model.bin").read_bytes() == (tmp_path / "w8" / "model.bin").read_bytes()
+
+
+#: decodes a CTranslate2 folder's greedy output for the sentences given as JSON, in a process of
+#: its own: the kernels are chosen when MKL and oneDNN load, from the environment
+DECODE_SCRIPT = """
+import json, sys, ctranslate2
+translator = ctranslate2.Translator(sys.argv[1], intra_threads=1)
+results = translator.translate_batch(json.loads(sys.argv[2]), beam_size=1, max_decoding_length=12,
+                                     return_scores=True)
+print(json.dumps([[r.hypotheses[0], r.scores[0]] for r in results]))
+"""
+AVX2_PINS = {"MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "CT2_FORCE_CPU_ISA": "AVX2"}
+
+
+def _greedy(folder, sentences, pinned):
+    import os
+
+    env = {key: value for key, value in QUIET_ENV.items() if key not in AVX2_PINS and key != "CT2_USE_MKL"}
+    env.update(AVX2_PINS if pinned else {})
+    proc = subprocess.run([sys.executable, "-c", DECODE_SCRIPT, str(folder), json.dumps(sentences)],
+                          capture_output=True, text=True, env={**env, "PATH": os.environ.get("PATH", "")}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def _has_vnni() -> bool:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return bool({"avx512_vnni", "avx_vnni"} & set(flags))
+
+
+def test_7_bit_weights_decode_alike_on_the_avx2_int8_path(trained, tmp_path):
+    """On x86 CPUs without VNNI, MKL's and oneDNN's int8 kernels add pairs of u8*s8 products in a
+    saturating int16; MKL_CBWR=AVX2 / ONEDNN_MAX_CPU_ISA=AVX2 select that path on any CPU. A model
+    whose every linear weight has the same magnitude (all its int8 codes at the bound) overflows
+    there with 8-bit weights; with 7-bit ones no pair can, so the pinned and the unpinned decodes
+    agree. (Where the CPU has VNNI, the 8-bit export must differ between the two, which shows that
+    the model does overflow the AVX2 path; without VNNI both decodes take that path.)"""
+    import torch
+
+    from fairseq_kd.checkpoints import safe_load
+
+    state = safe_load(trained)
+    for name, value in state["model"].items():
+        if name.endswith("_proj.weight") or ".fc" in name and name.endswith(".weight"):
+            state["model"][name] = torch.sign(value) * 0.3  # every code at the bound, 8 bits or 7
+    flat = tmp_path / "flat.pt"
+    torch.save(state, flat)
+    sentences = [[f"w{(3 * i + j) % 30}" for j in range(2 + i % 7)] for i in range(24)]
+    decodes = {}
+    for bits in (7, 8):
+        folder = _export_int8(flat, tmp_path / f"w{bits}", bits)
+        decodes[bits] = {pinned: _greedy(folder, sentences, pinned) for pinned in (False, True)}
+
+    def same(first, second):
+        return all(a[0] == b[0] and abs(a[1] - b[1]) <= 1e-3 * max(1.0, abs(a[1])) for a, b in zip(first, second))
+
+    assert same(decodes[7][False], decodes[7][True])
+    if _has_vnni():
+        assert not same(decodes[8][False], decodes[8][True])

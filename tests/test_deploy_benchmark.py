@@ -94,6 +94,38 @@ def test_tables_hold_every_row_and_column(first_run):
     if differing == 0:  # no difference to test: said, not given sacreBLEU's smallest p
         assert "| identical |" in table[2] and "- identical: the output equals its baseline's" in markdown
     assert "whole process" in markdown
+    # the int8 path: the CPU's int8 dot product, the kernel pins, the int8 weights' bits (7 by default)
+    assert report["machine"]["int8_dot_product"] in ("VNNI", "AVX2") and "kernel_pins" in report["machine"]
+    assert report["settings"]["int8_weight_bits"] == 7
+    assert any(line.startswith("CPU kernels: int8 dot product ") and "int8 rows: 7-bit weights" in line
+               for line in lines)
+
+
+def test_other_int8_weight_bits_decode_the_int8_row_again_and_only_it(first_run):
+    """The bits of the int8 weights are part of what a decode is keyed by: a run with 8-bit weights
+    exports and decodes the int8 row anew and reuses the three others."""
+    out, argv = first_run
+    argv = [*argv, "--int8-weight-bits", "8", "--overwrite"]
+    argv[argv.index("--output-json") + 1] = str(out / "bits8.json")
+    argv[argv.index("--output-md") + 1] = str(out / "bits8.md")
+    assert deploy_benchmark.run(argv) == 0
+    report = json.loads((out / "bits8.json").read_text())
+    assert report["decodes"] == {"run": 1, "reused": 3} and report["settings"]["int8_weight_bits"] == 8
+    record = json.loads((Path(report["rows"][3]["model"]) / "fairseq_kd_export.json").read_text())
+    assert record["int8_weight_bits"] == 8
+
+
+def test_int8_weight_bits_without_an_int8_row_is_refused(first_run, capsys):
+    out, argv = first_run
+    argv = [*argv, "--int8-weight-bits", "8"]
+    argv[argv.index("--quantizations") + 1] = "float32"
+    argv[argv.index("--output-md") + 1] = str(out / "other.md")
+    argv[argv.index("--output-json") + 1] = str(out / "other.json")
+    with pytest.raises(SystemExit) as exit_info:
+        deploy_benchmark.cli_main(argv)
+    assert exit_info.value.code == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert errors == [errors[0]] and errors[0].startswith("fairseq-kd-deploy-benchmark: error: --int8-weight-bits")
 
 
 def test_rerun_reuses_every_export_and_decode(first_run):

@@ -24,7 +24,7 @@ FORMATS = ("fairseq", "ctranslate2", "hf")
 
 @exits_on_user_error("fairseq-kd-export")
 def cli_main(argv=None):
-    from fairseq_kd.deploy.export_ctranslate2 import QUANTIZATIONS
+    from fairseq_kd.deploy.export_ctranslate2 import DEFAULT_INT8_WEIGHT_BITS, INT8_WEIGHT_BITS, QUANTIZATIONS
 
     parser = argparse.ArgumentParser(prog="fairseq-kd-export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="checkpoint written by fairseq-train (a student, a teacher, an averaged "
@@ -37,6 +37,13 @@ def cli_main(argv=None):
                              "hf: a Hugging Face save_pretrained folder (MarianMT or M2M100) (default: %(default)s)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="CTranslate2 weight type (--format ctranslate2 only; default: int8)")
+    parser.add_argument("--int8-weight-bits", type=int, choices=INT8_WEIGHT_BITS, default=None,
+                        help="--quantization int8*: bits of each weight (one scale per output row). "
+                             f"{DEFAULT_INT8_WEIGHT_BITS} (the default, codes within +-63): the integer products "
+                             "are exact on every x86 CPU; on CPUs without VNNI (AVX2 only) MKL's and oneDNN's "
+                             "int8 kernels add pairs of products in 16 bits, which 8-bit weights can overflow "
+                             "(the Multi30k d 64 student lost 0.91 BLEU so; docs/results/deploy_cpu.md). 8: "
+                             "CTranslate2's own rounding (+-127), for CPUs with AVX-512 VNNI or AVX-VNNI and GPUs")
     parser.add_argument("--data", default=None, metavar="DIR",
                         help="--format ctranslate2 or hf: the binarised data folder holding the model's "
                              "dictionaries (default: the folder the checkpoint records)")
@@ -48,8 +55,8 @@ def cli_main(argv=None):
     args = parser.parse_args(argv)
     if args.format == "fairseq" and (args.quantization is not None or args.data is not None):
         parser.error("--quantization and --data apply to --format ctranslate2 and hf only")
-    if args.format == "hf" and args.quantization is not None:
-        parser.error("--quantization applies to --format ctranslate2 only")
+    if args.format != "ctranslate2" and (args.quantization is not None or args.int8_weight_bits is not None):
+        parser.error("--quantization and --int8-weight-bits apply to --format ctranslate2 only")
     if args.format != "hf" and args.spm_model is not None:
         parser.error("--spm-model applies to --format hf only")
 
@@ -70,7 +77,8 @@ def cli_main(argv=None):
             from fairseq_kd.deploy.export_ctranslate2 import export_ctranslate2
 
             summary = export_ctranslate2(args.checkpoint, args.output, quantization=args.quantization or "int8",
-                                         data=args.data, overwrite=args.overwrite)
+                                         data=args.data, overwrite=args.overwrite,
+                                         int8_weight_bits=args.int8_weight_bits)
         else:
             summary = export_student(args.checkpoint, args.output, overwrite=args.overwrite)
     except (ExportError, UnsafeCheckpointError) as err:

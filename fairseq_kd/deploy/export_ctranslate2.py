@@ -44,6 +44,11 @@ from .model_folder import check_output, staged
 #: compute in that type on a GPU and fall back to what the CPU supports.
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16",
                  "float32")
+#: the int8 weight types, whose weights --int8-weight-bits rounds
+INT8_QUANTIZATIONS = tuple(q for q in QUANTIZATIONS if q.startswith("int8"))
+#: bits of an int8 weight: 7 (|q| <= 63) by default, 8 for CTranslate2's own rounding (|q| <= 127)
+INT8_WEIGHT_BITS = (7, 8)
+DEFAULT_INT8_WEIGHT_BITS = 7
 RECORD_NAME = "fairseq_kd_export.json"
 RECORD_FORMAT = "fairseq-kd-ctranslate2/1"
 
@@ -254,14 +259,77 @@ def _check_output(checkpoint: str, output: str, overwrite: bool) -> Path:
                                       "model folder: choose another folder", error=CTranslate2ExportError)
 
 
+def int8_weight_levels(bits: int) -> float:
+    """The largest int8 code a weight is rounded to with ``bits`` bits: 63 for 7, 127 for 8."""
+    return float(2 ** (bits - 1) - 1)
+
+
+def round_int8_weights(spec, quantization: str, bits: int) -> None:
+    """CTranslate2's ``ModelSpec.optimize`` (alias equal variables, then quantise), with every int8
+    weight rounded to ``bits`` bits: ``q = rint(w * L / max|w_row|)``, scale ``L / max|w_row|``,
+    ``L = 2**(bits-1) - 1``, one scale per output row as CTranslate2's own int8 (which is L = 127).
+
+    Why 7 bits by default: CTranslate2 multiplies int8 weights by activations shifted to uint8
+    (0..255), and on x86 CPUs without VNNI (AVX2 only; AVX-512 without VNNI) MKL's and oneDNN's
+    u8*s8 kernels (``vpmaddubsw``) add each pair of adjacent products in a saturating int16, which
+    8-bit weights overflow (255 * 127 * 2 > 32767); with |q| <= 63 no pair can (255 * 63 * 2 <
+    32767), so the integer products are exact on every CPU, as oneDNN advises ("Nuances of int8
+    computations", its developer guide). Measured on the Multi30k d 64 student
+    (docs/results/deploy_cpu.md): 8-bit weights lose 0.91 BLEU on MKL's AVX2 path, 7-bit weights
+    decode the same on both paths.
+
+    This uses CTranslate2's private spec API (``_alias_variables``, ``_quantize``, ``_visit``), as
+    its converters' ``optimize`` does; the version is recorded with the export."""
+    spec._alias_variables()
+    levels = int8_weight_levels(bits)
+    floats = {}
+
+    def keep_float(layer, name, value):
+        # a quantisable variable (CTranslate2's rule: the layer has a NAME_scale slot), not an alias
+        key = name.split("/")[-1]
+        if hasattr(layer, f"{key}_scale") and hasattr(value, "to") and not getattr(value, "is_scalar", lambda: True)():
+            floats[name] = value.to("float32").numpy().copy()
+
+    if quantization in INT8_QUANTIZATIONS and bits != 8:
+        spec._visit(keep_float)
+    spec._quantize(quantization)
+    if not floats:
+        return
+    import numpy as np
+    from ctranslate2.specs.model_spec import NumpyVariable
+
+    def requantize(layer, name, value):
+        if name not in floats:
+            return
+        weight = floats[name].reshape(floats[name].shape[0], -1)
+        amax = np.abs(weight).max(axis=1)
+        amax[amax == 0] = levels  # an all-zero row: scale 1, codes 0 (CTranslate2's rule)
+        scale = (np.float32(levels) / amax).astype(np.float32)
+        codes = np.rint(weight * scale[:, None]).astype(np.int8).reshape(floats[name].shape)
+        key = name.split("/")[-1]
+        setattr(layer, key, NumpyVariable(codes))
+        setattr(layer, f"{key}_scale", NumpyVariable(scale))
+
+    spec._visit(requantize)
+
+
 def export_ctranslate2(checkpoint: str, output: str, quantization: str = "int8", data: Optional[str] = None,
-                       overwrite: bool = False) -> dict:
-    """Write the CTranslate2 model folder ``output`` from ``checkpoint``; return a summary."""
+                       overwrite: bool = False, int8_weight_bits: Optional[int] = None) -> dict:
+    """Write the CTranslate2 model folder ``output`` from ``checkpoint``; return a summary.
+
+    ``int8_weight_bits`` (int8 quantisations only; default 7): see :func:`round_int8_weights`."""
     from ..fingerprint import dictionary_sha256, fingerprint
     from ..models.export import count_parameters
 
     if quantization not in QUANTIZATIONS:
         raise CTranslate2ExportError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+    if int8_weight_bits is not None and quantization not in INT8_QUANTIZATIONS:
+        raise CTranslate2ExportError(f"--int8-weight-bits applies to the int8 quantizations ({', '.join(INT8_QUANTIZATIONS)}), "
+                                     f"not to --quantization {quantization}: drop it")
+    if int8_weight_bits is not None and int8_weight_bits not in INT8_WEIGHT_BITS:
+        raise CTranslate2ExportError(f"--int8-weight-bits {int8_weight_bits}: choose 7 or 8")
+    if quantization in INT8_QUANTIZATIONS and int8_weight_bits is None:
+        int8_weight_bits = DEFAULT_INT8_WEIGHT_BITS
     ct2 = import_ctranslate2()  # before any work: a missing extra is one line naming the fix
     out = _check_output(checkpoint, output, overwrite)
     loaded = load_transformer(checkpoint, data)
@@ -270,21 +338,20 @@ def export_ctranslate2(checkpoint: str, output: str, quantization: str = "int8",
         raise CTranslate2ExportError(f"{checkpoint!r} cannot be expressed in CTranslate2: {'; '.join(missing)}")
     spec = build_spec(loaded)
 
-    class _BuiltSpec(ct2.converters.Converter):
-        """CTranslate2's converter API over a spec built in this process (quantisation, checks, save)."""
-
-        def _load(self):
-            return spec
-
     with staged(out) as staging:
-        _BuiltSpec().convert(str(staging), quantization=None if quantization == "float32" else quantization,
-                             force=True)
+        # what CTranslate2's Converter.convert does (validate, optimize, save), with the int8
+        # weights rounded to int8_weight_bits (round_int8_weights; other types as CTranslate2 does)
+        spec.validate()
+        round_int8_weights(spec, None if quantization == "float32" else quantization, int8_weight_bits or 8)
+        staging.mkdir()
+        spec.save(str(staging))
         record = {
             "format": RECORD_FORMAT,
             "checkpoint": str(Path(checkpoint).resolve()),
             "checkpoint_sha256": fingerprint(Path(checkpoint))["sha256"],
             "num_updates": loaded.num_updates,
             "quantization": quantization,
+            "int8_weight_bits": int8_weight_bits,
             "source_lang": loaded.source_lang,
             "target_lang": loaded.target_lang,
             "source_dictionary_sha256": dictionary_sha256(loaded.source_dictionary),
@@ -299,7 +366,8 @@ def export_ctranslate2(checkpoint: str, output: str, quantization: str = "int8",
         }
         (staging / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
-    return {"output": str(out), "format": "ctranslate2", "quantization": quantization, "bytes": size,
+    return {"output": str(out), "format": "ctranslate2", "quantization": quantization,
+            "int8_weight_bits": int8_weight_bits, "bytes": size,
             **{k: record[k] for k in ("parameters", "num_updates", "encoder_layers", "decoder_layers",
                                       "source_lang", "target_lang")}}
 

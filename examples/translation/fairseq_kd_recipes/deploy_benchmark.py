@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     systems.add_argument("--quantizations", default=DEFAULT_QUANTIZATIONS, metavar="Q,Q",
                          help="CTranslate2 weight types, comma-separated (default: %(default)s; any of "
                               "fairseq-kd-export --quantization's; 'none' for no CTranslate2 rows)")
+    systems.add_argument("--int8-weight-bits", type=int, default=None, metavar="BITS",
+                         help="bits of the int8 rows' weights, as fairseq-kd-export --int8-weight-bits: 7 (the "
+                              "default: exact integer products on every x86 CPU) or 8 (CTranslate2's own "
+                              "rounding, exact only on CPUs with VNNI and on GPUs)")
     timing = parser.add_argument_group("decoding")
     timing.add_argument("--device", default="cpu", choices=DEVICES,
                         help="where every system decodes: cpu (at each --threads count) or cuda (the first visible "
@@ -254,6 +258,14 @@ def validate(args: argparse.Namespace) -> List[str]:
         except ImportError as error:
             errors.append(f"--quantizations: {error}; or pass --quantizations none")
     args.quantization_list = list(dict.fromkeys(quantizations))
+    from fairseq_kd.deploy.export_ctranslate2 import DEFAULT_INT8_WEIGHT_BITS, INT8_QUANTIZATIONS, INT8_WEIGHT_BITS
+
+    if args.int8_weight_bits is not None and args.int8_weight_bits not in INT8_WEIGHT_BITS:
+        errors.append(f"--int8-weight-bits {args.int8_weight_bits}: choose 7 or 8")
+    elif args.int8_weight_bits is not None and not set(args.quantization_list) & set(INT8_QUANTIZATIONS):
+        errors.append("--int8-weight-bits applies to int8 rows: add an int8 weight type to --quantizations, or drop it")
+    args.int8_bits = args.int8_weight_bits or DEFAULT_INT8_WEIGHT_BITS
+    args.int8_rows = bool(set(args.quantization_list) & set(INT8_QUANTIZATIONS))
     # decoding
     args.fairseq_weight_list = list(dict.fromkeys(_csv(args.fairseq_weights)))
     unknown = [w for w in args.fairseq_weight_list if w not in FAIRSEQ_WEIGHTS]
@@ -442,16 +454,33 @@ class GpuMemoryPeak:
         return self.peak - self.before
 
 
+#: environment variables that choose the CPU kernels (and so the numbers) of torch, MKL, oneDNN and
+#: CTranslate2; the demo sets some of them to pin every kernel to AVX2
+KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
+                    "DNNL_MAX_CPU_ISA", "CT2_FORCE_CPU_ISA", "CT2_USE_MKL")
+
+
+def int8_dot_product(flags: Sequence[str]) -> str:
+    """How this CPU multiplies int8 vectors: 'VNNI' (AVX-512 VNNI or AVX-VNNI: int32 sums) or 'AVX2'
+    (no VNNI: adjacent u8*s8 products summed in saturating int16, see
+    fairseq_kd.deploy.export_ctranslate2.round_int8_weights); kernels pinned to AVX2 (MKL_CBWR=AVX2,
+    ONEDNN_MAX_CPU_ISA=AVX2) take the AVX2 path on any CPU."""
+    return "VNNI" if {"avx512_vnni", "avx_vnni"} & set(flags) else "AVX2"
+
+
 def machine_info(device: str = "cpu") -> Dict:
-    cpu = None
+    cpu, flags = None, []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
+            if line.lower().startswith("model name") and cpu is None:
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.lower().startswith("flags") and not flags:
+                flags = line.split(":", 1)[1].split()
     except OSError:
         pass
     return {"cpu": cpu or platform.processor() or platform.machine(), "cores_available": available_cores(),
+            "int8_dot_product": int8_dot_product(flags),
+            "kernel_pins": {name: os.environ[name] for name in KERNEL_VARIABLES if os.environ.get(name)},
             "cores_total": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "torch": _version("torch"), "fairseq": _version("fairseq"), "ctranslate2": _version("ctranslate2"),
             **({"gpu": gpu_name()} if device == "cuda" else {})}
@@ -503,13 +532,22 @@ def export_models(rows: List[Row], args, log) -> None:
         else:
             from fairseq_kd.deploy.export_ctranslate2 import RECORD_NAME, export_ctranslate2
 
-            row.model = exports / f"{stem}-ct2-{row.weights}"
+            bits = int8_bits(row, args)
+            row.model = exports / (f"{stem}-ct2-{row.weights}" + (f"-w{bits}" if bits else ""))
             if (row.model / RECORD_NAME).is_file():
                 log(f"export {row.id}: reusing {row.model}")
                 continue
-            log(f"export {row.id}: {row.checkpoint} -> {row.model} ({row.weights})")
+            log(f"export {row.id}: {row.checkpoint} -> {row.model} ({row.weights}"
+                + (f", {bits}-bit weights)" if bits else ")"))
             export_ctranslate2(str(row.checkpoint), str(row.model), quantization=row.weights, data=str(args.data),
-                               overwrite=row.model.exists())
+                               overwrite=row.model.exists(), int8_weight_bits=bits)
+
+
+def int8_bits(row: Row, args) -> Optional[int]:
+    """The bits of a CTranslate2 int8 row's weights (None for every other row)."""
+    from fairseq_kd.deploy.export_ctranslate2 import INT8_QUANTIZATIONS
+
+    return args.int8_bits if row.engine == CT2 and row.weights in INT8_QUANTIZATIONS else None
 
 
 def model_bytes(path: Path) -> int:
@@ -580,7 +618,9 @@ def decode_key(row: Row, args, threads: int, batch_size: int) -> Dict:
            "data_sha256": args.data_sha256, "gen_subset": args.gen_subset, "langs": list(args.langs),
            "beam": args.beam, "lenpen": args.lenpen, "max_len_a": args.max_len_a, "max_len_b": args.max_len_b,
            "threads": threads, "batch_size": batch_size, "machine": {k: args.machine[k] for k in (
-               "cpu", "cores_available", "torch", "fairseq", "ctranslate2")}}
+               "cpu", "cores_available", "torch", "fairseq", "ctranslate2", "int8_dot_product", "kernel_pins")}}
+    if int8_bits(row, args):
+        key["int8_weight_bits"] = int8_bits(row, args)
     if args.device != "cpu":  # (only then: CPU decodes keep the keys they were recorded under)
         key.update(device=args.device, gpu=args.machine.get("gpu"))
     return key
@@ -736,6 +776,7 @@ def build_report(rows: List[Row], scores: Dict[str, Dict], args, argv: Sequence[
             "max_len_b": args.max_len_b, "device": args.device, "threads": args.thread_counts,
             "batch_sizes": args.batch_size_list, "fairseq_weights": args.fairseq_weight_list,
             "quantizations": args.quantization_list,
+            "int8_weight_bits": args.int8_bits if args.int8_rows else None,
             "scoring": {**args.processing.to_dict(), **args.settings.to_dict(),
                         "ref": str(args.ref) if args.ref else None, "ref_is_plain": args.ref_is_plain, "bootstrap": args.bootstrap, "ar_trials": args.ar_trials,
                         "seed": args.seed},
@@ -780,6 +821,15 @@ def notes(args) -> List[str]:
     ]
 
 
+def kernel_line(machine: Dict, settings: Dict) -> str:
+    """The int8 path: the CPU's int8 dot product, the kernel pins in force, the int8 weights' bits."""
+    pins = machine.get("kernel_pins") or {}
+    pinned = ", ".join(f"{name}={value}" for name, value in pins.items()) or "none"
+    bits = settings.get("int8_weight_bits")
+    return (f"CPU kernels: int8 dot product {machine.get('int8_dot_product', '-')}, pinned by {pinned}"
+            + (f"; int8 rows: {bits}-bit weights" if bits else "") + ".")
+
+
 def _f(value, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
@@ -799,7 +849,7 @@ def to_markdown(report: Dict) -> str:
              f"Machine: {gpu}{machine['cpu']}, {machine['cores_available']} cores available (of "
              f"{machine['cores_total']}); "
              f"torch {machine['torch']}, fairseq {machine['fairseq']}, CTranslate2 {machine['ctranslate2'] or '-'}; "
-             f"{report['date']}", "",
+             f"{report['date']}", "", kernel_line(machine, settings), "",
              f"Command: `{report['command']}`", ""]
     header = ["system", "engine", "weights", "BLEU", "95% CI", "Δ", "p", "size MB"]
     for t, b in combos:
