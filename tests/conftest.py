@@ -90,6 +90,45 @@ def run_cli_here(name: str, *args) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess([name, *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
+def run_fairseq_train_here(*args) -> subprocess.CompletedProcess:
+    """``fairseq-train ARGS`` in this process, for tests of what the plugin refuses before training:
+    fairseq's own ``cli_main`` on these arguments, and the line the plugin's excepthook prints under
+    ``fairseq-train`` (``fairseq-train: error: MESSAGE [...]``, exit status 1) for the plugin's user
+    error it raises, without a new interpreter's seconds of importing torch and fairseq. That a real
+    ``fairseq-train`` prints this line and no traceback is tested through :func:`run_cli`
+    (test_refusals' moved teacher); runs that train use :func:`run_cli`. Any other exception
+    propagates."""
+    import contextlib
+    import io
+
+    from fairseq_cli import train as fairseq_train
+
+    import fairseq_kd
+    from fairseq_kd.cli import user_errors
+
+    fairseq_kd.register()  # what --user-dir's import does in a fresh fairseq-train
+    argv = ["fairseq-train", *map(str, args)]
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    saved_argv = sys.argv
+    try:
+        sys.argv = argv
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                fairseq_train.cli_main()
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+            except Exception as error:  # noqa: BLE001 - a plugin user error is the expected outcome
+                if not user_errors._is_plugin_user_error(error, error.__traceback__):
+                    raise
+                err.write(f"fairseq-train: error: {user_errors.message_of(error)} "
+                          f"[{user_errors.TRACEBACK_VARIABLE}=1 shows the traceback]\n")
+                code = 1
+    finally:
+        sys.argv = saved_argv
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
 def run_cli(name: str, *args, check=True, cwd=None, timeout=600) -> subprocess.CompletedProcess:
     """Run a console script of the environment (fairseq-train, fairseq-generate, ...)."""
     cmd = [str(BIN / name), *map(str, args)]
@@ -119,13 +158,16 @@ def run_module(module: str, *args, check=True, cwd=None, timeout=600) -> subproc
 
 
 def train_student(data_bin, teacher_ckpt, save_dir, criterion_args, student_args=TINY_STUDENT_ARGS,
-                  max_update=4, extra=(), check=True):
-    """fairseq-train a student with --user-dir fairseq_kd; returns the CompletedProcess."""
-    return run_cli(
-        "fairseq-train", data_bin, "--user-dir", USER_DIR, "--task", "translation_kd",
-        "--teacher-checkpoint", teacher_ckpt, *student_args, *criterion_args, *COMMON_TRAIN_ARGS,
-        "--max-update", str(max_update), "--save-dir", save_dir, *extra, check=check,
-    )
+                  max_update=4, extra=(), check=True, refused=False):
+    """fairseq-train a student with --user-dir fairseq_kd; returns the CompletedProcess.
+    ``refused``: a run the plugin refuses before training, in this process
+    (:func:`run_fairseq_train_here`)."""
+    args = [data_bin, "--user-dir", USER_DIR, "--task", "translation_kd", "--teacher-checkpoint", teacher_ckpt,
+            *student_args, *criterion_args, *COMMON_TRAIN_ARGS, "--max-update", str(max_update),
+            "--save-dir", save_dir, *extra]
+    if refused:
+        return run_fairseq_train_here(*args)
+    return run_cli("fairseq-train", *args, check=check)
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,8 @@ import pickle
 import pytest
 import torch
 
-from conftest import (COMMON_TRAIN_ARGS, TINY_STUDENT_ARGS, USER_DIR, run_cli, train_student,
-                      write_reverse_corpus)
+from conftest import (COMMON_TRAIN_ARGS, TINY_STUDENT_ARGS, USER_DIR, run_cli, run_fairseq_train_here,
+                      train_student, write_reverse_corpus)
 
 
 def _fails_before_work(proc, save_dir, *fragments):
@@ -17,14 +17,14 @@ def _fails_before_work(proc, save_dir, *fragments):
 
 
 def test_missing_teacher_path(tiny_data_bin, tmp_path):
-    proc = train_student(tiny_data_bin, tmp_path / "nope.pt", tmp_path / "s", ["--criterion", "word_kd"], check=False)
+    proc = train_student(tiny_data_bin, tmp_path / "nope.pt", tmp_path / "s", ["--criterion", "word_kd"], refused=True)
     _fails_before_work(proc, tmp_path / "s", "--teacher-checkpoint", "no such file")
 
 
 def test_corrupt_teacher_file(tiny_data_bin, tmp_path):
     bad = tmp_path / "corrupt.pt"
     bad.write_bytes(b"this is not a checkpoint")
-    proc = train_student(tiny_data_bin, bad, tmp_path / "s", ["--criterion", "word_kd"], check=False)
+    proc = train_student(tiny_data_bin, bad, tmp_path / "s", ["--criterion", "word_kd"], refused=True)
     _fails_before_work(proc, tmp_path / "s", "--teacher-checkpoint", "not a readable fairseq checkpoint")
 
 
@@ -37,7 +37,7 @@ def test_teacher_with_other_dictionaries(tiny_teacher, tmp_path):
     data = tmp_path / "bin"
     run_cli("fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt", "--trainpref", raw / "train",
             "--validpref", raw / "valid", "--destdir", data, "--workers", "1")
-    proc = train_student(data, tiny_teacher, tmp_path / "s", ["--criterion", "word_kd"], check=False)
+    proc = train_student(data, tiny_teacher, tmp_path / "s", ["--criterion", "word_kd"], refused=True)
     _fails_before_work(proc, tmp_path / "s", "--teacher-checkpoint", "dictionar", "--srcdict")
 
 
@@ -50,18 +50,18 @@ def test_teacher_that_is_not_a_transformer(tiny_data_bin, tmp_path):
     # fairseq's LSTM sometimes aborts at interpreter exit ("terminate called without an active
     # exception") after saving; only the saved checkpoint matters here.
     assert (lstm / "checkpoint_last.pt").exists(), made.stderr[-3000:]
-    proc = train_student(tiny_data_bin, lstm / "checkpoint_last.pt", tmp_path / "s", ["--criterion", "word_kd"], check=False)
+    proc = train_student(tiny_data_bin, lstm / "checkpoint_last.pt", tmp_path / "s", ["--criterion", "word_kd"], refused=True)
     _fails_before_work(proc, tmp_path / "s", "not an encoder-decoder Transformer")
 
 
 def test_distillation_criterion_without_teacher_or_without_kd_task(tiny_data_bin, tmp_path):
-    proc = run_cli("fairseq-train", tiny_data_bin, "--user-dir", USER_DIR, "--task", "translation_kd",
-                   *TINY_STUDENT_ARGS, "--criterion", "word_kd", *COMMON_TRAIN_ARGS, "--max-update", "1",
-                   "--save-dir", tmp_path / "s", check=False)
+    proc = run_fairseq_train_here(tiny_data_bin, "--user-dir", USER_DIR, "--task", "translation_kd",
+                                  *TINY_STUDENT_ARGS, "--criterion", "word_kd", *COMMON_TRAIN_ARGS, "--max-update", "1",
+                                  "--save-dir", tmp_path / "s")
     _fails_before_work(proc, tmp_path / "s", "--teacher-checkpoint")
-    proc = run_cli("fairseq-train", tiny_data_bin, "--user-dir", USER_DIR, "--task", "translation",
-                   *TINY_STUDENT_ARGS, "--criterion", "word_kd", *COMMON_TRAIN_ARGS, "--max-update", "1",
-                   "--save-dir", tmp_path / "s2", check=False)
+    proc = run_fairseq_train_here(tiny_data_bin, "--user-dir", USER_DIR, "--task", "translation",
+                                  *TINY_STUDENT_ARGS, "--criterion", "word_kd", *COMMON_TRAIN_ARGS, "--max-update", "1",
+                                  "--save-dir", tmp_path / "s2")
     _fails_before_work(proc, tmp_path / "s2", "--task translation_kd")
 
 
@@ -79,7 +79,7 @@ def test_checkpoint_needing_an_unlisted_class_is_refused_never_unpickled(tiny_da
     state["extra_state"]["evil"] = payload
     evil = tmp_path / "evil.pt"
     torch.save(state, evil)
-    proc = train_student(tiny_data_bin, evil, tmp_path / "s", ["--criterion", "word_kd"], check=False)
+    proc = train_student(tiny_data_bin, evil, tmp_path / "s", ["--criterion", "word_kd"], refused=True)
     _fails_before_work(proc, tmp_path / "s", "refusing to load checkpoint", "allow-list")
     assert not (tmp_path / "code_ran").exists()
 
@@ -105,5 +105,5 @@ def test_teacher_with_reordered_dictionary_of_the_same_size(tiny_data_bin, tiny_
     lines = (data / "dict.src.txt").read_text().splitlines()
     lines[0], lines[1] = lines[1], lines[0]
     (data / "dict.src.txt").write_text("\n".join(lines) + "\n")
-    proc = train_student(data, tiny_teacher, tmp_path / "s", ["--criterion", "word_kd"], check=False)
+    proc = train_student(data, tiny_teacher, tmp_path / "s", ["--criterion", "word_kd"], refused=True)
     _fails_before_work(proc, tmp_path / "s", "--teacher-checkpoint", "dictionary", "first difference at index")

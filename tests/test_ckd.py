@@ -246,7 +246,7 @@ def test_ckd_fairseq_train_saves_resumes_and_restores_the_fusion(tiny_data_bin, 
     # flag (also for a checkpoint from before the flag existed, whose config cannot say it).
     other = "student" if map_side == "teacher" else "teacher"
     flags_other = [*flags[:-1], other]
-    refused = train_student(tiny_data_bin, tiny_teacher, tmp_path, flags_other, max_update=5, check=False)
+    refused = train_student(tiny_data_bin, tiny_teacher, tmp_path, flags_other, max_update=5, refused=True)
     assert refused.returncode != 0
     assert re.search(f"trained with --ckd-map-side {map_side}, this run has --ckd-map-side {other}: "
                      f"resume with --ckd-map-side {map_side}", refused.stderr)

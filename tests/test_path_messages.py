@@ -90,7 +90,7 @@ def test_export_refuses_a_folder_and_an_output_under_a_file(tiny_teacher, paths,
 
 def test_training_teacher_checkpoint_that_is_a_folder(tiny_data_bin, tiny_teacher, paths, tmp_path):
     folder, a_file = paths
-    proc = train_student(tiny_data_bin, folder, tmp_path / "s", ["--criterion", "word_kd"], check=False)
+    proc = train_student(tiny_data_bin, folder, tmp_path / "s", ["--criterion", "word_kd"], refused=True)
     assert proc.returncode != 0
     assert f"--teacher-checkpoint {str(folder)!r}: is a folder, not a file" in proc.stderr, proc.stderr[-3000:]
     assert "no such file" not in proc.stderr

@@ -52,7 +52,7 @@ def test_resume_is_bound_to_its_teacher(tiny_data_bin, tiny_teacher, other_teach
     before = _sha(last)
 
     # another teacher: refused, naming both, nothing written
-    proc = train_student(tiny_data_bin, other_teacher, save, ["--criterion", "word_kd"], max_update=3, check=False)
+    proc = train_student(tiny_data_bin, other_teacher, save, ["--criterion", "word_kd"], max_update=3, refused=True)
     assert proc.returncode != 0
     for fragment in ("resume refused", str(tiny_teacher), str(other_teacher), _sha(tiny_teacher)[:12],
                      _sha(other_teacher)[:12], "--allow-teacher-change"):
@@ -147,7 +147,7 @@ def test_ranges(field_name, bad, good):
     (["--label-smoothing", "1.5"], "--label-smoothing must be in [0, 1)"),
 ])
 def test_bad_numbers_are_refused_at_start_up(tiny_data_bin, tiny_teacher, tmp_path, flags, fragment):
-    proc = train_student(tiny_data_bin, tiny_teacher, tmp_path / "s", ["--criterion", "word_kd", *flags], check=False)
+    proc = train_student(tiny_data_bin, tiny_teacher, tmp_path / "s", ["--criterion", "word_kd", *flags], refused=True)
     assert proc.returncode != 0 and fragment in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "s" / "checkpoint_last.pt").exists()
 

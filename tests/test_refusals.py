@@ -140,7 +140,7 @@ def test_a2d_resume_with_other_options_names_them(tiny_data_bin, tiny_teacher, t
     train_student(tiny_data_bin, tiny_teacher, save, ["--criterion", "a2d_kd", "--a2d-normalization", "row"],
                   max_update=1)
     proc = train_student(tiny_data_bin, tiny_teacher, save, ["--criterion", "a2d_kd", "--a2d-granularity", "layer"],
-                         max_update=2, check=False)
+                         max_update=2, refused=True)
     assert proc.returncode != 0
     assert "--a2d-normalization: 'row' in the checkpoint, 'mixture' in this run" in proc.stderr, proc.stderr[-3000:]
     assert "--a2d-granularity: 'head' in the checkpoint, 'layer' in this run" in proc.stderr
@@ -158,7 +158,7 @@ def test_half_precision_without_gpu_is_refused_at_setup(tiny_data_bin, tiny_teac
     if torch.cuda.is_available() and "--cpu" not in flags:
         pytest.skip("this machine has a GPU")
     proc = train_student(tiny_data_bin, tiny_teacher, tmp_path / "s", ["--criterion", "word_kd"], max_update=1,
-                         extra=flags, check=False)
+                         extra=flags, refused=True)
     assert proc.returncode != 0 and fragment in proc.stderr and "--cpu" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "s" / "checkpoint_last.pt").exists()
 

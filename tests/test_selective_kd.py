@@ -341,7 +341,7 @@ def test_batch_selection_trains_through_fairseq_train(tiny_data_bin, tiny_teache
 
 def test_fairseq_train_refuses_a_bad_word_rate(tiny_data_bin, tiny_teacher, tmp_path):
     proc = train_student(tiny_data_bin, tiny_teacher, tmp_path / "ckpt",
-                         ["--criterion", "selective_kd", "--word-rate", "1.5"], max_update=1, check=False)
+                         ["--criterion", "selective_kd", "--word-rate", "1.5"], max_update=1, refused=True)
     assert proc.returncode != 0
     assert "--word-rate must be in (0, 1]" in proc.stderr
     assert "num_updates" not in proc.stdout + proc.stderr  # refused before any training

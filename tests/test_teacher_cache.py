@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import (COMMON_TRAIN_ARGS, QUIET_ENV, TINY_STUDENT_ARGS, USER_DIR, build_tiny_student,
-                      run_cli, run_module)
+                      run_cli, run_fairseq_train_here, run_module)
 from fairseq_kd.criterions.losses import topk_word_level_kd, word_level_kd
 
 
@@ -267,7 +267,7 @@ def test_refusals(tiny_data_bin, tiny_teacher, tmp_path):
               "--max-update", "1", "--save-dir", tmp_path / "save"]
 
     def refused(*args):
-        proc = run_cli("fairseq-train", tiny_data_bin, *common, *args, check=False)
+        proc = run_fairseq_train_here(tiny_data_bin, *common, *args)
         assert proc.returncode != 0
         return proc.stdout + proc.stderr
 
@@ -605,7 +605,7 @@ def test_a2d_reads_a_cache_only_after_its_attention_epochs_and_with_the_teacher(
               "--max-update", "1", "--save-dir", tmp_path / "save", "--criterion", "a2d_kd", "--teacher-cache", cache]
 
     def refused(*args):
-        proc = run_cli("fairseq-train", tiny_data_bin, *common, *args, check=False)
+        proc = run_fairseq_train_here(tiny_data_bin, *common, *args)
         assert proc.returncode != 0
         return proc.stdout + proc.stderr
 

@@ -177,7 +177,7 @@ def test_tinybert_fairseq_train(tiny_data_bin, tiny_teacher, tmp_path):
 
 def test_tinybert_fairseq_train_refuses_unequal_heads(tiny_data_bin, tiny_teacher, tmp_path):
     proc = train_student(tiny_data_bin, tiny_teacher, tmp_path / "bad", ["--criterion", "tinybert"],
-                         max_update=1, check=False)
+                         max_update=1, refused=True)
     assert proc.returncode != 0
     assert "encoder self attention: student 2 heads, teacher 4 (--encoder-attention-heads)" in proc.stderr
     assert not (tmp_path / "bad" / "checkpoint_last.pt").exists()
