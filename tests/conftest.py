@@ -70,24 +70,41 @@ def write_reverse_corpus(folder: Path, sizes=(("train", 400), ("valid", 40), ("t
     return folder
 
 
+def _run_here(argv, main, user_error_prog=None) -> subprocess.CompletedProcess:
+    """``main()`` in this process with its stdout and stderr captured, as a CompletedProcess for
+    ``argv``: SystemExit gives the exit status; with ``user_error_prog``, a plugin user error gives
+    the line the plugin's excepthook prints under that fairseq command and status 1 (any other
+    exception propagates)."""
+    import contextlib
+    import io
+
+    from fairseq_kd.cli import user_errors
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main()
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        except Exception as error:  # noqa: BLE001 - a plugin user error is the expected outcome
+            if user_error_prog is None or not user_errors._is_plugin_user_error(error, error.__traceback__):
+                raise
+            err.write(user_errors.one_line(user_error_prog, error))
+            code = 1
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
 def run_cli_here(name: str, *args) -> subprocess.CompletedProcess:
     """Run one of the plugin's own console scripts (``fairseq-kd-*``) in this process, for tests of
     what it refuses before any work: the same ``cli_main`` and the same one line as
     :func:`run_cli` gives, without a new interpreter's seconds of importing torch and fairseq.
     Commands that do work (train, decode, export) run through :func:`run_cli`."""
-    import contextlib
-    import io
     from importlib.metadata import entry_points
 
     (entry,) = entry_points(group="console_scripts", name=name)
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            entry.load()([str(arg) for arg in args])
-        except SystemExit as exit_:
-            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    return subprocess.CompletedProcess([name, *map(str, args)], code, out.getvalue(), err.getvalue())
+    args = [str(arg) for arg in args]
+    return _run_here([name, *args], lambda: entry.load()(args))
 
 
 def run_fairseq_train_here(*args) -> subprocess.CompletedProcess:
@@ -98,35 +115,18 @@ def run_fairseq_train_here(*args) -> subprocess.CompletedProcess:
     ``fairseq-train`` prints this line and no traceback is tested through :func:`run_cli`
     (test_refusals' moved teacher); runs that train use :func:`run_cli`. Any other exception
     propagates."""
-    import contextlib
-    import io
-
     from fairseq_cli import train as fairseq_train
 
     import fairseq_kd
-    from fairseq_kd.cli import user_errors
 
     fairseq_kd.register()  # what --user-dir's import does in a fresh fairseq-train
     argv = ["fairseq-train", *map(str, args)]
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
     saved_argv = sys.argv
     try:
-        sys.argv = argv
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                fairseq_train.cli_main()
-            except SystemExit as exit_:
-                code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-            except Exception as error:  # noqa: BLE001 - a plugin user error is the expected outcome
-                if not user_errors._is_plugin_user_error(error, error.__traceback__):
-                    raise
-                err.write(f"fairseq-train: error: {user_errors.message_of(error)} "
-                          f"[{user_errors.TRACEBACK_VARIABLE}=1 shows the traceback]\n")
-                code = 1
+        sys.argv = argv  # fairseq's cli_main reads its arguments there
+        return _run_here(argv, fairseq_train.cli_main, user_error_prog="fairseq-train")
     finally:
         sys.argv = saved_argv
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def run_cli(name: str, *args, check=True, cwd=None, timeout=600) -> subprocess.CompletedProcess:

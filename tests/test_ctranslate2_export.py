@@ -301,14 +301,6 @@ def _greedy(folder, sentences, pinned):
     return json.loads(proc.stdout)
 
 
-def _has_vnni() -> bool:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return False
-    return bool({"avx512_vnni", "avx_vnni"} & set(flags))
-
-
 def test_7_bit_weights_decode_alike_on_the_avx2_int8_path(trained, tmp_path):
     """On x86 CPUs without VNNI, MKL's and oneDNN's int8 kernels add pairs of u8*s8 products in a
     saturating int16; MKL_CBWR=AVX2 / ONEDNN_MAX_CPU_ISA=AVX2 select that path on any CPU. A model
@@ -336,5 +328,7 @@ def test_7_bit_weights_decode_alike_on_the_avx2_int8_path(trained, tmp_path):
         return all(a[0] == b[0] and abs(a[1] - b[1]) <= 1e-3 * max(1.0, abs(a[1])) for a, b in zip(first, second))
 
     assert same(decodes[7][False], decodes[7][True])
-    if _has_vnni():
+    from fairseq_kd_recipes.deploy_benchmark import machine_info
+
+    if machine_info()["int8_dot_product"] == "VNNI":
         assert not same(decodes[8][False], decodes[8][True])

@@ -153,6 +153,12 @@ def _is_plugin_user_error(error: BaseException, traceback) -> bool:
     return innermost is not None and os.path.abspath(innermost.f_code.co_filename).startswith(_PACKAGE_DIR)
 
 
+def one_line(prog: str, error: BaseException) -> str:
+    """The line a fairseq command prints for the plugin's user error (see
+    :func:`install_for_fairseq_command`)."""
+    return f"{prog}: error: {message_of(error)} [{TRACEBACK_VARIABLE}=1 shows the traceback]\n"
+
+
 def fairseq_command_name(argv0: str) -> Optional[str]:
     """``fairseq-train`` for ``.../bin/fairseq-train`` or ``.../fairseq_cli/train.py``; None for
     any other program (the plugin's own commands word their errors themselves)."""
@@ -178,7 +184,7 @@ def install_for_fairseq_command(argv0: Optional[str] = None) -> bool:
         if not _is_plugin_user_error(error, traceback):
             return previous(kind, error, traceback)
         sys.stdout.flush()
-        sys.stderr.write(f"{prog}: error: {message_of(error)} [{TRACEBACK_VARIABLE}=1 shows the traceback]\n")
+        sys.stderr.write(one_line(prog, error))
         sys.stderr.flush()
 
     sys.excepthook = one_line_for_user_errors

@@ -280,14 +280,17 @@ def round_int8_weights(spec, quantization: str, bits: int) -> None:
 
     This uses CTranslate2's private spec API (``_alias_variables``, ``_quantize``, ``_visit``), as
     its converters' ``optimize`` does; the version is recorded with the export."""
+    from ctranslate2.specs.model_spec import Variable
+
     spec._alias_variables()
     levels = int8_weight_levels(bits)
     floats = {}
 
     def keep_float(layer, name, value):
-        # a quantisable variable (CTranslate2's rule: the layer has a NAME_scale slot), not an alias
+        # a quantisable variable, as CTranslate2's _quantize tells it (the layer has a NAME_scale
+        # slot); aliases are names, not variables
         key = name.split("/")[-1]
-        if hasattr(layer, f"{key}_scale") and hasattr(value, "to") and not getattr(value, "is_scalar", lambda: True)():
+        if hasattr(layer, f"{key}_scale") and isinstance(value, Variable) and not value.is_scalar():
             floats[name] = value.to("float32").numpy().copy()
 
     if quantization in INT8_QUANTIZATIONS and bits != 8:

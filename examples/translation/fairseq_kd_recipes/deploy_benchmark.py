@@ -244,9 +244,10 @@ def validate(args: argparse.Namespace) -> List[str]:
     quantizations = [] if args.quantizations.strip().lower() == "none" else _csv(args.quantizations)
     if args.quantizations.strip().lower() != "none" and not quantizations:
         errors.append("--quantizations: give at least one weight type, or 'none' for no CTranslate2 rows")
-    if quantizations:
-        from fairseq_kd.deploy.export_ctranslate2 import QUANTIZATIONS
+    from fairseq_kd.deploy.export_ctranslate2 import (DEFAULT_INT8_WEIGHT_BITS, INT8_QUANTIZATIONS, INT8_WEIGHT_BITS,
+                                                      QUANTIZATIONS)
 
+    if quantizations:
         unknown = [q for q in quantizations if q not in QUANTIZATIONS]
         if unknown:
             errors.append(f"--quantizations: unknown {', '.join(map(repr, unknown))}; choose from "
@@ -258,8 +259,6 @@ def validate(args: argparse.Namespace) -> List[str]:
         except ImportError as error:
             errors.append(f"--quantizations: {error}; or pass --quantizations none")
     args.quantization_list = list(dict.fromkeys(quantizations))
-    from fairseq_kd.deploy.export_ctranslate2 import DEFAULT_INT8_WEIGHT_BITS, INT8_QUANTIZATIONS, INT8_WEIGHT_BITS
-
     if args.int8_weight_bits is not None and args.int8_weight_bits not in INT8_WEIGHT_BITS:
         errors.append(f"--int8-weight-bits {args.int8_weight_bits}: choose 7 or 8")
     elif args.int8_weight_bits is not None and not set(args.quantization_list) & set(INT8_QUANTIZATIONS):
