@@ -79,13 +79,35 @@ def test_alp_weights_sum_to_one_over_each_bucket(kd_task, tiny_batch, buckets, e
     expected = ((3,), (1, 3)) if explicit else TINY_BUCKETS[buckets]
     batch = distillation_batch(criterion, student, tiny_batch)
     for side in ("encoder", "decoder"):
-        _, alpha = criterion.layer_attention(side, batch.student.hidden(side), batch.teacher.hidden(side))
-        assert alpha.shape == (2, 3) + batch.student.padding_mask(side).shape
-        torch.testing.assert_close(alpha.sum(1), torch.ones_like(alpha.sum(1)))
+        alphas = slow_alphas(criterion, batch, side, expected)
         for j, bucket in enumerate(expected):
-            outside = [k for k in range(3) if k + 1 not in bucket]
-            assert (alpha[j, outside] == 0).all()
-            assert (alpha[j, [k - 1 for k in bucket]] > 0).all()
+            for position in zip(*alphas[j]):
+                assert sum(position) == pytest.approx(1.0)
+                assert all(a > 0 for a in position)
+    criterion.begin_epoch(1)
+    criterion(student, tiny_batch)
+    for side, weights in criterion.layer_weights().items():
+        for j, bucket in enumerate(expected):
+            assert sum(weights[j]) == pytest.approx(1.0)
+            assert all((weights[j][k] > 0) == (k + 1 in bucket) for k in range(3))
+
+
+@torch.no_grad()
+def slow_alphas(criterion, batch, side, buckets):
+    """alpha_jk of Eq. 5 at each real position, by loops: ``[j][index in bucket] -> [per position]``."""
+    student, teacher = batch.student.hidden(side), batch.teacher.hidden(side)
+    projection = criterion.projections[side]
+    alphas = []
+    for j, bucket in enumerate(buckets, start=1):
+        rows = [[] for _ in bucket]
+        for b, t in real_positions(batch.student.padding_mask(side)):
+            s = projection.weight @ student[j, b, t] + projection.bias
+            scores = [float(s @ teacher[k, b, t]) for k in bucket]
+            exps = [pow(2.718281828459045, x - max(scores)) for x in scores]
+            for row, e in zip(rows, exps):
+                row.append(e / sum(exps))
+        alphas.append(rows)
+    return alphas
 
 
 def test_alp_layer_weights_are_the_mean_over_real_positions_for_the_plot(kd_task, tiny_batch):
@@ -106,12 +128,10 @@ def test_alp_layer_weights_are_the_mean_over_real_positions_for_the_plot(kd_task
     weights = criterion.layer_weights()
     assert set(weights) == {"encoder", "decoder"}
     for side in ("encoder", "decoder"):
-        _, alpha = criterion.layer_attention(side, batch.student.hidden(side), batch.teacher.hidden(side))
-        positions = real_positions(batch.student.padding_mask(side))
-        for j in range(2):
-            for k in range(3):
-                mean = sum(float(alpha[j, k, b, t]) for b, t in positions) / len(positions)
-                assert weights[side][j][k] == pytest.approx(mean, abs=1e-6)
+        alphas = slow_alphas(criterion, batch, side, TINY_BUCKETS["po"])
+        for j, bucket in enumerate(TINY_BUCKETS["po"]):
+            for row, k in zip(alphas[j], bucket):
+                assert weights[side][j][k - 1] == pytest.approx(sum(row) / len(row), abs=1e-6)
             assert sum(weights[side][j]) == pytest.approx(1.0)
         assert weights[side][0][2] == 0.0 and weights[side][1][0] == 0.0  # outside the PO buckets
 
@@ -173,3 +193,52 @@ def test_alp_trains_with_fairseq_train_and_saves_its_weights(tiny_data_bin, tiny
     refused = run_module("fairseq_kd.cli.plot", "alp", "--checkpoint", tmp_path / "checkpoint_last.pt",
                          "--weights-output", output, "--output", tmp_path / "other.png", check=False)
     assert refused.returncode != 0 and "--overwrite" in refused.stderr
+
+
+def autograd_alp(student_states, weight, bias, teacher_states, padding_mask, member):
+    """Eq. 5 and 7 for all positions at once, differentiated by autograd (float64)."""
+    student = student_states[1:]
+    if weight is not None:
+        student = student @ weight + bias
+    teacher = teacher_states[1:]
+    scores = torch.einsum("jbtd,kbtd->jkbt", student, teacher).masked_fill(~member[:, :, None, None], float("-inf"))
+    alpha = torch.softmax(scores, dim=1)
+    combined = torch.einsum("jkbt,kbtd->jbtd", alpha, teacher)
+    per_position = ((student - combined) ** 2).mean(-1).masked_fill(padding_mask, 0.0)
+    return per_position.sum(), (alpha * (~padding_mask)).sum((2, 3))
+
+
+@pytest.mark.parametrize("rows", [1, 3, None, 10_000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("projected", [True, False])
+def test_alp_layer_mse_in_chunks_equals_autograd_over_all_positions(rows, dtype, projected):
+    """Value, layer-weight sums and gradients (student states, P's weight and bias) of the chunked
+    term equal autograd through the unchunked equations, with padding and a partial bucket."""
+    from fairseq_kd.criterions.alp_kd import alp_layer_mse
+
+    torch.manual_seed(0)
+    width = 6
+    student = (0.5 * torch.randn(3, 2, 5, 4 if projected else width)).to(dtype).requires_grad_()
+    teacher = (0.5 * torch.randn(4, 2, 5, width)).to(dtype)
+    weight = (0.5 * torch.randn(4, width)).to(dtype).requires_grad_() if projected else None
+    bias = (0.1 * torch.randn(width)).to(dtype).requires_grad_() if projected else None
+    padding = torch.zeros(2, 5, dtype=torch.bool)
+    padding[1, 2:] = True
+    member = torch.tensor([[True, True, True], [False, True, True]])
+    loss, alpha_sum, positions = alp_layer_mse(student, weight, bias, teacher, padding, member, rows=rows)
+    (2.5 * loss).backward()
+    leaves = [leaf for leaf in (student, weight, bias) if leaf is not None]
+    references = [leaf.detach().double().requires_grad_() for leaf in leaves]
+    reference, reference_alpha = autograd_alp(references[0], references[1] if projected else None,
+                                              references[2] if projected else None, teacher.double(), padding, member)
+    (2.5 * reference).backward()
+    assert positions == 7 and loss.dtype == torch.float32
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(loss.double(), reference.detach(), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(alpha_sum, reference_alpha.detach(), rtol=tolerance, atol=tolerance)
+    assert (alpha_sum[1, 0] == 0).all()
+    for leaf, reference_leaf in zip(leaves, references):
+        assert leaf.grad.dtype == dtype
+        scale = 1.0 if dtype == torch.float32 else reference_leaf.grad.abs().max().item()
+        torch.testing.assert_close(leaf.grad.double(), reference_leaf.grad, rtol=tolerance, atol=tolerance * scale)
+    assert (student.grad[:, padding] == 0).all() and (student.grad[0] == 0).all()

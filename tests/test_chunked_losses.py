@@ -200,3 +200,93 @@ def test_ce_and_word_kd_in_one_pass_equal_their_weighted_sum(rows, dtype, temper
     tolerance = 1e-6 if dtype == torch.float32 else 2e-2
     assert student.grad.dtype == dtype and (student.grad[~mask] == 0).all()
     torch.testing.assert_close(student.grad.double(), reference_logits.grad, rtol=tolerance, atol=tolerance)
+
+
+# ------------------------------------------------------------------ the projected hidden-state MSE
+
+def projected_inputs(dtype, shared, bias, seed=0):
+    """Student states (3 + 1 layers, d_S 5) and teacher states (4 + 1, d_T 7) of 3 sentences of 6
+    positions, two of them padded at the end; 4 layer pairs, one map per pair or one for all."""
+    torch.manual_seed(seed)
+    student = torch.randn(4, 3, 6, 5).to(dtype)
+    teacher = (2 * torch.randn(5, 3, 6, 7)).to(dtype)
+    padding = torch.zeros(3, 6, dtype=torch.bool)
+    padding[0, 4:] = True
+    padding[2, 1:] = True
+    maps = 1 if shared else 4
+    weight = (0.5 * torch.randn(maps, 5, 7)).to(dtype)
+    offsets = torch.randn(maps, 7).to(dtype) if bias else None
+    student_layers, teacher_layers = torch.tensor([1, 2, 2, 3]), torch.tensor([1, 2, 3, 4])
+    return student, teacher, padding, weight, offsets, student_layers, teacher_layers
+
+
+def slow_projected_mse(student, teacher, padding, weight, bias, student_layers, teacher_layers, pair_weight):
+    """Pair by pair and position by position, in float64."""
+    total = 0.0
+    for pair, (s, t) in enumerate(zip(student_layers.tolist(), teacher_layers.tolist())):
+        index = 0 if weight.size(0) == 1 else pair
+        for b in range(padding.size(0)):
+            for position in range(padding.size(1)):
+                if padding[b, position]:
+                    continue
+                mapped = student[s, b, position] @ weight[index]
+                if bias is not None:
+                    mapped = mapped + bias[index]
+                total = total + pair_weight[pair] * ((mapped - teacher[t, b, position]) ** 2).mean()
+    return total
+
+
+@pytest.mark.parametrize("rows", CHUNKS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared, bias", [(False, True), (True, True), (True, False)])
+def test_projected_mse_in_chunks_equals_the_per_position_reference(rows, dtype, shared, bias):
+    student, teacher, padding, weight, offsets, student_layers, teacher_layers = projected_inputs(dtype, shared, bias)
+    pair_weight = torch.tensor([0.5, 0.5, 1.0, 2.0])
+    leaves = [student.clone().requires_grad_(), weight.clone().requires_grad_()]
+    if bias:
+        leaves.append(offsets.clone().requires_grad_())
+    loss = losses.projected_mse_sum(leaves[0], student_layers, leaves[1], leaves[2] if bias else None, teacher,
+                                    teacher_layers, padding, pair_weight, rows=rows)
+    (3.5 * loss).backward()
+
+    reference_leaves = [leaf.detach().double().requires_grad_() for leaf in leaves]
+    reference = slow_projected_mse(reference_leaves[0], teacher.double(), padding, reference_leaves[1],
+                                   reference_leaves[2] if bias else None, student_layers, teacher_layers,
+                                   pair_weight.double())
+    (3.5 * reference).backward()
+    assert loss.dtype == torch.float32
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(loss.double(), reference.detach(), rtol=tolerance, atol=tolerance)
+    for leaf, reference_leaf in zip(leaves, reference_leaves):
+        assert leaf.grad.dtype == dtype
+        # in bfloat16 the products are rounded to 8 bits, so a gradient summed over positions and pairs
+        # is compared at its own scale
+        scale = reference_leaf.grad.abs().max().item() if dtype != torch.float32 else 1.0
+        torch.testing.assert_close(leaf.grad.double(), reference_leaf.grad, rtol=tolerance, atol=tolerance * scale)
+    assert (leaves[0].grad[:, padding] == 0).all()
+
+
+def test_projected_mse_ignores_padding_and_keeps_nothing_under_no_grad():
+    """Other values at padded positions, on either side, change neither the value nor the gradient;
+    without autograd (validation) the value is the same."""
+    student, teacher, padding, weight, offsets, student_layers, teacher_layers = projected_inputs(torch.float32, False, True)
+
+    def run(student, teacher):
+        leaves = [student.clone().requires_grad_(), weight.clone().requires_grad_(), offsets.clone().requires_grad_()]
+        loss = losses.projected_mse_sum(leaves[0], student_layers, leaves[1], leaves[2], teacher, teacher_layers,
+                                        padding, rows=2)
+        loss.backward()
+        return loss, [leaf.grad for leaf in leaves]
+
+    loss, grads = run(student, teacher)
+    scrambled_student, scrambled_teacher = student.clone(), teacher.clone()
+    scrambled_student[:, padding] = 1e3
+    scrambled_teacher[:, padding] = -1e3
+    scrambled_loss, scrambled_grads = run(scrambled_student, scrambled_teacher)
+    assert scrambled_loss.item() == loss.item()
+    for grad, scrambled in zip(grads, scrambled_grads):
+        torch.testing.assert_close(grad, scrambled, rtol=0, atol=0)
+    with torch.no_grad():
+        quiet = losses.projected_mse_sum(student, student_layers, weight.requires_grad_(), offsets, teacher,
+                                         teacher_layers, padding, rows=2)
+    assert not quiet.requires_grad and quiet.item() == pytest.approx(loss.item(), rel=1e-6)

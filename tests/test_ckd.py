@@ -256,27 +256,3 @@ def test_ckd_fairseq_train_saves_resumes_and_restores_the_fusion(tiny_data_bin, 
     exported = checkpoint(tmp_path / "student.pt")
     assert "criterion" not in exported
     assert not [key for key in exported["model"] if "fusion" in key or "blocks" in key]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bias", [True, False])
-def test_stacked_linear_residual_is_the_projection_minus_the_targets(dtype, bias):
-    """The fused residual (bias and targets as the matmul's addend) equals projecting each slice
-    with its own map and subtracting, computed slice by slice here; in float32 whatever the
-    parameters' dtype, with gradients for the inputs and the parameters only."""
-    from fairseq_kd.modules.projection import StackedLinear
-
-    torch.manual_seed(0)
-    stacked = StackedLinear(3, 5, 4, bias=bias).to(dtype)
-    inputs = torch.randn(3, 2, 6, 5, dtype=dtype, requires_grad=True)
-    targets = torch.randn(3, 2, 6, 4)
-    residual = stacked.residual(inputs, targets)
-    assert residual.dtype == torch.float32 and residual.shape == (3, 2, 6, 4)
-    for index in range(3):
-        projected = inputs[index].float() @ stacked.weight[index].float()
-        if bias:
-            projected = projected + stacked.bias[index].float()
-        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(residual[index], projected - targets[index], atol=tolerance, rtol=tolerance)
-    residual.square().sum().backward()
-    assert inputs.grad is not None and stacked.weight.grad is not None and torch.isfinite(stacked.weight.grad).all()

@@ -35,7 +35,10 @@ def test_attention_score_mse_by_hand():
 
 
 def test_hidden_mse_by_hand():
-    student = torch.tensor([[[[1.0, 2.0], [3.0, 4.0], [9.0, 9.0]]]])  # (1 mapped layer, B=1, T=3, d=2)
+    student = torch.tensor([
+        [[[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]],  # h^0 (B=1, T=3, d=2)
+        [[[1.0, 2.0], [3.0, 4.0], [9.0, 9.0]]],  # h^1, the mapped one
+    ])
     teacher = torch.tensor([
         [[[5.0, 5.0], [5.0, 5.0], [5.0, 5.0]]],  # h^0
         [[[7.0, 7.0], [7.0, 7.0], [7.0, 7.0]]],  # h^1
@@ -43,9 +46,18 @@ def test_hidden_mse_by_hand():
     ])
     padding = torch.tensor([[False, False, True]])
     # position 1: (0^2 + 2^2) / 2 = 2; position 2: (0^2 + 1^2) / 2 = 0.5; position 3 is padding
-    assert hidden_mse(student, teacher, padding, (2,)).item() == pytest.approx(2.5)
-    assert hidden_mse(student[:, :, :1], teacher[:1, :, :1], padding[:, :1], (0,)).item() == pytest.approx(
-        ((1 - 5) ** 2 + (2 - 5) ** 2) / 2)
+    assert hidden_mse(nn.Identity(), student, (1,), teacher, (2,), padding).item() == pytest.approx(2.5)
+    assert hidden_mse(nn.Identity(), student[:, :, :1], (1,), teacher[:, :, :1], (0,), padding[:, :1]).item() == (
+        pytest.approx(((1 - 5) ** 2 + (2 - 5) ** 2) / 2))
+    # through a map of the student's 2 features to 3: W h + b at position 1 is (1, 4, 3.5), at 2
+    # (3, 8, 7.5); against a teacher of 3 features
+    projection = nn.Linear(2, 3)
+    with torch.no_grad():
+        projection.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]]))
+        projection.bias.copy_(torch.tensor([0.0, 0.0, 0.5]))
+    wide_teacher = torch.tensor([[[[1.0, 4.0, 3.5], [3.0, 8.0, 4.5], [0.0, 0.0, 0.0]]]])
+    # position 1 matches exactly; position 2: (0 + 0 + 3^2) / 3 = 3
+    assert hidden_mse(projection, student, (1,), wide_teacher, (0,), padding).item() == pytest.approx(3.0)
 
 
 # --------------------------------------------------------------------------- slow reference

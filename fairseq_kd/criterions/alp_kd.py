@@ -33,8 +33,8 @@ from torch import Tensor, nn
 from ..modules.layer_mapping import ALP_BUCKETS, resolve_mapping
 from ..modules.projection import width_projection
 from .base import EpochSums
-from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion, in_param_dtype
-from .losses import masked_mse_sum
+from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion
+from .losses import rows_per_chunk
 
 ALP_BUCKET_CHOICES = ChoiceEnum(list(ALP_BUCKETS))
 
@@ -87,30 +87,20 @@ class ALPKDCriterion(HiddenStateKDCriterion):
         self.alpha_sums = EpochSums()
 
     # ------------------------------------------------------------------ the method
-    def layer_attention(self, side: str, student_states: Tensor, teacher_states: Tensor):
-        """``(P h_S^j for j = 1..m, alpha)``: the (projected) student states ``(m, B, T, d_T)`` and
-        the weights ``alpha`` ``(m, n, B, T)``, summing to 1 over each student layer's bucket and 0
-        outside it."""
-        student = in_param_dtype(self.projections[side], student_states[1:])
-        teacher = teacher_states[1:].float()
-        scores = torch.einsum("jbtd,kbtd->jkbt", student, teacher)
-        member = getattr(self, f"{side}_bucket_member")[:, :, None, None]
-        alpha = torch.softmax(scores.masked_fill(~member, float("-inf")), dim=1)
-        return student, alpha
-
     def layer_loss(self, side, student_states, teacher_states, padding_mask):
-        student, alpha = self.layer_attention(side, student_states, teacher_states)
-        combined = torch.einsum("jkbt,kbtd->jbtd", alpha, teacher_states[1:].float())
+        projection = self.projections[side]
+        linear = isinstance(projection, nn.Linear)
+        loss, alpha_sum, positions = alp_layer_mse(
+            student_states, projection.weight.t() if linear else None,
+            projection.bias if linear else None, teacher_states, padding_mask,
+            getattr(self, f"{side}_bucket_member"),
+        )
         if self.training and not self.is_dummy_batch:
-            self._record_alpha(side, alpha.detach(), padding_mask)
-        return masked_mse_sum(student, combined, padding_mask)
+            self.alpha_sums.add(f"alpha/{side}", alpha_sum)
+            self.alpha_sums.add(f"positions/{side}", alpha_sum.new_tensor(float(positions)))
+        return loss
 
     # ------------------------------------------------------------ weight read-out
-    def _record_alpha(self, side: str, alpha: Tensor, padding_mask: Tensor) -> None:
-        real = (~padding_mask).to(torch.float64)
-        self.alpha_sums.add(f"alpha/{side}", torch.einsum("jkbt,bt->jk", alpha.double(), real))
-        self.alpha_sums.add(f"positions/{side}", real.sum())
-
     def begin_epoch(self, epoch: int) -> None:
         super().begin_epoch(epoch)
         self.alpha_sums.begin_epoch(epoch)
@@ -131,6 +121,98 @@ class ALPKDCriterion(HiddenStateKDCriterion):
 
     def load_checkpoint_state(self, state: dict) -> None:
         self.alpha_sums.load_state(saved_alpha_sums(state))
+
+
+def alp_layer_mse(student_states: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], teacher_states: Tensor,
+                  padding_mask: Tensor, bucket_member: Tensor, rows: Optional[int] = None):
+    """``L_ALP`` of one side (Eq. 5 and 7) and what the layer weights are read from.
+
+    student_states ``(m + 1, B, T, d_S)``, teacher_states ``(n + 1, B, T, d_T)`` (index 0 the
+    embedding output, not distilled); weight ``(d_S, d_T)`` and bias ``(d_T,)`` the map ``P``, both
+    None when the widths agree; padding_mask ``(B, T)`` True at padding; bucket_member ``(m, n)``
+    True where teacher layer ``k`` is in student layer ``j``'s bucket. Returns (``sum_t sum_j
+    mean_d (P h_S^j - C^j)^2`` over real positions ``t``, in float32; the sum of ``alpha`` over those
+    positions ``(m, n)``, float64, no gradient; their number).
+
+    Every quantity of Eq. 5 is per position, so the term is computed in chunks of positions with
+    its gradient formed in the forward pass (as :mod:`.losses` does for the vocabulary terms):
+    nothing ``d_T`` wide of all positions is kept for the backward pass, where autograd through the
+    two einsums kept the projected student, the combination, their difference and permuted copies
+    of the teacher's states.
+    """
+    batch_index, time_index = padding_mask.logical_not().nonzero(as_tuple=True)
+    inputs = student_states[1:, batch_index, time_index].transpose(0, 1)  # (N, m, d_S)
+    flat_positions = batch_index * padding_mask.size(1) + time_index
+    teacher_flat = teacher_states.reshape(teacher_states.size(0), -1, teacher_states.size(-1)).transpose(0, 1)
+    width, pairs = teacher_states.size(-1), bucket_member.numel()
+    chunk = rows_per_chunk(pairs * width, rows, inputs.size(0), inputs.device.type)
+    wants_gradient = torch.is_grad_enabled() and any(
+        tensor is not None and tensor.requires_grad for tensor in (inputs, weight, bias))
+    loss, alpha_sum = _ALPLayerMSE.apply(inputs, weight, bias, teacher_flat, flat_positions, bucket_member, chunk,
+                                         wants_gradient)
+    return loss, alpha_sum, inputs.size(0)
+
+
+class _ALPLayerMSE(torch.autograd.Function):
+    """:func:`alp_layer_mse` over the student's states at the real positions ``(N, m, d_S)``, position
+    major. Per position, with ``S_j = P h_S^j``, ``s_jk = S_j . T_k``, ``alpha = softmax_k(s)`` over the
+    bucket, ``C_j = sum_k alpha_jk T_k`` and ``G_j = 2 (S_j - C_j) / d``: ``dL/dalpha_jk = -G_j . T_k``,
+    ``dL/ds_jk = alpha_jk (dL/dalpha_jk - sum_l alpha_jl dL/dalpha_jl)`` and ``dL/dS_j = G_j + sum_k
+    dL/ds_jk T_k`` (the teacher takes no gradient); then ``P``'s: ``dL/dh_S = dL/dS P^T``, ``dL/dP =
+    sum h_S^T dL/dS``, ``dL/db = sum dL/dS``."""
+
+    @staticmethod
+    def forward(ctx, inputs, weight, bias, teacher_flat, flat_positions, bucket_member, rows, wants_gradient):
+        positions, width = inputs.size(0), teacher_flat.size(-1)
+        matmul_dtype = inputs.dtype if weight is None else weight.dtype
+        outside = bucket_member.logical_not()
+        total = torch.zeros((), dtype=torch.float32, device=inputs.device)
+        alpha_sum = torch.zeros(bucket_member.shape, dtype=torch.float64, device=inputs.device)
+        grad_inputs = grad_weight = grad_bias = None
+        if wants_gradient:
+            grad_inputs = torch.empty(inputs.shape, dtype=torch.float32, device=inputs.device)
+            if weight is not None:
+                grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=inputs.device)
+            if bias is not None:
+                grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=inputs.device)
+        for start in range(0, positions, rows):
+            x = inputs[start:start + rows]  # (n, m, d_S)
+            if weight is None:
+                student = x.float()
+            else:
+                student = torch.matmul(x.to(matmul_dtype), weight).float()
+                if bias is not None:
+                    student += bias.float()
+            teacher = teacher_flat[flat_positions[start:start + rows], 1:].float()  # (n, K, d)
+            scores = torch.bmm(student, teacher.transpose(1, 2)).masked_fill_(outside, float("-inf"))
+            alpha = torch.softmax(scores, dim=-1)  # (n, m, K)
+            alpha_sum += alpha.sum(0).double()
+            difference = student - torch.bmm(alpha, teacher)  # S - C
+            total += torch.linalg.vector_norm(difference).square()
+            if wants_gradient:
+                gradient = difference.mul_(2.0 / width)  # G
+                d_alpha = torch.bmm(gradient, teacher.transpose(1, 2)).neg_()
+                d_scores = alpha.mul_(d_alpha.sub_((alpha * d_alpha).sum(-1, keepdim=True)))
+                gradient.baddbmm_(d_scores, teacher)  # dL/dS
+                if weight is None:
+                    grad_inputs[start:start + rows] = gradient
+                else:
+                    grad_inputs[start:start + rows] = torch.matmul(gradient.to(matmul_dtype), weight.t())
+                    flat_x = x.reshape(-1, x.size(-1)).float()
+                    grad_weight.addmm_(flat_x.t(), gradient.reshape(-1, width))
+                    if grad_bias is not None:
+                        grad_bias += gradient.sum((0, 1))
+        if wants_gradient:
+            ctx.save_for_backward(grad_inputs, grad_weight, grad_bias)
+            ctx.dtypes = tuple(None if tensor is None else tensor.dtype for tensor in (inputs, weight, bias))
+        ctx.mark_non_differentiable(alpha_sum)
+        return total / width, alpha_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_alpha_sum):
+        grads = tuple(None if gradient is None else gradient.mul_(grad_loss).to(dtype)
+                      for gradient, dtype in zip(ctx.saved_tensors, ctx.dtypes))
+        return grads + (None,) * 5
 
 
 def mean_alpha(sums: Dict[str, Tensor]) -> Dict[str, List[List[float]]]:

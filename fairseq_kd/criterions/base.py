@@ -190,6 +190,17 @@ def check_numeric_options(cfg, criterion_name: str = "") -> None:
             raise ValueError(f"{flag} must be {rule.text()} ({rule.meaning}){where}, got {value}")
 
 
+class _PendingFusedWordKD:
+    """Stands for the fused word-KD value while a method forms its terms (the base computes it
+    afterwards); it supports no arithmetic, so a method cannot use the value it does not yet have."""
+
+    def __repr__(self) -> str:
+        return "PENDING_FUSED_WORD_KD"
+
+
+PENDING_FUSED_WORD_KD = _PendingFusedWordKD()
+
+
 @dataclass
 class DistillationBatch:
     """Everything a method needs for one batch. Hidden/attention features are only present when
@@ -205,9 +216,11 @@ class DistillationBatch:
     #: run reads --teacher-cache instead of running the teacher
     teacher_topk: Optional[Tuple[Tensor, Tensor]] = None
     #: word-level KD at ``target_mask`` and ``fused_temperature``, computed by the base together with
-    #: CE (:func:`.losses.label_smoothed_ce_and_word_kd`; its gradient is in the step's loss already):
-    #: what :func:`.losses.word_kd_term` returns for it
-    fused_word_kd: Optional[Tensor] = None
+    #: CE (:func:`.losses.label_smoothed_ce_and_word_kd`; its gradient is in the step's loss): what
+    #: :func:`.losses.word_kd_term` returns for it. While the method forms its terms this is
+    #: :data:`PENDING_FUSED_WORD_KD`, which the method returns untouched as that term; the base runs
+    #: the fused pass after the method's terms and puts its value there.
+    fused_word_kd: Optional[object] = None
     fused_temperature: float = 1.0
     #: the positions that fused word KD covers when they are not ``target_mask``
     #: (:meth:`KDCriterionBase.fused_kd_mask`: selective KD's chosen tokens)
@@ -483,13 +496,7 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
         fused_word_kd = combined = kd_mask = None
         if fused:
             kd_mask = self.fused_kd_mask(net_output[0], sample, target_mask)
-            combined, ce_loss, nll_loss, fused_word_kd = label_smoothed_ce_and_word_kd(
-                net_output[0], teacher_output[0], sample["target"], target_mask, self.eps, self.kd_temperature,
-                weights["ce"], weights[fused_term], kd_mask=kd_mask)
-        elif distilling:
-            ce_loss, nll_loss = self.cross_entropy(model, net_output, sample, target_mask)
-        else:  # no term active: exactly fairseq's criterion (its reduction order too)
-            ce_loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=True)
+            fused_word_kd = PENDING_FUSED_WORD_KD
 
         terms: Dict[str, Tensor] = {}
         extra_logs: Dict[str, object] = {}
@@ -513,6 +520,21 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
                     f"{self.criterion_name()}: its {fused_term} term must come from losses.word_kd_term(batch, "
                     "batch.fused_kd_mask or batch.target_mask, self.kd_temperature), which returns the value "
                     "computed with CE")
+            # The method's own terms are formed and keep what their backward passes need: the
+            # teacher's hidden states and attention maps (and the student's captured copies) go
+            # before CE's pass below allocates its (positions, vocabulary) gradient buffer, so the
+            # two never count together in the step's peak memory.
+            del batch
+            teacher_features = capture = None
+        if fused:
+            combined, ce_loss, nll_loss, fused_word_kd = label_smoothed_ce_and_word_kd(
+                net_output[0], teacher_output[0], sample["target"], target_mask, self.eps, self.kd_temperature,
+                weights["ce"], weights[fused_term], kd_mask=kd_mask)
+            terms[fused_term] = fused_word_kd
+        elif distilling:
+            ce_loss, nll_loss = self.cross_entropy(model, net_output, sample, target_mask)
+        else:  # no term active: exactly fairseq's criterion (its reduction order too)
+            ce_loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=True)
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
         nsentences = sample["target"].size(0)
         for name in self.SENTENCE_TERMS:

@@ -39,7 +39,9 @@ Implementation (``teacher`` side): ``W_i [h^{j_1}; h^{j_2}]`` equals ``W_{i,1} h
 for the column blocks ``W_{i,k}`` of ``W_i``, so all (student layer, teacher layer) pairs are projected in one
 batched matmul over the stacked teacher states and summed per student layer with ``index_add``.
 The ``student`` side likewise projects each student layer once per (student layer, teacher layer)
-pair, the row blocks of ``W_i``, in one batched matmul.
+pair, the row blocks of ``W_i``, in one batched matmul, through
+:func:`~fairseq_kd.criterions.losses.projected_mse_sum`, which forms its gradient chunk by chunk and
+so never holds the ``(pairs, positions, d_T)`` residual whole.
 """
 from dataclasses import dataclass, field
 from typing import Optional
@@ -52,7 +54,7 @@ from torch import Tensor, nn
 from ..modules.layer_mapping import CKD_STRATEGIES, LayerMapping, resolve_mapping
 from ..modules.projection import StackedLinear
 from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion, in_param_dtype
-from .losses import masked_mse_sum, sum_of_squares
+from .losses import masked_mse_sum, projected_mse_sum
 
 CKD_MAPPING_CHOICES = ChoiceEnum(list(CKD_STRATEGIES))
 CKD_MAP_SIDES = ChoiceEnum(["student", "teacher"])
@@ -146,13 +148,11 @@ class StudentProjection(nn.Module):
         )
 
     def loss(self, student_states: Tensor, teacher_states: Tensor, padding_mask: Tensor) -> Tensor:
-        # Only real positions are projected: padding would cost the matmuls and be masked anyway.
-        batch_index, time_index = padding_mask.logical_not().nonzero(as_tuple=True)
-        inputs = student_states[self.pair_student_layer[:, None], batch_index, time_index]  # (P, N, d_S)
-        targets = teacher_states[self.pair_teacher_layer[:, None], batch_index, time_index]  # (P, N, d_T)
-        residual = self.blocks.residual(inputs, targets)  # W h_S + b - h_T
-        per_pair = sum_of_squares(residual, dims=(1, 2)) / residual.size(-1)
-        return (per_pair * self.pair_weight).sum()
+        # At real positions only, in chunks, the (pairs, positions, d_T) residual never whole
+        return projected_mse_sum(
+            student_states, self.pair_student_layer, self.blocks.weight, self.blocks.bias,
+            teacher_states, self.pair_teacher_layer, padding_mask, self.pair_weight,
+        )
 
 
 @register_criterion("ckd", dataclass=CombinatorialKDConfig)

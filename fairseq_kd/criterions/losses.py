@@ -396,3 +396,97 @@ def masked_row_kl(student_log_probs: Tensor, mask: Tensor, teacher_probs: Tensor
         return (p * (log_p - log_q)).sum(-1)
     p = torch.where(mask, teacher_probs.float(), 0.0)
     return (torch.xlogy(p, p) - p * log_q).sum(-1)
+
+
+def projected_mse_sum(
+    student_states: Tensor, student_layers: Tensor, weight: Tensor, bias: Optional[Tensor],
+    teacher_states: Tensor, teacher_layers: Tensor, padding_mask: Tensor, pair_weight: Optional[Tensor] = None,
+    rows: Optional[int] = None,
+) -> Tensor:
+    """``sum_p w_p sum_t mean_k ((h_S^{s_p}[t] W_p + b_p) - h_T^{t_p}[t])_k^2`` over layer pairs ``p``
+    and real positions ``t``: the student's states mapped to the teacher's width and compared
+    with the teacher's, the MSE of two vectors a mean over the ``d_T`` features (CKD's student-side
+    map, Wu et al. 2020 Eq. 3; TinyBERT's ``W_h`` and ``W_e``, Jiao et al. 2020 Eq. 8-9).
+
+    student_states ``(m + 1, B, T, d_S)``, teacher_states ``(n + 1, B, T, d_T)``, padding_mask
+    ``(B, T)`` True at padding; student_layers, teacher_layers: ``(P,)`` long, the stack index of
+    each pair's two sides; weight ``(P, d_S, d_T)``, one map per pair, or ``(1, d_S, d_T)``, one
+    map for all; bias ``(P or 1, d_T)`` or None; pair_weight ``(P,)``, default 1. Float32 whatever
+    the states' and parameters' dtypes (the matrix products run in the parameters' dtype).
+
+    Computed in chunks of positions with the gradient formed in the forward pass, like the
+    vocabulary losses: the ``(P, positions, d_T)`` residual exists one chunk at a time, and what
+    is kept for the backward pass is the gradient of the student's states at the gathered pairs
+    (``d_S`` wide) and of the map, not the residual nor a gathered copy of the teacher's states. At
+    a 4x width ratio those two ``d_T``-wide tensors were what CKD and TinyBERT added to a step's
+    peak memory (``docs/results/benchmark_cpu_vocab.md``).
+    """
+    batch_index, time_index = padding_mask.logical_not().nonzero(as_tuple=True)
+    inputs = student_states[student_layers[:, None], batch_index, time_index]  # (P, N, d_S)
+    flat_positions = batch_index * padding_mask.size(1) + time_index
+    teacher_flat = teacher_states.reshape(teacher_states.size(0), -1, teacher_states.size(-1))
+    if pair_weight is None:
+        pair_weight = torch.ones(len(student_layers), device=inputs.device)
+    chunk = rows_per_chunk(len(student_layers) * weight.size(-1), rows, inputs.size(1), inputs.device.type)
+    wants_gradient = torch.is_grad_enabled() and any(
+        tensor is not None and tensor.requires_grad for tensor in (inputs, weight, bias))
+    return _ProjectedMSE.apply(inputs, weight, bias, teacher_flat, teacher_layers, flat_positions,
+                               pair_weight.float(), chunk, wants_gradient)
+
+
+class _ProjectedMSE(torch.autograd.Function):
+    """:func:`projected_mse_sum` over gathered inputs ``(P, N, d_S)``. With ``r = x W + b - t`` and
+    ``c = 2 w_p / d_T``: the gradient is ``c r W^T`` for ``x``, ``sum c x^T r`` for ``W`` and ``sum c
+    r`` for ``b`` (summed over the pairs when one map serves them all)."""
+
+    @staticmethod
+    def forward(ctx, inputs, weight, bias, teacher_flat, teacher_layers, flat_positions, pair_weight, rows,
+                wants_gradient):
+        pairs, positions, out_dim = inputs.size(0), inputs.size(1), weight.size(-1)
+        shared = weight.size(0) == 1 and pairs > 1
+        matmul_dtype = weight.dtype
+        maps = weight.expand(pairs, -1, -1)
+        offset_bias = None if bias is None else bias.float().expand(pairs, -1).unsqueeze(1)  # (P, 1, d_T)
+        coefficient = (2.0 / out_dim) * pair_weight.view(pairs, 1, 1)
+        total = torch.zeros((), dtype=torch.float32, device=inputs.device)
+        grad_inputs = grad_weight = grad_bias = None
+        if wants_gradient:
+            grad_inputs = torch.empty(inputs.shape, dtype=torch.float32, device=inputs.device)
+            grad_weight = torch.zeros((pairs,) + weight.shape[1:], dtype=torch.float32, device=inputs.device)
+            grad_bias = None if bias is None else torch.zeros(pairs, out_dim, dtype=torch.float32, device=inputs.device)
+        for start in range(0, positions, rows):
+            x = inputs[:, start:start + rows].to(matmul_dtype)
+            targets = teacher_flat[teacher_layers[:, None], flat_positions[None, start:start + rows]]
+            # residual = x W + b - t, the bias and the targets as the product's addend (in place on the
+            # gathered targets, which are this function's own)
+            offset = targets.float().neg_() if targets.dtype != torch.float32 else targets.neg_()
+            if offset_bias is not None:
+                offset.add_(offset_bias)
+            if matmul_dtype == torch.float32:
+                residual = torch.baddbmm(offset, x, maps)
+            else:
+                residual = torch.bmm(x, maps).float().add_(offset)
+            total += (torch.linalg.vector_norm(residual, dim=(1, 2)).square() * pair_weight).sum()
+            if wants_gradient:
+                residual.mul_(coefficient)
+                scaled = residual.to(matmul_dtype)
+                grad_inputs[:, start:start + rows] = torch.bmm(scaled, maps.transpose(1, 2))
+                # in float32 whatever the parameters' dtype: the map's gradient sums every chunk (and,
+                # for a shared map, every pair), which products rounded to half precision would not
+                # survive
+                grad_weight.baddbmm_(x.float().transpose(1, 2), residual)
+                if grad_bias is not None:
+                    grad_bias += residual.sum(1)
+        if wants_gradient:
+            if shared:
+                grad_weight = grad_weight.sum(0, keepdim=True)
+                grad_bias = None if grad_bias is None else grad_bias.sum(0, keepdim=True)
+            ctx.save_for_backward(grad_inputs, grad_weight, grad_bias)
+            ctx.dtypes = (inputs.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return total / out_dim
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grads = tuple(None if gradient is None else gradient.mul_(grad_output).to(dtype)
+                      for gradient, dtype in zip(ctx.saved_tensors, ctx.dtypes))
+        return grads + (None,) * 6

@@ -40,7 +40,7 @@ from ..modules.layer_mapping import LayerMappingError, uniform_mapping
 from ..modules.projection import width_projection
 from .startup_checks import check_capturable, check_equal_heads
 from .base import KDCriterionBase, KDCriterionConfig, weight
-from .losses import masked_mse_sum, sum_of_squares, word_kd_term
+from .losses import masked_mse_sum, projected_mse_sum, sum_of_squares, word_kd_term
 
 #: the side whose layer mapping each attention kind follows
 KIND_SIDE = {ENCODER_SELF: "encoder", DECODER_SELF: "decoder", DECODER_CROSS: "decoder"}
@@ -118,16 +118,16 @@ class TinyBERTCriterion(KDCriterionBase):
         if self.weights["hidden"] != 0:
             terms["hidden"] = sum(
                 hidden_mse(
-                    self.hidden_projections[side](batch.student.hidden(side)[1:]),
-                    batch.teacher.hidden(side), batch.student.padding_mask(side), self.mapping[side],
+                    self.hidden_projections[side], batch.student.hidden(side), range(1, len(self.mapping[side]) + 1),
+                    batch.teacher.hidden(side), self.mapping[side], batch.student.padding_mask(side),
                 )
                 for side in SIDES
             )
         if self.weights["embedding"] != 0:
             terms["embedding"] = sum(
                 hidden_mse(
-                    self.embedding_projections[side](batch.student.hidden(side)[:1]),
-                    batch.teacher.hidden(side), batch.student.padding_mask(side), (0,),
+                    self.embedding_projections[side], batch.student.hidden(side), (0,),
+                    batch.teacher.hidden(side), (0,), batch.student.padding_mask(side),
                 )
                 for side in SIDES
             )
@@ -152,12 +152,23 @@ def attention_score_mse(student_scores: Tensor, teacher_scores: Tensor, attendab
     return (per_row / keys).mean(dim=2).sum()
 
 
-def hidden_mse(student_states: Tensor, teacher_states: Tensor, padding_mask: Tensor,
-               mapping: Sequence[int]) -> Tensor:
-    """``sum_j sum_t mean_d (h_S^j - h_T^{g(j)})^2`` over real positions ``t``, float32.
+def hidden_mse(projection: nn.Module, student_states: Tensor, student_layers: Sequence[int],
+               teacher_states: Tensor, teacher_layers: Sequence[int], padding_mask: Tensor) -> Tensor:
+    """``sum_j sum_t mean_d (h_S^{s_j} W + b - h_T^{t_j})^2`` over the layer pairs ``j`` and real
+    positions ``t``, float32 (Eq. 8 with ``W_h``, Eq. 9 with ``W_e``).
 
-    student_states: ``(m, B, T, d_T)`` already projected to the teacher's width, one entry per
-    ``mapping`` element; teacher_states: ``(n + 1, B, T, d_T)`` with index 0 the embedding output;
-    mapping: teacher index of each student entry; padding_mask: ``(B, T)`` True at padding.
+    projection: the width map ``W`` (``nn.Linear`` from ``d_S`` to ``d_T``, or ``nn.Identity`` when
+    the widths agree); student_states ``(m + 1, B, T, d_S)`` and teacher_states ``(n + 1, B, T,
+    d_T)``, index 0 the embedding output; student_layers, teacher_layers: the stack index of each
+    pair's two sides; padding_mask: ``(B, T)`` True at padding. A linear map is applied inside
+    :func:`~fairseq_kd.criterions.losses.projected_mse_sum`, so the mapped states, ``d_T`` wide, exist
+    one chunk of positions at a time.
     """
-    return masked_mse_sum(student_states, teacher_states[list(mapping)], padding_mask)
+    if isinstance(projection, nn.Identity):
+        return masked_mse_sum(student_states[list(student_layers)], teacher_states[list(teacher_layers)], padding_mask)
+    device = student_states.device
+    return projected_mse_sum(
+        student_states, torch.tensor(list(student_layers), device=device), projection.weight.t().unsqueeze(0),
+        None if projection.bias is None else projection.bias.unsqueeze(0),
+        teacher_states, torch.tensor(list(teacher_layers), device=device), padding_mask,
+    )

@@ -51,19 +51,5 @@ class StackedLinear(nn.Module):
             out = self.bias.unsqueeze(1).baddbmm(flat, self.weight)
         return out.reshape(*inputs.shape[:-1], self.out_dim)
 
-    def residual(self, inputs, targets):
-        """``self(inputs) - targets`` in float32, the bias and the targets entering the matmul as
-        its addend (one ``baddbmm``) when the parameters are float32; ``targets`` ``(count, ...,
-        out_dim)`` need no gradient."""
-        count = inputs.size(0)
-        flat = inputs.reshape(count, -1, self.in_dim)
-        flat_targets = targets.reshape(count, -1, self.out_dim).float()
-        offset = flat_targets.neg() if self.bias is None else torch.sub(self.bias.float().unsqueeze(1), flat_targets)
-        if self.weight.dtype == torch.float32:
-            out = torch.baddbmm(offset, flat.float(), self.weight)
-        else:
-            out = torch.bmm(flat.to(self.weight.dtype), self.weight).float() + offset
-        return out.reshape(*targets.shape[:-1], self.out_dim)
-
     def extra_repr(self) -> str:
         return f"count={self.count}, in_dim={self.in_dim}, out_dim={self.out_dim}, bias={self.bias is not None}"
