@@ -266,9 +266,10 @@ def test_projected_mse_in_chunks_equals_the_per_position_reference(rows, dtype, 
     assert (leaves[0].grad[:, padding] == 0).all()
 
 
-def test_projected_mse_ignores_padding_and_keeps_nothing_under_no_grad():
+def test_projected_mse_ignores_padding_and_forms_no_gradient_under_no_grad(monkeypatch):
     """Other values at padded positions, on either side, change neither the value nor the gradient;
-    without autograd (validation) the value is the same."""
+    without autograd (validation) the value is the same and no gradient buffer is formed, though
+    the map's parameters require gradients."""
     student, teacher, padding, weight, offsets, student_layers, teacher_layers = projected_inputs(torch.float32, False, True)
 
     def run(student, teacher):
@@ -286,7 +287,28 @@ def test_projected_mse_ignores_padding_and_keeps_nothing_under_no_grad():
     assert scrambled_loss.item() == loss.item()
     for grad, scrambled in zip(grads, scrambled_grads):
         torch.testing.assert_close(grad, scrambled, rtol=0, atol=0)
+
+    asked = []
+    apply = losses._ProjectedMSE.apply
+    monkeypatch.setattr(losses._ProjectedMSE, "apply", lambda *args: asked.append(args[-1]) or apply(*args))
     with torch.no_grad():
         quiet = losses.projected_mse_sum(student, student_layers, weight.requires_grad_(), offsets, teacher,
                                          teacher_layers, padding, rows=2)
-    assert not quiet.requires_grad and quiet.item() == pytest.approx(loss.item(), rel=1e-6)
+    assert asked == [False] and quiet.item() == pytest.approx(loss.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_projected_mse_is_unchanged_under_autocast(dtype):
+    """fairseq's --amp runs the criterion under autocast; the function keeps its own dtypes there."""
+    student, teacher, padding, weight, offsets, student_layers, teacher_layers = projected_inputs(torch.float32, True, True)
+    results = []
+    for autocast in (False, True):
+        leaves = [student.clone().requires_grad_(), weight.clone().requires_grad_(), offsets.clone().requires_grad_()]
+        with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            loss = losses.projected_mse_sum(leaves[0], student_layers, leaves[1], leaves[2], teacher, teacher_layers,
+                                            padding, rows=3)
+        loss.backward()
+        results.append([loss] + [leaf.grad for leaf in leaves])
+    for plain, autocast in zip(*results):
+        assert autocast.dtype == torch.float32
+        torch.testing.assert_close(autocast, plain, rtol=0, atol=0)

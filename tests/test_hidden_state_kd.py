@@ -53,3 +53,39 @@ def test_layer_term_ignores_padding(kd_task, tiny_batch, name):
             clean = criterion.layer_loss(side, s, t, mask)
             noisy = criterion.layer_loss(side, scramble_padding(s, mask, 5), scramble_padding(t, mask, 6), mask)
             torch.testing.assert_close(clean, noisy)
+
+
+@pytest.mark.parametrize("name", ["ckd", "alp_kd"])
+def test_teachers_features_are_released_before_ces_pass(kd_task, tiny_batch, monkeypatch, name):
+    """The base forms the method's terms, then lets the teacher's captured features and per-layer
+    decoder states go, then runs CE's pass with word KD (whose vocabulary-sized gradient buffer
+    would otherwise count together with them); the word-KD value the step logs is that pass's."""
+    import weakref
+
+    from fairseq_kd.criterions import base
+
+    student = build_tiny_student(kd_task)
+    criterion = MAKERS[name](kd_task)
+    held = {}
+    teacher_forward = criterion.teacher.forward
+
+    def forward(net_input, request):
+        output, features = teacher_forward(net_input, request)
+        held["features"] = weakref.ref(features)
+        held["states"] = [weakref.ref(state) for state in output[1]["inner_states"]]
+        return output, features
+
+    fused_pass = base.label_smoothed_ce_and_word_kd
+    alive_at_ce = []
+
+    def spy(*args, **kwargs):
+        alive_at_ce.append(held["features"]() is not None or any(state() is not None for state in held["states"]))
+        result = fused_pass(*args, **kwargs)
+        held["word_kd"] = result[3]
+        return result
+
+    monkeypatch.setattr(criterion.teacher, "forward", forward)
+    monkeypatch.setattr(base, "label_smoothed_ce_and_word_kd", spy)
+    _, _, log = criterion(student, tiny_batch)
+    assert alive_at_ce == [False]
+    assert log["word_kd_loss"] == held["word_kd"].data

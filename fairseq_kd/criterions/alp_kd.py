@@ -142,14 +142,14 @@ def alp_layer_mse(student_states: Tensor, weight: Optional[Tensor], bias: Option
     """
     batch_index, time_index = padding_mask.logical_not().nonzero(as_tuple=True)
     inputs = student_states[1:, batch_index, time_index].transpose(0, 1)  # (N, m, d_S)
-    flat_positions = batch_index * padding_mask.size(1) + time_index
-    teacher_flat = teacher_states.reshape(teacher_states.size(0), -1, teacher_states.size(-1)).transpose(0, 1)
     width, pairs = teacher_states.size(-1), bucket_member.numel()
     chunk = rows_per_chunk(pairs * width, rows, inputs.size(0), inputs.device.type)
     wants_gradient = torch.is_grad_enabled() and any(
         tensor is not None and tensor.requires_grad for tensor in (inputs, weight, bias))
-    loss, alpha_sum = _ALPLayerMSE.apply(inputs, weight, bias, teacher_flat, flat_positions, bucket_member, chunk,
-                                         wants_gradient)
+    # the function chooses its dtypes itself: an enclosing autocast (--amp) must not recast them
+    with torch.autocast(inputs.device.type, enabled=False):
+        loss, alpha_sum = _ALPLayerMSE.apply(inputs, weight, bias, teacher_states, batch_index, time_index,
+                                             bucket_member, chunk, wants_gradient)
     return loss, alpha_sum, inputs.size(0)
 
 
@@ -159,11 +159,14 @@ class _ALPLayerMSE(torch.autograd.Function):
     bucket, ``C_j = sum_k alpha_jk T_k`` and ``G_j = 2 (S_j - C_j) / d``: ``dL/dalpha_jk = -G_j . T_k``,
     ``dL/ds_jk = alpha_jk (dL/dalpha_jk - sum_l alpha_jl dL/dalpha_jl)`` and ``dL/dS_j = G_j + sum_k
     dL/ds_jk T_k`` (the teacher takes no gradient); then ``P``'s: ``dL/dh_S = dL/dS P^T``, ``dL/dP =
-    sum h_S^T dL/dS``, ``dL/db = sum dL/dS``."""
+    sum h_S^T dL/dS``, ``dL/db = sum dL/dS``, all in float32 (as :class:`.losses._ProjectedMSE`). The
+    backward pass scales these buffers in place: it runs once."""
 
     @staticmethod
-    def forward(ctx, inputs, weight, bias, teacher_flat, flat_positions, bucket_member, rows, wants_gradient):
-        positions, width = inputs.size(0), teacher_flat.size(-1)
+    def forward(ctx, inputs, weight, bias, teacher_states, batch_index, time_index, bucket_member, rows,
+                wants_gradient):
+        positions, width = inputs.size(0), teacher_states.size(-1)
+        weight_transposed = None if weight is None or not wants_gradient else weight.float().t()
         matmul_dtype = inputs.dtype if weight is None else weight.dtype
         outside = bucket_member.logical_not()
         total = torch.zeros((), dtype=torch.float32, device=inputs.device)
@@ -183,7 +186,8 @@ class _ALPLayerMSE(torch.autograd.Function):
                 student = torch.matmul(x.to(matmul_dtype), weight).float()
                 if bias is not None:
                     student += bias.float()
-            teacher = teacher_flat[flat_positions[start:start + rows], 1:].float()  # (n, K, d)
+            chunk = slice(start, start + rows)
+            teacher = teacher_states[1:, batch_index[chunk], time_index[chunk]].float().transpose(0, 1)  # (n, K, d)
             scores = torch.bmm(student, teacher.transpose(1, 2)).masked_fill_(outside, float("-inf"))
             alpha = torch.softmax(scores, dim=-1)  # (n, m, K)
             alpha_sum += alpha.sum(0).double()
@@ -197,7 +201,7 @@ class _ALPLayerMSE(torch.autograd.Function):
                 if weight is None:
                     grad_inputs[start:start + rows] = gradient
                 else:
-                    grad_inputs[start:start + rows] = torch.matmul(gradient.to(matmul_dtype), weight.t())
+                    grad_inputs[start:start + rows] = torch.matmul(gradient, weight_transposed)
                     flat_x = x.reshape(-1, x.size(-1)).float()
                     grad_weight.addmm_(flat_x.t(), gradient.reshape(-1, width))
                     if grad_bias is not None:
@@ -212,7 +216,7 @@ class _ALPLayerMSE(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_alpha_sum):
         grads = tuple(None if gradient is None else gradient.mul_(grad_loss).to(dtype)
                       for gradient, dtype in zip(ctx.saved_tensors, ctx.dtypes))
-        return grads + (None,) * 5
+        return grads + (None,) * 6
 
 
 def mean_alpha(sums: Dict[str, Tensor]) -> Dict[str, List[List[float]]]:

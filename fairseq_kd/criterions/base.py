@@ -192,7 +192,16 @@ def check_numeric_options(cfg, criterion_name: str = "") -> None:
 
 class _PendingFusedWordKD:
     """Stands for the fused word-KD value while a method forms its terms (the base computes it
-    afterwards); it supports no arithmetic, so a method cannot use the value it does not yet have."""
+    afterwards, see :meth:`KDCriterionBase.distillation_terms`): a method returns it untouched as
+    that term; any arithmetic on it, or reading it, says so."""
+
+    def _refuse(self, *_args, **_kwargs):
+        raise RuntimeError(
+            "word-level KD fused with CE is computed by the criterion base after distillation_terms: "
+            "return losses.word_kd_term(batch, ...) untouched as the term; its value is not known yet")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __neg__ = __float__ = __bool__ = item = detach = float = _refuse
 
     def __repr__(self) -> str:
         return "PENDING_FUSED_WORD_KD"
@@ -435,7 +444,11 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
 
     def distillation_terms(self, batch: DistillationBatch) -> Dict[str, Tensor]:
         """Each active term as an unnormalised sum (see the module docstring); a
-        :class:`DistillationTerms` when the method also logs values of its own (``LOG_KEYS``)."""
+        :class:`DistillationTerms` when the method also logs values of its own (``LOG_KEYS``).
+
+        Word-level KD from the live teacher is computed by the base in CE's pass, after this
+        method returns: its term is what :func:`.losses.word_kd_term` gives here
+        (:data:`PENDING_FUSED_WORD_KD`), returned untouched; the base puts the value in its place."""
         raise NotImplementedError
 
     def begin_epoch(self, epoch: int) -> None:
@@ -521,11 +534,15 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
                     "batch.fused_kd_mask or batch.target_mask, self.kd_temperature), which returns the value "
                     "computed with CE")
             # The method's own terms are formed and keep what their backward passes need: the
-            # teacher's hidden states and attention maps (and the student's captured copies) go
-            # before CE's pass below allocates its (positions, vocabulary) gradient buffer, so the
-            # two never count together in the step's peak memory.
+            # teacher's hidden states and attention maps (its captured stacks, and the per-layer
+            # decoder states its output carries in ``inner_states``; the student's captured copies
+            # too) go before CE's pass below allocates its (positions, vocabulary) gradient buffer,
+            # so the two never count together in the step's peak memory. The pass needs the
+            # teacher's logits only.
             del batch
             teacher_features = capture = None
+            if teacher_output is not None:
+                teacher_output = (teacher_output[0],)
         if fused:
             combined, ce_loss, nll_loss, fused_word_kd = label_smoothed_ce_and_word_kd(
                 net_output[0], teacher_output[0], sample["target"], target_mask, self.eps, self.kd_temperature,

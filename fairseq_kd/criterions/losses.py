@@ -315,11 +315,13 @@ class _TopkWordLevelKD(torch.autograd.Function):
         return _kept_gradient(ctx, grad_loss), None, None, None, None, None
 
 
-def word_kd_term(batch, target_mask: Tensor, temperature: float) -> Tensor:
+def word_kd_term(batch, target_mask: Tensor, temperature: float):
     """Word-level KD of a :class:`~.base.DistillationBatch` at ``target_mask``: from the live
     teacher's logits, or from the cached top-k teacher when the batch carries it. Where the base
-    computed it together with CE (``batch.fused_word_kd``: the live teacher, at the batch's target
-    mask and the criterion's temperature), that value; its gradient is already in the step's loss."""
+    computes it together with CE (``batch.fused_word_kd``: the live teacher, at the batch's target
+    mask and the criterion's temperature), the placeholder :data:`~.base.PENDING_FUSED_WORD_KD`,
+    for the method to return untouched as its term: the base runs CE's pass after the method's
+    terms, and its value (whose gradient is in the step's loss) takes the placeholder's place."""
     fused = getattr(batch, "fused_word_kd", None)
     fused_mask = getattr(batch, "fused_kd_mask", None)
     fused_mask = batch.target_mask if fused_mask is None else fused_mask
@@ -423,29 +425,34 @@ def projected_mse_sum(
     """
     batch_index, time_index = padding_mask.logical_not().nonzero(as_tuple=True)
     inputs = student_states[student_layers[:, None], batch_index, time_index]  # (P, N, d_S)
-    flat_positions = batch_index * padding_mask.size(1) + time_index
-    teacher_flat = teacher_states.reshape(teacher_states.size(0), -1, teacher_states.size(-1))
     if pair_weight is None:
         pair_weight = torch.ones(len(student_layers), device=inputs.device)
     chunk = rows_per_chunk(len(student_layers) * weight.size(-1), rows, inputs.size(1), inputs.device.type)
     wants_gradient = torch.is_grad_enabled() and any(
         tensor is not None and tensor.requires_grad for tensor in (inputs, weight, bias))
-    return _ProjectedMSE.apply(inputs, weight, bias, teacher_flat, teacher_layers, flat_positions,
-                               pair_weight.float(), chunk, wants_gradient)
+    # The function chooses every dtype itself (float32 sums, products in the parameters' dtype), so
+    # an enclosing autocast (fairseq's --amp) must not recast its products
+    with torch.autocast(inputs.device.type, enabled=False):
+        return _ProjectedMSE.apply(inputs, weight, bias, teacher_states, teacher_layers, batch_index, time_index,
+                                   pair_weight.float(), chunk, wants_gradient)
 
 
 class _ProjectedMSE(torch.autograd.Function):
     """:func:`projected_mse_sum` over gathered inputs ``(P, N, d_S)``. With ``r = x W + b - t`` and
     ``c = 2 w_p / d_T``: the gradient is ``c r W^T`` for ``x``, ``sum c x^T r`` for ``W`` and ``sum c
-    r`` for ``b`` (summed over the pairs when one map serves them all)."""
+    r`` for ``b`` (summed over the pairs when one map serves them all), formed in float32 (under
+    ``--fp16`` the loss scale reaches them only in the backward pass, so a product rounded to half
+    precision here would lose the small residuals the scale protects). The backward pass scales
+    these buffers in place: it runs once."""
 
     @staticmethod
-    def forward(ctx, inputs, weight, bias, teacher_flat, teacher_layers, flat_positions, pair_weight, rows,
+    def forward(ctx, inputs, weight, bias, teacher_states, teacher_layers, batch_index, time_index, pair_weight, rows,
                 wants_gradient):
         pairs, positions, out_dim = inputs.size(0), inputs.size(1), weight.size(-1)
         shared = weight.size(0) == 1 and pairs > 1
         matmul_dtype = weight.dtype
         maps = weight.expand(pairs, -1, -1)
+        maps_transposed = maps.float().transpose(1, 2) if wants_gradient else None  # for the gradient of x
         offset_bias = None if bias is None else bias.float().expand(pairs, -1).unsqueeze(1)  # (P, 1, d_T)
         coefficient = (2.0 / out_dim) * pair_weight.view(pairs, 1, 1)
         total = torch.zeros((), dtype=torch.float32, device=inputs.device)
@@ -456,7 +463,8 @@ class _ProjectedMSE(torch.autograd.Function):
             grad_bias = None if bias is None else torch.zeros(pairs, out_dim, dtype=torch.float32, device=inputs.device)
         for start in range(0, positions, rows):
             x = inputs[:, start:start + rows].to(matmul_dtype)
-            targets = teacher_flat[teacher_layers[:, None], flat_positions[None, start:start + rows]]
+            targets = teacher_states[teacher_layers[:, None], batch_index[None, start:start + rows],
+                                     time_index[None, start:start + rows]]  # (P, n, d_T), a copy
             # residual = x W + b - t, the bias and the targets as the product's addend (in place on the
             # gathered targets, which are this function's own)
             offset = targets.float().neg_() if targets.dtype != torch.float32 else targets.neg_()
@@ -469,8 +477,7 @@ class _ProjectedMSE(torch.autograd.Function):
             total += (torch.linalg.vector_norm(residual, dim=(1, 2)).square() * pair_weight).sum()
             if wants_gradient:
                 residual.mul_(coefficient)
-                scaled = residual.to(matmul_dtype)
-                grad_inputs[:, start:start + rows] = torch.bmm(scaled, maps.transpose(1, 2))
+                grad_inputs[:, start:start + rows] = torch.bmm(residual, maps_transposed)
                 # in float32 whatever the parameters' dtype: the map's gradient sums every chunk (and,
                 # for a shared map, every pair), which products rounded to half precision would not
                 # survive
@@ -489,4 +496,4 @@ class _ProjectedMSE(torch.autograd.Function):
     def backward(ctx, grad_output):
         grads = tuple(None if gradient is None else gradient.mul_(grad_output).to(dtype)
                       for gradient, dtype in zip(ctx.saved_tensors, ctx.dtypes))
-        return grads + (None,) * 6
+        return grads + (None,) * 7
