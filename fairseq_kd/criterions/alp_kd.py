@@ -34,7 +34,7 @@ from ..modules.layer_mapping import ALP_BUCKETS, resolve_mapping
 from ..modules.projection import width_projection
 from .base import EpochSums
 from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion
-from .losses import rows_per_chunk
+from .losses import _keep_gradients, _kept_gradients, _wants_gradient, rows_per_chunk
 
 ALP_BUCKET_CHOICES = ChoiceEnum(list(ALP_BUCKETS))
 
@@ -144,8 +144,7 @@ def alp_layer_mse(student_states: Tensor, weight: Optional[Tensor], bias: Option
     inputs = student_states[1:, batch_index, time_index].transpose(0, 1)  # (N, m, d_S)
     width, pairs = teacher_states.size(-1), bucket_member.numel()
     chunk = rows_per_chunk(pairs * width, rows, inputs.size(0), inputs.device.type)
-    wants_gradient = torch.is_grad_enabled() and any(
-        tensor is not None and tensor.requires_grad for tensor in (inputs, weight, bias))
+    wants_gradient = _wants_gradient(inputs, weight, bias)
     # the function chooses its dtypes itself: an enclosing autocast (--amp) must not recast them
     with torch.autocast(inputs.device.type, enabled=False):
         loss, alpha_sum = _ALPLayerMSE.apply(inputs, weight, bias, teacher_states, batch_index, time_index,
@@ -207,16 +206,13 @@ class _ALPLayerMSE(torch.autograd.Function):
                     if grad_bias is not None:
                         grad_bias += gradient.sum((0, 1))
         if wants_gradient:
-            ctx.save_for_backward(grad_inputs, grad_weight, grad_bias)
-            ctx.dtypes = tuple(None if tensor is None else tensor.dtype for tensor in (inputs, weight, bias))
+            _keep_gradients(ctx, (grad_inputs, grad_weight, grad_bias), (inputs, weight, bias))
         ctx.mark_non_differentiable(alpha_sum)
         return total / width, alpha_sum
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_alpha_sum):
-        grads = tuple(None if gradient is None else gradient.mul_(grad_loss).to(dtype)
-                      for gradient, dtype in zip(ctx.saved_tensors, ctx.dtypes))
-        return grads + (None,) * 6
+        return _kept_gradients(ctx, grad_loss) + (None,) * 6
 
 
 def mean_alpha(sums: Dict[str, Tensor]) -> Dict[str, List[List[float]]]:

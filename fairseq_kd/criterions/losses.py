@@ -55,6 +55,27 @@ def _kept_gradient(ctx, grad_output: Tensor) -> Tensor:
     return gradient.mul_(grad_output).view(ctx.logits_shape).to(ctx.logits_dtype)
 
 
+def _wants_gradient(*tensors: Optional[Tensor]) -> bool:
+    """Whether a function that forms its gradients in its forward pass must form them: autograd is
+    on and one of ``tensors`` requires a gradient. (Under ``no_grad`` a parameter still requires
+    one, and ``Function.apply``'s ``needs_input_grad`` says True for it.)"""
+    return torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in tensors)
+
+
+def _keep_gradients(ctx, gradients, inputs) -> None:
+    """Save the float32 gradients (None where an input takes none) for the backward pass, with the
+    dtypes of the ``inputs`` they belong to."""
+    ctx.save_for_backward(*gradients)
+    ctx.dtypes = tuple(None if tensor is None else tensor.dtype for tensor in inputs)
+
+
+def _kept_gradients(ctx, grad_output: Tensor) -> tuple:
+    """Those gradients times the upstream one, in their inputs' dtypes: in place, as
+    :func:`_kept_gradient`."""
+    return tuple(None if gradient is None else gradient.mul_(grad_output).to(dtype)
+                 for gradient, dtype in zip(ctx.saved_tensors, ctx.dtypes))
+
+
 def label_smoothed_cross_entropy(
     logits: Tensor, target: Tensor, target_mask: Tensor, epsilon: float, rows: Optional[int] = None
 ) -> Tuple[Tensor, Tensor]:
@@ -428,8 +449,7 @@ def projected_mse_sum(
     if pair_weight is None:
         pair_weight = torch.ones(len(student_layers), device=inputs.device)
     chunk = rows_per_chunk(len(student_layers) * weight.size(-1), rows, inputs.size(1), inputs.device.type)
-    wants_gradient = torch.is_grad_enabled() and any(
-        tensor is not None and tensor.requires_grad for tensor in (inputs, weight, bias))
+    wants_gradient = _wants_gradient(inputs, weight, bias)
     # The function chooses every dtype itself (float32 sums, products in the parameters' dtype), so
     # an enclosing autocast (fairseq's --amp) must not recast its products
     with torch.autocast(inputs.device.type, enabled=False):
@@ -488,12 +508,9 @@ class _ProjectedMSE(torch.autograd.Function):
             if shared:
                 grad_weight = grad_weight.sum(0, keepdim=True)
                 grad_bias = None if grad_bias is None else grad_bias.sum(0, keepdim=True)
-            ctx.save_for_backward(grad_inputs, grad_weight, grad_bias)
-            ctx.dtypes = (inputs.dtype, weight.dtype, None if bias is None else bias.dtype)
+            _keep_gradients(ctx, (grad_inputs, grad_weight, grad_bias), (inputs, weight, bias))
         return total / out_dim
 
     @staticmethod
     def backward(ctx, grad_output):
-        grads = tuple(None if gradient is None else gradient.mul_(grad_output).to(dtype)
-                      for gradient, dtype in zip(ctx.saved_tensors, ctx.dtypes))
-        return grads + (None,) * 7
+        return _kept_gradients(ctx, grad_output) + (None,) * 7
