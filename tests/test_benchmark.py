@@ -27,9 +27,14 @@ def child_calls(monkeypatch):
     """Child training runs stubbed: records (method, teacher_forward) per call."""
     calls = []
 
-    def fake_child(flags, steps, warmup, teacher_forward=False, epoch=1, top_ops=0):
-        calls.append((flags[0], teacher_forward) if epoch == 1 else (flags[0], teacher_forward, epoch))
-        return {"step_ms": 30.0 if teacher_forward else 20.0, "peak_mb": 1.0}
+    def fake_child(flags, steps, warmup, teacher_forward=False, epoch=1, top_ops=0, paired_limit=None):
+        call = (flags[0], teacher_forward) if epoch == 1 else (flags[0], teacher_forward, epoch)
+        calls.append(call + (("paired with", paired_limit[0]),) if paired_limit else call)
+        result = {"step_ms": 30.0 if teacher_forward else 20.0, "peak_mb": 1.0}
+        if paired_limit:
+            # per-batch ratios differing by round, to show they are pooled over rounds
+            result.update(limit_step_ms=30.0, paired_ratios=[1.0 + 0.1 * len(calls), 1.05])
+        return result
 
     monkeypatch.setattr(benchmark, "prepare_config", lambda name, workdir: {})
     monkeypatch.setattr(benchmark, "training_flags", lambda name, paths, method: [method])
@@ -60,6 +65,40 @@ def test_plain_and_limit_are_always_measured(child_calls, tmp_path):
                         "--output-dir", str(tmp_path)])
     assert child_calls == [("plain", False), ("limit", True), ("word_kd", False)]
     assert "| limit |" in (tmp_path / "benchmark.md").read_text()
+
+
+def test_paired_rows_time_against_the_limit_in_their_own_process(child_calls):
+    """--paired: the limit row runs alone (its own memory and step time); every other row's child
+    also builds the limit, and its time against the limit is the median of its per-batch ratios
+    pooled over all rounds, with an interval around it; memory still compares separate children."""
+    report = benchmark.run(["tiny"], ["plain", "limit", "word_kd"], steps=2, warmup=0, repeats=2, workdir=None,
+                           paired=True)
+    paired = ("paired with", "limit")
+    assert child_calls == [("plain", False, paired), ("limit", True), ("word_kd", False, paired)] * 2
+    word_kd = report["tiny"]["methods"]["word_kd"]
+    # word_kd's children were calls 3 and 6: ratios 1.3, 1.05, 1.6, 1.05 -> median 1.175
+    assert sorted(word_kd["paired_ratios"]) == pytest.approx([1.05, 1.05, 1.3, 1.6])
+    assert word_kd["time_ratio_vs_limit"] == pytest.approx(1.175)
+    low, high = word_kd["time_ratio_vs_limit_interval"]
+    assert 1.05 <= low <= 1.175 <= high <= 1.6
+    assert word_kd["memory_ratio_vs_limit"] == pytest.approx(1.0) and word_kd["time_ratio"] == pytest.approx(1.0)
+    assert "time_ratio_vs_limit_interval" not in report["tiny"]["methods"]["limit"]
+    markdown = benchmark.to_markdown(report)
+    assert "| word_kd | 20.0 | 1.00x | 1.18x ({:.2f}-{:.2f}) |".format(low, high) in markdown
+    assert "paired, the median over batches" in markdown
+
+
+def test_median_interval_is_seeded_and_covers_the_median():
+    """The bootstrap interval of a median: repeatable, equal to the value for constant data, and
+    around the median of spread data (never outside the data's range)."""
+    assert benchmark.median_with_interval([1.1] * 9) == (1.1, 1.1, 1.1)
+    values = [0.9, 1.0, 1.02, 1.03, 1.05, 1.06, 1.08, 1.2, 1.5, 0.95, 1.04]
+    median, low, high = benchmark.median_with_interval(values)
+    assert median == 1.04 and min(values) <= low < median < high <= max(values)
+    assert benchmark.median_with_interval(values) == (median, low, high)
+    # twice the data, same spread: the interval does not widen
+    _, low2, high2 = benchmark.median_with_interval(values * 2)
+    assert high2 - low2 <= high - low
 
 
 def test_cpu_step_peak_counts_the_bytes_a_step_holds_at_once():
@@ -94,6 +133,12 @@ def test_a_real_vocabulary_configuration_runs_a_step_and_records_its_shapes(tmp_
                                         top_ops=3)
     assert result["step_ms"] > 0 and result["peak_mb"] > 0
     assert len(result["top_ops"]) == 3 and all(op["self_ms"] >= 0 for op in result["top_ops"])
+    # --paired: the row and the limit (plain step + teacher forward) built in one process, two
+    # batches each, one ratio per batch
+    paired = benchmark.measure_paired(benchmark.training_flags("d64_8k", paths, "word_kd"),
+                                      benchmark.training_flags("d64_8k", paths, "limit"), steps=2, warmup=0)
+    assert len(paired["paired_ratios"]) == 2 and all(r > 0 for r in paired["paired_ratios"])
+    assert paired["step_ms"] > 0 and paired["limit_step_ms"] > 0 and paired["peak_mb"] > 0
     with pytest.raises(ValueError, match="more than the configuration's vocab"):
         benchmark.write_padded_dictionary(tmp_path / "d64_8k" / "corpus-dict" / "dict.src.txt", tmp_path / "x", 10)
 

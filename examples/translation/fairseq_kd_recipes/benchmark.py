@@ -33,6 +33,10 @@ cost rather than output lengths of untrained models.
 Methods run in interleaved rounds (every method once per round); each keeps its fastest round, and
 ``spread`` (slowest round / fastest round) shows how much the machine's load moved the numbers.
 Ratios are taken within one run on one machine; absolute numbers are only comparable within a run.
+On a shared machine whose load drifts by tens of percent over minutes, the fastest rounds of
+separate runs do not resolve a 10% difference; ``--paired`` times every row against the limit in
+one process instead, their steps alternating on the same batches, and reports the median of the
+per-batch ratios with a 95% bootstrap interval (:func:`measure_paired`).
 """
 import argparse
 import json
@@ -260,82 +264,164 @@ def training_flags(config_name: str, paths: Dict[str, str], method: str) -> List
     ]
 
 
+class _TrainingRun:
+    """What fairseq-train builds from ``flags`` (task, student, criterion, ``Trainer``) and the
+    configuration's batches in order, for timing ``train_step`` in this process. With
+    ``teacher_forward`` each step also runs the teacher's forward pass on the same batch (the
+    ``limit`` row)."""
+
+    def __init__(self, flags: List[str], teacher_forward: bool = False, epoch: int = 1):
+        import torch
+        from fairseq import options, tasks, utils
+        from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+        from fairseq.trainer import Trainer
+
+        import fairseq_kd
+        from fairseq_kd.models.feature_capture import CaptureRequest
+
+        # This module imported fairseq_kd before fairseq, so --user-dir would find it already
+        # imported and not register anything.
+        fairseq_kd.register()
+        parser = options.get_training_parser()
+        args = options.parse_args_and_arch(parser, flags)
+        cfg = convert_namespace_to_omegaconf(args)
+        utils.import_user_module(cfg.common)
+        torch.manual_seed(cfg.common.seed)
+        task = tasks.setup_task(cfg.task)
+        task.load_dataset(cfg.dataset.train_subset, combine=False, epoch=1)
+        model = task.build_model(cfg.model)
+        criterion = task.build_criterion(cfg.criterion)
+        self.trainer = Trainer(cfg, task, model, criterion)
+        self.trainer.begin_epoch(epoch)
+        self.batches = task.get_batch_iterator(
+            dataset=task.dataset(cfg.dataset.train_subset), max_tokens=cfg.dataset.max_tokens,
+            max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
+            seed=1, required_batch_size_multiple=1,
+        ).next_epoch_itr(shuffle=False)
+        self.cuda = torch.cuda.is_available() and not cfg.common.cpu
+        if teacher_forward and task.teacher is None:
+            raise SystemExit("the limit row needs --teacher-checkpoint in the training flags")
+        self._teacher_outputs = []
+        if teacher_forward:
+            nothing = CaptureRequest()
+
+            # What a distillation criterion adds to the student's step (criterions/base.py): right
+            # after the student's forward pass, with the student's activations alive, the teacher's
+            # forward under no_grad, whose output the loss holds until the step ends.
+            def run_teacher(module, args, kwargs, output):
+                task.teacher.follow(next(model.parameters()))
+                self._teacher_outputs.append(task.teacher.forward(kwargs, nothing))
+
+            model.register_forward_hook(run_teacher, with_kwargs=True)
+
+    def step(self, sample) -> None:
+        self.trainer.train_step([sample])
+        self._teacher_outputs.clear()
+
+    def timed_step(self, sample) -> float:
+        """One step's wall time in seconds (the device synchronised on both sides)."""
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        self.step(sample)
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def peak_mb(self, sample) -> tuple:
+        """The step's peak memory in MB and how it was measured (see the module docstring)."""
+        import torch
+
+        if self.cuda:
+            return torch.cuda.max_memory_allocated() / 2**20, "cuda_max_allocated"
+        return cpu_step_peak_mb(lambda: self.step(sample)), "cpu_step_peak_allocated"
+
+
+def _timed_samples(batches, steps: int, warmup: int):
+    """(index, sample) of the first ``warmup + steps`` batches, or a clear stop when there are fewer."""
+    count = 0
+    for index, sample in enumerate(batches):
+        if index >= warmup + steps:
+            return
+        count += 1
+        yield index, sample
+    if count < warmup + steps:
+        raise SystemExit(f"only {max(0, count - warmup)} timed steps: the corpus has too few batches")
+
+
 def measure_training(flags: List[str], steps: int, warmup: int, teacher_forward: bool = False,
                      epoch: int = 1, top_ops: int = 0) -> dict:
     """Run in a child process: build what fairseq-train builds and time ``train_step`` (followed,
     with ``teacher_forward``, by the teacher's forward pass on the same batch: the ``limit`` row)."""
     import torch
-    from fairseq import options, tasks, utils
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from fairseq.trainer import Trainer
 
-    import fairseq_kd
-
-    # This module imported fairseq_kd before fairseq, so --user-dir would find it already
-    # imported and not register anything.
-    fairseq_kd.register()
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, flags)
-    cfg = convert_namespace_to_omegaconf(args)
-    utils.import_user_module(cfg.common)
-    torch.manual_seed(cfg.common.seed)
-    task = tasks.setup_task(cfg.task)
-    task.load_dataset(cfg.dataset.train_subset, combine=False, epoch=1)
-    model = task.build_model(cfg.model)
-    criterion = task.build_criterion(cfg.criterion)
-    trainer = Trainer(cfg, task, model, criterion)
-    trainer.begin_epoch(epoch)
-    batches = task.get_batch_iterator(
-        dataset=task.dataset(cfg.dataset.train_subset), max_tokens=cfg.dataset.max_tokens,
-        max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
-        seed=1, required_batch_size_multiple=1,
-    ).next_epoch_itr(shuffle=False)
-    cuda = torch.cuda.is_available() and not cfg.common.cpu
-    if teacher_forward and task.teacher is None:
-        raise SystemExit("the limit row needs --teacher-checkpoint in the training flags")
-    from fairseq_kd.models.feature_capture import CaptureRequest
-
-    nothing = CaptureRequest()
-    teacher_outputs = []
-    if teacher_forward:
-        # What a distillation criterion adds to the student's step (criterions/base.py): right after
-        # the student's forward pass, with the student's activations alive, the teacher's forward
-        # under no_grad, whose output the loss holds until the step ends.
-        def run_teacher(module, args, kwargs, output):
-            task.teacher.follow(next(model.parameters()))
-            teacher_outputs.append(task.teacher.forward(kwargs, nothing))
-
-        model.register_forward_hook(run_teacher, with_kwargs=True)
-
-    def step(sample):
-        trainer.train_step([sample])
-        teacher_outputs.clear()
-
+    run = _TrainingRun(flags, teacher_forward, epoch)
     times, first_timed = [], None
-    for index, sample in enumerate(batches):
-        if index >= warmup + steps:
-            break
-        if cuda and index == warmup:
+    for index, sample in _timed_samples(run.batches, steps, warmup):
+        if run.cuda and index == warmup:
             torch.cuda.reset_peak_memory_stats()
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step(sample)
-        if cuda:
-            torch.cuda.synchronize()
+        elapsed = run.timed_step(sample)
         if index >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(elapsed)
             first_timed = sample if first_timed is None else first_timed
-    if len(times) < steps:
-        raise SystemExit(f"only {len(times)} timed steps: the corpus has too few batches")
-    if cuda:
-        peak, measure = torch.cuda.max_memory_allocated() / 2**20, "cuda_max_allocated"
-    else:
-        peak, measure = cpu_step_peak_mb(lambda: step(first_timed)), "cpu_step_peak_allocated"
+    peak, measure = run.peak_mb(first_timed)
     result = {"step_ms": 1000 * statistics.median(times), "peak_mb": peak, "memory_measure": measure}
     if top_ops:
-        result["top_ops"] = top_operators(lambda: step(first_timed), top_ops, cuda)
+        result["top_ops"] = top_operators(lambda: run.step(first_timed), top_ops, run.cuda)
     return result
+
+
+def measure_paired(flags: List[str], limit_flags: List[str], steps: int, warmup: int, epoch: int = 1,
+                   top_ops: int = 0) -> dict:
+    """Run in a child process: a row's step and the ``limit`` step, both built here, alternate on
+    the same batches (limit first on even batches, the row first on odd ones, so that neither
+    always runs on a warm cache). Each batch gives one ratio (row / limit) from two steps a second
+    or so apart; the load of other processes on a shared machine moves both alike, so the median
+    of these ratios resolves differences that the fastest of separate runs minutes apart cannot.
+    Memory is the row's own step, measured as in :func:`measure_training`."""
+    import torch
+
+    limit = _TrainingRun(limit_flags, teacher_forward=True)
+    row = _TrainingRun(flags, epoch=epoch)
+    times, limit_times, first_timed = [], [], None
+    for index, sample in _timed_samples(row.batches, steps, warmup):
+        if row.cuda and index == warmup:
+            torch.cuda.reset_peak_memory_stats()
+        if index % 2 == 0:
+            limit_elapsed, elapsed = limit.timed_step(sample), row.timed_step(sample)
+        else:
+            elapsed, limit_elapsed = row.timed_step(sample), limit.timed_step(sample)
+        if index >= warmup:
+            times.append(elapsed)
+            limit_times.append(limit_elapsed)
+            first_timed = sample if first_timed is None else first_timed
+    # on CUDA both models' steps count in one max_memory_allocated: measure the row's step alone
+    if row.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    peak, measure = row.peak_mb(first_timed)
+    result = {"step_ms": 1000 * statistics.median(times), "limit_step_ms": 1000 * statistics.median(limit_times),
+              "paired_ratios": [t / lt for t, lt in zip(times, limit_times)], "peak_mb": peak,
+              "memory_measure": measure}
+    if top_ops:
+        result["top_ops"] = top_operators(lambda: row.step(first_timed), top_ops, row.cuda)
+    return result
+
+
+def median_with_interval(values: List[float], level: float = 0.95, resamples: int = 2000,
+                         seed: int = 1) -> tuple:
+    """The median of ``values`` and a percentile bootstrap interval for it (seeded: the same values
+    always give the same interval)."""
+    import random
+
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    low = medians[int(tail * resamples)]
+    high = medians[min(resamples - 1, int((1 - tail) * resamples))]
+    return statistics.median(values), low, high
 
 
 def top_operators(run_step, count: int, cuda: bool) -> List[dict]:
@@ -426,11 +512,14 @@ def measure_decoding(paths: Dict[str, str], student_arch: str, student_args: Lis
 
 
 def _train_in_child(flags: List[str], steps: int, warmup: int, teacher_forward: bool = False,
-                    epoch: int = 1, top_ops: int = 0) -> dict:
+                    epoch: int = 1, top_ops: int = 0, paired_limit: List[str] = None) -> dict:
+    """:func:`measure_training` (or, given the limit row's flags, :func:`measure_paired`) in a fresh
+    process, so that no row inherits another's allocator state or warm caches."""
     proc = subprocess.run(
         [sys.executable, "-m", "fairseq_kd_recipes.benchmark", "--child-train", json.dumps(flags),
          "--steps", str(steps), "--warmup", str(warmup), "--child-epoch", str(epoch), "--top-ops", str(top_ops),
-         *(["--child-teacher-forward"] if teacher_forward else [])],
+         *(["--child-teacher-forward"] if teacher_forward else []),
+         *(["--child-paired-limit", json.dumps(paired_limit)] if paired_limit else [])],
         capture_output=True, text=True, env=_quiet_env(),
     )
     if proc.returncode != 0:
@@ -440,9 +529,12 @@ def _train_in_child(flags: List[str], steps: int, warmup: int, teacher_forward: 
 
 
 def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats: int,
-        workdir: Path, top_ops: int = 0) -> dict:
+        workdir: Path, top_ops: int = 0, paired: bool = False) -> dict:
     """Methods run interleaved in ``repeats`` rounds; each keeps its fastest round, which filters
-    out interference from other processes on a shared machine."""
+    out interference from other processes on a shared machine. With ``paired`` every row but
+    ``limit`` alternates its steps with the limit's in one process (:func:`measure_paired`), and its
+    time against the limit is the median of the per-batch ratios of all its rounds, with a 95%
+    bootstrap interval."""
     from fairseq_kd.progress import print_above_bars, progress_bar
 
     report = {}
@@ -453,6 +545,7 @@ def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats
         paths = prepare_config(config_name, workdir)
         rows: Dict[str, dict] = {}
         rounds: Dict[str, List[float]] = {}  # every round's median step time, per method
+        paired_ratios: Dict[str, List[float]] = {}  # with ``paired``: every batch's row / limit
         for round_index in range(repeats):
             for method in methods:
                 bar.set_postfix_str(f"{config_name} {method}", refresh=False)
@@ -460,25 +553,29 @@ def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats
                     bar.update()
                     continue
                 last_round = round_index == repeats - 1
+                pair = training_flags(config_name, paths, LIMIT) if paired and method != LIMIT else None
                 result = _train_in_child(training_flags(config_name, paths, method), steps, warmup,
                                          teacher_forward=method == LIMIT, epoch=TIMED_EPOCHS.get(method, 1),
-                                         top_ops=top_ops if last_round else 0)
+                                         top_ops=top_ops if last_round else 0, paired_limit=pair)
                 bar.update()
                 if "error" in result:
                     rows[method] = result
                     say(f"[{config_name}] {method}: FAILED: {result['error']}")
                     continue
                 rounds.setdefault(method, []).append(result["step_ms"])
+                paired_ratios.setdefault(method, []).extend(result.pop("paired_ratios", []))
                 best = rows.get(method)
                 operators = result.pop("top_ops", None)
                 if best is None or result["step_ms"] < best["step_ms"]:
                     rows[method] = {**result, "peak_mb": min(result["peak_mb"], (best or result)["peak_mb"])}
                 if operators:
                     rows[method]["top_ops"] = operators
-                say(f"[{config_name}] round {round_index + 1}: {method}: {result['step_ms']:.1f} ms/step")
+                versus = (f" (limit in the same process {result['limit_step_ms']:.1f} ms/step)"
+                          if "limit_step_ms" in result else "")
+                say(f"[{config_name}] round {round_index + 1}: {method}: {result['step_ms']:.1f} ms/step{versus}")
                 for op in operators or []:
                     say(f"    {op['self_ms']:8.2f} ms {100 * op['share']:5.1f}%  {op['calls']:5d}x  {op['op']}")
-        add_ratios(rows, rounds)
+        add_ratios(rows, rounds, paired_ratios)
         decoding = measure_decoding(paths, CONFIGS[config_name]["student_arch"],
                                     CONFIGS[config_name]["student_args"], sentences=200, length=20)
         report[config_name] = {"config": CONFIGS[config_name], "shapes": config_shapes(config_name, paths),
@@ -487,9 +584,12 @@ def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats
     return report
 
 
-def add_ratios(rows: Dict[str, dict], rounds: Dict[str, List[float]]) -> None:
+def add_ratios(rows: Dict[str, dict], rounds: Dict[str, List[float]],
+               paired_ratios: Dict[str, List[float]] = None) -> None:
     """Time and memory of every row relative to ``plain`` and to ``limit``, and the spread of its
-    rounds (slowest / fastest), in place."""
+    rounds (slowest / fastest), in place. A row with paired ratios (row / limit per batch, timed in
+    one process) takes its time against the limit from their median, with a 95% bootstrap
+    interval, instead of from the fastest rounds of separate runs."""
     for method, row in rows.items():
         if "error" in row:
             continue
@@ -502,6 +602,10 @@ def add_ratios(rows: Dict[str, dict], rounds: Dict[str, List[float]]) -> None:
                 continue
             row[f"time_ratio{suffix}"] = row["step_ms"] / base["step_ms"]
             row[f"memory_ratio{suffix}"] = row["peak_mb"] / base["peak_mb"] if base["peak_mb"] > 0 else float("nan")
+        if (paired_ratios or {}).get(method):
+            row["paired_ratios"] = paired_ratios[method]
+            median, low, high = median_with_interval(paired_ratios[method])
+            row.update(time_ratio_vs_limit=median, time_ratio_vs_limit_interval=[low, high])
 
 
 MEMORY_MEASURES = {
@@ -530,14 +634,21 @@ def to_markdown(report: dict) -> str:
             if "error" in row:
                 lines.append(f"| {method} | failed: {row['error']} | | | | | | |")
                 continue
+            versus_limit = f"{row.get('time_ratio_vs_limit', nan):.2f}x"
+            if "time_ratio_vs_limit_interval" in row:
+                versus_limit += " ({:.2f}-{:.2f})".format(*row["time_ratio_vs_limit_interval"])
             lines.append(
                 f"| {method} | {row['step_ms']:.1f} | {row.get('time_ratio', nan):.2f}x | "
-                f"{row.get('time_ratio_vs_limit', nan):.2f}x | {row.get('spread', nan):.2f} | {row['peak_mb']:.1f} | "
+                f"{versus_limit} | {row.get('spread', nan):.2f} | {row['peak_mb']:.1f} | "
                 f"{row.get('memory_ratio', nan):.2f}x | {row.get('memory_ratio_vs_limit', nan):.2f}x |"
             )
         lines.append("")
         lines.append("limit = plain step + teacher forward under no_grad (the least a distillation step can "
                      "cost); spread = slowest / fastest of the interleaved rounds.")
+        if any("time_ratio_vs_limit_interval" in row for row in result["methods"].values()):
+            lines.append("vs limit (a, b): paired, the median over batches of (row step / limit step), the two "
+                         "steps alternating in one process, with its 95% bootstrap interval; vs plain compares "
+                         "separate runs.")
         measures = {row.get("memory_measure") for row in result["methods"].values()} - {None}
         if measures:
             lines.append("peak mem: " + ", ".join(MEMORY_MEASURES.get(m, m) for m in sorted(measures)) + ".")
@@ -568,10 +679,21 @@ def cli_main(argv=None):
     parser.add_argument("--top-ops", type=int, default=0, metavar="N",
                         help="print (and record) where each row's step time goes: its N operators with the "
                              "most self time in one more step of the last round (torch profiler)")
+    parser.add_argument("--paired", action="store_true",
+                        help="time every row against the limit in one process, their steps alternating on the "
+                             "same batches, and report the median per-batch ratio with a 95%% interval: it "
+                             "resolves differences of a few percent on a loaded machine, where separate runs "
+                             "do not (each row's child builds the limit too, so it takes about twice as long)")
     parser.add_argument("--child-train", help=argparse.SUPPRESS)
+    parser.add_argument("--child-paired-limit", help=argparse.SUPPRESS)
     parser.add_argument("--child-teacher-forward", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-epoch", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child_train and args.child_paired_limit:
+        result = measure_paired(json.loads(args.child_train), json.loads(args.child_paired_limit), args.steps,
+                                args.warmup, epoch=args.child_epoch, top_ops=args.top_ops)
+        print(json.dumps(result))
+        return
     if args.child_train:
         result = measure_training(json.loads(args.child_train), args.steps, args.warmup,
                                   teacher_forward=args.child_teacher_forward, epoch=args.child_epoch,
@@ -584,7 +706,8 @@ def cli_main(argv=None):
         parser.error(f"--methods: unknown {unknown}; known: {sorted(METHODS)}")
     methods = [PLAIN, LIMIT, *(m for m in methods if m not in (PLAIN, LIMIT))]
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    report = run(args.configs, methods, args.steps, args.warmup, args.repeats, args.workdir, args.top_ops)
+    report = run(args.configs, methods, args.steps, args.warmup, args.repeats, args.workdir, args.top_ops,
+                 paired=args.paired)
     (args.output_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
     markdown = to_markdown(report)
     (args.output_dir / "benchmark.md").write_text(markdown)
