@@ -70,6 +70,21 @@ def teacher_file_problem(path) -> Optional[str]:
             "checkpoints/teacher/checkpoint_best.pt) or of a Hugging Face save_pretrained folder.")
 
 
+def _contiguous_input(module: nn.Module, args: tuple) -> Optional[tuple]:
+    """A linear layer's input made contiguous before the layer runs.
+
+    fairseq's models transpose between (time, batch) and (batch, time), so the decoder's output
+    projection (and the first layer's q/k/v projections on each side) receive non-contiguous
+    inputs. With a weight that requires grad, ``torch.matmul`` copies such an input and runs one
+    matrix product; with a frozen weight it runs a batched product against the weight expanded
+    over the batch instead, about 2.3x slower on CPU for the teacher's output projection (d 512,
+    8,000 types, 2,048 tokens: 287 ms against 123 ms). The copy costs one (tokens, width) tensor.
+    """
+    if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
+        return (args[0].contiguous(), *args[1:])
+    return None
+
+
 class FrozenTeacher:
     """A frozen fairseq Transformer used as the source of distillation signals."""
 
@@ -80,6 +95,9 @@ class FrozenTeacher:
         self.model.eval()
         for param in self.model.parameters():
             param.requires_grad_(False)
+        for module in self.model.modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_pre_hook(_contiguous_input)
         self.shape = TransformerShape.from_model(model)
 
     @classmethod
