@@ -18,21 +18,24 @@ def test_fairseq_teacher_leaves_the_random_state(kd_task, tiny_teacher):
 
 
 def test_teacher_linear_layers_get_contiguous_inputs(kd_task, tiny_batch):
-    """fairseq hands the decoder's output projection a (batch, time) view of a (time, batch) tensor;
+    """fairseq hands the decoder's output projection and each side's first layer a transposed view;
     with frozen weights torch.matmul would run a batched product against the expanded weight (2.3x
-    slower on CPU at a real vocabulary). The teacher's linear layers see contiguous inputs, and its
-    output equals the model's own forward pass."""
+    slower on CPU at a real vocabulary). The teacher's linear layers and Transformer layers see
+    contiguous inputs, and its output equals the model's own forward pass."""
     from fairseq_kd.models.feature_capture import CaptureRequest
 
     teacher = kd_task.teacher
     projection = teacher.model.decoder.output_projection
+    first_layers = (teacher.model.encoder.layers[0], teacher.model.decoder.layers[0])
     seen = []
-    handle = projection.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
+    handles = [module.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
+               for module in (projection, *first_layers)]
     try:
         net_output, _ = teacher.forward(tiny_batch["net_input"], CaptureRequest())
     finally:
-        handle.remove()
-    assert seen == [True]
+        for handle in handles:
+            handle.remove()
+    assert seen == [True, True, True]
     hooks = {module: dict(module._forward_pre_hooks) for module in teacher.model.modules()}
     for module in hooks:
         module._forward_pre_hooks.clear()

@@ -15,6 +15,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 from fairseq.data import Dictionary
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from torch import nn
 
 from ..checkpoints import UnsafeCheckpointError, task_state
@@ -71,18 +72,24 @@ def teacher_file_problem(path) -> Optional[str]:
 
 
 def _contiguous_input(module: nn.Module, args: tuple) -> Optional[tuple]:
-    """A linear layer's input made contiguous before the layer runs.
+    """A layer's first input made contiguous before the layer runs.
 
-    fairseq's models transpose between (time, batch) and (batch, time), so the decoder's output
-    projection (and the first layer's q/k/v projections on each side) receive non-contiguous
-    inputs. With a weight that requires grad, ``torch.matmul`` copies such an input and runs one
-    matrix product; with a frozen weight it runs a batched product against the weight expanded
-    over the batch instead, about 2.3x slower on CPU for the teacher's output projection (d 512,
-    8,000 types, 2,048 tokens: 287 ms against 123 ms). The copy costs one (tokens, width) tensor.
+    fairseq's models transpose between (batch, time) and (time, batch), so the decoder's output
+    projection and each side's first Transformer layer receive non-contiguous inputs. With a
+    weight that requires grad, ``torch.matmul`` copies such an input and runs one matrix product;
+    with a frozen weight it runs a batched product against the weight expanded over the batch
+    instead, about 2.3x slower on CPU for the teacher's output projection (d 512, 8,000 types,
+    2,048 tokens: 287 ms against 123 ms). The first layer's q/k/v projections run inside
+    ``F.multi_head_attention_forward``, not as modules, so the layer's input is made contiguous
+    (once for all three). The copy costs one (tokens, width) tensor.
     """
     if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
         return (args[0].contiguous(), *args[1:])
     return None
+
+
+#: the teacher's modules whose first input :func:`_contiguous_input` makes contiguous
+_TAKES_CONTIGUOUS_INPUT = (nn.Linear, TransformerEncoderLayerBase, TransformerDecoderLayerBase)
 
 
 class FrozenTeacher:
@@ -96,7 +103,7 @@ class FrozenTeacher:
         for param in self.model.parameters():
             param.requires_grad_(False)
         for module in self.model.modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, _TAKES_CONTIGUOUS_INPUT):
                 module.register_forward_pre_hook(_contiguous_input)
         self.shape = TransformerShape.from_model(model)
 
