@@ -139,6 +139,13 @@ def test_a_real_vocabulary_configuration_runs_a_step_and_records_its_shapes(tmp_
                                       benchmark.training_flags("d64_8k", paths, "limit"), steps=2, warmup=0)
     assert len(paired["paired_ratios"]) == 2 and all(r > 0 for r in paired["paired_ratios"])
     assert paired["step_ms"] > 0 and paired["limit_step_ms"] > 0 and paired["peak_mb"] > 0
+    # more steps than the corpus has batches: one line naming the flags, before any step
+    built = []
+    monkeypatch.setattr(benchmark._TrainingRun, "step", lambda self, sample: built.append("step"))
+    with pytest.raises(SystemExit, match=r"--steps 100000 --warmup 0: the configuration's corpus has only \d+ batches"):
+        benchmark.measure_paired(benchmark.training_flags("d64_8k", paths, "word_kd"),
+                                 benchmark.training_flags("d64_8k", paths, "limit"), steps=100_000, warmup=0)
+    assert built == []
     with pytest.raises(ValueError, match="more than the configuration's vocab"):
         benchmark.write_padded_dictionary(tmp_path / "d64_8k" / "corpus-dict" / "dict.src.txt", tmp_path / "x", 10)
 

@@ -42,14 +42,37 @@ def test_teacher_linear_layers_get_contiguous_inputs(kd_task, tiny_batch):
     try:
         with torch.no_grad():
             unhooked = teacher.model(**tiny_batch["net_input"])[0]
-        # the unhooked projection really does get a non-contiguous input (else this test shows nothing)
+        # unhooked, these modules really do get non-contiguous inputs (else this test shows nothing)
         seen.clear()
-        handle = projection.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
-        with torch.no_grad():
-            teacher.model(**tiny_batch["net_input"])
-        handle.remove()
-        assert seen == [False]
+        handles = [module.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
+                   for module in (projection, *first_layers)]
+        try:
+            with torch.no_grad():
+                teacher.model(**tiny_batch["net_input"])
+        finally:
+            for handle in handles:
+                handle.remove()
+        assert seen == [False, False, False]
     finally:
         for module, module_hooks in hooks.items():
             module._forward_pre_hooks.update(module_hooks)
     torch.testing.assert_close(net_output[0], unhooked, rtol=1e-5, atol=1e-6)
+
+
+def test_teacher_hooks_only_the_modules_fed_transposed_views_and_only_once(kd_task):
+    """A hook sends every call of its module through torch's slower hooked path (beam search makes
+    many small calls): the teacher hooks its Transformer layers and output projection only, and a
+    teacher built on a copy of a hooked model (deepcopy copies hooks) does not hook it twice."""
+    import copy
+
+    from fairseq_kd.models.teacher import FrozenTeacher, _contiguous_input
+
+    def hooked(model):
+        return {name for name, module in model.named_modules() if _contiguous_input in module._forward_pre_hooks.values()}
+
+    model = kd_task.teacher.model
+    layers = {f"{side}.layers.{i}" for side in ("encoder", "decoder") for i in range(len(getattr(model, side).layers))}
+    assert hooked(model) == layers | {"decoder.output_projection"}
+    again = FrozenTeacher(copy.deepcopy(model), path="")
+    assert all(list(module._forward_pre_hooks.values()).count(_contiguous_input) <= 1 for module in again.model.modules())
+    assert hooked(again.model) == hooked(model)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from fairseq.data import Dictionary
@@ -72,7 +72,7 @@ def teacher_file_problem(path) -> Optional[str]:
 
 
 def _contiguous_input(module: nn.Module, args: tuple) -> Optional[tuple]:
-    """A layer's first input made contiguous before the layer runs.
+    """A module's first input made contiguous before the module runs.
 
     fairseq's models transpose between (batch, time) and (time, batch), so the decoder's output
     projection and each side's first Transformer layer receive non-contiguous inputs. With a
@@ -88,8 +88,21 @@ def _contiguous_input(module: nn.Module, args: tuple) -> Optional[tuple]:
     return None
 
 
-#: the teacher's modules whose first input :func:`_contiguous_input` makes contiguous
-_TAKES_CONTIGUOUS_INPUT = (nn.Linear, TransformerEncoderLayerBase, TransformerDecoderLayerBase)
+def _modules_given_transposed_views(model: nn.Module) -> List[nn.Module]:
+    """The modules of a fairseq Transformer that fairseq calls on a transposed view: its encoder
+    and decoder layers (the first of each gets the embeddings' (batch, time) -> (time, batch)
+    view; the hook is a no-op on the others) and the decoder's output projections (a (time, batch)
+    -> (batch, time) view). Only these are hooked: a hook sends every call of its module through
+    torch's slower hooked path, which beam search's many small steps would pay for in every
+    linear layer."""
+    modules = [module for module in model.modules()
+               if isinstance(module, (TransformerEncoderLayerBase, TransformerDecoderLayerBase))]
+    decoder = getattr(model, "decoder", None)
+    for name in ("project_out_dim", "output_projection"):
+        projection = getattr(decoder, name, None)
+        if isinstance(projection, nn.Linear):
+            modules.append(projection)
+    return modules
 
 
 class FrozenTeacher:
@@ -102,8 +115,9 @@ class FrozenTeacher:
         self.model.eval()
         for param in self.model.parameters():
             param.requires_grad_(False)
-        for module in self.model.modules():
-            if isinstance(module, _TAKES_CONTIGUOUS_INPUT):
+        for module in _modules_given_transposed_views(self.model):
+            # (a copy of a teacher, deepcopy included, already has the hook)
+            if _contiguous_input not in module._forward_pre_hooks.values():
                 module.register_forward_pre_hook(_contiguous_input)
         self.shape = TransformerShape.from_model(model)
 

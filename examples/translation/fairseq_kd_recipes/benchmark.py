@@ -39,6 +39,7 @@ one process instead, their steps alternating on the same batches, and reports th
 per-batch ratios with a 95% bootstrap interval (:func:`measure_paired`).
 """
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -340,15 +341,12 @@ class _TrainingRun:
 
 
 def _timed_samples(batches, steps: int, warmup: int):
-    """(index, sample) of the first ``warmup + steps`` batches, or a clear stop when there are fewer."""
-    count = 0
-    for index, sample in enumerate(batches):
-        if index >= warmup + steps:
-            return
-        count += 1
-        yield index, sample
-    if count < warmup + steps:
-        raise SystemExit(f"only {max(0, count - warmup)} timed steps: the corpus has too few batches")
+    """(index, sample) of the first ``warmup + steps`` batches; a clear stop before any step when
+    there are fewer."""
+    if len(batches) < warmup + steps:
+        raise SystemExit(f"--steps {steps} --warmup {warmup}: the configuration's corpus has only "
+                         f"{len(batches)} batches; ask for fewer steps")
+    return itertools.islice(enumerate(batches), warmup + steps)
 
 
 def measure_training(flags: List[str], steps: int, warmup: int, teacher_forward: bool = False,
@@ -380,13 +378,17 @@ def measure_paired(flags: List[str], limit_flags: List[str], steps: int, warmup:
     always runs on a warm cache). Each batch gives one ratio (row / limit) from two steps a second
     or so apart; the load of other processes on a shared machine moves both alike, so the median
     of these ratios resolves differences that the fastest of separate runs minutes apart cannot.
-    Memory is the row's own step, measured as in :func:`measure_training`."""
+    Memory is the row's own step: on CPU measured as in :func:`measure_training`, on CUDA over one
+    more step of the row after the limit's run is freed."""
+    import gc
+
     import torch
 
     limit = _TrainingRun(limit_flags, teacher_forward=True)
+    samples = _timed_samples(limit.batches, steps, warmup)  # (checks the corpus before the row is built)
     row = _TrainingRun(flags, epoch=epoch)
     times, limit_times, first_timed = [], [], None
-    for index, sample in _timed_samples(row.batches, steps, warmup):
+    for index, sample in samples:
         if row.cuda and index == warmup:
             torch.cuda.reset_peak_memory_stats()
         if index % 2 == 0:
@@ -397,10 +399,15 @@ def measure_paired(flags: List[str], limit_flags: List[str], steps: int, warmup:
             times.append(elapsed)
             limit_times.append(limit_elapsed)
             first_timed = sample if first_timed is None else first_timed
-    # on CUDA both models' steps count in one max_memory_allocated: measure the row's step alone
     if row.cuda:
-        torch.cuda.synchronize()
+        # max_memory_allocated would count the limit's student, optimiser state and teacher too:
+        # without them, one more step of the row alone
+        del limit
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        row.step(first_timed)
+        torch.cuda.synchronize()
     peak, measure = row.peak_mb(first_timed)
     result = {"step_ms": 1000 * statistics.median(times), "limit_step_ms": 1000 * statistics.median(limit_times),
               "paired_ratios": [t / lt for t, lt in zip(times, limit_times)], "peak_mb": peak,
@@ -418,9 +425,8 @@ def median_with_interval(values: List[float], level: float = 0.95, resamples: in
 
     rng = random.Random(seed)
     medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
-    tail = (1 - level) / 2
-    low = medians[int(tail * resamples)]
-    high = medians[min(resamples - 1, int((1 - tail) * resamples))]
+    outside = round((1 - level) / 2 * resamples)  # resampled medians left out on each side
+    low, high = medians[outside], medians[resamples - 1 - outside]
     return statistics.median(values), low, high
 
 
