@@ -17,11 +17,11 @@ def test_fairseq_teacher_leaves_the_random_state(kd_task, tiny_teacher):
     assert torch.equal(draws_after(5, lambda: load_teacher(str(tiny_teacher), kd_task)), untouched)
 
 
-def test_teacher_linear_layers_get_contiguous_inputs(kd_task, tiny_batch):
+def test_teacher_output_projection_and_first_layers_get_contiguous_inputs(kd_task, tiny_batch):
     """fairseq hands the decoder's output projection and each side's first layer a transposed view;
     with frozen weights torch.matmul would run a batched product against the expanded weight (2.3x
-    slower on CPU at a real vocabulary). The teacher's linear layers and Transformer layers see
-    contiguous inputs, and its output equals the model's own forward pass."""
+    slower on CPU at a real vocabulary). In the teacher those modules see contiguous inputs, and its
+    output equals the model's own forward pass."""
     from fairseq_kd.models.feature_capture import CaptureRequest
 
     teacher = kd_task.teacher
