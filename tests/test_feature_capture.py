@@ -218,6 +218,68 @@ def test_last_layer_only_equals_the_top_layer_of_a_full_capture(kd_task, tiny_ba
                                   atol=1e-6), (kind, field)
 
 
+def test_a_layer_selection_equals_those_layers_of_a_full_capture_and_hooks_no_other_module(kd_task, tiny_batch):
+    model = kd_task.teacher.model  # 3 layers of each kind
+    _, full = _capture(model, tiny_batch)
+    selection = {ENCODER_SELF: (3, 1), DECODER_CROSS: (2,)}  # any order; DECODER_SELF not named: every layer
+    request = CaptureRequest(attention_kinds=ATTENTION_KINDS, attention_scores=True, attention_values=True,
+                             attention_layers=selection)
+    hooked = []
+    with FeatureCapture(model, request) as capture:
+        for kind in ATTENTION_KINDS:
+            hooked.append([bool(module._forward_pre_hooks) for module in attention_modules(model, kind)])
+        model(**tiny_batch["net_input"])
+    assert hooked == [[True, False, True], [True, True, True], [False, True, False]]
+    part = capture.features()
+    assert part.attention[ENCODER_SELF].layers == (1, 3)
+    assert part.attention[DECODER_SELF].layers == (1, 2, 3)
+    assert part.attention[DECODER_CROSS].layers == (2,)
+    for kind in ATTENTION_KINDS:
+        maps, every = part.attention[kind], full.attention[kind]
+        for field in ("probs", "scores", "values"):
+            wanted = every.of_layers(getattr(every, field), maps.layers)
+            assert torch.allclose(getattr(maps, field), wanted, atol=1e-6), (kind, field)
+            # and a selection's own layers, in any order, come back as asked
+            reversed_layers = maps.layers[::-1]
+            assert torch.equal(maps.of_layers(getattr(maps, field), reversed_layers),
+                               getattr(maps, field).flip(0)), (kind, field)
+    assert part.attention[DECODER_SELF].of_layers(part.attention[DECODER_SELF].probs, (1, 2, 3)) is (
+        part.attention[DECODER_SELF].probs)  # the whole stack is not copied
+    with pytest.raises(ValueError, match=r"layer\(s\) \[1\] were not captured"):
+        part.attention[DECODER_CROSS].of_layers(part.attention[DECODER_CROSS].probs, (1, 2))
+
+
+@pytest.mark.parametrize("request_kwargs, message", [
+    (dict(attention_kinds=(ENCODER_SELF,), attention_layers={DECODER_SELF: (1,)}), "does not request"),
+    (dict(attention_kinds=(ENCODER_SELF,), attention_layers={ENCODER_SELF: (0, 1)}), "1-based"),
+    (dict(attention_kinds=(ENCODER_SELF,), attention_layers={ENCODER_SELF: ()}), "1-based"),
+    (dict(attention_kinds=(ENCODER_SELF,), attention_layers={ENCODER_SELF: (1,)}, last_layer_attention_only=True),
+     "not both"),
+])
+def test_a_malformed_layer_selection_is_refused(request_kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CaptureRequest(**request_kwargs)
+
+
+def test_a_selection_beyond_the_model_is_refused_before_any_forward_pass(kd_task):
+    model = kd_task.teacher.model
+    request = CaptureRequest(attention_kinds=(ENCODER_SELF, DECODER_CROSS), attention_layers={DECODER_CROSS: (2, 4)})
+    with pytest.raises(ValueError, match="layer 4 requested, but the model has 3"):
+        with FeatureCapture(model, request):
+            pass
+    # the encoder's modules, hooked before the refusal, are left as they were
+    for kind in (ENCODER_SELF, DECODER_CROSS):
+        for module in attention_modules(model, kind):
+            assert not module._forward_pre_hooks and not module._forward_hooks, kind
+            assert not module.skip_embed_dim_check, kind
+
+
+def test_equal_selections_make_equal_requests():
+    a = CaptureRequest(attention_kinds=(DECODER_SELF, ENCODER_SELF), attention_layers={ENCODER_SELF: [2, 1, 2]})
+    b = CaptureRequest(attention_kinds=(ENCODER_SELF, DECODER_SELF), attention_layers=((ENCODER_SELF, (1, 2)),))
+    assert a == b and hash(a) == hash(b)
+
+
 def test_maps_only_capture_leaves_the_output_and_the_modules_as_they_were(kd_task, tiny_batch):
     """Taking fairseq's explicit attention path inside the block changes the forward pass only by
     float rounding, and the modules get their fused path back afterwards."""

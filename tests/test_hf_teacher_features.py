@@ -248,9 +248,25 @@ def test_teacher_exposes_the_shape_feature_methods_read(teachers, data_bins):
                                                                 attention_values=True, last_layer_attention_only=True))
     _, every = teacher.forward(batch["net_input"],
                                CaptureRequest(attention_kinds=(DECODER_CROSS,), attention_values=True))
-    assert top.attention[DECODER_CROSS].num_layers == 1
+    assert top.attention[DECODER_CROSS].num_layers == 1 and top.attention[DECODER_CROSS].layers == (3,)
     torch.testing.assert_close(top.attention[DECODER_CROSS].probs[0], every.attention[DECODER_CROSS].probs[-1])
     torch.testing.assert_close(top.attention[DECODER_CROSS].values[0], every.attention[DECODER_CROSS].values[-1])
+    # a selection of layers (TinyBERT's mapped teacher layers): those layers of the full capture,
+    # and only their projections hooked
+    selection = CaptureRequest(attention_kinds=(ENCODER_SELF, DECODER_CROSS), attention_scores=True,
+                               attention_values=True, attention_layers={ENCODER_SELF: (1, 3), DECODER_CROSS: (2,)})
+    _, part = teacher.forward(batch["net_input"], selection)
+    _, full = teacher.forward(batch["net_input"], CaptureRequest(attention_kinds=(ENCODER_SELF, DECODER_CROSS),
+                                                                 attention_scores=True, attention_values=True))
+    assert part.attention[ENCODER_SELF].layers == (1, 3) and part.attention[DECODER_CROSS].layers == (2,)
+    for kind in (ENCODER_SELF, DECODER_CROSS):
+        a, b = part.attention[kind], full.attention[kind]
+        for name in ("probs", "scores", "values"):
+            torch.testing.assert_close(getattr(a, name), b.of_layers(getattr(b, name), a.layers))
+    with teacher.model.feature_capture(selection) as capture:
+        encoder, _ = teacher.model.layer_stacks()
+        assert [bool(layer.self_attn.q_proj._forward_hooks) for layer in encoder.layers] == [True, False, True]
+    assert not capture._handles
 
     hf = teacher.model.hf_model
     calls = []

@@ -96,9 +96,15 @@ class TinyBERTCriterion(KDCriterionBase):
         )
         attention = self.weights["att_score"] != 0
         hidden = self.weights["hidden"] != 0 or self.weights["embedding"] != 0
-        self.student_request = self.teacher_request = CaptureRequest(
-            encoder_hidden=hidden, decoder_hidden=hidden,
-            attention_kinds=ATTENTION_KINDS if attention else (), attention_scores=attention,
+        kinds = ATTENTION_KINDS if attention else ()
+        self.student_request = CaptureRequest(
+            encoder_hidden=hidden, decoder_hidden=hidden, attention_kinds=kinds, attention_scores=attention,
+        )
+        # The teacher's scores only where the mapping reads them: its other attention modules keep
+        # fairseq's fused path (half of them for the usual 2:1 depth ratio).
+        self.teacher_request = CaptureRequest(
+            encoder_hidden=hidden, decoder_hidden=hidden, attention_kinds=kinds, attention_scores=attention,
+            attention_layers={kind: self.mapping[KIND_SIDE[kind]] for kind in kinds},
         )
         check_capturable(self.teacher, self.teacher_request, self.criterion_name())
 
@@ -110,8 +116,10 @@ class TinyBERTCriterion(KDCriterionBase):
         if self.weights["att_score"] != 0:
             terms["att_score"] = sum(
                 attention_score_mse(
-                    batch.student.attention[kind].scores, batch.teacher.attention[kind].scores,
-                    batch.student.attention[kind].attendable, self.mapping[KIND_SIDE[kind]],
+                    batch.student.attention[kind].scores,
+                    batch.teacher.attention[kind].of_layers(batch.teacher.attention[kind].scores,
+                                                            self.mapping[KIND_SIDE[kind]]),
+                    batch.student.attention[kind].attendable,
                 )
                 for kind in ATTENTION_KINDS
             )
@@ -136,16 +144,15 @@ class TinyBERTCriterion(KDCriterionBase):
         return terms
 
 
-def attention_score_mse(student_scores: Tensor, teacher_scores: Tensor, attendable: Tensor,
-                        mapping: Sequence[int]) -> Tensor:
-    """TinyBERT's attention loss over the mapped layer pairs, float32.
+def attention_score_mse(student_scores: Tensor, teacher_scores: Tensor, attendable: Tensor) -> Tensor:
+    """TinyBERT's attention loss (Eq. 7) over the mapped layer pairs, float32.
 
-    student_scores: ``(m, B, H, Tq, Tk)``; teacher_scores: ``(n, B, H, Tq, Tk)`` (pre-softmax);
-    attendable: ``(B, 1, Tq, Tk)``; mapping: teacher layer (1-based) of each student layer.
-    Per real query: the mean of ``(s - t)^2`` over heads and the keys it may attend to; summed
-    over queries, sentences and layer pairs.
+    student_scores: ``(m, B, H, Tq, Tk)``; teacher_scores: the same shape, the pre-softmax scores
+    of the teacher layer mapped to each student layer, in the student's layer order;
+    attendable: ``(B, 1, Tq, Tk)``. Per real query: the mean of ``(s - t)^2`` over heads and the
+    keys it may attend to; summed over queries, sentences and layer pairs.
     """
-    difference = student_scores.float() - teacher_scores[[layer - 1 for layer in mapping]].float()
+    difference = student_scores.float() - teacher_scores.float()
     difference.masked_fill_(~attendable.unsqueeze(0), 0.0)  # in place: sub's backward needs no output
     per_row = sum_of_squares(difference, dims=-1)  # (m, B, H, Tq)
     keys = attendable.sum(-1).clamp_min(1).unsqueeze(0)  # (1, B, 1, Tq); 0 only on padded queries

@@ -34,7 +34,7 @@ All tensors are batch-first. Padding masks are ``True`` at padded positions.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -57,7 +57,11 @@ class CaptureRequest:
     are wanted; ``attention_scores`` adds the pre-softmax logits (TinyBERT) and
     ``attention_values`` the per-head value vectors (MiniLM) for those kinds.
     ``last_layer_attention_only`` computes the maps of the top layer of each kind only (MiniLM),
-    so the returned tensors have a layer axis of size 1.
+    so the returned tensors have a layer axis of size 1. ``attention_layers`` names, per kind, the
+    1-based layers whose maps are computed (a mapping such as ``{"encoder_self": (2, 4)}``, e.g. a
+    teacher's layers that a layer mapping pairs with the student's, TinyBERT); a kind it does not
+    name gets every layer. An attention module outside the selection is not hooked at all, so it
+    keeps fairseq's fused path. :attr:`AttentionMaps.layers` says which layers a stack holds.
     """
 
     encoder_hidden: bool = False
@@ -66,6 +70,8 @@ class CaptureRequest:
     attention_scores: bool = False
     attention_values: bool = False
     last_layer_attention_only: bool = False
+    #: stored as ``((kind, (layer, ...)), ...)`` in canonical order, so the request stays hashable
+    attention_layers: Tuple[Tuple[str, Tuple[int, ...]], ...] = ()
 
     def __post_init__(self):
         unknown = set(self.attention_kinds) - set(ATTENTION_KINDS)
@@ -75,6 +81,34 @@ class CaptureRequest:
         object.__setattr__(
             self, "attention_kinds", tuple(k for k in ATTENTION_KINDS if k in self.attention_kinds)
         )
+        selection = dict(self.attention_layers)
+        if selection and self.last_layer_attention_only:
+            raise ValueError("give attention_layers or last_layer_attention_only, not both")
+        not_requested = set(selection) - set(self.attention_kinds)
+        if not_requested:
+            raise ValueError(f"attention_layers names kind(s) {sorted(not_requested)} that attention_kinds "
+                             f"does not request ({self.attention_kinds})")
+        canonical = []
+        for kind in self.attention_kinds:
+            if kind in selection:
+                layers = tuple(sorted(set(int(layer) for layer in selection[kind])))
+                if not layers or layers[0] < 1:
+                    raise ValueError(f"attention_layers[{kind!r}] must name 1-based layers, got {selection[kind]}")
+                canonical.append((kind, layers))
+        object.__setattr__(self, "attention_layers", tuple(canonical))
+
+    def layer_indices(self, kind: str, num_layers: int) -> Tuple[int, ...]:
+        """0-based indices of the layers of ``kind``, of a model with ``num_layers`` of them,
+        whose maps this request computes."""
+        if self.last_layer_attention_only:
+            return (num_layers - 1,)
+        layers = dict(self.attention_layers).get(kind)
+        if layers is None:
+            return tuple(range(num_layers))
+        if layers[-1] > num_layers:
+            raise ValueError(f"{kind} attention of layer {layers[-1]} requested, but the model has "
+                             f"{num_layers} such layers")
+        return tuple(layer - 1 for layer in layers)
 
     @property
     def is_empty(self) -> bool:
@@ -94,6 +128,8 @@ class AttentionMaps:
     key_padding_mask: ``(batch, key_len)``, True at padded keys.
     attendable: ``(batch, 1, query_len, key_len)`` bool, True where an entry takes part in a loss:
             the query is real and the key is one that query may attend to.
+    layers: the 1-based layer number of each entry of the layer axis, ascending (every layer of
+            the kind unless the request selected some, see :class:`CaptureRequest`).
     """
 
     probs: Tensor
@@ -102,6 +138,24 @@ class AttentionMaps:
     attendable: Tensor
     scores: Optional[Tensor] = None
     values: Optional[Tensor] = None
+    layers: Optional[Tuple[int, ...]] = None
+
+    def __post_init__(self):
+        if self.layers is None:
+            self.layers = tuple(range(1, self.probs.size(0) + 1))
+        elif len(self.layers) != self.probs.size(0):
+            raise ValueError(f"{len(self.layers)} layer numbers for a stack of {self.probs.size(0)} maps")
+
+    def of_layers(self, tensor: Tensor, layers: Sequence[int]) -> Tensor:
+        """The entries of ``tensor`` (``probs``, ``scores`` or ``values``) of the 1-based
+        ``layers``, in that order; the stack itself, not a copy, when it holds exactly those."""
+        layers = tuple(layers)
+        missing = sorted(set(layers) - set(self.layers))
+        if missing:
+            raise ValueError(f"layer(s) {missing} were not captured (the maps hold layers {self.layers})")
+        if layers == self.layers:
+            return tensor
+        return tensor[[self.layers.index(layer) for layer in layers]]
 
     @property
     def num_layers(self) -> int:
@@ -181,6 +235,7 @@ class FeatureCapture:
         self.request = request
         self._handles: list = []
         self._attention_records: Dict[str, List[dict]] = {}
+        self._captured_layers: Dict[str, Tuple[int, ...]] = {}  # kind -> 1-based layers hooked
         self._encoder_out: Optional[dict] = None
         self._decoder_inner_states: Optional[List[Tensor]] = None
         self._source_padding_mask: Optional[Tensor] = None
@@ -194,6 +249,13 @@ class FeatureCapture:
 
     # ------------------------------------------------------------------ hooks
     def __enter__(self) -> "FeatureCapture":
+        try:
+            return self._install()
+        except BaseException:
+            self.__exit__(None, None, None)  # no hook of a refused request stays on the model
+            raise
+
+    def _install(self) -> "FeatureCapture":
         if self.request.is_empty:
             return self
         model = self.model
@@ -206,7 +268,9 @@ class FeatureCapture:
             records: List[dict] = []
             self._attention_records[kind] = records
             modules = attention_modules(model, kind)
-            for module in modules[-1:] if self.request.last_layer_attention_only else modules:
+            indices = self.request.layer_indices(kind, len(modules))
+            self._captured_layers[kind] = tuple(index + 1 for index in indices)
+            for module in (modules[index] for index in indices):
                 if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
                     raise NotATransformerError(
                         "attention capture does not support add_bias_kv / add_zero_attn attention"
@@ -336,7 +400,7 @@ class FeatureCapture:
                 raise RuntimeError("the decoder returned no inner_states although they were requested")
             features.decoder_hidden = torch.stack(self._decoder_inner_states, 0).transpose(1, 2)
         for kind, records in self._attention_records.items():
-            # (only the top layer's module is hooked under last_layer_attention_only)
+            # (only the selected layers' modules are hooked, see CaptureRequest.layer_indices)
             features.attention[kind] = self._attention_maps(kind, records, features)
         return features
 
@@ -387,6 +451,7 @@ class FeatureCapture:
             attendable=attendable,
             scores=scores,
             values=values,
+            layers=self._captured_layers[kind],
         )
 
 

@@ -389,10 +389,9 @@ class HuggingFaceFeatureCapture:
         projections = (("q", "q_proj"), ("k", "k_proj")) if request.attention_scores else ()
         projections += (("v", "v_proj"),) if request.attention_values else ()
         for kind in request.attention_kinds:
-            layers = list(enumerate(modules[kind]))
-            for index, attention in layers[-1:] if request.last_layer_attention_only else layers:
+            for index in request.layer_indices(kind, len(modules[kind])):
                 for key, name in projections:
-                    self._handles.append(getattr(attention, name).register_forward_hook(
+                    self._handles.append(getattr(modules[kind][index], name).register_forward_hook(
                         self._recorder(self._projections, (kind, index, key))))
         for side, stack, wanted in (("encoder", encoder, request.encoder_hidden),
                                     ("decoder", decoder, request.decoder_hidden)):
@@ -480,9 +479,9 @@ class HuggingFaceFeatureCapture:
     def _attention_maps(self, kind: str, per_layer, features: CapturedFeatures, slot: torch.Tensor) -> AttentionMaps:
         if not per_layer:
             raise RuntimeError(f"the Hugging Face model returned no {kind} attention weights")
-        layers = list(per_layer)
-        first_layer = len(layers) - 1 if self.request.last_layer_attention_only else 0
-        probs = torch.stack(layers[first_layer:], 0).float()  # (layers, batch, heads, query, key)
+        # Hugging Face returns every layer's maps; a request's selection keeps some of them
+        indices = self.request.layer_indices(kind, len(per_layer))
+        probs = torch.stack([per_layer[i] for i in indices], 0).float()  # (layers, batch, heads, query, key)
         num_layers, bsz, num_heads, tq, tk = probs.shape
         source_queries, source_keys = kind == ENCODER_SELF, kind in (ENCODER_SELF, DECODER_CROSS)
         probs = self._to_fairseq_positions(probs, slot, source_queries, source_keys)
@@ -494,7 +493,6 @@ class HuggingFaceFeatureCapture:
             blocked = blocked | future[None, None]
         attendable = ~blocked & ~query_padding_mask[:, None, :, None]
         scores = values = None
-        indices = range(first_layer, first_layer + num_layers)
         if self.request.attention_scores:
             scaling = [self._module(kind, i).scaling for i in indices]
             scores = torch.stack([
@@ -508,7 +506,8 @@ class HuggingFaceFeatureCapture:
             if source_keys:  # (layers, batch, heads, key, d_head): the key axis is the source's
                 values = values.gather(3, slot[None, :, None, :, None].expand_as(values))
         return AttentionMaps(probs=probs, query_padding_mask=query_padding_mask, key_padding_mask=key_padding_mask,
-                             attendable=attendable, scores=scores, values=values)
+                             attendable=attendable, scores=scores, values=values,
+                             layers=tuple(index + 1 for index in indices))
 
     def _module(self, kind: str, index: int) -> nn.Module:
         encoder, decoder = self.model.layer_stacks()
