@@ -1,6 +1,8 @@
 """The speed benchmark's bookkeeping: the limit row (plain step + teacher forward) is measured with
 the teacher's forward and every other row without; ratios and round spreads are computed from the
 rounds as documented. (Timings themselves are measured by running the benchmark, never in tests.)"""
+import json
+
 import pytest
 
 from fairseq_kd_recipes import benchmark
@@ -27,8 +29,10 @@ def child_calls(monkeypatch):
     """Child training runs stubbed: records (method, teacher_forward) per call."""
     calls = []
 
-    def fake_child(flags, steps, warmup, teacher_forward=False, epoch=1, top_ops=0, paired_limit=None):
+    def fake_child(flags, steps, warmup, teacher_forward=False, epoch=1, top_ops=0, paired_limit=None,
+                   shuffle_seed=None):
         call = (flags[0], teacher_forward) if epoch == 1 else (flags[0], teacher_forward, epoch)
+        call += (("shuffle seed", shuffle_seed),) if shuffle_seed is not None else ()
         calls.append(call + (("paired with", paired_limit[0]),) if paired_limit else call)
         result = {"step_ms": 30.0 if teacher_forward else 20.0, "peak_mb": 1.0}
         if paired_limit:
@@ -86,6 +90,22 @@ def test_paired_rows_time_against_the_limit_in_their_own_process(child_calls):
     markdown = benchmark.to_markdown(report)
     assert "| word_kd | 20.0 | 1.00x | 1.18x ({:.2f}-{:.2f}) |".format(low, high) in markdown
     assert "paired, the median over batches" in markdown
+
+
+def test_every_row_times_the_batches_the_report_names(child_calls, tmp_path):
+    """--shuffle-seed reaches every child (the limit's too) and the report and its table say which
+    batches were timed; without it, fairseq's length-sorted order."""
+    benchmark.cli_main(["--methods", "word_kd", "--configs", "tiny", "--repeats", "1", "--steps", "4",
+                        "--warmup", "1", "--shuffle-seed", "7", "--output-dir", str(tmp_path)])
+    seed = ("shuffle seed", 7)
+    assert child_calls == [("plain", False, seed), ("limit", True, seed), ("word_kd", False, seed)]
+    report = json.loads((tmp_path / "benchmark.json").read_text())
+    assert report["tiny"]["timed_batches"] == {"order": "shuffled (seed 7)", "warmup": 1, "steps": 4}
+    assert "Timed batches: 4 after 1 untimed, from the start of the epoch in shuffled (seed 7) order" in (
+        (tmp_path / "benchmark.md").read_text())
+    report = benchmark.run(["tiny"], ["plain", "limit"], steps=2, warmup=0, repeats=1, workdir=None)
+    assert report["tiny"]["timed_batches"]["order"] == "length-sorted"
+    assert child_calls[-1] == ("limit", True)
 
 
 def test_median_interval_is_seeded_and_covers_the_median():
@@ -146,6 +166,19 @@ def test_a_real_vocabulary_configuration_runs_a_step_and_records_its_shapes(tmp_
         benchmark.measure_paired(benchmark.training_flags("d64_8k", paths, "word_kd"),
                                  benchmark.training_flags("d64_8k", paths, "limit"), steps=100_000, warmup=0)
     assert built == []
+    # --shuffle-seed: every sentence once, in batches no longer in length order; the same batches for
+    # the same seed (every row of a run times the same ones)
+    flags = benchmark.training_flags("d64_8k", paths, "word_kd")
+
+    def batches(**kwargs):
+        return [(tuple(sample["id"].tolist()), sample["target"].size(1))
+                for sample in benchmark._TrainingRun(flags, **kwargs).batches]
+
+    in_order, shuffled = batches(), batches(shuffle_seed=3)
+    assert sorted(i for ids, _ in shuffled for i in ids) == sorted(i for ids, _ in in_order for i in ids)
+    lengths = [length for _, length in in_order]
+    assert lengths == sorted(lengths) and [length for _, length in shuffled] != sorted(lengths)
+    assert batches(shuffle_seed=3) == shuffled and batches(shuffle_seed=4) != shuffled
     with pytest.raises(ValueError, match="more than the configuration's vocab"):
         benchmark.write_padded_dictionary(tmp_path / "d64_8k" / "corpus-dict" / "dict.src.txt", tmp_path / "x", 10)
 

@@ -47,8 +47,9 @@ def slow_internal(criterion, batch, pairs=PAIRS):
         positions = real_positions(mask)
         heads_match = teacher_maps.num_heads == student_maps.num_heads
         for student_layer, teacher_layer in pairs:
-            p_t = teacher_maps.probs[teacher_layer - 1]  # (B, H, T, T)
-            p_s = student_maps.probs[student_layer - 1]
+            # (B, H, T, T); the criterion asks for the paired layers' maps only
+            p_t = teacher_maps.of_layers(teacher_maps.probs, (teacher_layer,))[0]
+            p_s = student_maps.of_layers(student_maps.probs, (student_layer,))[0]
             if not heads_match:
                 p_t, p_s = p_t.mean(1, keepdim=True), p_s.mean(1, keepdim=True)
             for b, query in positions:
@@ -176,6 +177,14 @@ def test_pid_and_sid_move_on_after_the_epoch_budget(kd_task, tiny_batch, schedul
         criterion.begin_epoch(epoch)
         logs = epoch_of_training(criterion, student, [tiny_batch])
         seen.append((criterion.slots["encoder"], criterion.loss_weights()))
+        if criterion.internal_phase:
+            # maps of the active pairs' layers only (PAIRS: student 1 <- teacher 1, 2 <- 3)
+            teacher_layers = tuple(PAIRS[slot][1] for slot in seen[-1][0])
+            student_layers = tuple(slot + 1 for slot in seen[-1][0])
+            assert criterion.teacher_request.attention_layers == tuple(
+                (kind, teacher_layers) for kind in (ENCODER_SELF, DECODER_SELF))
+            assert criterion.student_request.attention_layers == tuple(
+                (kind, student_layers) for kind in (ENCODER_SELF, DECODER_SELF))
         # the schedule reaches the log: each step's weights, next to its terms
         assert (logs[0]["word_kd_weight"], logs[0]["internal_kl_weight"]) == (
             seen[-1][1]["word_kd"], seen[-1][1]["internal_kl"])

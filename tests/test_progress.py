@@ -102,7 +102,8 @@ def test_benchmark_counts_its_training_runs(monkeypatch, capsys, terminal):
     monkeypatch.setattr(benchmark, "prepare_config", lambda name, workdir: {})
     monkeypatch.setattr(benchmark, "training_flags", lambda name, paths, method: [method])
     monkeypatch.setattr(benchmark, "_train_in_child",
-                        lambda flags, steps, warmup, teacher_forward=False, epoch=1, top_ops=0, paired_limit=None:
+                        lambda flags, steps, warmup, teacher_forward=False, epoch=1, top_ops=0, paired_limit=None,
+                        shuffle_seed=None:
                         {"step_ms": 10.0, "peak_mb": 1.0})
     monkeypatch.setattr(benchmark, "measure_decoding", lambda *args, **kwargs: {})
     monkeypatch.setattr(benchmark, "config_shapes", lambda name, paths: {})

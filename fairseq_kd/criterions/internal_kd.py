@@ -199,12 +199,23 @@ class InternalKDCriterion(HiddenStateKDCriterion):
             self.register_buffer(name, torch.tensor(self.slots[side], dtype=torch.long, device=device),
                                  persistent=False)
         distilling = self.internal_phase and self.layer_weight != 0
-        kinds = tuple(SELF_ATTENTION[side] for side in self.sides) if distilling else ()
+        # Maps of the active pairs' layers only: PID distils one pair at a time, and a teacher
+        # twice the student's depth has half its layers in no pair.
+        student_layers = {SELF_ATTENTION[side]: [slot + 1 for slot in self.slots[side]]
+                          for side in self.sides if distilling and self.slots[side]}
+        teacher_layers = {SELF_ATTENTION[side]: self.active_teacher_layers(side)
+                          for side in self.sides if distilling and self.slots[side]}
+        kinds = tuple(student_layers)
         hidden = dict(encoder_hidden=distilling and "encoder" in self.sides,
                       decoder_hidden=distilling and "decoder" in self.sides)
-        self.teacher_request = CaptureRequest(attention_kinds=kinds, **hidden)
+        self.teacher_request = CaptureRequest(attention_kinds=kinds, attention_layers=teacher_layers, **hidden)
         # The student's pre-softmax scores give exact log-probabilities for the KL.
-        self.student_request = CaptureRequest(attention_kinds=kinds, attention_scores=bool(kinds), **hidden)
+        self.student_request = CaptureRequest(attention_kinds=kinds, attention_scores=bool(kinds),
+                                              attention_layers=student_layers, **hidden)
+
+    def active_teacher_layers(self, side: str) -> List[int]:
+        """The teacher layer (1-based) of each active pair of ``side``, in slot order."""
+        return [self.pairs[side][slot][1] for slot in self.slots[side]]
 
     def begin_epoch(self, epoch: int) -> None:
         super().begin_epoch(epoch)
@@ -301,7 +312,7 @@ class InternalKDCriterion(HiddenStateKDCriterion):
             if slots.numel() == 0:
                 continue
             teacher_layers = getattr(self, f"{side}_pair_teacher_layers").index_select(0, slots)
-            kl_terms.append(self.attention_term(side, batch, slots, teacher_layers))
+            kl_terms.append(self.attention_term(side, batch))
             per_sentence = self.cosine_losses(side, batch, slots, teacher_layers)  # (pairs, B)
             cos_terms.append(per_sentence.sum())
             if self.schedule != "all" and self.stage in self.slots[side]:
@@ -317,12 +328,12 @@ class InternalKDCriterion(HiddenStateKDCriterion):
                     "internal_schedule_sentences": current_sentences}
         return DistillationTerms(terms, logs)
 
-    def attention_term(self, side: str, batch, slots: Tensor, teacher_layers: Tensor) -> Tensor:
+    def attention_term(self, side: str, batch) -> Tensor:
         """Summed KL of the active pairs' self-attention rows (see the module docstring)."""
         kind = SELF_ATTENTION[side]
         student_maps, teacher_maps = batch.student.attention[kind], batch.teacher.attention[kind]
-        teacher_probs = teacher_maps.probs.index_select(0, teacher_layers - 1)  # layer l at index l-1
-        student_scores = student_maps.scores.index_select(0, slots).float()
+        teacher_probs = teacher_maps.of_layers(teacher_maps.probs, self.active_teacher_layers(side))
+        student_scores = student_maps.of_layers(student_maps.scores, [slot + 1 for slot in self.slots[side]]).float()
         # Padded query rows stay unmasked so that they remain finite; masked_row_kl ignores them.
         allowed = student_maps.attendable | student_maps.query_padding_mask[:, None, :, None]
         student_log_probs = torch.log_softmax(student_scores.masked_fill(~allowed, float("-inf")), dim=-1)

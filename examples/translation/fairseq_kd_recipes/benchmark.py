@@ -37,6 +37,11 @@ On a shared machine whose load drifts by tens of percent over minutes, the faste
 separate runs do not resolve a 10% difference; ``--paired`` times every row against the limit in
 one process instead, their steps alternating on the same batches, and reports the median of the
 per-batch ratios with a 95% bootstrap interval (:func:`measure_paired`).
+
+Every row times the same batches: by default the first ones of fairseq's length-sorted epoch, the
+shortest sentences, where the vocabulary-sized work weighs most and the length-squared attention
+work least; ``--shuffle-seed`` times those of an epoch shuffled as fairseq-train shuffles it, a mix
+of the corpus's lengths. The report records which (``timed_batches``).
 """
 import argparse
 import itertools
@@ -47,7 +52,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from .methods import METHODS as METHOD_TABLE
 from .methods import PLAIN_CRITERION, Method
@@ -267,11 +272,13 @@ def training_flags(config_name: str, paths: Dict[str, str], method: str) -> List
 
 class _TrainingRun:
     """What fairseq-train builds from ``flags`` (task, student, criterion, ``Trainer``) and the
-    configuration's batches in order, for timing ``train_step`` in this process. With
-    ``teacher_forward`` each step also runs the teacher's forward pass on the same batch (the
-    ``limit`` row)."""
+    configuration's batches, for timing ``train_step`` in this process: fairseq's length-sorted
+    order, or with ``shuffle_seed`` the batches shuffled as fairseq-train shuffles an epoch's, so
+    the timed ones mix the corpus's lengths. With ``teacher_forward`` each step also runs the
+    teacher's forward pass on the same batch (the ``limit`` row)."""
 
-    def __init__(self, flags: List[str], teacher_forward: bool = False, epoch: int = 1):
+    def __init__(self, flags: List[str], teacher_forward: bool = False, epoch: int = 1,
+                 shuffle_seed: Optional[int] = None):
         import torch
         from fairseq import options, tasks, utils
         from fairseq.dataclass.utils import convert_namespace_to_omegaconf
@@ -297,8 +304,8 @@ class _TrainingRun:
         self.batches = task.get_batch_iterator(
             dataset=task.dataset(cfg.dataset.train_subset), max_tokens=cfg.dataset.max_tokens,
             max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
-            seed=1, required_batch_size_multiple=1,
-        ).next_epoch_itr(shuffle=False)
+            seed=1 if shuffle_seed is None else shuffle_seed, required_batch_size_multiple=1,
+        ).next_epoch_itr(shuffle=shuffle_seed is not None)
         self.cuda = torch.cuda.is_available() and not cfg.common.cpu
         if teacher_forward and task.teacher is None:
             raise SystemExit("the limit row needs --teacher-checkpoint in the training flags")
@@ -350,12 +357,12 @@ def _timed_samples(batches, steps: int, warmup: int):
 
 
 def measure_training(flags: List[str], steps: int, warmup: int, teacher_forward: bool = False,
-                     epoch: int = 1, top_ops: int = 0) -> dict:
+                     epoch: int = 1, top_ops: int = 0, shuffle_seed: Optional[int] = None) -> dict:
     """Run in a child process: build what fairseq-train builds and time ``train_step`` (followed,
     with ``teacher_forward``, by the teacher's forward pass on the same batch: the ``limit`` row)."""
     import torch
 
-    run = _TrainingRun(flags, teacher_forward, epoch)
+    run = _TrainingRun(flags, teacher_forward, epoch, shuffle_seed)
     times, first_timed = [], None
     for index, sample in _timed_samples(run.batches, steps, warmup):
         if run.cuda and index == warmup:
@@ -372,7 +379,7 @@ def measure_training(flags: List[str], steps: int, warmup: int, teacher_forward:
 
 
 def measure_paired(flags: List[str], limit_flags: List[str], steps: int, warmup: int, epoch: int = 1,
-                   top_ops: int = 0) -> dict:
+                   top_ops: int = 0, shuffle_seed: Optional[int] = None) -> dict:
     """Run in a child process: a row's step and the ``limit`` step, both built here, alternate on
     the same batches (limit first on even batches, the row first on odd ones, so that neither
     always runs on a warm cache). Each batch gives one ratio (row / limit) from two steps a second
@@ -384,7 +391,7 @@ def measure_paired(flags: List[str], limit_flags: List[str], steps: int, warmup:
 
     import torch
 
-    limit = _TrainingRun(limit_flags, teacher_forward=True)
+    limit = _TrainingRun(limit_flags, teacher_forward=True, shuffle_seed=shuffle_seed)
     samples = _timed_samples(limit.batches, steps, warmup)  # (checks the corpus before the row is built)
     row = _TrainingRun(flags, epoch=epoch)
     times, limit_times, first_timed = [], [], None
@@ -518,14 +525,16 @@ def measure_decoding(paths: Dict[str, str], student_arch: str, student_args: Lis
 
 
 def _train_in_child(flags: List[str], steps: int, warmup: int, teacher_forward: bool = False,
-                    epoch: int = 1, top_ops: int = 0, paired_limit: List[str] = None) -> dict:
+                    epoch: int = 1, top_ops: int = 0, paired_limit: List[str] = None,
+                    shuffle_seed: Optional[int] = None) -> dict:
     """:func:`measure_training` (or, given the limit row's flags, :func:`measure_paired`) in a fresh
     process, so that no row inherits another's allocator state or warm caches."""
     proc = subprocess.run(
         [sys.executable, "-m", "fairseq_kd_recipes.benchmark", "--child-train", json.dumps(flags),
          "--steps", str(steps), "--warmup", str(warmup), "--child-epoch", str(epoch), "--top-ops", str(top_ops),
          *(["--child-teacher-forward"] if teacher_forward else []),
-         *(["--child-paired-limit", json.dumps(paired_limit)] if paired_limit else [])],
+         *(["--child-paired-limit", json.dumps(paired_limit)] if paired_limit else []),
+         *(["--shuffle-seed", str(shuffle_seed)] if shuffle_seed is not None else [])],
         capture_output=True, text=True, env=_quiet_env(),
     )
     if proc.returncode != 0:
@@ -535,12 +544,13 @@ def _train_in_child(flags: List[str], steps: int, warmup: int, teacher_forward: 
 
 
 def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats: int,
-        workdir: Path, top_ops: int = 0, paired: bool = False) -> dict:
+        workdir: Path, top_ops: int = 0, paired: bool = False, shuffle_seed: Optional[int] = None) -> dict:
     """Methods run interleaved in ``repeats`` rounds; each keeps its fastest round, which filters
     out interference from other processes on a shared machine. With ``paired`` every row but
     ``limit`` alternates its steps with the limit's in one process (:func:`measure_paired`), and its
     time against the limit is the median of the per-batch ratios of all its rounds, with a 95%
-    bootstrap interval."""
+    bootstrap interval. Every row times the same batches: the first ``warmup + steps`` of fairseq's
+    length-sorted epoch (the shortest sentences), or of the epoch shuffled with ``shuffle_seed``."""
     from fairseq_kd.progress import print_above_bars, progress_bar
 
     report = {}
@@ -562,7 +572,8 @@ def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats
                 pair = training_flags(config_name, paths, LIMIT) if paired and method != LIMIT else None
                 result = _train_in_child(training_flags(config_name, paths, method), steps, warmup,
                                          teacher_forward=method == LIMIT, epoch=TIMED_EPOCHS.get(method, 1),
-                                         top_ops=top_ops if last_round else 0, paired_limit=pair)
+                                         top_ops=top_ops if last_round else 0, paired_limit=pair,
+                                         shuffle_seed=shuffle_seed)
                 bar.update()
                 if "error" in result:
                     rows[method] = result
@@ -585,9 +596,16 @@ def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats
         decoding = measure_decoding(paths, CONFIGS[config_name]["student_arch"],
                                     CONFIGS[config_name]["student_args"], sentences=200, length=20)
         report[config_name] = {"config": CONFIGS[config_name], "shapes": config_shapes(config_name, paths),
+                               "timed_batches": timed_batches(steps, warmup, shuffle_seed),
                                "methods": rows, "decoding": decoding}
     bar.close()
     return report
+
+
+def timed_batches(steps: int, warmup: int, shuffle_seed: Optional[int]) -> dict:
+    """Which batches a run timed, as its report records it."""
+    return {"order": "length-sorted" if shuffle_seed is None else f"shuffled (seed {shuffle_seed})",
+            "warmup": warmup, "steps": steps}
 
 
 def add_ratios(rows: Dict[str, dict], rounds: Dict[str, List[float]],
@@ -655,6 +673,10 @@ def to_markdown(report: dict) -> str:
             lines.append("vs limit (a, b): paired, the median over batches of (row step / limit step), the two "
                          "steps alternating in one process, with its 95% bootstrap interval; vs plain compares "
                          "separate runs.")
+        if "timed_batches" in result:
+            batches = result["timed_batches"]
+            lines.append(f"Timed batches: {batches['steps']} after {batches['warmup']} untimed, from the start of the "
+                         f"epoch in {batches['order']} order (one batch of {cfg['max_tokens']} tokens each).")
         measures = {row.get("memory_measure") for row in result["methods"].values()} - {None}
         if measures:
             lines.append("peak mem: " + ", ".join(MEMORY_MEASURES.get(m, m) for m in sorted(measures)) + ".")
@@ -685,6 +707,10 @@ def cli_main(argv=None):
     parser.add_argument("--top-ops", type=int, default=0, metavar="N",
                         help="print (and record) where each row's step time goes: its N operators with the "
                              "most self time in one more step of the last round (torch profiler)")
+    parser.add_argument("--shuffle-seed", type=int, default=None, metavar="SEED",
+                        help="time batches from an epoch shuffled with this seed, as fairseq-train shuffles "
+                             "them, so they mix the corpus's sentence lengths (default: fairseq's length-sorted "
+                             "order, whose first batches hold the shortest sentences)")
     parser.add_argument("--paired", action="store_true",
                         help="time every row against the limit in one process, their steps alternating on the "
                              "same batches, and report the median per-batch ratio with a 95%% interval: it "
@@ -697,13 +723,14 @@ def cli_main(argv=None):
     args = parser.parse_args(argv)
     if args.child_train and args.child_paired_limit:
         result = measure_paired(json.loads(args.child_train), json.loads(args.child_paired_limit), args.steps,
-                                args.warmup, epoch=args.child_epoch, top_ops=args.top_ops)
+                                args.warmup, epoch=args.child_epoch, top_ops=args.top_ops,
+                                shuffle_seed=args.shuffle_seed)
         print(json.dumps(result))
         return
     if args.child_train:
         result = measure_training(json.loads(args.child_train), args.steps, args.warmup,
                                   teacher_forward=args.child_teacher_forward, epoch=args.child_epoch,
-                                  top_ops=args.top_ops)
+                                  top_ops=args.top_ops, shuffle_seed=args.shuffle_seed)
         print(json.dumps(result))
         return
     methods = args.methods or DEFAULT_METHODS
@@ -713,7 +740,7 @@ def cli_main(argv=None):
     methods = [PLAIN, LIMIT, *(m for m in methods if m not in (PLAIN, LIMIT))]
     args.output_dir.mkdir(parents=True, exist_ok=True)
     report = run(args.configs, methods, args.steps, args.warmup, args.repeats, args.workdir, args.top_ops,
-                 paired=args.paired)
+                 paired=args.paired, shuffle_seed=args.shuffle_seed)
     (args.output_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
     markdown = to_markdown(report)
     (args.output_dir / "benchmark.md").write_text(markdown)
