@@ -168,17 +168,16 @@ def test_a_real_vocabulary_configuration_runs_a_step_and_records_its_shapes(tmp_
     assert built == []
     # --shuffle-seed: every sentence once, in batches no longer in length order; the same batches for
     # the same seed (every row of a run times the same ones)
-    flags = benchmark.training_flags("d64_8k", paths, "word_kd")
+    run = benchmark._TrainingRun(benchmark.training_flags("d64_8k", paths, "word_kd"), shuffle_seed=3)
 
-    def batches(**kwargs):
-        return [(tuple(sample["id"].tolist()), sample["target"].size(1))
-                for sample in benchmark._TrainingRun(flags, **kwargs).batches]
+    def batches(iterator):
+        return [(tuple(sample["id"].tolist()), sample["target"].size(1)) for sample in iterator]
 
-    in_order, shuffled = batches(), batches(shuffle_seed=3)
+    in_order, shuffled = batches(run.epoch_batches()), batches(run.batches)
     assert sorted(i for ids, _ in shuffled for i in ids) == sorted(i for ids, _ in in_order for i in ids)
     lengths = [length for _, length in in_order]
     assert lengths == sorted(lengths) and [length for _, length in shuffled] != sorted(lengths)
-    assert batches(shuffle_seed=3) == shuffled and batches(shuffle_seed=4) != shuffled
+    assert batches(run.epoch_batches(3)) == shuffled and batches(run.epoch_batches(4)) != shuffled
     with pytest.raises(ValueError, match="more than the configuration's vocab"):
         benchmark.write_padded_dictionary(tmp_path / "d64_8k" / "corpus-dict" / "dict.src.txt", tmp_path / "x", 10)
 

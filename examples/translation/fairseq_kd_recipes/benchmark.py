@@ -301,11 +301,8 @@ class _TrainingRun:
         criterion = task.build_criterion(cfg.criterion)
         self.trainer = Trainer(cfg, task, model, criterion)
         self.trainer.begin_epoch(epoch)
-        self.batches = task.get_batch_iterator(
-            dataset=task.dataset(cfg.dataset.train_subset), max_tokens=cfg.dataset.max_tokens,
-            max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
-            seed=1 if shuffle_seed is None else shuffle_seed, required_batch_size_multiple=1,
-        ).next_epoch_itr(shuffle=shuffle_seed is not None)
+        self._task, self._cfg, self._model = task, cfg, model
+        self.batches = self.epoch_batches(shuffle_seed)
         self.cuda = torch.cuda.is_available() and not cfg.common.cpu
         if teacher_forward and task.teacher is None:
             raise SystemExit("the limit row needs --teacher-checkpoint in the training flags")
@@ -321,6 +318,19 @@ class _TrainingRun:
                 self._teacher_outputs.append(task.teacher.forward(kwargs, nothing))
 
             model.register_forward_hook(run_teacher, with_kwargs=True)
+
+    def epoch_batches(self, shuffle_seed: Optional[int] = None):
+        """An epoch's batches of the training set, as fairseq-train makes them (length-sorted, or
+        shuffled with ``shuffle_seed``)."""
+        from fairseq import utils
+
+        task, cfg = self._task, self._cfg
+        return task.get_batch_iterator(
+            dataset=task.dataset(cfg.dataset.train_subset), max_tokens=cfg.dataset.max_tokens,
+            max_positions=utils.resolve_max_positions(task.max_positions(), self._model.max_positions()),
+            seed=1 if shuffle_seed is None else shuffle_seed, required_batch_size_multiple=1,
+            disable_iterator_cache=True,  # a new seed is a new epoch iterator
+        ).next_epoch_itr(shuffle=shuffle_seed is not None)
 
     def step(self, sample) -> None:
         self.trainer.train_step([sample])
