@@ -201,7 +201,7 @@ class InternalKDCriterion(HiddenStateKDCriterion):
         distilling = self.internal_phase and self.layer_weight != 0
         # Maps of the active pairs' layers only: PID distils one pair at a time, and a teacher
         # twice the student's depth has half its layers in no pair.
-        student_layers = {SELF_ATTENTION[side]: [slot + 1 for slot in self.slots[side]]
+        student_layers = {SELF_ATTENTION[side]: self.active_student_layers(side)
                           for side in self.sides if distilling and self.slots[side]}
         teacher_layers = {SELF_ATTENTION[side]: self.active_teacher_layers(side)
                           for side in self.sides if distilling and self.slots[side]}
@@ -212,6 +212,10 @@ class InternalKDCriterion(HiddenStateKDCriterion):
         # The student's pre-softmax scores give exact log-probabilities for the KL.
         self.student_request = CaptureRequest(attention_kinds=kinds, attention_scores=bool(kinds),
                                               attention_layers=student_layers, **hidden)
+
+    def active_student_layers(self, side: str) -> List[int]:
+        """The student layer (1-based) of each active pair of ``side``, in slot order."""
+        return [slot + 1 for slot in self.slots[side]]
 
     def active_teacher_layers(self, side: str) -> List[int]:
         """The teacher layer (1-based) of each active pair of ``side``, in slot order."""
@@ -333,7 +337,7 @@ class InternalKDCriterion(HiddenStateKDCriterion):
         kind = SELF_ATTENTION[side]
         student_maps, teacher_maps = batch.student.attention[kind], batch.teacher.attention[kind]
         teacher_probs = teacher_maps.of_layers(teacher_maps.probs, self.active_teacher_layers(side))
-        student_scores = student_maps.of_layers(student_maps.scores, [slot + 1 for slot in self.slots[side]]).float()
+        student_scores = student_maps.of_layers(student_maps.scores, self.active_student_layers(side)).float()
         # Padded query rows stay unmasked so that they remain finite; masked_row_kl ignores them.
         allowed = student_maps.attendable | student_maps.query_padding_mask[:, None, :, None]
         student_log_probs = torch.log_softmax(student_scores.masked_fill(~allowed, float("-inf")), dim=-1)

@@ -114,12 +114,11 @@ class TinyBERTCriterion(KDCriterionBase):
     def distillation_terms(self, batch) -> Dict[str, Tensor]:
         terms = {}
         if self.weights["att_score"] != 0:
+            student, teacher = batch.student.attention, batch.teacher.attention
             terms["att_score"] = sum(
                 attention_score_mse(
-                    batch.student.attention[kind].scores,
-                    batch.teacher.attention[kind].of_layers(batch.teacher.attention[kind].scores,
-                                                            self.mapping[KIND_SIDE[kind]]),
-                    batch.student.attention[kind].attendable,
+                    student[kind].scores, teacher[kind].of_layers(teacher[kind].scores, self.mapping[KIND_SIDE[kind]]),
+                    student[kind].attendable,
                 )
                 for kind in ATTENTION_KINDS
             )
