@@ -179,6 +179,17 @@ def test_tar_member_outside_the_folder_is_refused(tmp_path):
     assert not (tmp_path / "evil.txt").exists()
 
 
+def test_tar_extraction_without_extraction_filters_is_refused(tmp_path, monkeypatch):
+    """A Python released before tarfile's filters (3.8.16, 3.9.16...) says which it needs and
+    extracts nothing."""
+    archive = tmp_path / "c.tgz"
+    archive.write_bytes(_tar_bytes({"a.txt": b"a"}))
+    monkeypatch.delattr(tarfile, "data_filter")
+    with pytest.raises(PrepareError, match=r"c.tgz: .* no tar extraction filters.* Python >= 3.8.17"):
+        extract(archive, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
 def test_zip_and_gz_extraction(tmp_path):
     archive = tmp_path / "en-zh.zip"
     with zipfile.ZipFile(archive, "w") as package:

@@ -25,7 +25,8 @@ def check_output(checkpoint: str, output: str, overwrite: bool, *, kind: str, is
     problem = path_problem(out, OUTPUT_FOLDER)
     if problem is not None:
         raise error(f"output {output!r}: {problem}")
-    if out.resolve() == Path(checkpoint).resolve().parent or Path(checkpoint).resolve().is_relative_to(out.resolve()):
+    resolved, checkpoint_path = out.resolve(), Path(checkpoint).resolve()
+    if resolved == checkpoint_path or resolved in checkpoint_path.parents:  # is_relative_to, Python >= 3.9
         raise error(f"output {output!r} holds the input checkpoint; choose another folder "
                     "(the export never replaces its input)")
     if out.is_dir() and any(out.iterdir()) and not overwrite:

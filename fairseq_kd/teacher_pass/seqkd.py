@@ -762,7 +762,8 @@ def _merge(plan_: _Plan, dataset, task, manifest: dict, device) -> None:
     written = [p.name for lang in (plan_.src, plan_.tgt) for p in
                (Path(str(plan_.output_prefix(lang)) + ".bin"), Path(str(plan_.output_prefix(lang)) + ".idx"))]
     workers_flags = ("num_shards", "shard_id")  # how the work was split, not what it is
-    decoding = {k: v for k, v in asdict(plan_.config).items() if k not in workers_flags} | {"output": str(plan_.output)}
+    decoding = {k: v for k, v in asdict(plan_.config).items() if k not in workers_flags}
+    decoding["output"] = str(plan_.output)
     if plan_.config.engine == "ctranslate2":
         from ..deploy import import_ctranslate2
 

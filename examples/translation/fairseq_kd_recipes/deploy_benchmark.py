@@ -588,7 +588,9 @@ def run_measured(command: List[str], env: Dict[str, str], log_path: Path,
             proc.kill()
             proc.wait()
             raise
-    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4: Popen must not wait again
+    # reaped by wait4: Popen must not wait again. os.waitstatus_to_exitcode (Python >= 3.9) spelt
+    # out: the exit code, or minus the signal that ended the child (wait4 without WUNTRACED)
+    proc.returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
     # ru_maxrss is in KiB on Linux, bytes on macOS
     peak = usage.ru_maxrss if sys.platform == "darwin" else usage.ru_maxrss * 1024
     return proc.returncode, peak, time.perf_counter() - start

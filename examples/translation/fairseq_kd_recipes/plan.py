@@ -733,7 +733,9 @@ class _Planner:
             if baseline in systems:  # the baseline's row first, as no_kd's in the main table
                 systems = [name for name in systems if name == TEACHER] + [baseline] + [
                     name for name in systems if name not in (TEACHER, baseline)]
-            suffix = "" if baseline == BASELINE else "_" + baseline.removeprefix(BASELINE + "_")
+            prefix = BASELINE + "_"  # removed as str.removeprefix (Python >= 3.9) would
+            named = baseline[len(prefix):] if baseline.startswith(prefix) else baseline
+            suffix = "" if baseline == BASELINE else "_" + named
             tables.append((suffix, systems, baseline))
         return tables
 

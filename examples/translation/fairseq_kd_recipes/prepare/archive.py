@@ -9,6 +9,7 @@ CRC, unexpected end of data, bad zip member) raises a
 from __future__ import annotations
 
 import gzip
+import platform
 import shutil
 import tarfile
 import zipfile
@@ -57,6 +58,9 @@ def extract(archive: Path, destination: Path) -> Path:
 
 
 def _extract_tar(archive: Path, destination: Path) -> None:
+    if not hasattr(tarfile, "data_filter"):  # came with 3.12 and 3.8.17, 3.9.17, 3.10.12, 3.11.4
+        raise PrepareError(f"{archive}: this Python ({platform.python_version()}) has no tar extraction filters, "
+                           "needed to refuse unsafe members; use Python >= 3.8.17 (3.9.17, 3.10.12, 3.11.4)")
     with open(archive, "rb") as handle:
         compressed = handle.read(2) == b"\x1f\x8b"
     if compressed:

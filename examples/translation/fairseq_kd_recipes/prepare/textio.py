@@ -8,6 +8,7 @@ universal-newline mode and would split such a line in two.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -43,6 +44,16 @@ def _iter_lines_with_bar(path: Path, desc: str) -> Iterator[str]:
 def read_lines(path: Path) -> list[str]:
     """All lines of a UTF-8 file, without their ``\\n``."""
     return list(iter_lines(path))
+
+
+def parallel_pairs(source_lines: Iterable[str], target_lines: Iterable[str]) -> Iterator[tuple[str, str]]:
+    """``zip(source_lines, target_lines, strict=True)`` without Python 3.10: the pairs, lazily, then
+    zip's own ``ValueError`` if one side ends before the other."""
+    missing = object()
+    for source, target in itertools.zip_longest(source_lines, target_lines, fillvalue=missing):
+        if source is missing or target is missing:
+            raise ValueError(f"zip() argument 2 is {'longer' if source is missing else 'shorter'} than argument 1")
+        yield source, target
 
 
 def normalize_whitespace(line: str) -> str:

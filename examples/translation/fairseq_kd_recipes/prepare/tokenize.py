@@ -26,6 +26,7 @@ import regex
 from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
 from .parallel import map_lines
+from .textio import parallel_pairs
 
 _NON_PRINTING = regex.compile(r"\p{C}")
 _ENDS_WITH_PERIOD = re.compile(r"^(\S+)\.$")
@@ -119,6 +120,6 @@ def clean_indices(source_lines: Iterable[str], target_lines: Iterable[str], rule
     """Indices of the pairs :func:`keep_pair` keeps (token = whitespace-separated word)."""
     return [
         index
-        for index, (source, target) in enumerate(zip(source_lines, target_lines, strict=True))
+        for index, (source, target) in enumerate(parallel_pairs(source_lines, target_lines))
         if keep_pair(source.split(), target.split(), rule)
     ]

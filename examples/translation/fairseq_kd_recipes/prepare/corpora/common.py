@@ -36,7 +36,7 @@ from ..download import Fetcher, RemoteFile
 from ..errors import PrepareError
 from ..pipeline import Step, StepRunner
 from ..spm import SentencePieceConfig, encode_file, train_sentencepiece
-from ..textio import count_lines, iter_lines, normalize_whitespace, write_lines
+from ..textio import count_lines, iter_lines, normalize_whitespace, parallel_pairs, write_lines
 from ..tokenize import CleanRule, keep_pair
 
 LOG = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def write_pair(paths: tuple[Path, Path], source_lines: Sequence[str], target_lin
 
 def drop_empty_pairs(source_lines: Sequence[str], target_lines: Sequence[str]) -> tuple[list[str], list[str]]:
     """Pairs where both sides have text (an empty side teaches nothing and breaks length ratios)."""
-    kept = [(s, t) for s, t in zip(source_lines, target_lines, strict=True) if s.strip() and t.strip()]
+    kept = [(s, t) for s, t in parallel_pairs(source_lines, target_lines) if s.strip() and t.strip()]
     return [s for s, _ in kept], [t for _, t in kept]
 
 
