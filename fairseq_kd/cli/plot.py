@@ -20,7 +20,7 @@ et al. 2021, "ALP-KD", arXiv:2012.14022, Eq. 5-6) over the positions trained on 
 checkpoint's last epoch, stored by ``--criterion alp_kd``; JSON ``{"encoder": [[...]], "decoder":
 [[...]]}``. ``curves``: every ``*loss`` statistic of a fairseq-train log (``--log-format json`` or
 ``simple``) against the update number. ``compare``: one statistic of several runs on one axis.
-Each figure is titled with the checkpoint, weights file, run or runs it shows (``--title``
+Each figure is titled with the run or runs it shows, a file as ``RUN/NAME`` (``--title``
 replaces it); curves say their unit (fairseq logs losses per target token in base 2: nll in bits).
 """
 from __future__ import annotations
@@ -85,12 +85,19 @@ def run_name(log: Path) -> str:
     return log.parent.name or log.stem
 
 
+def run_file(path: Path) -> str:
+    """A file named by its run, ``RUN/NAME``, never by where it lies on this machine."""
+    path = Path(path)
+    return f"{path.parent.name}/{path.name}" if path.parent.name else path.name
+
+
 def default_title(args) -> str:
-    """What the figure shows, named: the checkpoint or weights file, the run, or the runs."""
+    """What the figure shows, named: the checkpoint or weights file, the run, or the runs; a title
+    someone else can read, so no absolute path (the folder a file lies in names its run)."""
     if args.command in CHECKPOINT_FIGURES:
-        return f"{FIGURE_NAMES[args.command]}: {args.checkpoint if args.checkpoint is not None else args.input}"
+        return f"{FIGURE_NAMES[args.command]}: {run_file(args.checkpoint if args.checkpoint is not None else args.input)}"
     if args.command == "curves":
-        return f"Training curves of {run_name(args.log)} ({args.log})"
+        return f"Training curves of {run_name(args.log)}"
     names = [value.partition("=")[0] for value in args.log]
     return f"{args.split} {args.key}: {', '.join(names)}"
 
@@ -113,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     def add_common(subparser: argparse.ArgumentParser) -> None:
         subparser.add_argument("--output", type=Path, required=True, help="PNG file to write")
         subparser.add_argument("--dpi", type=int, default=150, help="resolution of the PNG")
-        subparser.add_argument("--title", help="the figure's title (default: the checkpoint, weights file, run "
-                               "or runs it shows)")
+        subparser.add_argument("--title", help="the figure's title (default: the run or runs it shows, a file as "
+                               "RUN/NAME)")
         add_overwrite_flag(subparser, "existing output files (--output, --weights-output)")
 
     def add_weight_sources(subparser: argparse.ArgumentParser, criterion: str) -> None:
