@@ -27,3 +27,11 @@ def kl_float32_tolerance(rows, scale=1.0, ulps=32):
                     for p, q in rows for pi, qi in zip(p, q) if pi > 0)
     return ulps * U32 * abs(scale) * magnitude
 
+
+def float32_reordering_tolerance(reference, ulps=256):
+    """A bound on how far two float32 computations of the same network outputs, whose kernels add
+    in different orders (fused or explicit attention, contiguous or strided inputs, other SIMD
+    widths), may differ: ``ulps`` units of the tensor's largest magnitude. A reordered dot product
+    of n terms moves by at most n ulps of its summands (Higham's gamma_n); the default, 256, covers
+    a few such reductions of the tiny models' widths (32 to 64) between the two paths."""
+    return ulps * U32 * float(reference.detach().abs().max())

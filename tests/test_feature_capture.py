@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from conftest import build_tiny_student
+from float_bounds import float32_reordering_tolerance
 from fairseq_kd.models.feature_capture import (
     ATTENTION_KINDS,
     DECODER_CROSS,
@@ -214,8 +215,11 @@ def test_last_layer_only_equals_the_top_layer_of_a_full_capture(kd_task, tiny_ba
     for kind in ATTENTION_KINDS:
         assert top.attention[kind].num_layers == 1
         for field in ("probs", "scores", "values"):
-            assert torch.allclose(getattr(top.attention[kind], field)[0], getattr(full.attention[kind], field)[-1],
-                                  atol=1e-6), (kind, field)
+            # the layers below take fairseq's fused attention here, the explicit one in the full
+            # capture: the same sums in other orders (float_bounds)
+            wanted = getattr(full.attention[kind], field)[-1]
+            assert torch.allclose(getattr(top.attention[kind], field)[0], wanted, rtol=0,
+                                  atol=float32_reordering_tolerance(wanted)), (kind, field)
 
 
 def test_a_layer_selection_equals_those_layers_of_a_full_capture_and_hooks_no_other_module(kd_task, tiny_batch):
@@ -238,7 +242,9 @@ def test_a_layer_selection_equals_those_layers_of_a_full_capture_and_hooks_no_ot
         maps, every = part.attention[kind], full.attention[kind]
         for field in ("probs", "scores", "values"):
             wanted = every.of_layers(getattr(every, field), maps.layers)
-            assert torch.allclose(getattr(maps, field), wanted, atol=1e-6), (kind, field)
+            # unselected layers take the fused attention path: their sums in another order
+            assert torch.allclose(getattr(maps, field), wanted, rtol=0,
+                                  atol=float32_reordering_tolerance(wanted)), (kind, field)
             # and a selection's own layers, in any order, come back as asked
             reversed_layers = maps.layers[::-1]
             assert torch.equal(maps.of_layers(getattr(maps, field), reversed_layers),
