@@ -52,12 +52,74 @@ def _translate(data, folder, out, *flags):
     return (out / "generate-test.txt").read_text()
 
 
+def _nbest(text):
+    """{sentence id: [(score, hypothesis), ...]}: a fairseq-generate style output's H- lines in the
+    order printed, best first (scores in bits per token)."""
+    nbest = {}
+    for m in re.finditer(r"^H-(\d+)\t(\S+)\t(.*)$", text, re.M):
+        nbest.setdefault(int(m.group(1)), []).append((float(m.group(2)), m.group(3)))
+    return nbest
+
+
+#: how far two engines' float32 scores of one hypothesis (bits per token) may differ: their
+#: log-probabilities differ by a few ulps of the logits (about 1e-6 here), so 1e-5 bounds them
+SCORE_ROUNDING = 1e-5
+
+
+def _sources(text):
+    """{sentence id: source} of a fairseq-generate style output's S- lines."""
+    return {int(i): source for i, source in re.findall(r"^S-(\d+)\t(.*)$", text, re.M)}
+
+
+def _step_0_shifts(folder, sources):
+    """{sentence id: c} in bits, c = -log(1 - p(</s> at step 0)) of each source (CTranslate2's own
+    score of the empty hypothesis). Both engines forbid </s> at step 0 (--min-len 1): fairseq after
+    its log-softmax, CTranslate2 before it, renormalising; so CTranslate2's log-probabilities of a
+    hypothesis sum to fairseq's plus c, and its length-normalised score is fairseq's plus c / L."""
+    import math
+
+    import ctranslate2
+
+    ids = sorted(sources)
+    results = ctranslate2.Translator(str(folder), intra_threads=1).score_batch(
+        [sources[i].split() for i in ids], [[] for _ in ids])
+    return {i: -math.log1p(-math.exp(result.log_probs[0])) / math.log(2) for i, result in zip(ids, results)}
+
+
+def _a_near_tie_the_shift_breaks(fairseq_nbest, ct2_line, shift):
+    """Whether CTranslate2's choice among the hypotheses fairseq finished (``fairseq_nbest``, best
+    first) is fairseq's ranking with the step-0 shift added (CTranslate2 prefers its hypothesis by
+    its own score, fairseq's plus ``shift`` / L): fairseq's best leads it by at most
+    shift (1/L_chosen - 1/L_best), give or take SCORE_ROUNDING."""
+    scores = {hypothesis: value for value, hypothesis in fairseq_nbest}
+    (best_score, best), (_, chosen) = fairseq_nbest[0], ct2_line
+    if chosen not in scores:
+        return False
+    margin = shift * (1 / (len(chosen.split()) + 1) - 1 / (len(best.split()) + 1))  # lengths with </s>
+    return best_score - scores[chosen] <= margin + SCORE_ROUNDING
+
+
 @pytest.mark.parametrize("beam", ["1", "5"])
 def test_float32_decodes_what_fairseq_generate_decodes(tiny_data_bin, trained, exported, tmp_path, beam):
-    fairseq = _generate(tiny_data_bin, trained, "--beam", beam)
+    """CTranslate2's hypothesis is one fairseq finished, scored as fairseq scores it plus the step-0
+    shift c / L (_step_0_shifts). Greedy search takes fairseq's argmax at every step: the same
+    hypothesis. Beam search ranks growing hypotheses as fairseq does (they all share c), but among
+    finished ones c / L favours the shorter by c (1/L_short - 1/L_long): it gives fairseq's best
+    but where fairseq's best leads another finished hypothesis by less than that, a near tie the
+    shift may break the other way (float32 alone cannot promise more, whatever the CPU)."""
+    fairseq = _generate(tiny_data_bin, trained, "--beam", beam, "--nbest", beam)
     ct2 = _translate(tiny_data_bin, exported["float32"], tmp_path / "out", "--beam", beam)
-    assert len(_lines(fairseq, "D")) == 40
-    assert _lines(ct2, "D") == _lines(fairseq, "D")  # token for token, every sentence
+    nbest, ours = _nbest(fairseq), {i: hypotheses[0] for i, hypotheses in _nbest(ct2).items()}
+    assert len(nbest) == len(ours) == 40
+    assert _lines(ct2, "D") == {i: hypothesis for i, (_, hypothesis) in ours.items()}  # no BPE to remove here
+    shifts = _step_0_shifts(exported["float32"], _sources(ct2))
+    for i, (score, chosen) in ours.items():
+        scores = {hypothesis: value for value, hypothesis in nbest[i]}
+        assert chosen in scores, (i, chosen, nbest[i])
+        assert score == pytest.approx(scores[chosen] + shifts[i] / (len(chosen.split()) + 1), abs=SCORE_ROUNDING)
+    differing = {i: (nbest[i], ours[i], shifts[i]) for i in ours if ours[i][1] != nbest[i][0][1]}
+    assert beam != "1" or not differing  # greedy: token for token, every sentence
+    assert all(_a_near_tie_the_shift_breaks(*values) for values in differing.values()), differing
     # the references and sources are printed exactly as fairseq-generate prints them
     for kind in ("S", "T"):
         assert (dict(re.findall(rf"^{kind}-(\d+)\t(.*)$", ct2, re.M))
@@ -78,16 +140,21 @@ def test_the_scorer_reads_the_output_like_fairseq_generates(tiny_data_bin, expor
 def test_a_length_limit_that_cuts_hypotheses_is_the_one_named_difference(tiny_data_bin, trained, exported, tmp_path):
     """fairseq forces </s> after max_len tokens and lets that hypothesis compete in the beam;
     CTranslate2 stops there. Greedy search is unaffected; beam search differs only on sentences the
-    limit cuts (with max_len_b 3, most of them)."""
+    limit cuts (with max_len_b 3, most of them), or, as without a limit, on a near tie of finished
+    hypotheses that the step-0 shift breaks (_a_near_tie_the_shift_breaks)."""
     limit = ("--max-len-a", "0", "--max-len-b", "3")
     greedy = _generate(tiny_data_bin, trained, "--beam", "1", *limit)
     assert _lines(_translate(tiny_data_bin, exported["float32"], tmp_path / "g", "--beam", "1", *limit), "D") == \
         _lines(greedy, "D")
-    fairseq = _lines(_generate(tiny_data_bin, trained, "--beam", "5", *limit), "D")
-    ct2 = _lines(_translate(tiny_data_bin, exported["float32"], tmp_path / "b", "--beam", "5", *limit), "D")
-    assert all(len(h.split()) <= 3 for h in ct2.values())
-    differing = [i for i in fairseq if fairseq[i] != ct2[i]]
-    assert all(len(fairseq[i].split()) == 3 for i in differing)  # only where the limit cut the hypothesis
+    nbest = _nbest(_generate(tiny_data_bin, trained, "--beam", "5", "--nbest", "5", *limit))
+    output = _translate(tiny_data_bin, exported["float32"], tmp_path / "b", "--beam", "5", *limit)
+    ct2 = {i: hypotheses[0] for i, hypotheses in _nbest(output).items()}
+    assert all(len(h.split()) <= 3 for _, h in ct2.values())
+    differing = [i for i in nbest if nbest[i][0][1] != ct2[i][1]]
+    shifts = _step_0_shifts(exported["float32"], _sources(output))
+    # only where the limit cut the hypothesis, or (as without a limit) a near tie of finished ones
+    assert all(len(nbest[i][0][1].split()) == 3 or _a_near_tie_the_shift_breaks(nbest[i], ct2[i], shifts[i])
+               for i in differing)
 
 
 def test_int8_is_within_one_bleu_of_float32(tiny_data_bin, exported, tmp_path):
