@@ -4,6 +4,7 @@ The data is a copy task with reordering (target = source reversed, upper-cased) 
 updates already give a teacher that is better than chance; the fixtures are session-scoped so the
 whole suite binarises and trains the teacher once.
 """
+import json
 import os
 import random
 import subprocess
@@ -140,10 +141,135 @@ def run_fairseq_train_here(*args) -> subprocess.CompletedProcess:
         sys.argv = saved_argv
 
 
-def run_cli(name: str, *args, check=True, cwd=None, timeout=600) -> subprocess.CompletedProcess:
-    """Run a console script of the environment (fairseq-train, fairseq-generate, ...)."""
+class WarmInterpreter:
+    """A client of one tests/warm_interpreter.py server: one console script in children
+    forked from an interpreter that has done the script's imports (see that module for what such a
+    child is), started with the startup environment of the requests it takes."""
+
+    SERVER = Path(__file__).with_name("warm_interpreter.py")
+    _servers: dict = {}
+
+    def __init__(self, name: str, env) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(self.SERVER), name], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=dict(env), cwd=REPO)
+        self.proc.stdin.write((json.dumps(dict(env)) + "\n").encode())  # the server's first line
+        self.pending = b""
+
+    @classmethod
+    def for_script(cls, name: str, env) -> "WarmInterpreter":
+        """This worker's server of script ``name`` for ``env``'s startup variables, started on first use."""
+        from warm_interpreter import startup_environment
+
+        key = (name, tuple(sorted(startup_environment(env).items())))
+        server = cls._servers.get(key)
+        if server is None or server.proc.poll() is not None:
+            server = cls._servers[key] = cls(name, env)
+        return server
+
+    @classmethod
+    def stop_all(cls) -> None:
+        for server in cls._servers.values():  # nothing to save: their children have ended
+            server.proc.kill()
+            server.proc.wait(timeout=60)
+            server.proc.stdin.close()
+            server.proc.stdout.close()
+        cls._servers.clear()
+
+    def _answer(self, deadline=None) -> dict:
+        import select
+        import time
+
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], wait)[0]:
+                raise TimeoutError
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise ConnectionError("the warm interpreter ended")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, argv, env, stdout: Path, stderr: Path, cwd=None, timeout=None):
+        """The exit status of the script run as ``argv`` (subprocess's convention: minus the signal's
+        number if one ended it), its output appended to the files ``stdout`` and ``stderr`` (the
+        same file for one interleaved output); None if this server cannot run it."""
+        import signal
+        import time
+
+        request = {"argv": [str(arg) for arg in argv], "env": dict(env), "cwd": None if cwd is None else str(cwd),
+                   "stdout": str(stdout), "stderr": str(stderr)}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        started = self._answer()
+        if "pid" not in started:
+            return None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            return self._answer(deadline)["status"]
+        except TimeoutError:
+            os.kill(started["pid"], signal.SIGKILL)
+            self._answer()
+            raise subprocess.TimeoutExpired(request["argv"], timeout) from None
+
+
+def run_warm(command, env, stdout: Path, stderr: Path, cwd=None, timeout=None):
+    """``command``, a command line of a console script of fairseq or of the plugin in this
+    environment, in a child of this worker's warm interpreter of that script for ``env``
+    (tests/warm_interpreter.py), its output appended to the files ``stdout`` and ``stderr``: its exit
+    status, or None when it must run as a new process (another program, or no server)."""
+    from warm_interpreter import warm_entry
+
+    path = Path(str(command[0]))
+    if path.parent != BIN or warm_entry(path.name) is None:
+        return None
+    try:
+        return WarmInterpreter.for_script(path.name, env).run(command, env, stdout, stderr, cwd=cwd, timeout=timeout)
+    except (ConnectionError, BrokenPipeError):
+        return None
+
+
+@pytest.fixture
+def warm_recipe_children(monkeypatch):
+    """The recipe's fairseq-train and fairseq-generate commands (CommandExecutor's children) run in
+    children of the warm interpreter (:func:`run_warm`), with the environment and log file a new
+    process gets; the recipe's other children, and any child with a terminal to draw on, run as
+    new processes. For recipe tests whose claim is the steps' work; scripts/quality_benchmark.sh's
+    test runs the recipe with every child a new process."""
+    from fairseq_kd.progress import child_progress
+    from fairseq_kd_recipes.execute import CommandExecutor
+
+    run_new = CommandExecutor._run_child
+
+    def run_child(command, log, step):
+        with child_progress() as (env, terminal):
+            if not terminal:
+                log.flush()
+                status = run_warm(command, env, Path(log.name), Path(log.name))
+                if status is not None:
+                    return status
+        return run_new(command, log, step)
+
+    monkeypatch.setattr(CommandExecutor, "_run_child", staticmethod(run_child))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _stop_warm_interpreters():
+    yield
+    WarmInterpreter.stop_all()
+
+
+def run_cli(name: str, *args, check=True, cwd=None, timeout=600, warm=False) -> subprocess.CompletedProcess:
+    """Run a console script of the environment (fairseq-train, fairseq-generate, ...). ``warm``: a
+    command of fairseq or of the plugin runs in a child of the warm interpreter (:func:`run_warm`:
+    the same command line, environment and output as a new process, without its seconds of
+    importing torch and fairseq), for tests whose claim is the command's work, not what a new
+    interpreter does."""
     cmd = [str(BIN / name), *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=QUIET_ENV, cwd=cwd, timeout=timeout)
+    proc = _run_warm_captured(cmd, cwd, timeout) if warm else None
+    if proc is None:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=QUIET_ENV, cwd=cwd, timeout=timeout)
     # fairseq-train sometimes aborts ("terminate called without an active exception", SIGABRT) while
     # tearing down threads after it has finished and saved: the run itself succeeded.
     if proc.returncode == -6 and "done training" in proc.stdout + proc.stderr:
@@ -154,6 +280,20 @@ def run_cli(name: str, *args, check=True, cwd=None, timeout=600) -> subprocess.C
             f"\n--- stderr ---\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def _run_warm_captured(cmd, cwd, timeout):
+    """:func:`run_warm` under QUIET_ENV with stdout and stderr captured, as a CompletedProcess
+    (None if the command must run as a new process)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="warm_") as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        status = run_warm(cmd, QUIET_ENV, out, err, cwd=cwd, timeout=timeout)
+        if status is None:
+            return None
+        read = lambda path: path.read_text(errors="replace") if path.exists() else ""  # noqa: E731
+        return subprocess.CompletedProcess(cmd, status, read(out), read(err))
 
 
 def run_module(module: str, *args, check=True, cwd=None, timeout=600) -> subprocess.CompletedProcess:
@@ -169,16 +309,17 @@ def run_module(module: str, *args, check=True, cwd=None, timeout=600) -> subproc
 
 
 def train_student(data_bin, teacher_ckpt, save_dir, criterion_args, student_args=TINY_STUDENT_ARGS,
-                  max_update=4, extra=(), check=True, refused=False):
+                  max_update=4, extra=(), check=True, refused=False, warm=True):
     """fairseq-train a student with --user-dir fairseq_kd; returns the CompletedProcess.
     ``refused``: a run the plugin refuses before training, in this process
-    (:func:`run_fairseq_train_here`)."""
+    (:func:`run_fairseq_train_here`); ``warm=False``: a new fairseq-train process rather than a
+    child of the warm interpreter (:func:`run_cli`), where what a new process does is the claim."""
     args = [data_bin, "--user-dir", USER_DIR, "--task", "translation_kd", "--teacher-checkpoint", teacher_ckpt,
             *student_args, *criterion_args, *COMMON_TRAIN_ARGS, "--max-update", str(max_update),
             "--save-dir", save_dir, *extra]
     if refused:
         return run_fairseq_train_here(*args)
-    return run_cli("fairseq-train", *args, check=check)
+    return run_cli("fairseq-train", *args, check=check, warm=warm)
 
 
 @pytest.fixture(scope="session")
@@ -189,7 +330,7 @@ def tiny_data_bin(tmp_path_factory) -> Path:
     run_cli(
         "fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt",
         "--trainpref", raw / "train", "--validpref", raw / "valid", "--testpref", raw / "test",
-        "--destdir", dest, "--joined-dictionary", "--workers", "1",
+        "--destdir", dest, "--joined-dictionary", "--workers", "1", warm=True,
     )
     return dest
 
@@ -201,7 +342,7 @@ def tiny_teacher(tiny_data_bin, tmp_path_factory) -> Path:
     run_cli(
         "fairseq-train", tiny_data_bin, "--task", "translation", *TINY_TEACHER_ARGS,
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-        *COMMON_TRAIN_ARGS, "--max-update", "40", "--save-dir", save, "--user-dir", USER_DIR,
+        *COMMON_TRAIN_ARGS, "--max-update", "40", "--save-dir", save, "--user-dir", USER_DIR, warm=True,
     )
     return save / "checkpoint_last.pt"
 

@@ -19,7 +19,7 @@ def test_average_of_the_last_epochs_is_their_mean_and_decodes(tiny_data_bin, tin
     save = tmp_path / "run"
     run_cli("fairseq-train", tiny_data_bin, "--user-dir", USER_DIR, "--task", "translation_kd",
             "--teacher-checkpoint", tiny_teacher, *TINY_STUDENT_ARGS, "--criterion", "word_kd",
-            *EPOCH_ARGS, "--max-epoch", "3", "--save-dir", save)
+            *EPOCH_ARGS, "--max-epoch", "3", "--save-dir", save, warm=True)
     assert sorted(p.name for p in save.glob("checkpoint[0-9]*.pt")) == ["checkpoint1.pt", "checkpoint2.pt", "checkpoint3.pt"]
     output = tmp_path / "avg.pt"
     printed = run_module("fairseq_kd.cli.average_checkpoints", save, "--last", "2", "--output", output).stdout
@@ -43,11 +43,11 @@ def test_average_of_the_last_epochs_is_their_mean_and_decodes(tiny_data_bin, tin
 
     # The average decodes with fairseq-generate and serves as a teacher, like any checkpoint of the run.
     generated = run_cli("fairseq-generate", tiny_data_bin, "--user-dir", USER_DIR, "--path", output,
-                        "--beam", "2", "--batch-size", "16", "--gen-subset", "valid")
+                        "--beam", "2", "--batch-size", "16", "--gen-subset", "valid", warm=True)
     assert generated.stdout.count("\nH-") == 40
     run_cli("fairseq-train", tiny_data_bin, "--user-dir", USER_DIR, "--task", "translation_kd",
             "--teacher-checkpoint", output, *TINY_STUDENT_ARGS, "--criterion", "word_kd",
-            *COMMON_TRAIN_ARGS, "--max-update", "1", "--save-dir", tmp_path / "student")
+            *COMMON_TRAIN_ARGS, "--max-update", "1", "--save-dir", tmp_path / "student", warm=True)
 
 
 def test_bad_requests_are_refused_before_writing(tmp_path):

@@ -36,7 +36,7 @@ def test_teacher_with_other_dictionaries(tiny_teacher, tmp_path):
         path.write_text("\n".join(" ".join(w + "x" for w in line.split()) for line in path.read_text().splitlines()) + "\n")
     data = tmp_path / "bin"
     run_cli("fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt", "--trainpref", raw / "train",
-            "--validpref", raw / "valid", "--destdir", data, "--workers", "1")
+            "--validpref", raw / "valid", "--destdir", data, "--workers", "1", warm=True)
     proc = train_student(data, tiny_teacher, tmp_path / "s", ["--criterion", "word_kd"], refused=True)
     _fails_before_work(proc, tmp_path / "s", "--teacher-checkpoint", "dictionar", "--srcdict")
 
@@ -46,7 +46,7 @@ def test_teacher_that_is_not_a_transformer(tiny_data_bin, tmp_path):
     made = run_cli("fairseq-train", tiny_data_bin, "--task", "translation", "--arch", "lstm", "--encoder-embed-dim", "8",
                    "--decoder-embed-dim", "8", "--encoder-hidden-size", "8", "--decoder-hidden-size", "8",
                    "--decoder-out-embed-dim", "8", "--criterion", "cross_entropy", *COMMON_TRAIN_ARGS,
-                   "--max-update", "1", "--save-dir", lstm, "--user-dir", USER_DIR, check=False)
+                   "--max-update", "1", "--save-dir", lstm, "--user-dir", USER_DIR, check=False, warm=True)
     # fairseq's LSTM sometimes aborts at interpreter exit ("terminate called without an active
     # exception") after saving; only the saved checkpoint matters here.
     assert (lstm / "checkpoint_last.pt").exists(), made.stderr[-3000:]

@@ -29,7 +29,8 @@ def tiny_plain_student(tiny_data_bin, tmp_path_factory) -> Path:
     save = tmp_path_factory.mktemp("deploy_student")
     run_cli("fairseq-train", tiny_data_bin, "--task", "translation", *STUDENT_ARGS,
             "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-            *COMMON_TRAIN_ARGS, "--lr", "0.005", "--max-update", "40", "--save-dir", save, "--user-dir", USER_DIR)
+            *COMMON_TRAIN_ARGS, "--lr", "0.005", "--max-update", "40", "--save-dir", save, "--user-dir", USER_DIR,
+            warm=True)
     return save / "checkpoint_last.pt"
 
 

@@ -52,7 +52,8 @@ def test_teacher_is_not_in_checkpoint_or_optimizer(word_kd_run, kd_task):
 def test_generate_with_user_dir_and_exported_student_without(word_kd_run, tiny_data_bin, kd_task, tmp_path):
     save, _ = word_kd_run
     with_plugin = run_cli("fairseq-generate", tiny_data_bin, "--user-dir", USER_DIR, "--task", "translation_kd",
-                          "--path", save / "checkpoint_last.pt", "--beam", "2", "--batch-size", "16", "--gen-subset", "test")
+                          "--path", save / "checkpoint_last.pt", "--beam", "2", "--batch-size", "16", "--gen-subset", "test",
+                          warm=True)
     hyps = _hypotheses(with_plugin.stdout)
     assert len(hyps) == 40
 
@@ -65,7 +66,8 @@ def test_generate_with_user_dir_and_exported_student_without(word_kd_run, tiny_d
     raw = torch.load(exported, weights_only=True)  # plain data only: no Namespace, no plugin class
     assert raw["cfg"]["model"]["arch"] == "transformer" and raw["cfg"]["task"]["_name"] == "translation"
     assert "teacher_checkpoint" not in raw["cfg"]["task"]
-    # stock fairseq, no --user-dir: same hypotheses as the training checkpoint gave
+    # stock fairseq, no --user-dir (a new process, the plugin nowhere in it): same hypotheses as the
+    # training checkpoint gave
     stock = run_cli("fairseq-generate", tiny_data_bin, "--task", "translation", "--path", exported,
                     "--beam", "2", "--batch-size", "16", "--gen-subset", "test")
     assert _hypotheses(stock.stdout) == hyps

@@ -27,7 +27,7 @@ def pre_norm_model(tiny_data_bin, tmp_path_factory):
     save = tmp_path_factory.mktemp("pre_norm")
     run_cli("fairseq-train", tiny_data_bin, "--task", "translation", *TINY_TEACHER_ARGS, *PRE_NORM_ARGS,
             "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", *COMMON_TRAIN_ARGS,
-            "--max-update", "40", "--save-dir", save, "--user-dir", USER_DIR)
+            "--max-update", "40", "--save-dir", save, "--user-dir", USER_DIR, warm=True)
     return save / "checkpoint_last.pt"
 
 
@@ -305,7 +305,7 @@ def spm_checkpoint(tiny_data_bin, tiny_teacher, tmp_path_factory):
     data = root / "bin"
     run_cli("fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt", "--trainpref", root / "train",
             "--validpref", root / "valid", "--testpref", root / "test", "--destdir", data, "--joined-dictionary",
-            "--workers", "1")
+            "--workers", "1", warm=True)
     (data / "spm.model").write_bytes(model.getvalue())
     plain = root / "plain.pt"
     export_student.cli_main([str(tiny_teacher), str(plain)])

@@ -469,7 +469,11 @@ def tokenized_bleu(generate_output: Path):
     return sacrebleu.corpus_bleu([unbpe(h) for h in hypotheses], [[unbpe(t) for t in references]])
 
 
-def test_iwslt14_recipe_end_to_end_then_skips_everything(tmp_path, monkeypatch, capsys):
+def test_iwslt14_recipe_end_to_end_then_skips_everything(tmp_path, monkeypatch, capsys, warm_recipe_children):
+    """The recipe's fairseq-train and fairseq-generate steps run as children of the warm interpreter
+    (conftest.warm_recipe_children: the same command lines, environment and logs, without a new
+    interpreter's imports); test_quality_benchmark_command_runs_its_steps_on_tiny_data runs every
+    step as a new process."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the machine is shared: one thread per child
     monkeypatch.setenv("PYTHONWARNINGS", "ignore")
     archive, real = build_de_en_archive(tmp_path / "archives")

@@ -219,11 +219,14 @@ def h_lines(generate_output: Path) -> dict[int, str]:
     return lines
 
 
-def test_recipe_distils_from_a_hugging_face_teacher_end_to_end(corpus, tmp_path, monkeypatch, capsys):
+def test_recipe_distils_from_a_hugging_face_teacher_end_to_end(corpus, tmp_path, monkeypatch, capsys,
+                                                               warm_recipe_children):
     """IWSLT'14 De-En, smoke profile, an M2M100 teacher: the prepared text binarised in its
     vocabulary (language tags first), no_kd and word_kd trained on it (word_kd from the folder),
     the teacher decoded by its own generate, every system scored after its tokenizer, the report
-    written; a second run skips every step, and a run with another teacher is refused before any."""
+    written; a second run skips every step, and a run with another teacher is refused before any.
+    (fairseq-train and fairseq-generate run as children of the warm interpreter,
+    conftest.warm_recipe_children.)"""
     import sacrebleu
     import torch
     import transformers

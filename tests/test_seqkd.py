@@ -33,7 +33,7 @@ fairseq_kd.register()
 
 def seqkd_cli(data, teacher, output, *extra, check=True):
     return run_cli("fairseq-kd-seqkd", "--data", data, "--teacher-checkpoint", teacher, "--output", output,
-                   *DECODE_FLAGS, *extra, check=check)
+                   *DECODE_FLAGS, *extra, check=check, warm=True)
 
 
 def read_split(folder: Path, lang: str, split="train"):
@@ -46,7 +46,7 @@ def generate_reference(tiny_data_bin, tiny_teacher, tmp_path_factory):
     """fairseq-generate's best hypothesis per training sentence id, as token ids (with </s>)."""
     proc = run_cli("fairseq-generate", tiny_data_bin, "--gen-subset", "train", "--path", tiny_teacher,
                    "--beam", "5", "--max-len-a", "1.2", "--max-len-b", "10", "--max-tokens", "4096",
-                   "--required-batch-size-multiple", "1", "--user-dir", USER_DIR)
+                   "--required-batch-size-multiple", "1", "--user-dir", USER_DIR, warm=True)
     dictionary = Dictionary.load(str(tiny_data_bin / "dict.tgt.txt"))
     hypotheses = {}
     for line in proc.stdout.splitlines():

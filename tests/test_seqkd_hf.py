@@ -116,7 +116,7 @@ def test_translate_prints_fairseq_generates_hypotheses(tiny_data_bin, tiny_teach
     """fairseq-kd-translate --model HF_DIR writes what fairseq-generate writes for the checkpoint
     (greedy: the same hypotheses), in the format the scorer reads."""
     run_cli("fairseq-generate", tiny_data_bin, "--path", tiny_teacher, "--gen-subset", "test", "--beam", "1",
-            "--batch-size", "16", "--cpu", "--results-path", tmp_path / "fairseq", "--user-dir", USER_DIR)
+            "--batch-size", "16", "--cpu", "--results-path", tmp_path / "fairseq", "--user-dir", USER_DIR, warm=True)
     run_cli_here("fairseq-kd-translate", tiny_data_bin, "--model", exported_teacher, "--gen-subset", "test",
                  "--beam", "1", "--batch-size", "16", "--results-path", tmp_path / "hf")
 

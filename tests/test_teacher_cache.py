@@ -242,15 +242,16 @@ def test_training_from_a_full_vocabulary_cache_equals_the_live_teacher(tiny_data
     common = ["--user-dir", USER_DIR, "--task", "translation_kd", *TINY_STUDENT_ARGS, "--criterion", "word_kd",
               *COMMON_TRAIN_ARGS, "--max-update", "3", "--dropout", "0"]
     live = run_cli("fairseq-train", tiny_data_bin, *common, "--teacher-checkpoint", tiny_teacher,
-                   "--save-dir", tmp_path / "live")
+                   "--save-dir", tmp_path / "live", warm=True)
     # The teacher checkpoint given too (verified against the cache, never run): loading it draws from
     # the random generator as in the live run, so both students start from the same weights.
     cached = run_cli("fairseq-train", tiny_data_bin, *common, "--teacher-cache", cache, "--teacher-checkpoint",
-                     tiny_teacher, "--save-dir", tmp_path / "cached")
+                     tiny_teacher, "--save-dir", tmp_path / "cached", warm=True)
     live_losses, cached_losses = word_kd_losses(live.stdout + live.stderr), word_kd_losses(cached.stdout + cached.stderr)
     assert len(live_losses) == 3 and live_losses == pytest.approx(cached_losses, abs=2e-3)
     # Without the checkpoint: no teacher is loaded at all, and the cache alone serves the KD term.
-    alone = run_cli("fairseq-train", tiny_data_bin, *common, "--teacher-cache", cache, "--save-dir", tmp_path / "alone")
+    alone = run_cli("fairseq-train", tiny_data_bin, *common, "--teacher-cache", cache, "--save-dir", tmp_path / "alone",
+                    warm=True)
     assert len(word_kd_losses(alone.stdout + alone.stderr)) == 3 and "dictionaries compared" not in alone.stderr
     # the student's checkpoint names the teacher the cache was made by
     from fairseq_kd.checkpoints import safe_load
@@ -581,8 +582,9 @@ def test_a2d_with_the_cache_after_its_attention_epochs_trains_like_the_live_teac
     common = ["--user-dir", USER_DIR, "--task", "translation_kd", *TINY_STUDENT_ARGS, "--criterion", "a2d_kd",
               "--a2d-attention-epochs", "1", *COMMON_TRAIN_ARGS, "--max-epoch", "2", "--dropout", "0",
               "--teacher-checkpoint", tiny_teacher]
-    live = run_cli("fairseq-train", tiny_data_bin, *common, "--save-dir", tmp_path / "live")
-    cached = run_cli("fairseq-train", tiny_data_bin, *common, "--teacher-cache", cache, "--save-dir", tmp_path / "cached")
+    live = run_cli("fairseq-train", tiny_data_bin, *common, "--save-dir", tmp_path / "live", warm=True)
+    cached = run_cli("fairseq-train", tiny_data_bin, *common, "--teacher-cache", cache, "--save-dir", tmp_path / "cached",
+                     warm=True)
 
     def per_step(stdout, key):
         return [(int(m.group(1)), float(m.group(2)))

@@ -1,0 +1,146 @@
+"""One console script of fairseq's (fairseq-train, fairseq-generate, fairseq-preprocess, ...) or of
+the plugin's (fairseq-kd-seqkd, ...) run in children forked from a warm interpreter: a server process
+that has done what the console script does before it reads its arguments (``from fairseq_cli.train
+import cli_main``: torch, fairseq and that module's own logging set-up, in the script's order) and
+nothing else. Each child spares the seconds a new interpreter spends importing torch and fairseq
+(a tiny fairseq-train: 5.9 s as a new process, 2.0 s as a child; fairseq-preprocess 3.4 s and 0.1 s).
+
+A child starts where a new process of the script would be after its imports: a fairseq command has not
+imported the plugin (``--user-dir`` imports and registers it, as in a new process), the root logger writes
+to the stream the script's module chose, now on the output files asked for (file descriptors 1
+and 2 replaced), its environment, working folder and ``sys.argv``/``sys.path[0]`` are the
+script's, its exit status is what the script's ``sys.exit(cli_main())`` gives (an uncaught
+exception goes through ``sys.excepthook`` and gives 1) and its exit handlers run. Only scripts
+whose entry point is in ``fairseq_cli`` or ``fairseq_kd.cli`` run here (:func:`warm_entry`; not
+``python -m``, which runs its module as ``__main__``), and only under the startup environment the
+server was started with (:func:`startup_environment`: what an interpreter, torch or OpenMP read
+when they start); the caller runs anything else as a new process (``tests/conftest.py``,
+``run_warm``).
+
+Protocol (JSON lines on the server's stdin and stdout): first the environment the server was
+started with, then requests ``{"argv", "env", "cwd", "stdout", "stderr"}`` (paths, opened for
+appending; the same path for both gives one interleaved output). The server answers
+``{"pid": PID}`` when the child starts and ``{"status": STATUS}`` when it ends (a signal: minus its
+number, as subprocess reports it), or ``{"error": WHY}`` for a request it cannot run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+#: prefixes of the environment variables read when an interpreter, torch, OpenMP or MKL start
+STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "LD_", "MALLOC_", "ATEN_", "TORCH_", "CUDA_",
+                    "NCCL_", "LC_", "LANG")
+
+
+def startup_environment(env) -> dict:
+    """The variables of ``env`` that act when a process starts: a child of the server has the
+    server's, so a request must have the same ones."""
+    return {key: value for key, value in env.items() if key.startswith(STARTUP_PREFIXES)}
+
+
+#: the modules whose console scripts run in a warm interpreter: fairseq's commands and the plugin's
+WARM_MODULES = ("fairseq_cli.", "fairseq_kd.cli.")
+
+
+def warm_entry(name: str):
+    """The entry point of console script ``name`` if it is fairseq's or the plugin's
+    (:data:`WARM_MODULES`), else None."""
+    from importlib.metadata import entry_points
+
+    found = list(entry_points(group="console_scripts", name=name))
+    return found[0] if found and found[0].value.startswith(WARM_MODULES) else None
+
+
+def _exit_status(code) -> int:
+    """What ``sys.exit(code)`` makes the process's exit status."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _run_child(main, request: dict, threads: int) -> None:
+    """In the forked child: become the console script and exit with its status (never returns)."""
+    status = 1
+    try:
+        out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        err = out if request["stderr"] == request["stdout"] else os.open(
+            request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        for fd in {out, err, devnull}:
+            os.close(fd)
+        sys.stdout = sys.__stdout__  # the interpreter's own stdout (the server answered on it), now the file
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if request.get("cwd"):
+            os.chdir(request["cwd"])
+        sys.argv = list(request["argv"])
+        sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # a script's own folder
+        if threads is not None:  # what the server's start made of OMP_NUM_THREADS, if it imported torch
+            sys.modules["torch"].set_num_threads(threads)
+        try:
+            status = _exit_status(main())
+        except SystemExit as exit_:
+            status = _exit_status(exit_.code)
+        except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+            sys.excepthook(*sys.exc_info())
+            status = 1
+        import atexit
+
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001 - the server's own failure, reported on the child's stderr
+        import traceback
+
+        traceback.print_exc()
+        status = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(status)
+
+
+def serve(name: str) -> None:
+    entry = warm_entry(name)
+    answers = sys.stdout
+    started = json.loads(sys.stdin.readline())
+    if entry is None:
+        answers.write(json.dumps({"error": f"{name} is not a console script of fairseq or the plugin"}) + "\n")
+        answers.flush()
+        return
+    main = entry.load()  # the console script's own imports: torch, fairseq, the module's logging
+    threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
+    # What the interpreter added to the environment at its start (LC_CTYPE, when it coerces a C
+    # locale) a new process would add too.
+    added = {key: value for key, value in os.environ.items() if key not in started}
+    sys.stdout = sys.stderr  # nothing but answers on the pipe
+    for line in sys.stdin:
+        request = json.loads(line)
+        if startup_environment(request["env"]) != startup_environment(started):
+            answers.write(json.dumps({"error": "another startup environment"}) + "\n")
+            answers.flush()
+            continue
+        request["env"] = {**added, **request["env"]}
+        for stream in (sys.stderr, answers):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            _run_child(main, request, threads)
+        answers.write(json.dumps({"pid": pid}) + "\n")
+        answers.flush()
+        _, wait_status = os.waitpid(pid, 0)
+        answers.write(json.dumps({"status": os.waitstatus_to_exitcode(wait_status)}) + "\n")
+        answers.flush()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
