@@ -154,6 +154,7 @@ class WarmInterpreter:
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=dict(env), cwd=REPO)
         self.proc.stdin.write((json.dumps(dict(env)) + "\n").encode())  # the server's first line
         self.pending = b""
+        self.ended = {}  # pid -> exit status of children not yet waited for
 
     @classmethod
     def for_script(cls, name: str, env) -> "WarmInterpreter":
@@ -191,27 +192,80 @@ class WarmInterpreter:
         line, self.pending = self.pending.split(b"\n", 1)
         return json.loads(line)
 
-    def run(self, argv, env, stdout: Path, stderr: Path, cwd=None, timeout=None):
-        """The exit status of the script run as ``argv`` (subprocess's convention: minus the signal's
-        number if one ended it), its output appended to the files ``stdout`` and ``stderr`` (the
-        same file for one interleaved output); None if this server cannot run it."""
-        import signal
-        import time
-
+    def start(self, argv, env, stdout: Path, stderr: Path, cwd=None):
+        """The pid of a child started as the script run as ``argv``, its output appended to the
+        files ``stdout`` and ``stderr`` (the same file for one interleaved output); None if this
+        server cannot run it."""
         request = {"argv": [str(arg) for arg in argv], "env": dict(env), "cwd": None if cwd is None else str(cwd),
                    "stdout": str(stdout), "stderr": str(stderr)}
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
-        started = self._answer()
-        if "pid" not in started:
-            return None
+        while True:
+            answer = self._answer()
+            if "status" not in answer:
+                return answer.get("pid")
+            self.ended[answer["pid"]] = answer["status"]
+
+    def wait(self, pid: int, timeout=None) -> int:
+        """The exit status of child ``pid`` (subprocess's convention: minus the signal's number if
+        one ended it); after ``timeout`` seconds it is killed and TimeoutExpired raised."""
+        import signal
+        import time
+
         deadline = None if timeout is None else time.monotonic() + timeout
+        while pid not in self.ended:
+            try:
+                answer = self._answer(deadline)
+            except TimeoutError:
+                os.kill(pid, signal.SIGKILL)
+                self.wait(pid)
+                raise subprocess.TimeoutExpired(str(pid), timeout) from None
+            if "status" in answer:
+                self.ended[answer["pid"]] = answer["status"]
+        return self.ended.pop(pid)
+
+
+class WarmChild:
+    """A child of a warm interpreter (:func:`popen_warm`), used like a ``subprocess.Popen`` with its
+    stdout and stderr piped as text: ``communicate``, ``kill``, ``returncode``."""
+
+    def __init__(self, server: WarmInterpreter, pid: int, args, stdout: Path, stderr: Path) -> None:
+        self.server, self.pid, self.args, self.stdout, self.stderr = server, pid, args, stdout, stderr
+        self.returncode = None
+
+    def communicate(self, timeout=None):
+        if self.returncode is None:
+            self.returncode = self.server.wait(self.pid, timeout)
+        read = lambda path: path.read_text(errors="replace") if path.exists() else ""  # noqa: E731
+        return read(self.stdout), read(self.stderr)
+
+    def kill(self) -> None:
+        import signal
+
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def popen_warm(command, env, folder: Path, name: str):
+    """``command`` started as a child of this worker's warm interpreter (:func:`run_warm`), its
+    stdout and stderr in files ``folder/name.stdout`` and ``.stderr``: a :class:`WarmChild`, or a
+    ``subprocess.Popen`` (output piped, text) when it must run as a new process."""
+    from warm_interpreter import warm_entry
+
+    path = Path(str(command[0]))
+    if path.parent == BIN and warm_entry(path.name) is not None:
+        server = WarmInterpreter.for_script(path.name, env)
+        out, err = folder / f"{name}.stdout", folder / f"{name}.stderr"
         try:
-            return self._answer(deadline)["status"]
-        except TimeoutError:
-            os.kill(started["pid"], signal.SIGKILL)
-            self._answer()
-            raise subprocess.TimeoutExpired(request["argv"], timeout) from None
+            pid = server.start(command, env, out, err)
+        except (ConnectionError, BrokenPipeError):
+            pid = None
+        if pid is not None:
+            return WarmChild(server, pid, command, out, err)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def run_warm(command, env, stdout: Path, stderr: Path, cwd=None, timeout=None):
@@ -225,9 +279,11 @@ def run_warm(command, env, stdout: Path, stderr: Path, cwd=None, timeout=None):
     if path.parent != BIN or warm_entry(path.name) is None:
         return None
     try:
-        return WarmInterpreter.for_script(path.name, env).run(command, env, stdout, stderr, cwd=cwd, timeout=timeout)
+        server = WarmInterpreter.for_script(path.name, env)
+        pid = server.start(command, env, stdout, stderr, cwd=cwd)
     except (ConnectionError, BrokenPipeError):
         return None
+    return None if pid is None else server.wait(pid, timeout)
 
 
 @pytest.fixture

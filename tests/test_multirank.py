@@ -2,7 +2,8 @@
 
 Each rank is one ``fairseq-train`` process started here (``--cpu --distributed-world-size 2
 --distributed-rank R --distributed-init-method tcp://localhost:PORT --distributed-no-spawn
---distributed-backend gloo --ddp-backend legacy_ddp``). fairseq shards the epoch's batches
+--distributed-backend gloo --ddp-backend legacy_ddp``), a child of the warm interpreter
+(conftest.popen_warm: without a new interpreter's seconds of imports). fairseq shards the epoch's batches
 round-robin over the ranks (rank r gets batches r, r+2, ...), and ``--update-freq 2`` on one rank
 groups batches (0, 1), (2, 3), ...: update k sees the same two batches either way. With dropout 0,
 the logged loss terms, the sample sizes (wpb, bsz) and the parameters after the updates (student
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from conftest import (BIN, COMMON_TRAIN_ARGS, QUIET_ENV, TINY_STUDENT_ARGS, USER_DIR, criterion_test_module,
-                      kd_criterions)
+                      kd_criterions, popen_warm)
 
 NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0"]
 UPDATES = 3
@@ -73,17 +74,16 @@ def test_two_ranks_equal_one_rank_with_update_freq_2(name, tiny_data_bin, tiny_t
     multi = tmp_path / "two_ranks"
     single = tmp_path / "one_rank"
     procs = [
-        subprocess.Popen(
+        popen_warm(
             _command(tiny_data_bin, tiny_teacher, multi, criterion_args, [
                 "--distributed-world-size", "2", "--distributed-rank", str(rank),
                 "--distributed-init-method", f"tcp://localhost:{port}", "--distributed-no-spawn",
                 "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp"]),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=QUIET_ENV)
+            QUIET_ENV, tmp_path, f"rank{rank}")
         for rank in (0, 1)
     ]
-    procs.append(subprocess.Popen(
-        _command(tiny_data_bin, tiny_teacher, single, criterion_args, ["--update-freq", "2"]),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=QUIET_ENV))
+    procs.append(popen_warm(_command(tiny_data_bin, tiny_teacher, single, criterion_args, ["--update-freq", "2"]),
+                            QUIET_ENV, tmp_path, "update_freq_2"))
     results = _finish(procs)
     for rc, out, err in results:
         assert rc == 0, f"{name}: fairseq-train failed\n{out[-3000:]}\n{err[-4000:]}"

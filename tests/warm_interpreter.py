@@ -20,8 +20,9 @@ when they start); the caller runs anything else as a new process (``tests/confte
 Protocol (JSON lines on the server's stdin and stdout): first the environment the server was
 started with, then requests ``{"argv", "env", "cwd", "stdout", "stderr"}`` (paths, opened for
 appending; the same path for both gives one interleaved output). The server answers
-``{"pid": PID}`` when the child starts and ``{"status": STATUS}`` when it ends (a signal: minus its
-number, as subprocess reports it), or ``{"error": WHY}`` for a request it cannot run.
+``{"pid": PID}`` when the child starts, or ``{"error": WHY}`` for a request it cannot run, and
+``{"pid": PID, "status": STATUS}`` when a child ends (a signal: minus its number, as subprocess
+reports it); several children may run at once.
 """
 from __future__ import annotations
 
@@ -109,13 +110,42 @@ def _run_child(main, request: dict, threads: int) -> None:
         os._exit(status)
 
 
+class _Lines:
+    """Lines read from a file descriptor as they come (select, not a buffered reader, so that a
+    line already read is never waiting unseen in a buffer)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.pending = fd, b""
+
+    def next(self, timeout=None):
+        """The next line; None if none came within ``timeout`` seconds; EOFError at the end."""
+        import select
+
+        while b"\n" not in self.pending:
+            if not select.select([self.fd], [], [], timeout)[0]:
+                return None
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                raise EOFError
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return line
+
+
 def serve(name: str) -> None:
+    """Answer requests until stdin ends; children run at the same time (their statuses come as
+    they end, each ``{"pid", "status"}``)."""
     entry = warm_entry(name)
     answers = sys.stdout
-    started = json.loads(sys.stdin.readline())
-    if entry is None:
-        answers.write(json.dumps({"error": f"{name} is not a console script of fairseq or the plugin"}) + "\n")
+
+    def answer(message: dict) -> None:
+        answers.write(json.dumps(message) + "\n")
         answers.flush()
+
+    requests = _Lines(sys.stdin.fileno())
+    started = json.loads(requests.next())
+    if entry is None:
+        answer({"error": f"{name} is not a console script of fairseq or the plugin"})
         return
     main = entry.load()  # the console script's own imports: torch, fairseq, the module's logging
     threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
@@ -123,23 +153,30 @@ def serve(name: str) -> None:
     # locale) a new process would add too.
     added = {key: value for key, value in os.environ.items() if key not in started}
     sys.stdout = sys.stderr  # nothing but answers on the pipe
-    for line in sys.stdin:
-        request = json.loads(line)
-        if startup_environment(request["env"]) != startup_environment(started):
-            answers.write(json.dumps({"error": "another startup environment"}) + "\n")
-            answers.flush()
-            continue
-        request["env"] = {**added, **request["env"]}
-        for stream in (sys.stderr, answers):
-            stream.flush()
-        pid = os.fork()
-        if pid == 0:
-            _run_child(main, request, threads)
-        answers.write(json.dumps({"pid": pid}) + "\n")
-        answers.flush()
-        _, wait_status = os.waitpid(pid, 0)
-        answers.write(json.dumps({"status": os.waitstatus_to_exitcode(wait_status)}) + "\n")
-        answers.flush()
+    running = set()
+    while True:
+        try:
+            line = requests.next(timeout=0.02 if running else None)
+        except EOFError:
+            return
+        if line is not None:
+            request = json.loads(line)
+            if startup_environment(request["env"]) != startup_environment(started):
+                answer({"error": "another startup environment"})
+            else:
+                request["env"] = {**added, **request["env"]}
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _run_child(main, request, threads)
+                running.add(pid)
+                answer({"pid": pid})
+        while running:
+            pid, wait_status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            running.discard(pid)
+            answer({"pid": pid, "status": os.waitstatus_to_exitcode(wait_status)})
 
 
 if __name__ == "__main__":
