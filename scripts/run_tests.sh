@@ -2,7 +2,9 @@
 # Run the test suite in the project environment (created on first use by scripts/setup_env.sh).
 # Extra arguments go to pytest, e.g. scripts/run_tests.sh tests/test_word_kd.py -x
 # The suite's training runs are single-threaded subprocesses, so it runs one pytest worker per core
-# (pytest-xdist; FAIRSEQ_KD_TEST_WORKERS overrides the count, 1 runs it serially).
+# (pytest-xdist; FAIRSEQ_KD_TEST_WORKERS overrides the count, 1 runs it serially), each test file
+# whole on one worker (--dist loadfile: a file's module fixtures are made once), the longest files
+# first (tests/conftest.py, LONGEST_FILES).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/scripts/setup_env.sh"
@@ -11,6 +13,6 @@ PY="${FAIRSEQ_KD_VENV:-$ROOT/.venv}/bin/python"
 WORKERS="${FAIRSEQ_KD_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
 parallel=()
 if [[ "$WORKERS" -gt 1 ]] && "$PY" -c "import xdist" 2>/dev/null; then
-    parallel=(-n "$WORKERS")
+    parallel=(-n "$WORKERS" --dist loadfile)
 fi
 exec "$PY" -m pytest -q -p no:cacheprovider "${parallel[@]}" "${@:-tests}"
