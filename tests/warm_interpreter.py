@@ -10,7 +10,8 @@ imported the plugin (``--user-dir`` imports and registers it, as in a new proces
 to the stream the script's module chose, now on the output files asked for (file descriptors 1
 and 2 replaced), its environment, working folder and ``sys.argv``/``sys.path[0]`` are the
 script's, its exit status is what the script's ``sys.exit(cli_main())`` gives (an uncaught
-exception goes through ``sys.excepthook`` and gives 1) and its exit handlers run. Only scripts
+exception goes through ``sys.excepthook`` and gives 1; its traceback, if the hook prints one, starts
+at this module's frame instead of the script's) and its exit handlers run. Only scripts
 whose entry point is in ``fairseq_cli`` or ``fairseq_kd.cli`` run here (:func:`warm_entry`; not
 ``python -m``, which runs its module as ``__main__``), and only under the startup environment the
 server was started with (:func:`startup_environment`: what an interpreter, torch or OpenMP read
@@ -147,6 +148,9 @@ def serve(name: str) -> None:
     if entry is None:
         answer({"error": f"{name} is not a console script of fairseq or the plugin"})
         return
+    # what a console script of this environment has while it imports: its path, its folder first
+    sys.argv = [os.path.join(os.path.dirname(sys.executable), name)]
+    sys.path[0] = os.path.dirname(sys.argv[0])
     main = entry.load()  # the console script's own imports: torch, fairseq, the module's logging
     threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
     # What the interpreter added to the environment at its start (LC_CTYPE, when it coerces a C
