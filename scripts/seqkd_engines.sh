@@ -53,11 +53,12 @@ done
 if [[ "$TRAIN_STUDENTS" == 1 ]]; then
     # the demo's sequence-level KD student, once on each engine's data (scripts/demo.sh's settings)
     COMMON=(--user-dir "$ROOT/fairseq_kd" --share-all-embeddings --optimizer adam --adam-betas '(0.9, 0.98)'
-            --lr-scheduler inverse_sqrt --warmup-updates 150 --dropout 0.1 --weight-decay 1e-4
+            --lr-scheduler polynomial_decay --warmup-updates 100 --dropout 0.1 --weight-decay 1e-4
             --max-tokens 4096 --seed 1 --no-epoch-checkpoints --num-workers 0
             --best-checkpoint-metric nll_loss --log-format json --log-interval 25
             --task translation --arch transformer_kd_tiny_student --lr 8e-3
-            --criterion label_smoothed_cross_entropy --label-smoothing 0.1 --max-update "${STUDENT_UPDATES:-250}")
+            --criterion label_smoothed_cross_entropy --label-smoothing 0.1 --max-update "${STUDENT_UPDATES:-300}"
+            --total-num-update "${STUDENT_UPDATES:-300}")
     ARGS=()
     for engine in fairseq ctranslate2; do
         if [[ ! -f "$OUT/checkpoints/$engine/checkpoint_best.pt" || ! -f "$OUT/.trained.$engine" ]]; then

@@ -1,24 +1,21 @@
-"""The demo (scripts/demo.sh) in a short version: every output it names at the end, and its numbers
-(BLEU, intervals, p-values, trained weights) equal to those committed in tests/expected/demo.json
-(its promise: the same numbers from the same commit). Where the expected file was made on another
-machine (see below) the numbers cannot be compared with it, so the demo runs twice into two folders
-and the two runs must agree; renewing the expected file also runs it twice, so what is recorded is
-what two runs gave.
+"""The demo (scripts/demo.sh): its verdict, and a short run of the whole script.
 
-The expected file is what keeps the README honest: any change of the numerics (a loss, a default,
-an optimiser setting, the decoding) changes the short demo's weights or scores, so this test fails
-until the expected file is renewed; that file also holds the README's demo section, which the test
-finds verbatim in README.md, so the same commit renews the full demo's table and its conclusion.
-To renew: run this test with FAIRSEQ_KD_RENEW_DEMO_EXPECTED=1 (it writes the short numbers), run
-``bash scripts/demo.sh``, and put the section it prints (``demo_output/readme_section.md``) into
-README.md and into the expected file's ``readme_section``.
+The demo trains every student with several seeds and states only what holds on every seed
+(``fairseq_kd_recipes.demo_summary``): which students beat no KD, and in what order. That verdict
+is what must hold on any machine; its numbers repeat run after run on one machine only (a short
+training amplifies the last bits of a reduction, which differ between CPUs). So:
 
-The numbers are the same from run to run on one machine and environment, not across CPUs: the
-same commit's no-KD demo student has come out at 75.34 BLEU on earlier machines and at 58.21 on an
-Intel Xeon with AVX-512 (every kernel family pinned to AVX2 on both; the training trajectory of a
-250-update student amplifies the last bits). So the expected file records the machine it was
-made on (``machine``), and the comparison runs where the machine matches; elsewhere it is skipped,
-saying so.
+* the verdict's rules are tested on made-up reports (each rule can fail);
+* every full run recorded in ``tests/expected/demo.json`` (``full_runs``: one per machine or kernel
+  family, each with its summary) must give the verdict the README states, and the README's demo
+  section must be the first run's, verbatim;
+* the short run (tiny sizes, two seeds) must write every output; its numbers (BLEU, p-values,
+  weights) must equal ``short_demo`` where the machine is the one that recorded it, and elsewhere
+  two runs must agree with each other.
+To renew after a change of the numerics: run this file with FAIRSEQ_KD_RENEW_DEMO_EXPECTED=1 (the
+short numbers), run ``DEMO_RECORD_INTO=tests/expected/demo.json bash scripts/demo.sh`` on each
+machine (it records the run with its CPU and kernel pins), and put ``demo_output/readme_section.md``
+into README.md's demo section and the file's ``readme_section``.
 """
 import hashlib
 import json
@@ -29,11 +26,95 @@ import pytest
 import torch
 
 from conftest import REPO
+from fairseq_kd_recipes import demo_summary
 
-SHORT = {"TRAIN_SIZE": "200", "EVAL_SIZE": "20", "TEACHER_UPDATES": "8", "STUDENT_UPDATES": "4", "MAX_LEN": "10"}
-SYSTEMS = ["teacher", "no_kd", "word_kd", "a2d_kd", "seq_kd"]
+SHORT = {"TRAIN_SIZE": "200", "VALID_SIZE": "20", "TEST_SIZE": "20", "TEACHER_UPDATES": "8", "STUDENT_UPDATES": "4",
+         "SEEDS": "1 2", "MAX_LEN_A": "0", "MAX_LEN_B": "10"}
+SEEDS = ["1", "2"]
+METHODS = ["no_kd", "word_kd", "a2d_kd", "seq_kd"]
+MODELS = ["teacher"] + [f"{method}_seed{seed}" for seed in SEEDS for method in METHODS]
 EXPECTED = REPO / "tests" / "expected" / "demo.json"
 RENEW = os.environ.get("FAIRSEQ_KD_RENEW_DEMO_EXPECTED") == "1"
+
+
+# --------------------------------------------------------------------------- the verdict's rules
+
+
+def row(bleu, baseline, p):
+    return {"bleu": bleu, "difference": bleu - baseline, "p_bootstrap": p}
+
+
+def reports(**by_seed):
+    """``seed=(no_kd, {method: (bleu, p)})`` -> the rows verdict() reads."""
+    return {seed: {"teacher": row(90, base, 0.001), "no_kd": {"bleu": base, "difference": None, "p_bootstrap": None},
+                   **{m: row(bleu, base, p) for m, (bleu, p) in methods.items()}}
+            for seed, (base, methods) in by_seed.items()}
+
+
+def test_a_method_beats_no_kd_only_when_it_does_on_every_seed():
+    result = demo_summary.verdict(reports(
+        a=(70, {"word_kd": (75, 0.001), "a2d_kd": (78, 0.001), "seq_kd": (72, 0.01)}),
+        b=(72, {"word_kd": (76, 0.002), "a2d_kd": (79, 0.001), "seq_kd": (72.5, 0.30)})))
+    assert result["beats_no_kd"] == ["a2d_kd", "word_kd"]  # by mean BLEU
+    assert result["not_shown_different"] == ["seq_kd"]  # significant on one seed only
+    assert result["order"] == [{"higher": "a2d_kd", "lower": "word_kd", "relation": "above"}]
+    assert demo_summary.verdict_sentence(result) == (
+        "Align-to-Distill > word-level KD beat no KD on each of the 2 seeds (paired bootstrap p < 0.05); "
+        "sequence-level KD is not shown better or worse.")
+
+
+def test_two_winners_are_tied_unless_one_is_higher_on_every_seed_and_losers_are_named():
+    result = demo_summary.verdict(reports(
+        a=(70, {"word_kd": (79, 0.001), "a2d_kd": (78, 0.001), "seq_kd": (65, 0.001)}),
+        b=(70, {"word_kd": (76, 0.001), "a2d_kd": (78, 0.001), "seq_kd": (66, 0.004)})))
+    assert result["beats_no_kd"] == ["a2d_kd", "word_kd"] and result["order"][0]["relation"] == "tied"
+    assert result["worse_than_no_kd"] == ["seq_kd"]
+    assert " ≈ word-level KD" in demo_summary.verdict_sentence(result)
+    assert "sequence-level KD is worse on every seed" in demo_summary.verdict_sentence(result)
+
+
+def test_a_higher_bleu_without_significance_or_a_p_for_a_loss_does_not_count_as_a_win():
+    result = demo_summary.verdict(reports(
+        a=(70, {"word_kd": (71, 0.2), "a2d_kd": (68, 0.001)}), b=(70, {"word_kd": (75, 0.001), "a2d_kd": (73, 0.001)})))
+    assert result["beats_no_kd"] == [] and result["worse_than_no_kd"] == []
+    assert demo_summary.verdict_sentence(result).startswith("no student beats no KD on all 2 seeds")
+
+
+def test_every_seed_must_have_the_same_systems():
+    broken = reports(a=(70, {"word_kd": (75, 0.001)}), b=(70, {"a2d_kd": (75, 0.001)}))
+    with pytest.raises(ValueError, match="seed b has systems"):
+        demo_summary.verdict(broken)
+
+
+# --------------------------------------------------------------------------- the recorded full runs
+
+
+def test_every_recorded_full_run_gives_the_verdict_the_readme_states():
+    expected = json.loads(EXPECTED.read_text())
+    runs = expected["full_runs"]
+    readme = (REPO / "README.md").read_text()
+    assert runs and expected["readme_section"] in readme, (
+        "README.md's demo section is not the one tests/expected/demo.json records (renew both from "
+        "bash scripts/demo.sh's demo_output/readme_section.md)")
+    assert demo_summary.summary_markdown(runs[0]["summary"]) in expected["readme_section"]
+    stated = runs[0]["summary"]["verdict"]
+    for run in runs:
+        summary = run["summary"]
+        rows = {seed: {} for seed in summary["verdict"]["seeds"]}
+        for entry in summary["systems"]:  # the verdict recomputed from the recorded numbers
+            for i, seed in enumerate(summary["verdict"]["seeds"]):
+                rows[seed][entry["system"]] = {"bleu": entry["bleu"][i],
+                                               "difference": entry.get("difference", [None] * len(rows))[i],
+                                               "p_bootstrap": entry.get("p_bootstrap", [None] * len(rows))[i]}
+        assert demo_summary.verdict(rows) == summary["verdict"], run["machine"]
+        assert len(summary["verdict"]["seeds"]) >= 3, run["machine"]
+        assert (summary["verdict"]["beats_no_kd"], summary["verdict"]["order"]) == (stated["beats_no_kd"], stated["order"]), (
+            f"the full demo on {run['machine']} concludes {summary['sentence']!r}, the README "
+            f"{runs[0]['summary']['sentence']!r}")
+    assert runs[0]["summary"]["sentence"] in readme
+
+
+# --------------------------------------------------------------------------- the short run
 
 
 def run_demo(folder):
@@ -55,14 +136,15 @@ def weights_sha256(path) -> str:
 
 def demo_numbers(folder) -> dict:
     """Every number of a demo run that depends on the numerics: scores, tests, weights."""
-    report = json.loads((folder / "report.json").read_text())
+    reports = {seed: json.loads((folder / f"report_seed{seed}.json").read_text()) for seed in SEEDS}
     deploy = json.loads((folder / "deploy.json").read_text())
     return {
-        "report": [{key: row[key] for key in ("system", "bleu", "mean", "ci", "difference", "p_bootstrap",
-                                              "p_randomization", "params")} for row in report["systems"]],
+        "report": {seed: [{key: row[key] for key in ("system", "bleu", "mean", "ci", "difference", "p_bootstrap",
+                                                     "p_randomization", "params")} for row in report["systems"]]
+                   for seed, report in reports.items()},
         "deploy": [{key: row[key] for key in ("id", "bleu", "ci_mean", "ci", "delta", "p_bootstrap")}
                    for row in deploy["rows"]],
-        "weights_sha256": {name: weights_sha256(folder / "models" / f"{name}.pt") for name in SYSTEMS},
+        "weights_sha256": {name: weights_sha256(folder / "models" / f"{name}.pt") for name in MODELS},
     }
 
 
@@ -85,22 +167,26 @@ def machine_signature() -> dict:
             "ctranslate2": ctranslate2.__version__}
 
 
-def test_short_demo_gives_the_expected_numbers_and_every_output(tmp_path):
+def test_short_demo_writes_every_output_and_repeats_its_numbers(tmp_path):
     expected = json.loads(EXPECTED.read_text())
     comparable = machine_signature() == expected["machine"]
     folders = [tmp_path / "one"] if comparable and not RENEW else [tmp_path / "one", tmp_path / "two"]
     printed = [run_demo(folder) for folder in folders][0]
     first = folders[0]
-    reports = [json.loads((folder / "report.json").read_text()) for folder in folders]
-    assert [row["system"] for row in reports[0]["systems"]] == SYSTEMS
-    assert all(row["sents_per_sec"] is None for row in reports[0]["systems"])  # no speed column
+    for seed in SEEDS:
+        report = json.loads((first / f"report_seed{seed}.json").read_text())
+        assert [row["system"] for row in report["systems"]] == ["teacher"] + METHODS
+        assert report["baseline"] == "no_kd" and all(row["sents_per_sec"] is None for row in report["systems"])
+    summary = json.loads((first / "summary.json").read_text())
+    assert summary["verdict"]["seeds"] == SEEDS and summary["sentence"] in printed
+    assert [entry["system"] for entry in summary["systems"]] == ["teacher"] + METHODS
     numbers = [demo_numbers(folder) for folder in folders]
     if len(folders) == 2:  # BLEU, mu +- CI, p-values, parameter counts, weights: the same twice
-        assert reports[0]["systems"] == reports[1]["systems"]
         assert numbers[0] == numbers[1]
     for figure in ("validation_nll.png", "a2d_kd_training_curves.png", "a2d_kd_alignment.png"):
         assert (first / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure in printed
-    assert "report.md" in printed and "deploy.md" in printed and (first / "readme_section.md").is_file()
+    assert "summary.md" in printed and "deploy.md" in printed
+    assert (first / "readme_section.md").read_text().startswith((first / "summary.md").read_text())
     # the deploy table: the A2D student under fairseq and CTranslate2 (float32, int8) and the teacher
     deploy = json.loads((first / "deploy.json").read_text())
     assert [row["id"] for row in deploy["rows"]] == [
@@ -116,11 +202,3 @@ def test_short_demo_gives_the_expected_numbers_and_every_output(tmp_path):
     assert numbers[0] == expected["short_demo"], (
         "the short demo's numbers changed: the numerics changed. Renew tests/expected/demo.json, the README's "
         "demo table and its conclusion in the same commit (see this file's docstring)")
-
-
-def test_readme_shows_the_full_demo_section_of_the_expected_file():
-    expected = json.loads(EXPECTED.read_text())
-    section = expected["readme_section"]
-    assert section.strip() and section in (REPO / "README.md").read_text(), (
-        "README.md's demo section is not the one tests/expected/demo.json records (renew both from "
-        "bash scripts/demo.sh's demo_output/readme_section.md)")
