@@ -153,16 +153,10 @@ def machine_signature() -> dict:
     import ctranslate2
     import numpy
 
-    cpu = ""
-    flags = set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and not cpu:
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    from fairseq_kd_recipes.deploy_benchmark import cpu_model_and_flags
+
+    cpu, flags = cpu_model_and_flags()
+    cpu = cpu or ""
     return {"cpu": cpu, "avx512f": "avx512f" in flags, "torch": torch.__version__, "numpy": numpy.__version__,
             "ctranslate2": ctranslate2.__version__}
 

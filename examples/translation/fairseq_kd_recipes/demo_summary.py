@@ -22,6 +22,7 @@ import statistics
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from fairseq_kd.cli.score import split_name_and_path
 from fairseq_kd.figures.training_log import read_fairseq_log, validation_series
 
 BASELINE = "no_kd"
@@ -150,12 +151,13 @@ def deploy_markdown(deploy: Mapping) -> str:
 def _pairs(values: Sequence[str], flag: str) -> List[tuple]:
     pairs = []
     for value in values:
-        key, sep, path = value.partition("=")
-        if not sep or not key or not path:
-            raise SystemExit(f"{flag} {value!r}: expected KEY=PATH")
-        if not Path(path).is_file():
+        try:
+            key, path = split_name_and_path(value, flag)
+        except argparse.ArgumentTypeError as error:
+            raise SystemExit(str(error))
+        if not path.is_file():
             raise SystemExit(f"{flag} {value!r}: {path} is not a file")
-        pairs.append((key, Path(path)))
+        pairs.append((key, path))
     return pairs
 
 
@@ -179,15 +181,11 @@ def this_machine() -> Dict:
     """The CPU, its vector extensions and the kernel pins: what a run's last bits depend on."""
     import platform
 
-    from fairseq_kd_recipes.deploy_benchmark import machine_info
+    from fairseq_kd_recipes.deploy_benchmark import cpu_model_and_flags, machine_info
 
     info = machine_info()
-    flags = set()
-    try:
-        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": info["cpu"], "avx512f": "avx512f" in flags, "vnni": bool(flags & {"avx512_vnni", "avx_vnni"}),
+    _, flags = cpu_model_and_flags()
+    return {"cpu": info["cpu"], "avx512f": "avx512f" in flags, "vnni": info["int8_dot_product"] == "VNNI",
             "kernel_pins": info["kernel_pins"], "torch": info["torch"], "python": platform.python_version()}
 
 

@@ -467,7 +467,8 @@ def int8_dot_product(flags: Sequence[str]) -> str:
     return "VNNI" if {"avx512_vnni", "avx_vnni"} & set(flags) else "AVX2"
 
 
-def machine_info(device: str = "cpu") -> Dict:
+def cpu_model_and_flags() -> tuple:
+    """The CPU's model name (None if unknown) and its feature flags, from /proc/cpuinfo."""
     cpu, flags = None, []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -477,6 +478,11 @@ def machine_info(device: str = "cpu") -> Dict:
                 flags = line.split(":", 1)[1].split()
     except OSError:
         pass
+    return cpu, flags
+
+
+def machine_info(device: str = "cpu") -> Dict:
+    cpu, flags = cpu_model_and_flags()
     return {"cpu": cpu or platform.processor() or platform.machine(), "cores_available": available_cores(),
             "int8_dot_product": int8_dot_product(flags),
             "kernel_pins": {name: os.environ[name] for name in KERNEL_VARIABLES if os.environ.get(name)},
