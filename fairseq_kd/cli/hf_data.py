@@ -157,7 +157,7 @@ def output_files(args) -> List[Path]:
 @exits_on_user_error(PROG)
 def cli_main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
-    from fairseq_kd.models.hf_teacher import load_tokenizer, read_config, vocabulary_maps
+    from fairseq_kd.models.hf_teacher import load_tokenizer, read_checked_config, vocabulary_maps
     from fairseq_kd.models.teacher import TeacherCheckpointError
 
     teacher = require_path(args.teacher, "--teacher", FOLDER, "give the teacher's save_pretrained folder")
@@ -172,7 +172,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
                          f"{f' and {len(existing) - 1} more' if len(existing) > 1 else ''}; pass --overwrite "
                          "to replace them, or another --destdir")
     try:  # the teacher loader's refusals name training's flag; here the folder is --teacher
-        config = read_config(teacher)
+        config, _, _ = read_checked_config(teacher)
         tokenizer = load_tokenizer(teacher)
         source_vocabulary, target_vocabulary = vocabulary_maps(teacher, tokenizer, config)
     except TeacherCheckpointError as err:

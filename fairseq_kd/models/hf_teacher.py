@@ -64,6 +64,7 @@ adapter's forward pass as it runs a fairseq teacher's; sequence-level KD and tes
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
@@ -76,6 +77,7 @@ import torch
 from torch import nn
 
 from ..fingerprint import file_sha256
+from . import hf_folder
 from .feature_capture import (
     DECODER_CROSS,
     DECODER_SELF,
@@ -184,13 +186,61 @@ def load_tokenizer(folder):
                      "save_pretrained into the same folder") from None
 
 
-def load_model(folder, cls):
-    """The folder's model (of class ``cls``) in eval mode, float32, on the CPU, offline and
-    weights-only."""
+def read_weights_header(folder) -> hf_folder.WeightsHeader:
+    """The names, dtypes and shapes of the folder's weights, read without loading them
+    (:func:`.hf_folder.read_weights_header`); pickled weights weights-only."""
     try:
-        model = cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False,
-                                    use_safetensors=prefers_safetensors(folder), weights_only=True,
-                                    dtype=torch.float32)
+        return hf_folder.read_weights_header(folder, prefers_safetensors(folder), lambda problem: refuse(folder, problem))
+    except pickle.UnpicklingError:
+        raise refuse(folder, unsafe_weights_problem(folder)) from None
+
+
+def read_checked_config(folder, transformers=None):
+    """``(config.json as a dict, the model class, its transformers config)`` once the weights are
+    shown to be the model the config describes, as far as their headers tell (floating point,
+    sizes, special token ids: :mod:`.hf_folder`); nothing is allocated before."""
+    config = read_config(folder)
+    cls = model_class(transformers or import_transformers(), folder, config["model_type"])
+    header = read_weights_header(folder)
+    try:
+        hf_config = cls.config_class.from_dict(config)
+    except Exception as err:  # noqa: BLE001 - transformers' validation errors have no common class
+        raise refuse(folder, f"{CONFIG_FILE} is not a valid {config['model_type']} config ({type(err).__name__}: "
+                     f"{_first_line(err)}); fix it or save the model again with save_pretrained") from None
+    hf_folder.check_floating_point(header, lambda problem: refuse(folder, problem))
+    hf_folder.check_config_fits_weights(hf_config, config, header, lambda problem: refuse(folder, problem))
+    return config, cls, hf_config
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return " ".join(lines[:2]) if lines else ""
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' loading report (a table on stderr) is silenced: :func:`load_model` refuses in one
+    line whatever it would list."""
+    library = logging.getLogger("transformers")
+    level = library.level
+    library.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        library.setLevel(level)
+
+
+def load_model(folder, cls, hf_config=None):
+    """The folder's model (of class ``cls``, configured by ``hf_config`` when given) in eval mode,
+    float32, on the CPU, offline and weights-only; refused unless every tensor of the model came
+    from the folder and every value is finite (:mod:`.hf_folder`)."""
+    extra = {} if hf_config is None else {"config": hf_config}
+    try:
+        with _quiet_transformers():
+            model, info = cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False,
+                                              use_safetensors=prefers_safetensors(folder), weights_only=True,
+                                              dtype=torch.float32, output_loading_info=True,
+                                              ignore_mismatched_sizes=True, **extra)
     except TeacherCheckpointError:
         raise
     except pickle.UnpicklingError:
@@ -198,6 +248,8 @@ def load_model(folder, cls):
     except Exception as err:  # noqa: BLE001 - any failure means: these weights cannot be read
         first_line = str(err).splitlines()[0] if str(err) else ""
         raise refuse(folder, f"its model cannot be loaded ({type(err).__name__}: {first_line})") from None
+    hf_folder.check_loading_info(info, lambda problem: refuse(folder, problem))
+    hf_folder.check_finite(model, lambda problem: refuse(folder, problem))
     return model.eval()
 
 
@@ -551,15 +603,14 @@ class HuggingFaceTeacher(FrozenTeacher):
         if teacher_data or getattr(task_cfg, "teacher_data", None):
             raise refuse(path, "--teacher-data names a fairseq teacher's dictionaries; a Hugging Face folder "
                          "holds its own vocabulary: drop --teacher-data")
-        config = read_config(path)
-        cls_of_model = model_class(import_transformers(), path, config["model_type"])
+        config, cls_of_model, hf_config = read_checked_config(path)
         source_vocabulary, vocabulary = vocabulary_maps(path, load_tokenizer(path), config)
         check_data_dictionaries(path, vocabulary, task.source_dictionary, task.target_dictionary,
                                 source_vocabulary=source_vocabulary)
         if getattr(task_cfg, "left_pad_target", False):
             raise refuse(path, "--left-pad-target is not supported with a Hugging Face teacher (its "
                          "decoder positions count from the first slot); drop it")
-        model = load_model(path, cls_of_model)
+        model = load_model(path, cls_of_model, hf_config)
         check_model_fits(path, model, vocabulary, source_vocabulary=source_vocabulary)
         symbols = (f"{len(vocabulary)} symbols" if source_vocabulary is vocabulary else
                    f"{len(source_vocabulary)} source and {len(vocabulary)} target symbols")
