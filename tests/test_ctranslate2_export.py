@@ -221,7 +221,7 @@ def test_export_refusals(trained, exported, tiny_data_bin, tmp_path):
     assert "is a file" in _refusal(trained, tmp_path / "file", *ct2)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    assert "not a CTranslate2 model" in _refusal(trained, tmp_path / "mine", *ct2, "--overwrite")
+    assert "wholly an unchanged CTranslate2 export" in _refusal(trained, tmp_path / "mine", *ct2, "--overwrite")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     assert "--data" in _refusal(trained, tmp_path / "b", *ct2, "--data", tmp_path / "nowhere")
     assert "--quantization" in _refusal(trained, tmp_path / "c", "--quantization", "int8")  # fairseq format
@@ -231,13 +231,66 @@ def test_export_refusals(trained, exported, tiny_data_bin, tmp_path):
 
 
 def test_overwrite_replaces_a_model_folder_whole(trained, tmp_path):
+    import hashlib
+
     folder = tmp_path / "model"
     run_cli("fairseq-kd-export", trained, folder, "--format", "ctranslate2", "--quantization", "float32")
     first = (folder / "model.bin").stat().st_size
     run_cli("fairseq-kd-export", trained, folder, "--format", "ctranslate2", "--quantization", "int8", "--overwrite")
     assert (folder / "model.bin").stat().st_size < first
-    assert json.loads((folder / "fairseq_kd_export.json").read_text())["quantization"] == "int8"
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left
+    record = json.loads((folder / "fairseq_kd_export.json").read_text())
+    assert record["quantization"] == "int8"
+    # the record lists every other file of the folder, as --overwrite and the readers check it
+    assert record["files"] == {p.name: {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+                               for p in folder.iterdir() if p.name != "fairseq_kd_export.json"}
+    assert sorted(record["files"]) == ["config.json", "model.bin", "shared_vocabulary.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no staging or replaced folder left
+
+
+def _tree(root):
+    """{relative path: bytes, link target or 'dir'} of everything under ``root``, links not followed."""
+    import os
+
+    entries = {}
+    for folder, folders, files in os.walk(root):
+        for name in folders + files:
+            path = os.path.join(folder, name)
+            if os.path.islink(path):
+                entries[os.path.relpath(path, root)] = "link -> " + os.readlink(path)
+            elif os.path.isfile(path):
+                with open(path, "rb") as file:
+                    entries[os.path.relpath(path, root)] = file.read()
+            else:
+                entries[os.path.relpath(path, root)] = "dir"
+    return entries
+
+
+def test_overwrite_never_deletes_a_users_files_nor_follows_a_link(trained, exported, tmp_path):
+    """Issue 41's reproductions and others like them: --overwrite replaces only an unchanged earlier
+    CTranslate2 export; anything else is one line naming the folder and what is in the way, with
+    every file (and every link) under tmp_path as it was and nothing left beside it."""
+    import os
+    import shutil
+
+    flags = ("--format", "ctranslate2", "--quantization", "float32", "--overwrite")
+    mine = tmp_path / "m"  # a file named model.bin among a user's files
+    mine.mkdir()
+    (mine / "model.bin").write_text("notes\n")
+    (mine / "results.txt").write_text("precious\n")
+    (mine / "runs").mkdir()
+    (mine / "runs" / "log.txt").write_text("x\n")
+    extra, edited, linked = (tmp_path / name for name in ("extra", "edited", "linked"))
+    for folder in (extra, edited, linked):
+        shutil.copytree(exported["int8"], folder)
+    (extra / "mine.txt").write_text("mine\n")  # a user's file beside an export
+    (edited / "config.json").write_text((edited / "config.json").read_text().replace("true", "false"))
+    os.symlink(linked, tmp_path / "link")  # the output a link to an export
+    before = _tree(tmp_path)
+    for output, expected in ((mine, "fairseq_kd_export.json"), (extra, "'mine.txt'"), (edited, "'config.json'"),
+                             (tmp_path / "link", "symbolic link")):
+        line = _refusal(trained, output, *flags)
+        assert repr(str(output)) in line and expected in line, line
+        assert _tree(tmp_path) == before
 
 
 def test_an_architecture_ctranslate2_cannot_express_is_refused_naming_it(tiny_data_bin, tmp_path):
@@ -262,6 +315,79 @@ def test_translate_refuses_data_with_other_dictionaries(exported, tiny_data_bin,
     assert proc.returncode == 2 and "differs from the data's source dictionary" in proc.stderr, proc.stderr
     proc = run_cli_here("fairseq-kd-translate", tiny_data_bin, "--model", tmp_path / "missing")
     assert proc.returncode == 2 and "--model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _random_bytes(data):
+    import numpy as np
+
+    return np.random.default_rng(0).integers(0, 256, len(data), dtype=np.uint8).tobytes()
+
+
+def _one_byte_changed(data):
+    middle = len(data) // 2
+    return data[:middle] + bytes([data[middle] ^ 0x01]) + data[middle + 1:]
+
+
+#: damage -> (the file, its new bytes from the old, None: removed)
+DAMAGES = {
+    "truncated model.bin": ("model.bin", lambda data: data[:len(data) // 2]),
+    "model.bin cut by 3 bytes": ("model.bin", lambda data: data[:-3]),
+    "random model.bin": ("model.bin", _random_bytes),
+    "empty model.bin": ("model.bin", lambda data: b""),
+    "damaged header": ("model.bin", lambda data: data[:6] + b"\xff\xfe" + data[8:]),
+    "bytes after the last entry": ("model.bin", lambda data: data + b"xx"),
+    "one weight byte changed": ("model.bin", _one_byte_changed),
+    "missing model.bin": ("model.bin", None),
+    "missing config.json": ("config.json", None),
+    "empty config.json": ("config.json", lambda data: b""),
+    "config.json not an object": ("config.json", lambda data: b"[]"),
+    "binary config.json": ("config.json", _random_bytes),
+    "empty vocabulary": ("shared_vocabulary.json", lambda data: b""),
+    "binary vocabulary": ("shared_vocabulary.json", _random_bytes),
+    "empty record": ("fairseq_kd_export.json", lambda data: b""),
+}
+
+
+def _damaged(exported, tmp_path, damage):
+    import shutil
+
+    folder = tmp_path / "damaged"
+    shutil.copytree(exported["float32"], folder)
+    name, change = DAMAGES[damage]
+    if change is None:
+        (folder / name).unlink()
+    else:
+        (folder / name).write_bytes(change((folder / name).read_bytes()))
+    return folder, folder / name
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_damaged_model_folder_is_one_line_naming_the_file(tiny_data_bin, exported, tmp_path, damage):
+    """fairseq-kd-translate checks the folder before decoding: one line naming the damaged file and
+    saying to re-export (never a traceback, never advice to convert a binary file to UTF-8)."""
+    folder, damaged_file = _damaged(exported, tmp_path, damage)
+    proc = run_cli_here("fairseq-kd-translate", tiny_data_bin, "--model", folder, "--results-path", tmp_path / "out")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fairseq-kd-translate: error: --model"), proc.stderr
+    assert str(damaged_file) in lines[0] and "fairseq-kd-export" in lines[0] and "iconv" not in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_seqkd_engine_checks_the_folder_too(tiny_data_bin, exported, tmp_path):
+    """The CTranslate2 engine (sequence-level KD's, fairseq-kd-translate's, the deploy benchmark's
+    through fairseq-kd-translate) refuses a damaged folder before CTranslate2 reads it."""
+    from fairseq.data import Dictionary
+
+    from fairseq_kd.deploy.ctranslate2_engine import CTranslate2Engine, CTranslate2ModelError
+
+    dictionary = Dictionary.load(str(tiny_data_bin / "dict.src.txt"))
+    CTranslate2Engine(str(exported["float32"]), dictionary, dictionary, threads=1, flag="--teacher")
+    for damage in ("truncated model.bin", "missing config.json", "one weight byte changed"):
+        folder, damaged_file = _damaged(exported, tmp_path / damage.replace(" ", "_"), damage)
+        with pytest.raises(CTranslate2ModelError, match=r"^--teacher: ") as refusal:
+            CTranslate2Engine(str(folder), dictionary, dictionary, threads=1, flag="--teacher")
+        assert str(damaged_file) in str(refusal.value) and "\n" not in str(refusal.value)
 
 
 def test_a_missing_ctranslate2_is_one_line_naming_the_fix(trained, tmp_path):

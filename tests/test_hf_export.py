@@ -252,22 +252,34 @@ def test_overwrite_only_with_the_flag_and_only_an_export(tiny_teacher, exported,
     with pytest.raises(SystemExit):
         export(tiny_teacher, folder)
     assert "pass --overwrite" in capsys.readouterr().err
-    (folder / "config.json").write_text("{}")
-    export(tiny_teacher, folder, "--overwrite")
+    export(tiny_teacher, folder, "--overwrite")  # an unchanged earlier export: replaced
+    record = json.loads((folder / "fairseq_kd_export.json").read_text())
+    assert sorted(record["files"]) == sorted(p.name for p in folder.iterdir() if p.name != "fairseq_kd_export.json")
     assert json.loads((folder / "config.json").read_text())["model_type"] == "marian"
+    # issue 41: a user's file beside an export, an edited export file, a folder of other files, a
+    # CTranslate2 export (its record is of another format), an output that is a link to an export
+    mine = tmp_path / "mine"
+    shutil.copytree(folder, mine)
+    (mine / "mine.txt").write_text("x\n")
+    edited = tmp_path / "edited"
+    shutil.copytree(folder, edited)
+    (edited / "config.json").write_text("{}")
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    with pytest.raises(SystemExit):
-        export(tiny_teacher, other, "--overwrite")
-    assert "not a fairseq-kd Hugging Face export" in capsys.readouterr().err
-    assert [p.name for p in other.iterdir()] == ["notes.txt"]
-    ct2 = tmp_path / "ct2"  # a CTranslate2 export has a record too, of its own format
+    ct2 = tmp_path / "ct2"
     ct2.mkdir()
-    (ct2 / "fairseq_kd_export.json").write_text(json.dumps({"format": "fairseq-kd-ctranslate2/1"}))
-    with pytest.raises(SystemExit):
-        export(tiny_teacher, ct2, "--overwrite")
-    assert "not a fairseq-kd Hugging Face export" in capsys.readouterr().err
+    (ct2 / "fairseq_kd_export.json").write_text(json.dumps({"format": "fairseq-kd-ctranslate2/1", "files": {}}))
+    (tmp_path / "link").symlink_to(folder)
+    snapshot = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for output, named in ((mine, "'mine.txt'"), (edited, "'config.json'"), (other, "fairseq_kd_export.json"),
+                          (ct2, "fairseq-kd-ctranslate2/1"), (tmp_path / "link", "symbolic link")):
+        with pytest.raises(SystemExit):
+            export(tiny_teacher, output, "--overwrite")
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line.startswith("fairseq-kd-export: error: ") and repr(str(output)) in line and named in line, line
+        assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == snapshot
+    assert (tmp_path / "link").is_symlink()
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no staging folder left
     a_file = tmp_path / "a_file"
     a_file.write_text("")

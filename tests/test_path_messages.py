@@ -135,3 +135,39 @@ def test_teacher_pass_output_that_is_a_file(command, tiny_data_bin, tiny_teacher
     proc = run_cli_here(command, "--data", tiny_data_bin, "--teacher-checkpoint", tiny_teacher, "--output", a_file,
                         "--cpu")
     _one_line_error(proc, command, f"--output {str(a_file)!r}: is a file, not a folder")
+
+
+def _decode_error(read, path):
+    with pytest.raises(UnicodeDecodeError) as error:
+        read(path)
+    return message_of(error.value)
+
+
+def _read_text(path):
+    return path.read_text(encoding="utf-8")
+
+
+def _read_lines(path):
+    with open(path, encoding="utf-8") as lines:
+        return list(lines)
+
+
+@pytest.mark.parametrize("read", [_read_text, _read_lines])
+def test_text_that_is_not_utf8_names_the_file_and_a_binary_one_is_never_to_be_converted(tmp_path, read):
+    """A file that is not UTF-8 is named, however it was read; converting it (iconv) is advised only
+    for text in another encoding, never for binary data (a model file given as text, a damaged file)."""
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1"))
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"\x06\x00\x00\x00\x10\x00Transformer\xff\xfe" + bytes(range(256)) * 4)
+    message = _decode_error(read, latin)
+    assert message.startswith(f"{latin} is not valid UTF-8 (byte 0xe9)") and "iconv" in message, message
+    message = _decode_error(read, binary)
+    assert message.startswith(f"{binary} is binary data, not UTF-8 text") and "iconv" not in message, message
+    assert "convert" not in message, message
+
+
+def test_undecodable_bytes_of_no_known_file_are_not_advised_to_be_converted_when_binary():
+    with pytest.raises(UnicodeDecodeError) as error:
+        (b"\x00\x01\xff" * 8).decode("utf-8")
+    assert "iconv" not in message_of(error.value) and "convert" not in message_of(error.value)

@@ -111,11 +111,13 @@ def translate(args) -> dict:
 
     fairseq_kd.register()
     from fairseq_kd.deploy.ctranslate2_engine import CTranslate2Engine, DecodingSettings
+    from fairseq_kd.deploy.ctranslate2_folder import looks_like_ctranslate2_folder
     from fairseq_kd.models.teacher import is_hugging_face_folder
 
     task = _translation_task(args, data)
-    # a CTranslate2 folder has a config.json too: its model.bin tells it apart
-    hugging_face = is_hugging_face_folder(args.model) and not (Path(args.model) / "model.bin").is_file()
+    # a CTranslate2 folder has a config.json too: its model.bin, vocabulary or record tells it
+    # apart (even when that model.bin is missing: the engine then says so)
+    hugging_face = is_hugging_face_folder(args.model) and not looks_like_ctranslate2_folder(args.model)
     if hugging_face:
         _check_hugging_face_settings(args)
     else:

@@ -19,8 +19,11 @@ user errors, with Python's traceback for everything else, and for everything wit
 """
 from __future__ import annotations
 
+import codecs
+import contextlib
 import errno
 import functools
+import io
 import os
 import sys
 from pathlib import Path
@@ -92,11 +95,53 @@ def require_path(path, flag: str, expected: str, hint: str = "") -> Path:
 
 def message_of(error: BaseException) -> str:
     if isinstance(error, UnicodeDecodeError):
-        return (f"a file is not valid UTF-8 (byte 0x{error.object[error.start]:02x}); convert it to "
-                "UTF-8 (e.g. iconv -f latin1 -t utf-8)")
+        return undecodable_text_message(error)
     if isinstance(error, OSError) and error.filename is not None and error.strerror:
         return f"{error.filename}: {_system_error_words(error)}"
     return str(error) or type(error).__name__
+
+
+def undecodable_text_message(error: UnicodeDecodeError, path=None) -> str:
+    """The file that is not UTF-8 (``path``, else the one being read where the error arose) and what
+    to do: a text file in another encoding is converted; a binary file is the wrong file, or a
+    damaged one, and is never to be converted."""
+    path = str(path) if path is not None else _file_being_read(error)
+    sample = bytes(error.object[:8192])
+    if path is not None:
+        with contextlib.suppress(OSError):
+            with open(path, "rb") as file:
+                sample = file.read(8192)
+    byte = f"byte 0x{error.object[error.start]:02x}"
+    what = f"{path} is" if path is not None else "a file read here is"
+    if _looks_binary(sample):
+        return f"{what} binary data, not UTF-8 text ({byte}): it is damaged or not the text file expected here"
+    return (f"{what} not valid UTF-8 ({byte}); if it is text in another encoding, convert it to UTF-8 "
+            "(e.g. iconv -f latin1 -t utf-8)")
+
+
+def _file_being_read(error: BaseException) -> Optional[str]:
+    """The name of the open file (read, not written) nearest to where ``error`` was raised, among
+    the local variables of the frames it passed through; None if there is none."""
+    frames = []
+    traceback = error.__traceback__
+    while traceback is not None:
+        frames.append(traceback.tb_frame)
+        traceback = traceback.tb_next
+    for frame in reversed(frames):
+        for value in frame.f_locals.values():
+            if isinstance(value, (io.IOBase, codecs.StreamReader, codecs.StreamReaderWriter)):
+                name, mode = getattr(value, "name", None), str(getattr(value, "mode", "r"))
+                if isinstance(name, (str, bytes)) and "r" in mode:
+                    return os.fsdecode(name)
+    return None
+
+
+def _looks_binary(sample: bytes) -> bool:
+    """Whether bytes are not text in any encoding: a NUL byte, or many control characters."""
+    if b"\0" in sample:
+        return True
+    controls = sum(1 for byte in sample if byte < 32 and byte not in (9, 10, 12, 13))
+    return controls > 0.05 * max(1, len(sample))
 
 
 def _system_error_words(error: OSError) -> str:

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from . import import_ctranslate2
+from .ctranslate2_folder import (DamagedFolderError, check_ctranslate2_folder, looks_like_ctranslate2_folder,
+                                 reexport_advice)
 from .export_ctranslate2 import ctranslate2_vocabulary, dictionary_fits_vocabulary, read_record
 
 #: where CTranslate2 may run
@@ -83,9 +85,13 @@ class CTranslate2Engine:
         if folder.is_file():
             raise CTranslate2ModelError(f"{flag} {model_dir!r} is a file; give a CTranslate2 model folder "
                                         "(fairseq-kd-export CKPT OUT --format ctranslate2)")
-        if not (folder / "model.bin").is_file():
+        if not folder.is_dir() or not looks_like_ctranslate2_folder(folder):
             raise CTranslate2ModelError(f"{flag} {model_dir!r}: no CTranslate2 model there (no model.bin); "
                                         "make one with fairseq-kd-export CKPT OUT --format ctranslate2")
+        try:
+            check_ctranslate2_folder(folder)
+        except DamagedFolderError as err:
+            raise CTranslate2ModelError(f"{flag}: {err}; {reexport_advice(folder)}") from None
         if device not in DEVICES:
             raise CTranslate2ModelError(f"--device {device!r}: choose one of {', '.join(DEVICES)}")
         if compute_type not in COMPUTE_TYPES:
@@ -107,9 +113,15 @@ class CTranslate2Engine:
         # models gain nothing from intra-op threads (measured on the Multi30k A2D student, d 64:
         # 2 intra-op threads 292 sentences/s, 1 thread 299, 2 workers 543; docs/results/deploy_cpu.md).
         self.workers = threads if threads > 1 and device == "cpu" else 1
-        self.translator = ctranslate2.Translator(
-            str(folder), device=device, device_index=device_index, compute_type=compute_type,
-            inter_threads=self.workers, intra_threads=1 if self.workers > 1 else threads)
+        try:
+            self.translator = ctranslate2.Translator(
+                str(folder), device=device, device_index=device_index, compute_type=compute_type,
+                inter_threads=self.workers, intra_threads=1 if self.workers > 1 else threads)
+        except (RuntimeError, ValueError, UnicodeDecodeError) as err:
+            # what check_ctranslate2_folder cannot see (a variable the spec lacks, an unknown spec)
+            words = str(err).splitlines()[0] if not isinstance(err, UnicodeDecodeError) else "a damaged name"
+            raise CTranslate2ModelError(f"{flag} {model_dir!r}: CTranslate2 cannot load this model ({words}); "
+                                        f"if the folder is damaged, {reexport_advice(folder)}") from None
 
     def max_length(self, longest_source: int, settings: DecodingSettings) -> int:
         return fairseq_length_limit(longest_source, settings, self.max_target_positions)

@@ -21,11 +21,13 @@ through CTranslate2's converter API instead:
    ``</s>`` (``add_source_eos``) and the decoder starts from ``</s>`` (fairseq's BOS for
    translation);
 4. the folder is written under a temporary name and renamed, so an interrupted export leaves no
-   half-written model, and nothing a user had is replaced without ``--overwrite``.
+   half-written model, and ``--overwrite`` replaces only an unchanged earlier export
+   (:mod:`.model_folder`).
 
 Beside CTranslate2's files the folder holds ``fairseq_kd_export.json`` (:data:`RECORD_NAME`): the
-source checkpoint's SHA-256, the quantisation, the languages and the SHA-256 of both dictionaries,
-which decoding (:mod:`.ctranslate2_engine`) checks against the data it is given.
+source checkpoint's SHA-256, the quantisation, the languages, the SHA-256 of both dictionaries,
+which decoding (:mod:`.ctranslate2_engine`) checks against the data it is given, and the size and
+SHA-256 of every other file, which ``--overwrite`` and every reader (:mod:`.ctranslate2_folder`) check.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import import_ctranslate2
-from .model_folder import check_output, staged
+from .model_folder import FILES_KEY, ExportFolder, file_inventory
 
 #: CTranslate2's weight types (``ct2-*-converter --quantization``); the *_float16/bfloat16 ones
 #: compute in that type on a GPU and fall back to what the CPU supports.
@@ -252,11 +254,9 @@ def build_spec(loaded: LoadedTransformer):
     return spec
 
 
-def _check_output(checkpoint: str, output: str, overwrite: bool) -> Path:
-    return check_output(checkpoint, output, overwrite, kind="CTranslate2",
-                        is_export=lambda folder: (folder / "model.bin").is_file(),
-                        not_an_export="holds files that are not a CTranslate2 model; --overwrite replaces only a "
-                                      "model folder: choose another folder", error=CTranslate2ExportError)
+def _output_folder(checkpoint: str, output: str, overwrite: bool) -> ExportFolder:
+    return ExportFolder(checkpoint, output, overwrite, kind="CTranslate2", record_name=RECORD_NAME,
+                        record_format=RECORD_FORMAT, error=CTranslate2ExportError)
 
 
 def int8_weight_levels(bits: int) -> float:
@@ -334,14 +334,15 @@ def export_ctranslate2(checkpoint: str, output: str, quantization: str = "int8",
     if quantization in INT8_QUANTIZATIONS and int8_weight_bits is None:
         int8_weight_bits = DEFAULT_INT8_WEIGHT_BITS
     ct2 = import_ctranslate2()  # before any work: a missing extra is one line naming the fix
-    out = _check_output(checkpoint, output, overwrite)
+    output_folder = _output_folder(checkpoint, output, overwrite)
+    out = output_folder.check()
     loaded = load_transformer(checkpoint, data)
     missing = unsupported_features(loaded)
     if missing:
         raise CTranslate2ExportError(f"{checkpoint!r} cannot be expressed in CTranslate2: {'; '.join(missing)}")
     spec = build_spec(loaded)
 
-    with staged(out) as staging:
+    with output_folder.staged() as staging:
         # what CTranslate2's Converter.convert does (validate, optimize, save), with the int8
         # weights rounded to int8_weight_bits (round_int8_weights; other types as CTranslate2 does)
         spec.validate()
@@ -366,6 +367,7 @@ def export_ctranslate2(checkpoint: str, output: str, quantization: str = "int8",
             "max_source_positions": int(loaded.model.max_positions()[0]),
             "max_target_positions": int(loaded.model.max_positions()[1]),
             "ctranslate2_version": ct2.__version__,
+            FILES_KEY: file_inventory(staging, RECORD_NAME),
         }
         (staging / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
@@ -377,23 +379,23 @@ def export_ctranslate2(checkpoint: str, output: str, quantization: str = "int8",
 
 def read_record(model_dir: str) -> Optional[dict]:
     """The export record of a CTranslate2 folder written by :func:`export_ctranslate2` (None for a
-    folder converted by other tools)."""
-    path = Path(model_dir) / RECORD_NAME
-    return json.loads(path.read_text()) if path.is_file() else None
+    folder converted by other tools); ValueError naming the file when it is damaged."""
+    from .model_folder import read_export_record
+
+    return read_export_record(Path(model_dir), RECORD_NAME) if (Path(model_dir) / RECORD_NAME).is_file() else None
 
 
 def dictionary_fits_vocabulary(dictionary, model_dir: str, side: str) -> Tuple[bool, str]:
     """Whether a fairseq dictionary is, index for index, the model folder's ``side`` vocabulary
     (``source``/``target``), read from CTranslate2's vocabulary files; and a reason if not."""
+    from .ctranslate2_folder import read_vocabulary
+
     folder = Path(model_dir)
     for name in (f"{side}_vocabulary.json", "shared_vocabulary.json", f"{side}_vocabulary.txt",
                  "shared_vocabulary.txt"):
         path = folder / name
         if path.is_file():
-            if path.suffix == ".json":
-                vocabulary = json.loads(path.read_text())
-            else:
-                vocabulary = path.read_text(encoding="utf-8").split("\n")[:-1]
+            vocabulary = read_vocabulary(path)
             expected = ctranslate2_vocabulary(dictionary)
             if vocabulary == expected:
                 return True, ""

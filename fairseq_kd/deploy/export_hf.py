@@ -33,7 +33,8 @@ whitespace: text must be pre-tokenised (Moses and BPE) as for fairseq.
 
 A layout neither family expresses is refused in one line naming every difference before anything
 is written; the folder is written under a temporary name, loaded back with ``from_pretrained``
-and checked against the fairseq model's logits, then renamed.
+and checked against the fairseq model's logits, then renamed; its record lists every file with
+its size and SHA-256, and ``--overwrite`` replaces only such an unchanged export (:mod:`.model_folder`).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .export_ctranslate2 import CTranslate2ExportError, LoadedTransformer, load_transformer
-from .model_folder import check_output, staged
+from .model_folder import FILES_KEY, ExportFolder, file_inventory
 
 RECORD_NAME = "fairseq_kd_export.json"
 RECORD_FORMAT = "fairseq-kd-hf/1"
@@ -264,20 +265,9 @@ def _write_tokenizer(transformers, folder: Path, dictionary, spm_model: Optional
     return "pre-tokenised text (tokenised and BPE-segmented as for fairseq; the tokenizer splits on spaces)"
 
 
-def _record_format(folder: Path) -> Optional[str]:
-    """The format its export record names (a CTranslate2 export's record names another), or None."""
-    try:
-        return json.loads((folder / RECORD_NAME).read_text(encoding="utf-8")).get("format")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def _check_output(checkpoint: str, output: str, overwrite: bool) -> Path:
-    return check_output(checkpoint, output, overwrite, kind="Hugging Face",
-                        is_export=lambda folder: _record_format(folder) == RECORD_FORMAT,
-                        not_an_export="holds files that are not a fairseq-kd Hugging Face export; --overwrite "
-                                      "replaces only such a folder: choose another folder",
-                        error=HuggingFaceExportError)
+def _output_folder(checkpoint: str, output: str, overwrite: bool) -> ExportFolder:
+    return ExportFolder(checkpoint, output, overwrite, kind="Hugging Face", record_name=RECORD_NAME,
+                        record_format=RECORD_FORMAT, error=HuggingFaceExportError)
 
 
 def _self_check(transformers, family: str, folder: Path, loaded: LoadedTransformer) -> float:
@@ -318,7 +308,8 @@ def export_hf(checkpoint: str, output: str, data: Optional[str] = None, spm_mode
 
     transformers = _import_transformers()  # before any work: a missing extra is one line naming the fix
     transformers.utils.logging.disable_progress_bar()  # its weight-loading bars are no progress of ours
-    out = _check_output(checkpoint, output, overwrite)
+    output_folder = _output_folder(checkpoint, output, overwrite)
+    out = output_folder.check()
     if spm_model is not None and not Path(spm_model).is_file():
         raise HuggingFaceExportError(f"--spm-model {spm_model!r}: no such file")
     try:
@@ -345,7 +336,7 @@ def export_hf(checkpoint: str, output: str, data: Optional[str] = None, spm_mode
         hf_model.final_logits_bias.zero_()
     hf_model.generation_config = _generation_config(transformers, config, loaded)
 
-    with staged(out) as staging:
+    with output_folder.staged() as staging:
         hf_model.save_pretrained(str(staging), safe_serialization=True)
         if family == "marian":
             _save_marian_positions(staging, state)
@@ -367,6 +358,7 @@ def export_hf(checkpoint: str, output: str, data: Optional[str] = None, spm_mode
             "max_logit_difference": worst,
             "parameters": count_parameters(loaded.model.state_dict()),
             "transformers_version": transformers.__version__,
+            FILES_KEY: file_inventory(staging, RECORD_NAME),
         }
         (staging / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())

@@ -1,57 +1,215 @@
 """The folder an export writes (``--format ctranslate2``, ``--format hf``): checked before any work,
 and written whole: built under a staging name beside it and renamed into place, so that a failed
-or killed export leaves the output as it was, and ``--overwrite`` replaces only an export of the
-same format, never the input checkpoint or a folder of other files."""
+or killed export leaves the output as it was.
+
+Every export records its files (name, size, SHA-256) in its record (``fairseq_kd_export.json``).
+``--overwrite`` replaces a folder only when it is wholly an earlier export of the same format:
+every file in it is listed in that record, unchanged, and nothing in it is a link or a folder the
+export does not write. Anything else (a user's file, an edited or damaged model, a link) is
+refused in one line naming the folder and what is in the way, with nothing touched. The output
+itself may not be a symbolic link: the export neither writes through one nor replaces it."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
+import stat
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator, Type
+from typing import Dict, Iterator, List, Optional, Type
+
+#: the key of an export record that lists the export's files: {relative path: {"bytes", "sha256"}}
+FILES_KEY = "files"
 
 
-def check_output(checkpoint: str, output: str, overwrite: bool, *, kind: str, is_export: Callable[[Path], bool],
-                 not_an_export: str, error: Type[Exception]) -> Path:
-    """``output`` as a Path, or ``error`` in one line: a file (a ``kind`` model is a folder), a path
-    under a file, the folder of the input checkpoint, a non-empty folder without ``overwrite``, or
-    one ``is_export`` does not recognise (``not_an_export`` says what it holds and what to do)."""
-    from ..cli.user_errors import OUTPUT_FOLDER, path_problem
+def file_inventory(folder: Path, record_name: str) -> Dict[str, dict]:
+    """{relative path: {"bytes": size, "sha256": digest}} of every file under ``folder`` but the
+    record itself, for the record (what ``--overwrite`` and the readers check against)."""
+    from ..fingerprint import file_sha256
 
-    out = Path(output)
-    if out.exists() and not out.is_dir():
-        raise error(f"output {output!r} is a file; a {kind} model is a folder: give a new folder path")
-    problem = path_problem(out, OUTPUT_FOLDER)
-    if problem is not None:
-        raise error(f"output {output!r}: {problem}")
-    resolved, checkpoint_path = out.resolve(), Path(checkpoint).resolve()
-    if resolved == checkpoint_path or resolved in checkpoint_path.parents:  # is_relative_to, Python >= 3.9
-        raise error(f"output {output!r} holds the input checkpoint; choose another folder "
-                    "(the export never replaces its input)")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise error(f"output {output!r} already exists and is not empty; choose another folder or pass --overwrite")
-    if out.is_dir() and any(out.iterdir()) and not is_export(out):
-        raise error(f"output {output!r} {not_an_export}")
-    return out
+    inventory = {}
+    for path in sorted(Path(folder).rglob("*")):
+        name = path.relative_to(folder).as_posix()
+        if path.is_file() and name != record_name:
+            inventory[name] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    return inventory
 
 
-@contextlib.contextmanager
-def staged(out: Path) -> Iterator[Path]:
-    """A staging folder to write the export into; once the block ends without an error it becomes
-    ``out`` (an existing ``out``, checked by :func:`check_output`, is swapped out, then deleted).
-    The staging folder is removed whatever happens."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
+def recorded_file_problem(folder: Path, name: str, entry) -> Optional[str]:
+    """Why the file ``name`` of ``folder`` is not the one its record lists as ``entry`` (absent, of
+    another size or content), in words after the file's name; None when it is that file."""
+    from ..fingerprint import file_sha256
+
+    path = Path(folder) / name
+    if not isinstance(entry, dict):
+        return "has a malformed entry in the export's record"
+    if not path.is_file():
+        return "is missing (the export wrote it)"
+    size = path.stat().st_size
+    if size != entry.get("bytes"):
+        return f"has {size} bytes, the export wrote {entry.get('bytes')}"
+    if file_sha256(path) != entry.get("sha256"):
+        return "differs from what the export wrote (its SHA-256 is not the recorded one)"
+    return None
+
+
+def read_export_record(folder: Path, record_name: str) -> dict:
+    """The export record of ``folder`` as a dict; ValueError naming the file when it is not one."""
+    path = Path(folder) / record_name
+    raw = path.read_bytes()
     try:
-        yield staging
-        if out.exists():
-            retired = out.parent / f".{out.name}.replaced-{uuid.uuid4().hex[:8]}"
-            os.replace(out, retired)
-            os.replace(staging, out)
-            shutil.rmtree(retired)
-        else:
-            os.replace(staging, out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text (damaged)") from None
+    except ValueError as err:
+        raise ValueError(f"{path} is not valid JSON ({err if raw.strip() else 'empty'})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path} holds a JSON {type(record).__name__}, not an export record")
+    return record
+
+
+def earlier_export_problem(folder: Path, record_name: str, record_format: str) -> Optional[str]:
+    """Why ``folder`` is not wholly an earlier export of ``record_format`` (what is in the way, in
+    words after the folder's name); None when ``--overwrite`` may replace it."""
+    record_path = folder / record_name
+    if record_path.is_symlink() or not record_path.is_file():
+        return f"holds no {record_name} (every fairseq-kd export writes one)"
+    try:
+        record = read_export_record(folder, record_name)
+    except (OSError, ValueError) as err:
+        return f"has a damaged record: {err}"
+    if record.get("format") != record_format:
+        return f"is not an export of this format (its {record_name} says {record.get('format')!r})"
+    files = record.get(FILES_KEY)
+    if not isinstance(files, dict):
+        return f"has a {record_name} that lists no files (written by an older fairseq-kd-export)"
+    for root, folders, names in os.walk(folder):  # os.walk does not follow links
+        for name in sorted(folders) + sorted(names):
+            path = Path(root) / name
+            relative = path.relative_to(folder).as_posix()
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode):
+                return f"holds {relative!r}, a symbolic link, which no export writes"
+            if stat.S_ISDIR(mode):
+                if not any(listed.startswith(relative + "/") for listed in files):
+                    return f"holds the folder {relative!r}, which the export did not write"
+                continue
+            if relative == record_name:
+                continue
+            if not stat.S_ISREG(mode):
+                return f"holds {relative!r}, which is not a regular file"
+            if relative not in files:
+                return f"holds {relative!r}, which the export did not write (not in its {record_name})"
+            problem = recorded_file_problem(folder, relative, files[relative])
+            if problem is not None:
+                return f"holds {relative!r}, which {problem}"
+    return None
+
+
+class ExportFolder:
+    """The output folder of one export: :meth:`check` before any work, :meth:`staged` to write it."""
+
+    def __init__(self, checkpoint: str, output: str, overwrite: bool, *, kind: str, record_name: str,
+                 record_format: str, error: Type[Exception]):
+        self.checkpoint, self.output, self.path, self.overwrite = checkpoint, output, Path(output), overwrite
+        self.kind, self.record_name, self.record_format, self.error = kind, record_name, record_format, error
+
+    def check(self) -> Path:
+        """The output as a Path, or ``error`` in one line before anything is touched."""
+        from ..cli.user_errors import OUTPUT_FOLDER, path_problem
+
+        out = self.path
+        if out.is_symlink():
+            raise self.error(f"output {self.output!r} is a symbolic link (to {os.readlink(out)!r}); give a real "
+                             "folder path: the export neither writes through a link nor replaces it")
+        if out.exists() and not out.is_dir():
+            raise self.error(f"output {self.output!r} is a file; a {self.kind} model is a folder: give a new "
+                             "folder path")
+        problem = path_problem(out, OUTPUT_FOLDER)
+        if problem is not None:
+            raise self.error(f"output {self.output!r}: {problem}")
+        resolved, checkpoint_path = out.resolve(), Path(self.checkpoint).resolve()
+        if resolved == checkpoint_path or resolved in checkpoint_path.parents:  # is_relative_to, Python >= 3.9
+            raise self.error(f"output {self.output!r} holds the input checkpoint; choose another folder "
+                             "(the export never replaces its input)")
+        problem = self.replacement_problem(out)
+        if problem is not None:
+            raise self.error(problem)
+        writable = next(folder for folder in (out, *out.parents) if folder.exists())
+        if not os.access(writable, os.W_OK | os.X_OK) or (out.exists() and not os.access(out.parent, os.W_OK)):
+            raise self.error(f"output {self.output!r}: {str(writable)!r} is not writable (permissions)")
+        return out
+
+    def replacement_problem(self, folder: Path) -> Optional[str]:
+        """The one-line refusal for writing the export where ``folder`` is (``folder`` is the output,
+        or the output already moved aside), or None when it is absent, empty, or an earlier export
+        of this format that ``--overwrite`` may replace."""
+        if not os.path.lexists(folder):
+            return None
+        if folder.is_symlink() or not folder.is_dir():
+            return f"output {self.output!r} is no longer a folder; nothing was written"
+        if not any(folder.iterdir()):
+            return None
+        if not self.overwrite:
+            return f"output {self.output!r} already exists and is not empty; choose another folder or pass --overwrite"
+        problem = earlier_export_problem(folder, self.record_name, self.record_format)
+        if problem is None:
+            return None
+        return (f"output {self.output!r} {problem}; --overwrite replaces only a folder that is wholly an unchanged "
+                f"{self.kind} export: choose another folder (nothing was touched)")
+
+    @contextlib.contextmanager
+    def staged(self) -> Iterator[Path]:
+        """A staging folder to write the export into; once the block ends without an error it
+        becomes the output. An existing output is checked again (under a name of its own, so that
+        nothing written to it since :meth:`check` is lost), swapped out, then deleted. Whatever
+        happens, no staging folder, moved-aside output or folder made for the output is left."""
+        out = self.path
+        made = _missing_folders(out.parent)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
+        done = False
+        try:
+            yield staging
+            if out.is_symlink():
+                raise self.error(f"output {self.output!r} became a symbolic link during the export; nothing was "
+                                 "written")
+            if not os.path.lexists(out):
+                os.replace(staging, out)
+            else:
+                retired = out.parent / f".{out.name}.replaced-{uuid.uuid4().hex[:8]}"
+                os.replace(out, retired)
+                try:
+                    problem = self.replacement_problem(retired)
+                    if problem is not None:
+                        raise self.error(problem)
+                    os.replace(staging, out)
+                except BaseException:
+                    os.replace(retired, out)
+                    raise
+                try:
+                    shutil.rmtree(retired, ignore_errors=True)
+                finally:  # interrupted while deleting: delete the rest before stopping
+                    if os.path.lexists(retired):
+                        shutil.rmtree(retired, ignore_errors=True)
+                if os.path.lexists(retired):
+                    raise self.error(f"output {self.output!r} was written, but the earlier export it replaced could "
+                                     f"not be deleted: remove {retired}")
+            done = True
+        finally:
+            if os.path.lexists(staging):
+                shutil.rmtree(staging, ignore_errors=True)
+            if not done:
+                for folder in made:
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()  # only if still empty
+
+
+def _missing_folders(folder: Path) -> List[Path]:
+    """The folders ``folder.mkdir(parents=True)`` would make, deepest first."""
+    missing = []
+    while not os.path.lexists(folder) and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
