@@ -65,7 +65,7 @@ class TranslationKDConfig(TranslationConfig):
             "Validation then reports CE and nll without KD terms."
         },
     )
-    # the precision and device flags, read to refuse --fp16/--bf16 on a machine without a GPU
+    # the precision and device flags, read to refuse half precision where it would not run as asked
     fp16: bool = II("common.fp16")
     bf16: bool = II("common.bf16")
     cpu: bool = II("common.cpu")
@@ -253,17 +253,21 @@ def _flag_value(cfg, name: str) -> bool:
 
 
 def check_precision_device(cfg) -> None:
-    """``--fp16`` / ``--bf16`` train in half precision on a GPU; refuse them where training would
-    run on the CPU (``--cpu``, or no CUDA device), before the teacher or any data is loaded."""
+    """Refuse, before the teacher or any data is loaded, half precision where it would not run as
+    asked: ``--fp16`` on the CPU (``--cpu``, or no CUDA device), and ``--bf16`` without ``--cpu``
+    on a machine without CUDA, which would otherwise train on the CPU when a GPU was meant.
+    ``--bf16 --cpu`` trains in bfloat16 on the CPU (:mod:`fairseq_kd.bf16`)."""
     import torch
 
+    if _flag_value(cfg, "fp16") and _flag_value(cfg, "cpu"):
+        raise ValueError("--fp16 with --cpu: float16 training needs a GPU; drop --fp16 to train on the CPU in "
+                         "float32, or use --bf16 to train in bfloat16 on the CPU.")
+    if _flag_value(cfg, "cpu") or torch.cuda.is_available():
+        return
     for flag in ("fp16", "bf16"):
-        if not _flag_value(cfg, flag):
-            continue
-        if _flag_value(cfg, "cpu"):
-            raise ValueError(f"--{flag} with --cpu: half-precision training needs a GPU; drop --{flag} "
-                             "to train on the CPU in float32.")
-        if not torch.cuda.is_available():
+        if _flag_value(cfg, flag):
+            cpu_alternative = ("pass --cpu to train in bfloat16 on the CPU" if flag == "bf16" else
+                               "drop --fp16 and pass --cpu to train in float32 on the CPU")
             raise ValueError(f"--{flag}: this machine has no GPU that torch can use (torch.cuda.is_available() "
-                             f"is False), so training would run on the CPU; drop --{flag} and pass --cpu to "
-                             "train in float32 on the CPU, or run on a machine with a GPU.")
+                             f"is False), so training would run on the CPU; {cpu_alternative}, or run on a "
+                             "machine with a GPU.")
