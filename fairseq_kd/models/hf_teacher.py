@@ -203,7 +203,8 @@ def read_checked_config(folder, transformers=None):
     cls = model_class(transformers or import_transformers(), folder, config["model_type"])
     header = read_weights_header(folder)
     try:
-        hf_config = cls.config_class.from_dict(config)
+        with _quiet_transformers():  # its warnings about the ids checked below would precede the one line
+            hf_config = cls.config_class.from_dict(config)
     except Exception as err:  # noqa: BLE001 - transformers' validation errors have no common class
         raise refuse(folder, f"{CONFIG_FILE} is not a valid {config['model_type']} config ({type(err).__name__}: "
                      f"{_first_line(err)}); fix it or save the model again with save_pretrained") from None
@@ -219,15 +220,20 @@ def _first_line(err: BaseException) -> str:
 
 @contextlib.contextmanager
 def _quiet_transformers():
-    """transformers' loading report (a table on stderr) is silenced: :func:`load_model` refuses in one
-    line whatever it would list."""
+    """transformers' warnings, loading report (a table) and progress bar are kept off stderr: the
+    checks here refuse in one line whatever they would show."""
+    from transformers.utils import logging as transformers_logging
+
     library = logging.getLogger("transformers")
-    level = library.level
+    level, progress_bar = library.level, transformers_logging.is_progress_bar_enabled()
     library.setLevel(logging.ERROR)
+    transformers_logging.disable_progress_bar()
     try:
         yield
     finally:
         library.setLevel(level)
+        if progress_bar:
+            transformers_logging.enable_progress_bar()
 
 
 def load_model(folder, cls, hf_config=None):
