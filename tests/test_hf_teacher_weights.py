@@ -292,3 +292,20 @@ def test_every_command_refuses_a_damaged_teacher(damage, teachers, marian_data, 
         proc = run_cli_here("fairseq-kd-hf-data", *args)
         one_line(proc, f"--teacher {str(folder)!r}: {expected}")
         assert not (tmp_path / "bin").exists()
+
+
+def test_a_token_id_past_the_models_rows_is_refused_before_work(teachers, corpus, tmp_path):
+    """A Marian tokenizer whose vocabulary holds an id past the model's rows (10**10) is refused in one
+    line, in well under a second, by the teacher's loader and by fairseq-kd-hf-data, whose
+    vocabulary map would otherwise be built up to that id."""
+    folder = copy_with(teachers["marian"], tmp_path / "far_id")
+    vocabulary = json.loads((folder / "vocab.json").read_text())
+    vocabulary[sorted(vocabulary)[-1]] = 10 ** 10
+    (folder / "vocab.json").write_text(json.dumps(vocabulary))
+    started = time.monotonic()
+    message = refusal(folder, task=object())
+    assert "has the id 10000000000, which is not one of the model's" in message, message
+    proc = run_cli_here("fairseq-kd-hf-data", "--teacher", folder, "-s", SRC, "-t", TGT, "--trainpref",
+                        corpus / "raw" / "train", "--destdir", tmp_path / "bin")
+    assert time.monotonic() - started < 10
+    one_line(proc, f"--teacher {str(folder)!r}: ", "10000000000")

@@ -277,7 +277,8 @@ def vocabulary_maps(folder, tokenizer, config: dict) -> Tuple[VocabularyMap, Voc
     when it has one vocabulary (:func:`.hf_vocabulary.tokenizer_maps`), refusing a vocabulary fairseq
     cannot hold."""
     try:
-        return tokenizer_maps(tokenizer, int(config.get("vocab_size") or 0))
+        target_rows = 0 if config.get("share_encoder_decoder_embeddings", True) else config.get("decoder_vocab_size")
+        return tokenizer_maps(tokenizer, int(config.get("vocab_size") or 0), int(target_rows or 0))
     except VocabularyError as err:
         raise refuse(folder, f"its tokenizer's vocabulary cannot be a fairseq dictionary: {err}") from None
 

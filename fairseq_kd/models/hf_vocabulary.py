@@ -58,28 +58,35 @@ class VocabularyMap:
     hf_vocab_size: int
 
     @classmethod
-    def from_vocabulary(cls, vocabulary: Mapping[str, int], special_ids: Mapping[str, Optional[int]]) -> "VocabularyMap":
+    def from_vocabulary(cls, vocabulary: Mapping[str, int], special_ids: Mapping[str, Optional[int]],
+                        model_rows: int = 0) -> "VocabularyMap":
         """The mapping of a tokenizer whose vocabulary is ``vocabulary`` (token -> id; ids that are
         no token, such as rows of the model past the tokenizer's end, stay unmapped) and whose
-        special tokens have the ids ``special_ids`` (role -> id or None)."""
-        token_of_id = _tokens_by_id(vocabulary)
+        special tokens have the ids ``special_ids`` (role -> id or None). ``model_rows``: the
+        model's rows for this side when known (every id must be one of them), else 0."""
+        token_of_id = _tokens_by_id(vocabulary, model_rows)
         for role in REQUIRED_ROLES:
             if special_ids.get(role) is None:
                 raise VocabularyError(f"the tokenizer has no {role} token; fairseq needs one")
         special_hf_ids = [special_ids.get(role) for role in SPECIAL_ROLES]
+        for role, hf_id in zip(SPECIAL_ROLES, special_hf_ids):
+            if hf_id is not None:
+                _check_id(f"its {role} token", hf_id, model_rows)
         taken = {hf_id for hf_id in special_hf_ids if hf_id is not None}
         others = [hf_id for hf_id in sorted(token_of_id) if hf_id not in taken]
         symbols = list(FAIRSEQ_SPECIALS) + [_checked_symbol(token_of_id[hf_id]) for hf_id in others]
         hf_ids = [NO_ID if hf_id is None else hf_id for hf_id in special_hf_ids] + others
-        return cls(tuple(symbols), tuple(hf_ids), max(token_of_id) + 1)
+        return cls(tuple(symbols), tuple(hf_ids), max([*token_of_id, *taken]) + 1)
 
     @classmethod
     def from_tokenizer(cls, tokenizer, model_vocab_size: int = 0) -> "VocabularyMap":
         """The mapping of a Hugging Face tokenizer: every id below the model's vocabulary size (or
         the tokenizer's) that the tokenizer turns into a token and back into the same id, so tokens
         that ``get_vocab()`` leaves out are kept (M2M100's language tags in transformers 5), and
-        its ``<role>_token_id`` specials."""
+        its ``<role>_token_id`` specials. ``model_vocab_size``: the model's rows (0: unknown);
+        every id of the tokenizer must be one of them."""
         vocabulary = dict(tokenizer.get_vocab())
+        _tokens_by_id(vocabulary, model_vocab_size)  # refuses an id past the model's rows before probing up to it
         end = max([len(tokenizer), model_vocab_size, *(hf_id + 1 for hf_id in vocabulary.values())])
         known = set(vocabulary.values())
         probed = [i for i in range(end) if i not in known]
@@ -87,13 +94,14 @@ class VocabularyMap:
             if token is not None and token not in vocabulary and tokenizer.convert_tokens_to_ids(token) == hf_id:
                 vocabulary[token] = hf_id
         special_ids = {role: getattr(tokenizer, f"{role}_token_id", None) for role in SPECIAL_ROLES}
-        return cls.from_vocabulary(vocabulary, special_ids)
+        return cls.from_vocabulary(vocabulary, special_ids, model_vocab_size)
 
     @classmethod
-    def from_side(cls, vocabulary: Mapping[str, int], tokenizer) -> "VocabularyMap":
+    def from_side(cls, vocabulary: Mapping[str, int], tokenizer, model_rows: int = 0) -> "VocabularyMap":
         """The mapping of one side's ``vocabulary`` (token -> id) of a tokenizer with a vocabulary
         per side: each special is the id of the tokenizer's ``<role>_token`` string in
-        ``vocabulary``, not the tokenizer's ``<role>_token_id`` (a source id)."""
+        ``vocabulary``, not the tokenizer's ``<role>_token_id`` (a source id). ``model_rows``: the
+        model's rows for that side when known, else 0."""
         special_ids = {}
         for role in SPECIAL_ROLES:
             token = getattr(tokenizer, f"{role}_token", None)
@@ -101,7 +109,7 @@ class VocabularyMap:
             if role in REQUIRED_ROLES and special_ids[role] is None:
                 raise VocabularyError(f"it has no {role} token{f' {str(token)!r}' if token is not None else ''}; "
                                       "fairseq needs one")
-        return cls.from_vocabulary(vocabulary, special_ids)
+        return cls.from_vocabulary(vocabulary, special_ids, model_rows)
 
     def __len__(self) -> int:
         return len(self.fairseq_symbols)
@@ -158,14 +166,16 @@ class VocabularyMap:
                 f" ({_symbol_at(symbols, first)!r} vs {_symbol_at(self.fairseq_symbols, first)!r})")
 
 
-def tokenizer_maps(tokenizer, model_vocab_size: int = 0) -> Tuple[VocabularyMap, VocabularyMap]:
+def tokenizer_maps(tokenizer, model_vocab_size: int = 0,
+                   target_model_vocab_size: int = 0) -> Tuple[VocabularyMap, VocabularyMap]:
     """``(source, target)``: the mappings of a tokenizer's source and target vocabularies. One
     object twice when the tokenizer has one vocabulary (:meth:`VocabularyMap.from_tokenizer`, with
     ``model_vocab_size``, the model's rows); two for a Marian tokenizer with
-    ``separate_vocabs=True``: its source vocabulary (``get_src_vocab()``, ``vocab.json``) and its
-    target vocabulary (``target_encoder``, ``target_vocab.json``: transformers 5's
-    ``get_tgt_vocab()`` fails on the tokenizer's added specials), each read by
-    :meth:`VocabularyMap.from_side`."""
+    ``separate_vocabs=True``: its source vocabulary (``get_src_vocab()``, ``vocab.json``; the
+    encoder's ``model_vocab_size`` rows) and its target vocabulary (``target_encoder``,
+    ``target_vocab.json``: transformers 5's ``get_tgt_vocab()`` fails on the tokenizer's added
+    specials; the decoder's ``target_model_vocab_size`` rows), each read by
+    :meth:`VocabularyMap.from_side`. A size of 0 is unknown."""
     if not getattr(tokenizer, "separate_vocabs", False):
         shared = VocabularyMap.from_tokenizer(tokenizer, model_vocab_size)
         return shared, shared
@@ -174,9 +184,9 @@ def tokenizer_maps(tokenizer, model_vocab_size: int = 0) -> Tuple[VocabularyMap,
         raise VocabularyError("the tokenizer has separate vocabularies but no target vocabulary (target_encoder)")
     source = {token: hf_id for token, hf_id in tokenizer.get_src_vocab().items() if isinstance(token, str)}
     maps = []
-    for side, vocabulary in (("source", source), ("target", dict(target))):
+    for side, vocabulary, rows in (("source", source, model_vocab_size), ("target", dict(target), target_model_vocab_size)):
         try:
-            maps.append(VocabularyMap.from_side(vocabulary, tokenizer))
+            maps.append(VocabularyMap.from_side(vocabulary, tokenizer, rows))
         except VocabularyError as err:
             raise VocabularyError(f"the {side} vocabulary ({SEPARATE_VOCABULARY_FILES[side]}): {err}") from None
     return maps[0], maps[1]
@@ -186,10 +196,20 @@ def _symbol_at(symbols: Sequence[str], index: int) -> Optional[str]:
     return symbols[index] if index < len(symbols) else None
 
 
-def _tokens_by_id(vocabulary: Mapping[str, int]) -> Dict[int, str]:
-    """The vocabulary as id -> token; no two tokens may share an id."""
+def _check_id(what: str, hf_id, model_rows: int) -> None:
+    """``hf_id`` is an id the model has a row for (``model_rows``; 0: any non-negative integer)."""
+    if isinstance(hf_id, bool) or not isinstance(hf_id, int) or hf_id < 0 or (model_rows and hf_id >= model_rows):
+        rows = f" of the model's {model_rows} rows" if model_rows else ""
+        raise VocabularyError(f"{what} has the id {hf_id!r}, which is not one{rows}; the model and tokenizer do not "
+                              "belong together")
+
+
+def _tokens_by_id(vocabulary: Mapping[str, int], model_rows: int = 0) -> Dict[int, str]:
+    """The vocabulary as id -> token; no two tokens may share an id, and each id is one of the
+    model's rows (``model_rows``; 0: unknown)."""
     tokens: Dict[int, str] = {}
     for token, hf_id in vocabulary.items():
+        _check_id(f"the token {token!r}", hf_id, model_rows)
         if hf_id in tokens:
             raise VocabularyError(f"tokens {tokens[hf_id]!r} and {token!r} share id {hf_id}")
         tokens[hf_id] = token
