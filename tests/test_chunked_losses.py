@@ -178,6 +178,40 @@ def test_default_chunks_hold_a_bounded_number_of_entries():
         losses.rows_per_chunk(100, 0)
 
 
+def test_cuda_chunks_fit_a_share_of_the_free_memory_within_their_range():
+    """The CUDA budget needs no measurement: from the free memory alone, the chunk temporaries of one
+    loss take at most CUDA_CHUNK_MEMORY_SHARE of it, as many entries as fit up to the range's top
+    (about 64 GiB free and more give 2**24), never below its floor; rows follow the vocabulary."""
+    low, high = losses.CUDA_CHUNK_ELEMENTS_RANGE
+    gib = 2**30
+    previous = 0
+    for free in (0, 2**20, 64 * 2**20, gib, 8 * gib, 40 * gib, 80 * gib, 141 * gib):
+        elements = losses.cuda_chunk_elements(free)
+        assert low <= elements <= high and elements >= previous  # bounded, and never fewer with more memory
+        previous = elements
+        temporaries = 4 * losses.CHUNK_TEMPORARIES * elements  # float32
+        assert elements == low or temporaries <= losses.CUDA_CHUNK_MEMORY_SHARE * free
+        assert elements == high or temporaries > losses.CUDA_CHUNK_MEMORY_SHARE * free - 4 * losses.CHUNK_TEMPORARIES
+    assert losses.cuda_chunk_elements(141 * gib) == high and losses.cuda_chunk_elements(0) == low
+    # 8 GiB free: 8 GiB / 16 / (4 temporaries x 4 bytes) = 2**25 entries, capped at 2**24
+    assert losses.cuda_chunk_elements(8 * gib) == 2**24
+    # 1 GiB free: 2**30 / 16 / 16 = 2**22 entries; a 32k vocabulary gets 128 positions per chunk
+    assert losses.rows_per_chunk(32_768, positions=100_000, device="cuda", free_bytes=gib) == 2**22 // 32_768
+    # never more than a MIN_CHUNKS-th of the positions, never less than one row
+    assert losses.rows_per_chunk(32_768, positions=80, device="cuda", free_bytes=gib) == 80 // losses.MIN_CHUNKS
+    assert losses.rows_per_chunk(10 * high, positions=4096, device="cuda", free_bytes=141 * gib) == 1
+
+
+def test_cuda_chunks_read_the_free_memory_of_the_gpu(monkeypatch):
+    """Without free_bytes, a CUDA chunk asks the device: the driver's free bytes plus what torch's
+    allocator keeps unused."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (3 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *device: 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *device: 2**29)
+    assert losses.cuda_free_bytes() == 3 * 2**30 + 2**29
+    assert losses.rows_per_chunk(1000, positions=10**6, device="cuda") == losses.cuda_chunk_elements(3.5 * 2**30) // 1000
+
+
 @pytest.mark.parametrize("rows", [1, 4, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature, ce_weight, kd_weight", [(1.0, 0.5, 0.5), (2.0, 0.3, 0.9), (1.0, 0.0, 1.0)])

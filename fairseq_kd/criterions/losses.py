@@ -14,26 +14,57 @@ from torch import Tensor
 
 
 #: positions x vocabulary entries per chunk of the vocabulary-sized losses (label-smoothed CE, word
-#: KD), on the CPU and on CUDA: a chunk's float32 temporaries are at most 4 MiB (CPU) or 64 MiB (GPU,
-#: where each chunk costs a dozen kernel launches) each, so a loss adds its one (positions,
-#: vocabulary) gradient buffer and a few chunks to a step, not several batch-sized copies of the
-#: distributions: at a real vocabulary (32k types, 4k target tokens: 512 MiB per float32 copy) those
-#: copies, not the model, were what distillation added to a step. (The CUDA budget is not measured
-#: yet; docs/results/benchmark_cpu_vocab.md has the CPU's.)
-CHUNK_ELEMENTS = {"cpu": 2**20, "cuda": 2**24}
+#: KD) on the CPU: a chunk's float32 temporaries are at most 4 MiB each, so a loss adds its one
+#: (positions, vocabulary) gradient buffer and a few chunks to a step, not several batch-sized copies of
+#: the distributions: at a real vocabulary (32k types, 4k target tokens: 512 MiB per float32 copy)
+#: those copies, not the model, were what distillation added to a step
+#: (docs/results/benchmark_cpu_vocab.md). On CUDA the budget follows the free memory
+#: (:func:`cuda_chunk_elements`).
+CHUNK_ELEMENTS = {"cpu": 2**20}
 #: and never fewer chunks than this (a batch smaller than the budget still holds a fraction of a
 #: (positions, vocabulary) tensor per temporary at a time)
 MIN_CHUNKS = 8
+#: float32 temporaries of a chunk's shape that a vocabulary loss holds at once (the student's
+#: log-probabilities, the gradient chunk, the teacher's probabilities, the tempered ones)
+CHUNK_TEMPORARIES = 4
+#: the share of the GPU's free memory that one loss's chunk temporaries may take together
+CUDA_CHUNK_MEMORY_SHARE = 1 / 16
+#: CUDA chunks of at most 2**24 entries (64 MiB per float32 temporary): each chunk costs about a
+#: dozen kernel launches of a few microseconds, which a 64 MiB pass (about 20 us at 3 TB/s) already
+#: outweighs; at least 2**16, below which the launches dominate
+CUDA_CHUNK_ELEMENTS_RANGE = (2**16, 2**24)
 
 
-def rows_per_chunk(vocab: int, rows: Optional[int] = None, positions: int = 0, device: str = "cpu") -> int:
-    """Positions per chunk: ``rows`` if given (tests), else what :data:`CHUNK_ELEMENTS` allows on
-    ``device``'s type, and at most a :data:`MIN_CHUNKS`-th of the ``positions``."""
+def cuda_chunk_elements(free_bytes: int) -> int:
+    """Entries per chunk on a GPU with ``free_bytes`` free: the most whose
+    :data:`CHUNK_TEMPORARIES` float32 temporaries fit in :data:`CUDA_CHUNK_MEMORY_SHARE` of it, within
+    :data:`CUDA_CHUNK_ELEMENTS_RANGE`."""
+    low, high = CUDA_CHUNK_ELEMENTS_RANGE
+    fitting = int(free_bytes * CUDA_CHUNK_MEMORY_SHARE) // (4 * CHUNK_TEMPORARIES)
+    return max(low, min(high, fitting))
+
+
+def cuda_free_bytes() -> int:
+    """Free memory of the current GPU: the driver's free bytes plus what torch's caching allocator
+    holds unused (it hands that out first)."""
+    free, _ = torch.cuda.mem_get_info()
+    return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+
+def rows_per_chunk(vocab: int, rows: Optional[int] = None, positions: int = 0, device: str = "cpu",
+                   free_bytes: Optional[int] = None) -> int:
+    """Positions per chunk: ``rows`` if given (tests), else what ``device``'s type allows
+    (:data:`CHUNK_ELEMENTS`; CUDA: :func:`cuda_chunk_elements` of ``free_bytes``, by default the
+    current GPU's), and at most a :data:`MIN_CHUNKS`-th of the ``positions``."""
     if rows is not None:
         if rows < 1:
             raise ValueError(f"rows per chunk must be at least 1, got {rows}")
         return rows
-    budget = CHUNK_ELEMENTS.get(device, CHUNK_ELEMENTS["cpu"]) // vocab
+    if device == "cuda":
+        elements = cuda_chunk_elements(cuda_free_bytes() if free_bytes is None else free_bytes)
+    else:
+        elements = CHUNK_ELEMENTS.get(device, CHUNK_ELEMENTS["cpu"])
+    budget = elements // vocab
     return max(1, min(budget, -(-positions // MIN_CHUNKS)) if positions else budget)
 
 
