@@ -55,20 +55,21 @@ def check_fairseq() -> str:
 
 def register() -> None:
     """Register the task, architectures and criterions with fairseq and install what the plugin
-    does to fairseq's checkpoint loading (:func:`fairseq_kd.checkpoints.install`) and to its
-    command lines, where ``--bf16`` then no longer implies ``--tpu`` (:func:`fairseq_kd.bf16.install`).
-    Safe to call more than once. Raises :class:`FairseqMissingError` (an ImportError naming the fix)
-    when fairseq is missing or older than 0.12.
+    does to fairseq's checkpoint loading (:func:`fairseq_kd.checkpoints.install`) and to its half
+    precision (:func:`fairseq_kd.half_precision.install`: ``--bf16`` no longer implies ``--tpu``;
+    checkpoints keep the float32 master weights). Safe to call more than once. Raises
+    :class:`FairseqMissingError` (an ImportError naming the fix) when fairseq is missing or older
+    than 0.12.
 
     Only entry points call it (``--user-dir fairseq_kd`` through the import below, the plugin's
     commands, the recipes' scripts, your own script). Library code never does: a function that
     builds a model from a checkpoint imports :mod:`fairseq_kd.models` (which registers the
     architectures), and reading a checkpoint installs safe loading itself."""
     check_fairseq()
-    from . import bf16, checkpoints
+    from . import checkpoints, half_precision
 
     checkpoints.install()
-    bf16.install()
+    half_precision.install()
     from . import criterions, models, tasks  # noqa: F401  (registration side effects)
 
 

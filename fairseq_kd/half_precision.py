@@ -1,19 +1,30 @@
-"""``--bf16`` on CUDA and on the CPU under fairseq's own commands, installed by :func:`install`
-(made by :func:`fairseq_kd.register`, so by ``--user-dir fairseq_kd``).
+"""What the plugin changes in fairseq's half precision, installed by :func:`install` (made by
+:func:`fairseq_kd.register`, so by ``--user-dir fairseq_kd``). Two parts:
 
-fairseq 0.12's ``options.parse_args_and_arch``, which parses the command line of fairseq-train,
--generate, -interactive, -validate and -eval-lm, sets ``tpu = True`` whenever ``bf16`` is set: the
-Trainer then asks torch-xla for a TPU and fails on any other machine. :func:`install` wraps that
-function so that ``tpu`` is what the command line says (``--bf16 --tpu`` still selects a TPU):
-``--bf16`` then trains on CUDA, or on the CPU with ``--cpu``, through fairseq's own bf16 path (model
-and criterion cast to bfloat16, float32 master weights in ``FP16Optimizer``, no loss scaling).
-The commands import the plugin while building their parser, before they call this function.
-fairseq-hydra-train needs nothing: its ``common.tpu`` is not derived from ``common.bf16``.
+1. **--bf16 without --tpu.** fairseq 0.12's ``options.parse_args_and_arch`` (the command line of
+   fairseq-train, -generate, -interactive, -validate, -eval-lm) sets ``tpu`` whenever ``bf16`` is
+   set, and the Trainer then fails asking torch-xla for a TPU. Wrapped, ``tpu`` is what the command
+   line says, so ``--bf16`` trains on CUDA, or on the CPU with ``--cpu``, through fairseq's own bf16
+   path (model and criterion in bfloat16, float32 master weights, no loss scale). The commands
+   import the plugin while building their parser, before they parse. fairseq-hydra-train needs
+   nothing: its ``common.tpu`` does not follow ``common.bf16``.
+2. **Master weights in the checkpoint.** ``FP16Optimizer`` (``--fp16``, ``--bf16``) updates float32
+   master copies, but fairseq saves only the model's half-precision weights, so a resume continued
+   from the masters rounded to half precision, not as the uninterrupted run. Its state dict now
+   carries the masters (``MASTERS_KEY``) and loading restores them; a checkpoint without them
+   loads as before. The checkpoint grows by 4 bytes a parameter.
 """
 import argparse
 import functools
+import logging
+
+logger = logging.getLogger(__name__)
+
+#: the key of the optimizer state (``last_optimizer_state``) that holds FP16Optimizer's master weights
+MASTERS_KEY = "fairseq_kd_fp32_masters"
 
 
+# ----------------------------------------------------------------------------- 1. --bf16 without --tpu
 def tpu_given(input_args=None) -> bool:
     """Whether ``--tpu`` is on the command line (``input_args``, else ``sys.argv``); fairseq's
     parsers take no abbreviations, so only the whole flag counts."""
@@ -37,10 +48,54 @@ def keep_tpu_as_given(parse_args_and_arch):
     return parse_args_and_arch_bf16_without_tpu
 
 
+# ----------------------------------------------------------------------------- 2. master weights
+def master_tensors(fp32_params) -> list:
+    """FP16Optimizer's master weights as a list: one flat tensor per device (``--fp16`` on CUDA) or
+    one tensor per parameter (``--bf16``, ``--fp16-no-flatten-grads``)."""
+    if isinstance(fp32_params, dict):
+        return list(fp32_params.values())
+    return [fp32_params] if hasattr(fp32_params, "shape") else list(fp32_params)
+
+
+def with_masters(state_dict):
+    @functools.wraps(state_dict)
+    def state_dict_with_masters(optimizer):
+        state = state_dict(optimizer)
+        state[MASTERS_KEY] = [master.detach() for master in master_tensors(optimizer.fp32_params)]
+        return state
+
+    return state_dict_with_masters
+
+
+def restoring_masters(load_state_dict):
+    @functools.wraps(load_state_dict)
+    def load_state_dict_restoring_masters(optimizer, state_dict, optimizer_overrides=None):
+        state_dict = dict(state_dict)
+        saved = state_dict.pop(MASTERS_KEY, None)
+        load_state_dict(optimizer, state_dict, optimizer_overrides)
+        if saved is None:
+            return
+        masters = master_tensors(optimizer.fp32_params)
+        if [tuple(t.shape) for t in saved] != [tuple(t.shape) for t in masters]:
+            # another parameter layout (flat or not): the masters come from the model, as in fairseq
+            logger.warning("the checkpoint's float32 master weights do not fit this run's; they are "
+                           "taken from the model's half-precision weights instead")
+            return
+        for master, value in zip(masters, saved):
+            master.data.copy_(value)
+        optimizer._sync_fp32_params_to_fp16()  # the model's weights: the masters rounded
+
+    return load_state_dict_restoring_masters
+
+
 def install() -> None:
-    """Replace ``fairseq.options.parse_args_and_arch`` (looked up there by every fairseq command at
-    call time) with :func:`keep_tpu_as_given`'s wrapper. Idempotent."""
+    """Install both parts (idempotent): replace ``fairseq.options.parse_args_and_arch``, which every
+    fairseq command looks up there when it parses, and ``FP16Optimizer``'s state-dict methods."""
     from fairseq import options
+    from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
 
     if not getattr(options.parse_args_and_arch, "bf16_keeps_tpu_as_given", False):
         options.parse_args_and_arch = keep_tpu_as_given(options.parse_args_and_arch)
+    if not hasattr(_FP16OptimizerMixin.state_dict, "__wrapped__"):
+        _FP16OptimizerMixin.state_dict = with_masters(_FP16OptimizerMixin.state_dict)
+        _FP16OptimizerMixin.load_state_dict = restoring_masters(_FP16OptimizerMixin.load_state_dict)

@@ -1,13 +1,12 @@
-"""``--bf16`` under fairseq's own commands with ``--user-dir fairseq_kd`` (fairseq_kd.bf16): it no
-longer implies ``--tpu``, so fairseq-train trains in bfloat16 on the CPU (``--cpu``) as on CUDA,
-with the plugin's distillation criteria, resumes, and fairseq-generate reads the result.
+"""``--bf16`` under fairseq's own commands with ``--user-dir fairseq_kd`` (fairseq_kd.half_precision):
+it no longer implies ``--tpu``, so fairseq-train trains in bfloat16 on the CPU (``--cpu``) as on
+CUDA, with the plugin's distillation criteria; a resume continues exactly as the uninterrupted run;
+fairseq-generate reads the result.
 
-fairseq's bf16 path, as trained here: the Trainer casts the student, the criterion's parameters
-(and the plugin casts the teacher) to bfloat16; ``FP16Optimizer`` keeps float32 master weights and
-no loss scale. The checkpoint holds the bfloat16 weights, widened to float32 by fairseq's save,
-and the float32 Adam moments, not the master weights: a resume continues from the master weights
-rounded to bfloat16, so its first update is the uninterrupted run's and the later ones differ by
-bfloat16 rounding.
+fairseq's bf16 path, as trained here: the Trainer casts the student and the criterion's parameters
+(and the plugin the teacher) to bfloat16; ``FP16Optimizer`` updates float32 master weights, with no
+loss scale. The checkpoint holds the bfloat16 weights (widened to float32 by fairseq's save), the
+float32 Adam moments and, added by the plugin, the float32 master weights.
 """
 import math
 import re
@@ -17,6 +16,7 @@ import torch
 
 from conftest import COMMON_TRAIN_ARGS, TINY_STUDENT_ARGS, USER_DIR, run_cli, run_fairseq_train_here, train_student
 from fairseq_kd.checkpoints import safe_load
+from fairseq_kd.half_precision import MASTERS_KEY
 
 BF16_CPU = ["--bf16", "--cpu"]
 A2D = ["--criterion", "a2d_kd"]
@@ -42,7 +42,8 @@ def _assert_finite_losses(log: str, updates: int) -> dict:
 
 def _assert_holds_bf16_weights_widened(state) -> None:
     """What a --bf16 checkpoint holds: the model's (and the criterion's) bfloat16 weights as float32
-    tensors (fairseq's save widens them), float32 Adam moments, no loss scale, the precision flags."""
+    tensors (fairseq's save widens them), float32 Adam moments and master weights (one per trained
+    parameter), no loss scale, the precision flags."""
     for part in ("model", "criterion"):
         for name, tensor in (state.get(part) or {}).items():
             if torch.is_tensor(tensor) and tensor.is_floating_point():
@@ -51,6 +52,10 @@ def _assert_holds_bf16_weights_widened(state) -> None:
     optimizer = state["last_optimizer_state"]
     assert optimizer["state"] and all(s["exp_avg"].dtype == torch.float32 for s in optimizer["state"].values())
     assert "loss_scale" not in optimizer
+    masters, moments = optimizer[MASTERS_KEY], list(optimizer["state"].values())
+    assert [m.shape for m in masters] == [s["exp_avg"].shape for s in moments]  # one per trained parameter
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in masters)  # finer than bfloat16
     common = state["cfg"]["common"]
     assert common["bf16"] and common["cpu"] and not common["tpu"]
 
@@ -87,6 +92,40 @@ def test_stock_parse_makes_bf16_imply_tpu():
     stock = options.parse_args_and_arch.__wrapped__
     args = stock(options.get_training_parser(), input_args=["DATA", "--arch", "transformer", "--bf16", "--cpu"])
     assert args.bf16 and args.tpu
+
+
+class _OptimizerStandIn:
+    """What the master-weight restore uses of an FP16Optimizer: its masters and the sync to the model."""
+
+    def __init__(self, masters):
+        self.fp32_params, self.synced, self.loaded = masters, 0, None
+
+    def _sync_fp32_params_to_fp16(self):
+        self.synced += 1
+
+
+@pytest.mark.parametrize("layout", ["per parameter", "flat per device"])
+def test_masters_are_restored_when_they_fit_and_left_to_the_model_when_not(layout, caplog):
+    from fairseq_kd.half_precision import restoring_masters
+
+    def stock_load(optimizer, state_dict, optimizer_overrides=None):
+        optimizer.loaded = state_dict
+
+    load = restoring_masters(stock_load)
+    masters = [torch.zeros(2, 3), torch.zeros(4)]
+    if layout == "flat per device":
+        masters = {0: torch.zeros(10)}
+    saved = [torch.ones(2, 3), torch.ones(4)] if layout == "per parameter" else [torch.ones(10)]
+    optimizer = _OptimizerStandIn(masters)
+    load(optimizer, {"state": {}, MASTERS_KEY: saved})
+    restored = list(masters.values()) if isinstance(masters, dict) else masters
+    assert all(torch.equal(m, torch.ones_like(m)) for m in restored) and optimizer.synced == 1
+    assert optimizer.loaded == {"state": {}}  # fairseq's own load never sees the key
+
+    other = _OptimizerStandIn([torch.zeros(3)])
+    load(other, {"state": {}, MASTERS_KEY: saved})
+    assert torch.equal(other.fp32_params[0], torch.zeros(3)) and other.synced == 0
+    assert "do not fit" in caplog.text
 
 
 # ----------------------------------------------------------------------------- training
@@ -158,25 +197,59 @@ def test_a2d_trains_with_bf16_parameters_and_float32_masters(tiny_data_bin, tiny
         assert step["optimizer"] is FP16Optimizer and step["scaler"] is None and step["device"] == "cpu", step
 
 
-def test_a2d_bf16_resume_continues_the_uninterrupted_run(tiny_data_bin, tiny_teacher, tmp_path):
-    """Stopped after 2 updates (mid-epoch) and resumed to 5: update 3 starts from the same bfloat16
-    weights and Adam moments, so it logs the uninterrupted run's losses; later updates differ only
-    by the master weights' rounding to bfloat16 at the stop (measured: up to 0.002)."""
+def _float_tensors(state) -> dict:
+    """Every floating-point tensor a checkpoint holds for training: the model's, the criterion's,
+    the optimizer's (Adam moments, master weights)."""
+    tensors = {}
+    for part in ("model", "criterion"):
+        tensors.update({(part, name): t for name, t in (state.get(part) or {}).items()
+                        if torch.is_tensor(t) and t.is_floating_point()})
+    optimizer = state["last_optimizer_state"]
+    for index, moments in optimizer["state"].items():
+        tensors.update({("adam", index, key): moments[key] for key in ("exp_avg", "exp_avg_sq")})
+    tensors.update({("master", index): t for index, t in enumerate(optimizer[MASTERS_KEY])})
+    return tensors
+
+
+def test_a2d_bf16_resume_continues_exactly_as_the_uninterrupted_run(tiny_data_bin, tiny_teacher, tmp_path):
+    """Stopped after 2 updates (mid-epoch) and resumed to 5: the same logged losses at every update
+    and, at the end, the same weights, criterion maps, Adam moments and master weights, bit for bit.
+    Resumed from the same checkpoint without its master weights (what fairseq itself saves), the run
+    trains on from the masters rounded to bfloat16 and ends elsewhere."""
+    import shutil
+
     straight = train_student(tiny_data_bin, tiny_teacher, tmp_path / "straight", A2D, max_update=5, extra=BF16_CPU)
     first = train_student(tiny_data_bin, tiny_teacher, tmp_path / "resumed", A2D, max_update=2, extra=BF16_CPU)
+    mid = safe_load(tmp_path / "resumed" / "checkpoint_last.pt")
+    _assert_holds_bf16_weights_widened(mid)
+    del mid["last_optimizer_state"][MASTERS_KEY]
+    (tmp_path / "without_masters").mkdir()
+    torch.save(mid, tmp_path / "without_masters" / "checkpoint_last.pt")
+    shutil.copy(tmp_path / "resumed" / "checkpoint_last.pt", tmp_path / "mid.pt")
+
     resumed = train_student(tiny_data_bin, tiny_teacher, tmp_path / "resumed", A2D, max_update=5, extra=BF16_CPU)
     log = resumed.stdout + resumed.stderr
     assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch \d+ @ 2 updates\)", log), log[-3000:]
     expected = _assert_finite_losses(straight.stdout + straight.stderr, 5)
     before = _assert_finite_losses(first.stdout + first.stderr, 2)
-    after = _logged_updates(log)
-    assert sorted(after) == [3, 4, 5] and all(math.isfinite(v) for u in after.values() for v in u.values())
-    assert before == {u: expected[u] for u in (1, 2)} and after[3] == expected[3]
-    for update in (4, 5):
-        for name, value in after[update].items():
-            assert value == pytest.approx(expected[update][name], abs=0.01), (update, name)
-    assert expected[1]["loss"] - after[5]["loss"] > 0.3  # not a restart from the initial state
+    assert before == {u: expected[u] for u in (1, 2)}
+    assert _logged_updates(log) == {u: expected[u] for u in (3, 4, 5)}
+    assert expected[1]["loss"] - expected[5]["loss"] > 0.3  # it learns: the comparison is not of a standstill
 
+    straight_state = safe_load(tmp_path / "straight" / "checkpoint_last.pt")
     resumed_state = safe_load(tmp_path / "resumed" / "checkpoint_last.pt")
     _assert_holds_bf16_weights_widened(resumed_state)
     assert resumed_state["optimizer_history"][-1]["num_updates"] == 5
+    straight_tensors, resumed_tensors = _float_tensors(straight_state), _float_tensors(resumed_state)
+    assert straight_tensors.keys() == resumed_tensors.keys()
+    for key, tensor in straight_tensors.items():
+        assert torch.equal(resumed_tensors[key], tensor), key
+    mid_tensors = _float_tensors(safe_load(tmp_path / "mid.pt"))
+    assert not all(torch.equal(t, mid_tensors[k]) for k, t in straight_tensors.items())  # updates 3-5 changed them
+
+    without = train_student(tiny_data_bin, tiny_teacher, tmp_path / "without_masters", A2D, max_update=5,
+                            extra=BF16_CPU)
+    assert _logged_updates(without.stdout + without.stderr)[3] == expected[3]  # the same bfloat16 weights
+    without_model = safe_load(tmp_path / "without_masters" / "checkpoint_last.pt")["model"]
+    assert not all(torch.equal(tensor, straight_state["model"][name]) for name, tensor in without_model.items()
+                   if torch.is_tensor(tensor) and tensor.is_floating_point())

@@ -256,7 +256,7 @@ def check_precision_device(cfg) -> None:
     """Refuse, before the teacher or any data is loaded, half precision where it would not run as
     asked: ``--fp16`` on the CPU (``--cpu``, or no CUDA device), and ``--bf16`` without ``--cpu``
     on a machine without CUDA, which would otherwise train on the CPU when a GPU was meant.
-    ``--bf16 --cpu`` trains in bfloat16 on the CPU (:mod:`fairseq_kd.bf16`)."""
+    ``--bf16 --cpu`` trains in bfloat16 on the CPU (:mod:`fairseq_kd.half_precision`)."""
     import torch
 
     if _flag_value(cfg, "fp16") and _flag_value(cfg, "cpu"):
