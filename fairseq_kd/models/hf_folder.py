@@ -142,11 +142,14 @@ def check_floating_point(header: WeightsHeader, refuse) -> None:
 
 def check_config_fits_weights(config, raw: dict, header: WeightsHeader, refuse) -> None:
     """The config's sizes agree with the weights' shapes (or are bounded by them) and its special
-    token ids lie in the vocabulary. ``config`` is the transformers config object (defaults
-    included), ``raw`` the dict of config.json."""
+    token ids lie in the vocabulary. ``config`` is the transformers config object (defaults and
+    aliases included), ``raw`` the dict of config.json (keys the object drops, e.g. forced ids)."""
 
-    def value(key):
-        return raw[key] if key in raw else getattr(config, key, None)
+    def value(key):  # what the model is built with; config.json's own value where the config object drops it
+        try:
+            return getattr(config, key)
+        except AttributeError:
+            return raw.get(key)
 
     def disagree(key, found, why: str):
         return refuse(f"config.json's {key} {found!r} does not fit the weights: {why}; the config describes "
