@@ -345,6 +345,8 @@ DAMAGES = {
     "empty vocabulary": ("shared_vocabulary.json", lambda data: b""),
     "binary vocabulary": ("shared_vocabulary.json", _random_bytes),
     "empty record": ("fairseq_kd_export.json", lambda data: b""),
+    "record's file list damaged": ("fairseq_kd_export.json",
+                                   lambda data: json.dumps({**json.loads(data), "files": ["model.bin"]}).encode()),
 }
 
 

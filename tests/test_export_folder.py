@@ -58,6 +58,8 @@ def snapshot(root):
                 entries[key] = "link -> " + os.readlink(path)
             elif os.path.isdir(path):
                 entries[key] = "dir"
+            elif not os.path.isfile(path):
+                entries[key] = "special"
             else:
                 with open(path, "rb") as file:
                     entries[key] = file.read()
@@ -119,6 +121,10 @@ def _linked_model(folder):
     os.symlink(folder.parent / "mine.bin", folder / "model.bin")
 
 
+def _fifo_inside(folder):
+    os.mkfifo(folder / "pipe")  # never opened: hashing it would wait for a writer
+
+
 def _empty_folder(folder):
     (folder / "runs").mkdir()
 
@@ -148,7 +154,7 @@ def _user_file_in_the_record_with_its_own_size(folder):
 
 @pytest.mark.parametrize("change, named", [
     (_user_file, "'results.txt'"), (_user_folder, "'runs'"), (_edited, "'model.bin'"), (_truncated, "'model.bin'"),
-    (_link_inside, "'notes.txt', a symbolic link"), (_linked_model, "'model.bin', a symbolic link"),
+    (_link_inside, "'notes.txt', a symbolic link"), (_fifo_inside, "'pipe', which is not a regular file"), (_linked_model, "'model.bin', a symbolic link"),
     (_empty_folder, "'runs'"), (_other_format, "fairseq-kd-hf/1"), (_no_file_list, "lists no files"),
     (_record_not_json, "damaged record"), (_no_record, f"no {RECORD}"),
     (_user_file_in_the_record_with_its_own_size, "'results.txt'"),
@@ -223,4 +229,16 @@ def test_a_failed_export_leaves_nothing_not_even_the_folders_it_made(tmp_path):
         with output(tmp_path / "m").staged() as staging:
             staging.mkdir()
             raise RuntimeError("the export failed")
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("name", [".", "..", "m/.."])
+def test_an_output_named_dot_is_refused(tmp_path, monkeypatch, name):
+    make_export(tmp_path / "m" / "m")
+    monkeypatch.chdir(tmp_path / "m")
+    before = snapshot(tmp_path)
+    out = ExportFolder(str(tmp_path / "checkpoint.pt"), name, True, kind="test", record_name=RECORD,
+                       record_format=FORMAT, error=Refused)
+    with pytest.raises(Refused, match="give the folder by its name"):
+        out.check()
     assert snapshot(tmp_path) == before

@@ -11,6 +11,7 @@ against its recorded size and SHA-256, which catches a change the layout does no
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Optional
@@ -56,8 +57,8 @@ def check_ctranslate2_folder(folder) -> None:
     from .export_ctranslate2 import RECORD_NAME
 
     folder = Path(folder)
-    record = None
-    if (folder / RECORD_NAME).exists():
+    record = {}
+    if os.path.lexists(folder / RECORD_NAME):
         try:
             record = read_export_record(folder, RECORD_NAME)
         except (OSError, ValueError) as err:
@@ -66,18 +67,21 @@ def check_ctranslate2_folder(folder) -> None:
         problem = check(folder)
         if problem is not None:
             raise DamagedFolderError(problem)
-    for name, entry in sorted(((record or {}).get(FILES_KEY) or {}).items()):
+    files = record.get(FILES_KEY) or {}
+    if not isinstance(files, dict):
+        raise DamagedFolderError(f"{str(folder / RECORD_NAME)!r} is damaged: its {FILES_KEY!r} is not a mapping")
+    for name, entry in sorted(files.items()):
         problem = recorded_file_problem(folder, name, entry)
         if problem is not None:
-            raise DamagedFolderError(f"{folder / name} {problem}")
+            raise DamagedFolderError(f"{str(folder / name)!r} {problem}")
 
 
 def _model_file_problem(folder: Path) -> Optional[str]:
     path = folder / MODEL_FILE
     if not path.is_file():
-        return f"{path} is missing" if not path.exists() else f"{path} is not a file"
+        return f"{str(path)!r} is missing" if not path.exists() else f"{str(path)!r} is not a file"
     problem = model_bin_problem(path)
-    return None if problem is None else f"{path} {problem}"
+    return None if problem is None else f"{str(path)!r} {problem}"
 
 
 def model_bin_problem(path: Path) -> Optional[str]:
@@ -158,18 +162,19 @@ class _Unreadable(Exception):
 def _config_problem(folder: Path) -> Optional[str]:
     path = folder / CONFIG_FILE
     if not path.is_file():
-        return f"{path} is missing (CTranslate2 reads the model's tokens from it)"
+        return (f"{str(path)!r} is missing (CTranslate2 reads the model's tokens from it)" if not path.exists()
+                else f"{str(path)!r} is not a file")
     try:
         config = json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError:
-        return f"{path} is not UTF-8 text (damaged)"
+        return f"{str(path)!r} is not UTF-8 text (damaged)"
     except ValueError as err:
-        return f"{path} is not valid JSON ({'empty' if not path.stat().st_size else err})"
+        return f"{str(path)!r} is not valid JSON ({'empty' if not path.stat().st_size else err})"
     if not isinstance(config, dict):
-        return f"{path} holds a JSON {type(config).__name__}, not CTranslate2's model configuration"
+        return f"{str(path)!r} holds a JSON {type(config).__name__}, not CTranslate2's model configuration"
     wrong = [key for key in CONFIG_STRINGS if key in config and not isinstance(config[key], str)]
     if wrong:
-        return f"{path}: {', '.join(wrong)} must be strings (token symbols)"
+        return f"{str(path)!r}: {', '.join(wrong)} must be strings (token symbols)"
     return None
 
 
@@ -188,15 +193,15 @@ def read_vocabulary(path: Path) -> list:
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
-        raise DamagedFolderError(f"{path} is not UTF-8 text (damaged)") from None
+        raise DamagedFolderError(f"{str(path)!r} is not UTF-8 text (damaged)") from None
     if path.suffix != ".json":
         return text.split("\n")[:-1]
     try:
         tokens = json.loads(text)
     except ValueError as err:
-        raise DamagedFolderError(f"{path} is not valid JSON ({'empty' if not text else err})") from None
+        raise DamagedFolderError(f"{str(path)!r} is not valid JSON ({'empty' if not text else err})") from None
     if not isinstance(tokens, list) or not all(isinstance(token, str) for token in tokens):
-        raise DamagedFolderError(f"{path} is not a list of tokens")
+        raise DamagedFolderError(f"{str(path)!r} is not a list of tokens")
     return tokens
 
 
@@ -213,13 +218,15 @@ def vocabulary_problem(path: Path) -> Optional[str]:
 def reexport_advice(folder) -> str:
     """What to do about a damaged folder: the export command, with the checkpoint and weight type
     its record names where it can be read."""
-    from .export_ctranslate2 import RECORD_NAME
+    from .export_ctranslate2 import QUANTIZATIONS, RECORD_NAME
 
     try:
         record = read_export_record(Path(folder), RECORD_NAME)
     except (OSError, ValueError):
         record = {}
     checkpoint, quantization = record.get("checkpoint"), record.get("quantization")
-    command = (f"fairseq-kd-export {checkpoint if isinstance(checkpoint, str) else 'CHECKPOINT'} NEW_FOLDER "
-               "--format ctranslate2" + (f" --quantization {quantization}" if isinstance(quantization, str) else ""))
+    if not isinstance(checkpoint, str) or not checkpoint.isprintable():  # the message stays one line
+        checkpoint = "CHECKPOINT"
+    command = (f"fairseq-kd-export {checkpoint} NEW_FOLDER --format ctranslate2"
+               + (f" --quantization {quantization}" if quantization in QUANTIZATIONS else ""))
     return f"re-export the model into a new folder ({command})"

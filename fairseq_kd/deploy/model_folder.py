@@ -42,30 +42,35 @@ def recorded_file_problem(folder: Path, name: str, entry) -> Optional[str]:
     from ..fingerprint import file_sha256
 
     path = Path(folder) / name
-    if not isinstance(entry, dict):
-        return "has a malformed entry in the export's record"
+    if not isinstance(entry, dict) or Path(name).is_absolute() or ".." in Path(name).parts:
+        return "has a damaged entry in the export's record"
     if not path.is_file():
-        return "is missing (the export wrote it)"
-    size = path.stat().st_size
-    if size != entry.get("bytes"):
-        return f"has {size} bytes, the export wrote {entry.get('bytes')}"
-    if file_sha256(path) != entry.get("sha256"):
-        return "differs from what the export wrote (its SHA-256 is not the recorded one)"
+        return "is missing (the export wrote it)" if not os.path.lexists(path) else "is not a file"
+    try:
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            return f"has {size} bytes, the export wrote {entry.get('bytes')}"
+        if file_sha256(path) != entry.get("sha256"):
+            return "differs from what the export wrote (its SHA-256 is not the recorded one)"
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
     return None
 
 
 def read_export_record(folder: Path, record_name: str) -> dict:
     """The export record of ``folder`` as a dict; ValueError naming the file when it is not one."""
     path = Path(folder) / record_name
+    if not path.is_file():
+        raise ValueError(f"{str(path)!r} is not a file")
     raw = path.read_bytes()
     try:
         record = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
-        raise ValueError(f"{path} is not UTF-8 text (damaged)") from None
+        raise ValueError(f"{str(path)!r} is not UTF-8 text (damaged)") from None
     except ValueError as err:
-        raise ValueError(f"{path} is not valid JSON ({err if raw.strip() else 'empty'})") from None
+        raise ValueError(f"{str(path)!r} is not valid JSON ({err if raw.strip() else 'empty'})") from None
     if not isinstance(record, dict):
-        raise ValueError(f"{path} holds a JSON {type(record).__name__}, not an export record")
+        raise ValueError(f"{str(path)!r} holds a JSON {type(record).__name__}, not an export record")
     return record
 
 
@@ -84,7 +89,20 @@ def earlier_export_problem(folder: Path, record_name: str, record_format: str) -
     files = record.get(FILES_KEY)
     if not isinstance(files, dict):
         return f"has a {record_name} that lists no files (written by an older fairseq-kd-export)"
-    for root, folders, names in os.walk(folder):  # os.walk does not follow links
+    try:
+        return _unlisted_file(folder, record_name, files)
+    except OSError as err:
+        return f"holds {err.filename!r}, which cannot be read ({err.strerror or err})"
+
+
+def _raise(error: OSError):
+    raise error
+
+
+def _unlisted_file(folder: Path, record_name: str, files: dict) -> Optional[str]:
+    """What in ``folder`` is not a file of ``files`` as recorded (see :func:`earlier_export_problem`)."""
+    # os.walk follows no links; a folder it cannot list is in the way, not skipped
+    for root, folders, names in os.walk(folder, onerror=_raise):
         for name in sorted(folders) + sorted(names):
             path = Path(root) / name
             relative = path.relative_to(folder).as_posix()
@@ -120,6 +138,8 @@ class ExportFolder:
         from ..cli.user_errors import OUTPUT_FOLDER, path_problem
 
         out = self.path
+        if out.name in ("", ".."):  # "." or "..": the folder would be renamed from inside itself
+            raise self.error(f"output {self.output!r}: give the folder by its name (e.g. ../NAME)")
         if out.is_symlink():
             raise self.error(f"output {self.output!r} is a symbolic link (to {os.readlink(out)!r}); give a real "
                              "folder path: the export neither writes through a link nor replaces it")
