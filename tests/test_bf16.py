@@ -24,9 +24,10 @@ WORD_KD = ["--criterion", "word_kd"]
 
 
 def _logged_updates(log: str) -> dict:
-    """update number -> {name: value} of every ``*loss*`` field fairseq's simple log gives for it."""
+    """update number -> {name: value} of every ``*loss*`` field fairseq's simple log (or
+    fairseq-hydra-train's) gives for it."""
     updates = {}
-    for line in re.findall(r"\| train_inner \|.*", log):
+    for line in re.findall(r"train_inner(?: \||\]\[INFO\] -) .*", log):
         fields = dict(re.findall(r"(\w+)=([-\w.]+)", line))
         updates[int(fields["num_updates"])] = {k: float(v) for k, v in fields.items() if "loss" in k}
     return updates
@@ -94,6 +95,7 @@ def test_stock_parse_makes_bf16_imply_tpu():
     assert args.bf16 and args.tpu
 
 
+# ----------------------------------------------------------------------------- the master weights
 class _OptimizerStandIn:
     """What the master-weight restore uses of an FP16Optimizer: its masters and the sync to the model."""
 
@@ -104,22 +106,20 @@ class _OptimizerStandIn:
         self.synced += 1
 
 
-@pytest.mark.parametrize("layout", ["per parameter", "flat per device"])
-def test_masters_are_restored_when_they_fit_and_left_to_the_model_when_not(layout, caplog):
-    from fairseq_kd.half_precision import restoring_masters
+@pytest.mark.parametrize("masters, saved", [
+    ([torch.zeros(2, 3), torch.zeros(4)], [torch.ones(2, 3), torch.ones(4)]),  # --bf16: one per parameter
+    ({0: torch.zeros(10)}, [torch.ones(10)]),  # --fp16 on CUDA: one flat tensor per device
+], ids=["per parameter", "flat per device"])
+def test_masters_are_restored_when_they_fit_and_left_to_the_model_when_not(masters, saved, caplog):
+    from fairseq_kd.half_precision import master_tensors, restoring_masters
 
     def stock_load(optimizer, state_dict, optimizer_overrides=None):
         optimizer.loaded = state_dict
 
     load = restoring_masters(stock_load)
-    masters = [torch.zeros(2, 3), torch.zeros(4)]
-    if layout == "flat per device":
-        masters = {0: torch.zeros(10)}
-    saved = [torch.ones(2, 3), torch.ones(4)] if layout == "per parameter" else [torch.ones(10)]
     optimizer = _OptimizerStandIn(masters)
     load(optimizer, {"state": {}, MASTERS_KEY: saved})
-    restored = list(masters.values()) if isinstance(masters, dict) else masters
-    assert all(torch.equal(m, torch.ones_like(m)) for m in restored) and optimizer.synced == 1
+    assert all(torch.equal(m, torch.ones_like(m)) for m in master_tensors(masters)) and optimizer.synced == 1
     assert optimizer.loaded == {"state": {}}  # fairseq's own load never sees the key
 
     other = _OptimizerStandIn([torch.zeros(3)])
@@ -157,6 +157,28 @@ def test_plain_translation_trains_in_bf16_with_the_plugin(tiny_data_bin, tmp_pat
                    "--save-dir", tmp_path, *BF16_CPU, warm=True)
     _assert_finite_losses(proc.stdout + proc.stderr, 2)
     _assert_holds_bf16_weights_widened(safe_load(tmp_path / "checkpoint_last.pt"))
+
+
+def test_hydra_train_trains_in_bf16_on_the_cpu(tiny_data_bin, tiny_teacher, tmp_path):
+    """fairseq-hydra-train never made bf16 imply tpu: its config trains in bf16 on the CPU as well."""
+    (tmp_path / "bf16.yaml").write_text(f"""
+common: {{user_dir: {USER_DIR}, seed: 1, log_format: simple, log_interval: 1, no_progress_bar: true,
+         bf16: true, cpu: true}}
+task: {{_name: translation_kd, data: {tiny_data_bin}, teacher_checkpoint: {tiny_teacher}}}
+model: {{_name: transformer, encoder_layers: 2, decoder_layers: 2, encoder_embed_dim: 16, decoder_embed_dim: 16,
+        encoder_ffn_embed_dim: 32, decoder_ffn_embed_dim: 32, encoder_attention_heads: 2,
+        decoder_attention_heads: 2}}
+criterion: {{_name: word_kd}}
+optimizer: {{_name: adam}}
+lr_scheduler: {{_name: fixed}}
+optimization: {{lr: [0.003], max_update: 2}}
+dataset: {{max_tokens: 1500, num_workers: 0, disable_validation: true}}
+checkpoint: {{save_dir: {tmp_path / "save"}, no_epoch_checkpoints: true}}
+""")
+    proc = run_cli("fairseq-hydra-train", "--config-dir", tmp_path, "--config-name", "bf16",
+                   f"hydra.run.dir={tmp_path / 'hydra'}", warm=True)
+    assert "word_kd_loss" in _assert_finite_losses(proc.stdout + proc.stderr, 2)[2]
+    _assert_holds_bf16_weights_widened(safe_load(tmp_path / "save" / "checkpoint_last.pt"))
 
 
 def test_a2d_trains_with_bf16_parameters_and_float32_masters(tiny_data_bin, tiny_teacher, tmp_path, monkeypatch):
