@@ -192,9 +192,9 @@ def check_config_fits_weights(config, raw: dict, header: WeightsHeader, refuse) 
         if ffn is not None and len(ffn[1]) == 2:
             expect(f"{stack}_ffn_dim", ffn[1][0], ffn[0], "rows")
     width = source[1][1] if source is not None and len(source[1]) == 2 else None
-    for key in [key for key in sizes if key.endswith("_heads")]:
+    for key in [key for key in sizes if key.endswith("_heads") and width is not None]:
         checked.add(key)
-        if width is not None and sizes[key] is not None and width % sizes[key]:
+        if width % sizes[key]:
             raise disagree(key, sizes[key], f"the model's width {width} ({source[0]}) is not a multiple of it")
     positions = header.shape(("embed_positions.weight", "position_embeddings.weight"))
     for key in [key for key in sizes if key.endswith("_positions") or key == "max_position_embeddings"]:
@@ -203,12 +203,12 @@ def check_config_fits_weights(config, raw: dict, header: WeightsHeader, refuse) 
                         if positions is not None else
                         (MAX_COMPUTED_POSITIONS, f"the weights hold no positions, and more than "
                                                  f"{MAX_COMPUTED_POSITIONS} computed ones are refused"))
-        if sizes[key] is not None and sizes[key] > bound:
+        if sizes[key] > bound:
             raise disagree(key, sizes[key], where)
     largest, count = header.largest_dimension(), len(header.tensors)
     for key, found in sizes.items():
         bound = count if key.endswith("_layers") else largest
-        if key not in checked and found is not None and found > bound:
+        if key not in checked and found > bound:
             raise disagree(key, found, f"it exceeds every {'count of tensors' if key.endswith('_layers') else 'dimension'}"
                                        f" of the weights ({bound})")
     _check_special_ids(value, sizes, source, target, refuse)
