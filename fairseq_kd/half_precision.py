@@ -58,16 +58,22 @@ def master_tensors(fp32_params) -> list:
 
 
 def with_masters(state_dict):
+    """FP16Optimizer's ``state_dict`` that also returns the master weights, under :data:`MASTERS_KEY`."""
+
     @functools.wraps(state_dict)
     def state_dict_with_masters(optimizer):
         state = state_dict(optimizer)
         state[MASTERS_KEY] = [master.detach() for master in master_tensors(optimizer.fp32_params)]
         return state
 
+    state_dict_with_masters.keeps_fp32_masters = True
     return state_dict_with_masters
 
 
 def restoring_masters(load_state_dict):
+    """FP16Optimizer's ``load_state_dict`` that restores the master weights a state dict carries
+    (after fairseq's own load, which never sees them) when they fit this run's."""
+
     @functools.wraps(load_state_dict)
     def load_state_dict_restoring_masters(optimizer, state_dict, optimizer_overrides=None):
         state_dict = dict(state_dict)
@@ -96,6 +102,6 @@ def install() -> None:
 
     if not getattr(options.parse_args_and_arch, "bf16_keeps_tpu_as_given", False):
         options.parse_args_and_arch = keep_tpu_as_given(options.parse_args_and_arch)
-    if not hasattr(_FP16OptimizerMixin.state_dict, "__wrapped__"):
+    if not getattr(_FP16OptimizerMixin.state_dict, "keeps_fp32_masters", False):
         _FP16OptimizerMixin.state_dict = with_masters(_FP16OptimizerMixin.state_dict)
         _FP16OptimizerMixin.load_state_dict = restoring_masters(_FP16OptimizerMixin.load_state_dict)
