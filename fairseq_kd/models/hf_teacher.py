@@ -5,8 +5,10 @@ its ``config.json``) holding the model and its tokenizer: MarianMT (OPUS-MT), M2
 (``model_type`` ``m2m_100``) are tested; another ``AutoModelForSeq2SeqLM`` text model whose forward
 takes ``input_ids``, ``attention_mask`` and ``decoder_input_ids`` is accepted with a warning. It is
 read offline (``local_files_only``; nothing is downloaded), safetensors first, pickled weights only
-through ``weights_only=True``, no remote code. The data must be binarised in the teacher's
-vocabulary (``fairseq-kd-hf-data``), whose dictionaries are checked symbol for symbol here.
+through ``weights_only=True``, no remote code, and strictly (:mod:`.hf_folder`): the config is
+checked against the weights' headers before anything is built, and every tensor of the model must
+come from the folder. The data must be binarised in the teacher's vocabulary
+(``fairseq-kd-hf-data``), whose dictionaries are checked symbol for symbol here.
 
 Vocabularies: one :class:`.hf_vocabulary.VocabularyMap` per side (:func:`vocabulary_maps`). Most
 tokenizers have one vocabulary, so both sides are the same map and ``dict.SRC.txt`` equals
