@@ -41,7 +41,7 @@ def child_calls(monkeypatch):
         return result
 
     monkeypatch.setattr(benchmark, "prepare_config", lambda name, workdir: {})
-    monkeypatch.setattr(benchmark, "training_flags", lambda name, paths, method: [method])
+    monkeypatch.setattr(benchmark, "training_flags", lambda name, paths, method, precision="fp32": [method])
     monkeypatch.setattr(benchmark, "config_shapes", lambda name, paths: {})
     monkeypatch.setattr(benchmark, "_train_in_child", fake_child)
     monkeypatch.setattr(benchmark, "measure_decoding",
@@ -153,6 +153,10 @@ def test_a_real_vocabulary_configuration_runs_a_step_and_records_its_shapes(tmp_
                                         top_ops=3)
     assert result["step_ms"] > 0 and result["peak_mb"] > 0
     assert len(result["top_ops"]) == 3 and all(op["self_ms"] >= 0 for op in result["top_ops"])
+    # --precision bf16 (the GPU check's rows): the same step with the student in bfloat16 (--cpu here)
+    flags = benchmark.training_flags("d64_8k", paths, "word_kd", "bf16")
+    assert flags[-2:] == ["--bf16", "--cpu"] and benchmark.training_flags("d64_8k", paths, "word_kd")[-1] != "--cpu"
+    assert benchmark.measure_training(flags, steps=1, warmup=0)["step_ms"] > 0
     # --paired: the row and the limit (plain step + teacher forward) built in one process, two
     # batches each, one ratio per batch
     paired = benchmark.measure_paired(benchmark.training_flags("d64_8k", paths, "word_kd"),

@@ -34,6 +34,8 @@ class LogRecord:
     num_updates: Optional[float]
     values: Dict[str, float] = field(default_factory=dict)
     epochs_done: Optional[float] = None
+    #: statistics whose value was a number but not a finite one (nan, inf), left out of ``values``
+    nonfinite: List[str] = field(default_factory=list)
 
 
 # fairseq_cli/train.py's logging format: "%(asctime)s | %(levelname)s | %(name)s | %(message)s";
@@ -48,13 +50,22 @@ _VALID_PREFIX = re.compile(r"^valid on '(?P<subset>[^']+)' subset$")
 
 
 def _number(value) -> Optional[float]:
+    number = _any_number(value)
+    return number if number is not None and math.isfinite(number) else None
+
+
+def _any_number(value) -> Optional[float]:
+    """``value`` as a float, nan and infinities included; None for what is no number."""
     if isinstance(value, bool):
         return None
     try:
-        number = float(value)
+        return float(value)
     except (TypeError, ValueError):
         return None
-    return number if math.isfinite(number) else None
+
+
+def _nonfinite(pairs) -> List[str]:
+    return [key for key, value in pairs if (number := _any_number(value)) is not None and not math.isfinite(number)]
 
 
 def _json_record(message: str) -> Optional[LogRecord]:
@@ -83,7 +94,9 @@ def _json_record(message: str) -> Optional[LogRecord]:
         if number is not None:
             values[key[len(prefix):]] = number
     return LogRecord(split, epoch if isinstance(epoch, int) else None, values.pop("num_updates", None), values,
-                     _number(stats.get("update")) if split == "train_inner" else None)
+                     _number(stats.get("update")) if split == "train_inner" else None,
+                     _nonfinite((key[len(prefix):], value) for key, value in stats.items()
+                                if key.startswith(prefix) and key not in ("epoch", "update")))
 
 
 def _simple_record(message: str) -> Optional[LogRecord]:
@@ -111,9 +124,11 @@ def _simple_record(message: str) -> Optional[LogRecord]:
             number = _number(pair[1].strip())
             if number is not None:
                 values[pair[0].strip()] = number
-    if not values:
+    nonfinite = _nonfinite((pair[0].strip(), pair[1].strip()) for pair in pairs if len(pair) == 2)
+    if not values and not nonfinite:
         return None
-    return LogRecord(split, int(match.group("epoch")), values.pop("num_updates", None), values, epochs_done)
+    return LogRecord(split, int(match.group("epoch")), values.pop("num_updates", None), values, epochs_done,
+                     nonfinite)
 
 
 def parse_fairseq_log(lines: Iterable[str]) -> List[LogRecord]:

@@ -258,7 +258,21 @@ def _user_dir() -> str:
     return str(Path(fairseq_kd.__file__).resolve().parent)
 
 
-def training_flags(config_name: str, paths: Dict[str, str], method: str) -> List[str]:
+#: fairseq-train's flags of each precision a row can be timed in
+PRECISIONS = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"]}
+
+
+def precision_flags(precision: str) -> List[str]:
+    """The precision's flags, with ``--cpu`` where no GPU is visible (half precision trains on the
+    CPU only when asked to)."""
+    import torch
+
+    if not PRECISIONS[precision]:
+        return []
+    return PRECISIONS[precision] + ([] if torch.cuda.is_available() else ["--cpu"])
+
+
+def training_flags(config_name: str, paths: Dict[str, str], method: str, precision: str = "fp32") -> List[str]:
     config = CONFIGS[config_name]
     return [
         paths["data"], "--user-dir", _user_dir(), "--task", "translation_kd",
@@ -266,7 +280,7 @@ def training_flags(config_name: str, paths: Dict[str, str], method: str) -> List
         "--share-all-embeddings", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
         "--lr", "5e-4", "--max-tokens", str(config["max_tokens"]), "--seed", "1",
         "--dropout", "0.3", "--num-workers", "0", "--required-batch-size-multiple", "1",
-        *config["student_args"], *(flag.format(**paths) for flag in METHODS[method]),
+        *config["student_args"], *(flag.format(**paths) for flag in METHODS[method]), *precision_flags(precision),
     ]
 
 
@@ -554,7 +568,8 @@ def _train_in_child(flags: List[str], steps: int, warmup: int, teacher_forward: 
 
 
 def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats: int,
-        workdir: Path, top_ops: int = 0, paired: bool = False, shuffle_seed: Optional[int] = None) -> dict:
+        workdir: Path, top_ops: int = 0, paired: bool = False, shuffle_seed: Optional[int] = None,
+        precision: str = "fp32") -> dict:
     """Methods run interleaved in ``repeats`` rounds; each keeps its fastest round, which filters
     out interference from other processes on a shared machine. With ``paired`` every row but
     ``limit`` alternates its steps with the limit's in one process (:func:`measure_paired`), and its
@@ -579,8 +594,8 @@ def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats
                     bar.update()
                     continue
                 last_round = round_index == repeats - 1
-                pair = training_flags(config_name, paths, LIMIT) if paired and method != LIMIT else None
-                result = _train_in_child(training_flags(config_name, paths, method), steps, warmup,
+                pair = training_flags(config_name, paths, LIMIT, precision) if paired and method != LIMIT else None
+                result = _train_in_child(training_flags(config_name, paths, method, precision), steps, warmup,
                                          teacher_forward=method == LIMIT, epoch=TIMED_EPOCHS.get(method, 1),
                                          top_ops=top_ops if last_round else 0, paired_limit=pair,
                                          shuffle_seed=shuffle_seed)
@@ -605,7 +620,8 @@ def run(configs: List[str], methods: List[str], steps: int, warmup: int, repeats
         add_ratios(rows, rounds, paired_ratios)
         decoding = measure_decoding(paths, CONFIGS[config_name]["student_arch"],
                                     CONFIGS[config_name]["student_args"], sentences=200, length=20)
-        report[config_name] = {"config": CONFIGS[config_name], "shapes": config_shapes(config_name, paths),
+        report[config_name] = {"config": CONFIGS[config_name], "precision": precision,
+                               "shapes": config_shapes(config_name, paths),
                                "timed_batches": timed_batches(steps, warmup, shuffle_seed),
                                "methods": rows, "decoding": decoding}
     bar.close()
@@ -657,6 +673,7 @@ def to_markdown(report: dict) -> str:
         student = f" {' '.join(cfg['student_args'])}" if cfg["student_args"] else ""
         lines.append(f"### {config_name}: teacher `{cfg['teacher_arch']}`, student `{cfg['student_arch']}{student}`, "
                      f"max-tokens {cfg['max_tokens']}"
+                     + (f", trained in {result['precision']}" if result.get("precision", "fp32") != "fp32" else "")
                      + (f", vocabulary {shapes['vocab']:,}, mean lengths {shapes['mean_src_len']} / "
                         f"{shapes['mean_tgt_len']} tokens" if shapes else ""))
         lines.append("")
@@ -726,6 +743,9 @@ def cli_main(argv=None):
                              "same batches, and report the median per-batch ratio with a 95%% interval: it "
                              "resolves differences of a few percent on a loaded machine, where separate runs "
                              "do not (each row's child builds the limit too, so it takes about twice as long)")
+    parser.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
+                        help="train every row in this precision (fairseq-train's --fp16 / --bf16; default: "
+                             "%(default)s); the decoding rows stay in float32")
     parser.add_argument("--child-train", help=argparse.SUPPRESS)
     parser.add_argument("--child-paired-limit", help=argparse.SUPPRESS)
     parser.add_argument("--child-teacher-forward", action="store_true", help=argparse.SUPPRESS)
@@ -750,7 +770,7 @@ def cli_main(argv=None):
     methods = [PLAIN, LIMIT, *(m for m in methods if m not in (PLAIN, LIMIT))]
     args.output_dir.mkdir(parents=True, exist_ok=True)
     report = run(args.configs, methods, args.steps, args.warmup, args.repeats, args.workdir, args.top_ops,
-                 paired=args.paired, shuffle_seed=args.shuffle_seed)
+                 paired=args.paired, shuffle_seed=args.shuffle_seed, precision=args.precision)
     (args.output_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
     markdown = to_markdown(report)
     (args.output_dir / "benchmark.md").write_text(markdown)

@@ -818,6 +818,15 @@ def with_placement(args: Sequence[str], placement: Sequence[str]) -> list[str]:
     return merged + extra
 
 
+def step_planner(options: RecipeOptions, gpus: int) -> _Planner:
+    """The planner :func:`build_plan` uses, on one node with ``gpus`` GPUs (0: the CPU), without its
+    checks of the request: for a tool that takes single steps' commands and runs them its own way
+    (:mod:`.gpu_check`)."""
+    launch = resolve_launch(1, gpus, None, options.master_port)
+    return _Planner(options, PAIRS[options.pair], PROFILES[options.profile], launch, [],
+                    Path(options.workdir).resolve(), CommandExecutor())
+
+
 def build_plan(options: RecipeOptions, executor: Optional[Callable[[Sequence[str], Path], None]] = None,
                device_count: Callable[[], int] = cuda_device_count) -> RecipePlan:
     """Check the request and lay out the steps; raises RecipeError before anything is written."""
