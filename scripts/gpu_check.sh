@@ -37,10 +37,10 @@ else
             >"$OUT/fairseq_build.log" 2>&1 || { tail -n 20 "$OUT/fairseq_build.log" >&2; exit 1; }
     fi
     export PYTHONPATH="$SITE:$SOURCE${PYTHONPATH:+:$PYTHONPATH}"
+    set -- --commit "$(cat "$KIT/commit")" "$@"  # no .git travels to the device machine
 fi
 export PYTHONPATH="$ROOT:$ROOT/examples/translation${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 LEFT=$((BUDGET - (SECONDS - START)))
 echo "[gpu_check.sh] $((SECONDS - START)) s of set-up; the check gets ${LEFT} s"
-exec "$PY" -m fairseq_kd_recipes.gpu_check "$OUT" --data "$KIT/data-bin" --commit "$(cat "$KIT/commit")" \
-    --time-limit "$LEFT" "$@"
+exec "$PY" -m fairseq_kd_recipes.gpu_check "$OUT" --data "$KIT/data-bin" --time-limit "$LEFT" "$@"

@@ -467,8 +467,8 @@ def cli_main(argv=None):
     parser.add_argument("--precisions", nargs="+", choices=list(PRECISION_FLAGS),
                         help="default: fp16 bf16 (--cpu: bf16)")
     parser.add_argument("--updates", type=int, help="updates per training (default: 200; --cpu: 4)")
-    parser.add_argument("--teacher-updates", type=int, help="updates of the teacher (default: 600; --cpu: 4)")
-    parser.add_argument("--jobs", type=int, help="trainings at once (default: 6; --cpu: 1)")
+    parser.add_argument("--teacher-updates", type=int, help="updates of the teacher (default: 400; --cpu: 4)")
+    parser.add_argument("--jobs", type=int, help="trainings at once (default: 8, two CPU cores each on a 16-core GPU machine; --cpu: 1)")
     parser.add_argument("--time-limit", type=float, default=510.0,
                         help="seconds for the whole check; nothing starts after it (default: %(default)s)")
     parser.add_argument("--benchmark-reserve", type=float, help="seconds of the limit kept for the benchmark rows "
@@ -502,7 +502,7 @@ def cli_main(argv=None):
             parser.error("no GPU that torch can use (torch.cuda.is_available() is False); add --cpu for the dry run")
     check(args.output_dir, args.data, args.workdir or args.output_dir / "work", args.methods or list(METHODS),
           args.precisions or (["bf16"] if cpu else ["fp16", "bf16"]), updates,
-          args.teacher_updates or (4 if cpu else 600), args.jobs or (1 if cpu else 6), cpu, args.time_limit,
+          args.teacher_updates or (4 if cpu else 400), args.jobs or (1 if cpu else 8), cpu, args.time_limit,
           args.benchmark_reserve if args.benchmark_reserve is not None else (0.0 if cpu else 75.0),
           args.benchmark_rows, args.commit)
 
