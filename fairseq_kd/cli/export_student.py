@@ -51,7 +51,8 @@ def cli_main(argv=None):
                         help="--format hf: the SentencePiece model the data was encoded with, for the tokenizer "
                              "(default: the one *.model file in the data folder; none: a whitespace tokenizer "
                              "of the dictionary, for pre-tokenised BPE text)")
-    add_overwrite_flag(parser, "OUTPUT if it exists")
+    add_overwrite_flag(parser, "OUTPUT if it exists (ctranslate2, hf: only a folder that is wholly an unchanged "
+                               "earlier export of that format; never a symbolic link)")
     args = parser.parse_args(argv)
     if args.format == "fairseq" and (args.quantization is not None or args.data is not None):
         parser.error("--quantization and --data apply to --format ctranslate2 and hf only")
