@@ -21,9 +21,9 @@ from .model_folder import FILES_KEY, read_export_record, recorded_file_problem
 MODEL_FILE, CONFIG_FILE = "model.bin", "config.json"
 #: bytes per element of CTranslate2's type ids (float32, int8, int16, int32, float16, bfloat16)
 TYPE_SIZES = (4, 1, 2, 4, 2, 2)
-#: the oldest binary version whose layout (type ids and byte counts, then aliases) is walked here;
-#: older files are checked by CTranslate2 when it loads them
-FIRST_WALKED_VERSION = 4
+#: the binary version whose layout (type ids and byte counts, then aliases) is walked here, which
+#: CTranslate2 3 and 4 write; older files are checked by CTranslate2 when it loads them
+WALKED_VERSION = 6
 #: the tokens CTranslate2 reads from a translation model's config.json as strings
 CONFIG_STRINGS = ("unk_token", "bos_token", "eos_token", "decoder_start_token")
 VOCABULARY_NAMES = ("source_vocabulary", "target_vocabulary", "shared_vocabulary")
@@ -86,8 +86,10 @@ def _model_file_problem(folder: Path) -> Optional[str]:
 
 def model_bin_problem(path: Path) -> Optional[str]:
     """Why the file ``path`` is not a whole CTranslate2 ``model.bin``, in words after its name."""
-    from ctranslate2.specs.model_spec import CURRENT_BINARY_VERSION
-
+    try:
+        from ctranslate2.specs.model_spec import CURRENT_BINARY_VERSION as newest_readable
+    except ImportError:  # the specs need numpy; the reader alone does not
+        newest_readable = WALKED_VERSION
     size = path.stat().st_size
     if size == 0:
         return "is empty"
@@ -115,10 +117,10 @@ def model_bin_problem(path: Path) -> Optional[str]:
             (version,) = take("<I", "its header")
             if version == 0 or version > 1000:
                 return f"is not a CTranslate2 model file (its header's binary version is {version})"
-            if version > CURRENT_BINARY_VERSION:
+            if version > newest_readable:
                 return (f"was written by a newer CTranslate2 (binary version {version}; this one reads up to "
-                        f"{CURRENT_BINARY_VERSION}): upgrade ctranslate2")
-            if version < FIRST_WALKED_VERSION:
+                        f"{newest_readable}): upgrade ctranslate2")
+            if version != WALKED_VERSION:
                 return None
             spec = string("its header (the model's spec name)")
             if not spec.isidentifier():
