@@ -376,6 +376,39 @@ def test_a_damaged_model_folder_is_one_line_naming_the_file(tiny_data_bin, expor
     assert not (tmp_path / "out").exists()
 
 
+def _without_weights(data):
+    """model.bin's header with no variable and no alias: a whole file, of a model with no weights."""
+    import struct
+
+    (length,) = struct.unpack_from("<H", data, 4)
+    return data[:4 + 2 + length + 4] + struct.pack("<II", 0, 0)
+
+
+def _unknown_spec(data):
+    import struct
+
+    (length,) = struct.unpack_from("<H", data, 4)
+    return data[:4] + struct.pack("<H", 8) + b"Unknown\0" + data[4 + 2 + length:]
+
+
+@pytest.mark.parametrize("change", [_without_weights, _unknown_spec])
+def test_a_folder_ctranslate2_cannot_load_is_one_line_without_a_record(tiny_data_bin, exported, tmp_path, change):
+    """A folder without the export's record of its files (as CTranslate2's own converters write
+    one) whose model.bin is whole but not a model CTranslate2 can build: CTranslate2's refusal,
+    in one line naming the folder."""
+    import shutil
+
+    folder = tmp_path / "converted"
+    shutil.copytree(exported["float32"], folder)
+    (folder / "fairseq_kd_export.json").unlink()
+    (folder / "model.bin").write_bytes(change((folder / "model.bin").read_bytes()))
+    proc = run_cli_here("fairseq-kd-translate", tiny_data_bin, "--model", folder, "--results-path", tmp_path / "out")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert f"--model {str(folder)!r}: CTranslate2 cannot load this model" in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_seqkd_engine_checks_the_folder_too(tiny_data_bin, exported, tmp_path):
     """The CTranslate2 engine (sequence-level KD's, fairseq-kd-translate's, the deploy benchmark's
     through fairseq-kd-translate) refuses a damaged folder before CTranslate2 reads it."""

@@ -117,8 +117,9 @@ class CTranslate2Engine:
             self.translator = ctranslate2.Translator(
                 str(folder), device=device, device_index=device_index, compute_type=compute_type,
                 inter_threads=self.workers, intra_threads=1 if self.workers > 1 else threads)
-        except (RuntimeError, ValueError, UnicodeDecodeError) as err:
-            # what check_ctranslate2_folder cannot see (a variable the spec lacks, an unknown spec)
+        except (RuntimeError, ValueError, LookupError, UnicodeDecodeError) as err:
+            # what check_ctranslate2_folder cannot see in a folder without a record of its files (a
+            # variable the spec lacks: IndexError; an unknown spec: RuntimeError)
             words = str(err).splitlines()[0] if not isinstance(err, UnicodeDecodeError) else "a damaged name"
             raise CTranslate2ModelError(f"{flag} {model_dir!r}: CTranslate2 cannot load this model ({words}); "
                                         f"if the folder is damaged, {reexport_advice(folder)}") from None
