@@ -167,6 +167,23 @@ def test_text_that_is_not_utf8_names_the_file_and_a_binary_one_is_never_to_be_co
     assert "convert" not in message, message
 
 
+def test_the_scoring_commands_word_an_undecodable_file_the_same_way(tmp_path):
+    """fairseq-kd-score's and fairseq-kd-report's readers (scoring.files.naming_decode_errors) name
+    the file and advise converting text in another encoding, never binary data."""
+    from fairseq_kd.scoring.files import UndecodableFileError, load_json
+
+    latin = tmp_path / "sidecar.json"
+    latin.write_bytes('{"a": "caf\xe9"}'.encode("latin-1"))
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"\x06\x00\x00\x00\x10\x00Transformer\xff\xfe" + bytes(range(256)) * 4)
+    with pytest.raises(UndecodableFileError) as error:
+        load_json(latin, "--sidecar file")
+    assert str(error.value).startswith(f"--sidecar file: {latin} is not valid UTF-8") and "iconv" in str(error.value)
+    with pytest.raises(UndecodableFileError) as error:
+        load_json(binary, "--sidecar file")
+    assert str(error.value).startswith(f"--sidecar file: {binary} is binary data") and "convert" not in str(error.value)
+
+
 def test_undecodable_bytes_of_no_known_file_are_not_advised_to_be_converted_when_binary():
     with pytest.raises(UnicodeDecodeError) as error:
         (b"\x00\x01\xff" * 8).decode("utf-8")

@@ -25,10 +25,10 @@ def naming_decode_errors(path, what: str = "file"):
     try:
         yield
     except UnicodeDecodeError as error:
-        raise UndecodableFileError(
-            f"{what} {str(path)!r} is not valid UTF-8 (byte 0x{error.object[error.start]:02x}); "
-            "convert it to UTF-8 first (e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8)"
-        ) from None
+        # the one wording of an undecodable file: conversion advised for text, never for binary data
+        from ..cli.user_errors import undecodable_text_message
+
+        raise UndecodableFileError(f"{what}: {undecodable_text_message(error, path)}") from None
 
 
 def load_json(path, what: str):
