@@ -1,5 +1,6 @@
 """The one place where the plugin hashes: SHA-256 of files (:func:`file_sha256`, and the
-fingerprints below) and of fairseq dictionaries (:func:`dictionary_sha256`).
+fingerprints below), of bytes and records (a teacher pass's shards and identity:
+:func:`bytes_sha256`, :func:`record_sha256`) and of fairseq dictionaries (:func:`dictionary_sha256`).
 
 The fingerprint scheme of every resumable record: ``seqkd.json``
 (:mod:`fairseq_kd.teacher_pass.seqkd`), the teacher cache's ``cache.json`` and ``progress.json``
@@ -66,6 +67,17 @@ def content(recorded: Mapping[str, Any]) -> Any:
 def file_sha256(path: Path) -> str:
     """SHA-256 of a file's bytes."""
     return _digests(Path(path), False)["sha256"]
+
+
+def bytes_sha256(data: bytes) -> str:
+    """SHA-256 of bytes in memory (a teacher pass's shard, hashed before it is written)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def record_sha256(record: Any) -> str:
+    """SHA-256 of a JSON-serialisable record in canonical form (keys sorted, no spaces): the
+    identity of a teacher pass, which each of its shards' records carries."""
+    return bytes_sha256(json.dumps(record, sort_keys=True, separators=(",", ":")).encode("utf-8"))
 
 
 def dictionary_sha256(dictionary) -> str:

@@ -98,7 +98,9 @@ def test_stopped_run_resumes_without_duplicates(tiny_data_bin, tiny_teacher, str
     first = seqkd_cli(tiny_data_bin, tiny_teacher, output, "--max-shards", "2")
     assert "2/7 shards done" in first.stdout
     work = output / seqkd.WORK_DIR_NAME
-    assert sorted(p.name for p in work.iterdir()) == ["shard000000.pt", "shard000001.pt"]
+    # each shard with its record (its SHA-256), written before it
+    assert sorted(p.name for p in work.iterdir()) == ["shard000000.json", "shard000000.pt", "shard000001.json",
+                                                      "shard000001.pt"]
     assert not (output / "train.src-tgt.tgt.bin").exists()
     (work / "shard000002.pt.tmp").write_bytes(b"half-written shard of a killed run")
     second = seqkd_cli(tiny_data_bin, tiny_teacher, output)
@@ -300,9 +302,10 @@ def test_a_rerun_reads_only_the_inputs_whose_size_or_time_changed(tiny_data_bin,
     shutil.copytree(straight_run[0], done)
     hashed = hashed_files
     hashed.clear()
-    # a resumed decoding loads the teacher, and hashes nothing
+    # a resumed decoding loads the teacher, and hashes only the shard it skips as done (against its record)
     assert seqkd.run(config(data, teacher, partial, max_shards=1), log=quiet).decoded_now == 64
-    assert hashed == []
+    assert hashed == ["shard000000.pt"]
+    hashed.clear()
     # a finished one, its inputs moved (cp -p), neither
     assert seqkd.run(config(data, teacher, done), log=quiet).status == "up_to_date" and hashed == []
     # a touched teacher is read once, then its new time is recorded

@@ -141,7 +141,8 @@ def test_an_interrupted_build_resumes_to_the_same_bytes(tiny_data_bin, tiny_teac
     with pytest.raises(Stop):
         build_cache(config, log=stop_after_two_shards)
     assert not (cut / "cache.json").exists() and "parameters" in json.loads((cut / "progress.json").read_text())
-    assert sorted(p.name for p in (cut / "shards").iterdir()) == ["shard000000.npz", "shard000001.npz"]
+    assert sorted(p.name for p in (cut / "shards").iterdir()) == ["shard000000.json", "shard000000.npz",
+                                                                  "shard000001.json", "shard000001.npz"]
     build_cache(config, log=lambda _: None)
     assert_same_cache(cut, whole)
 
@@ -296,7 +297,8 @@ def test_refusals(tiny_data_bin, tiny_teacher, tmp_path):
     assert "num_updates" not in message and not (tmp_path / "save" / "checkpoint_last.pt").exists()
     # other training data (a corpus of another seed, same dictionary size or not)
     proc = build(tiny_data_bin, tiny_teacher, cache, "--k", "3", check=False)
-    assert proc.returncode == 2 and "another teacher, data or k" in proc.stderr
+    assert proc.returncode == 2 and "holds a cache made with other settings or inputs: --k 3 here, 2 in the record" \
+        in proc.stderr
 
 
 # ----------------------------------------------------------------------------- damaged caches
@@ -476,8 +478,10 @@ def test_a_rerun_reads_only_the_inputs_whose_size_or_time_changed(tiny_data_bin,
     hashed = hashed_files
     hashed.clear()
     logs = []
-    build_cache(config, log=logs.append)  # resumed: the teacher runs; only the new arrays are hashed
-    assert logs[0].startswith("shard 3/4") and hashed == list(ARRAY_NAMES)
+    build_cache(config, log=logs.append)  # resumed: the teacher runs; only shards and the new arrays are hashed
+    # the two shards skipped as done, then every shard merged, checked against their records
+    shards = [f"shard{index:06d}.npz" for index in range(4)]
+    assert logs[0].startswith("shard 3/4") and hashed == shards[:2] + shards + list(ARRAY_NAMES)
     hashed.clear()
     build_cache(config, log=logs.append)  # finished: checked, nothing hashed
     assert "already complete" in logs[-1] and hashed == []
@@ -503,7 +507,8 @@ def test_a_rerun_reads_only_the_inputs_whose_size_or_time_changed(tiny_data_bin,
     state = safe_load(teacher)
     state["note"] = "another checkpoint"
     torch.save(state, teacher)
-    with pytest.raises(TeacherCacheError, match="holds a cache of another teacher, data or k"):
+    with pytest.raises(TeacherCacheError, match="holds a cache made with other settings or inputs: "
+                                                "--teacher-checkpoint: other content here than in the record"):
         build_cache(config, log=logs.append)
 
 

@@ -2,14 +2,20 @@
 job array (--num-shards 2 --shard-id 0/1, run at once) and torchrun's two ranks each write, into one
 folder, the output of one process byte for byte; one worker merges (the merge lock, taken over
 from a merge killed on this host); a merge killed midway is finished by the next run; bad
-combinations are refused in one line naming the flag, before any work. CPU only, tiny teacher."""
+combinations are refused in one line naming the flag, before any work. Each shard is checked
+against its record (SHA-256, the pass's identity) when merged or skipped as done; workers whose
+settings or --num-shards differ from the pass's records are refused by name. CPU only, tiny teacher."""
+import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 from conftest import BIN, QUIET_ENV
 
 from fairseq_kd.teacher_pass import common, seqkd, teacher_cache
@@ -263,3 +269,230 @@ def test_force_with_several_workers_and_the_commands_refuse_in_one_line(tiny_dat
         assert exited.value.code == 2 and stderr.strip().splitlines()[-1] == (
             f"{prog}: error: --shard-id 3 needs --num-shards N, the number of workers of the job array")
     assert not (tmp_path / "out").exists() and not (tmp_path / "seqkd").exists()
+
+
+# ----------------------------------------------------------------------------- shards checked against their records
+PASSES = {"seqkd": (seqkd.run, seqkd_config, seqkd.SeqKDError, seqkd.WORK_DIR_NAME, ".pt"),
+          "teacher-cache": (build_cache, cache_config, TeacherCacheError, teacher_cache.SHARDS, ".npz")}
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def half_done(tiny_data_bin, tiny_teacher, tmp_path_factory):
+    """Each pass's folder after worker 0 of a job array of 2 (its shards written, the others not)."""
+    saved = {name: os.environ.pop(name) for name in LAUNCHER_VARIABLES if name in os.environ}
+    root = tmp_path_factory.mktemp("half_done")
+    try:
+        for name, (run, make_config, _, _, _) in PASSES.items():
+            run(make_config(tiny_data_bin, tiny_teacher, root / name, num_shards=2, shard_id=0), log=quiet)
+    finally:
+        os.environ.update(saved)
+    return root
+
+
+def snapshot(folder):
+    return {path.relative_to(folder).as_posix(): path.read_bytes() for path in sorted(folder.rglob("*"))
+            if path.is_file()}
+
+
+def shard_file(output, name, index):
+    _, _, _, work, suffix = PASSES[name]
+    return output / work / f"shard{index:06d}{suffix}"
+
+
+def edit_shard(path):
+    """Another shard of the same shape and format: one value changed, as an editor would."""
+    if path.suffix == ".npz":
+        with np.load(path) as stored:
+            arrays = dict(stored)
+        arrays["logprobs"][0, 0] -= 0.25
+        np.savez(path, **arrays)
+    else:
+        shard = torch.load(path, weights_only=True)
+        shard["tokens"][0] = shard["tokens"][0] + 1
+        edited = io.BytesIO()  # as the pass writes it (a file's name would change the archive's size)
+        torch.save(shard, edited)
+        path.write_bytes(edited.getvalue())
+
+
+def flip_a_byte(path):
+    """A disk error: one byte changed in the middle, size and modification time kept."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+DAMAGES = {"edited": (edit_shard, "is not the shard this pass wrote (its SHA-256 differs from "),
+           "a flipped byte": (flip_a_byte, "is not the shard this pass wrote (its SHA-256 differs from "),
+           "truncated": (truncate, "bytes where its record ")}
+
+
+def damage_keeping_time(path, damage):
+    stat = path.stat()
+    damage(path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def assert_refused_by_name(refused, output, work, shard_name, said):
+    message = str(refused.value)
+    assert message.startswith(f"--output {output}: {work}/{shard_name} "), message
+    assert said in message and message.endswith("it was deleted: re-run the same command to compute it again")
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+@pytest.mark.parametrize("name", sorted(PASSES))
+def test_a_shard_changed_on_disk_is_refused_by_name_when_merged(tiny_data_bin, tiny_teacher, one_process, half_done,
+                                                                tmp_path, no_launcher, name, damage):
+    """Worker 0 of a job array has written its shards; one changes on disk (an edit, a disk error
+    that keeps size and time, a truncation); worker 1, which writes the last shard, refuses to
+    merge it, naming it, and writes no output; the same command then computes it again."""
+    run, make_config, error, work, _ = PASSES[name]
+    output = tmp_path / name
+    shutil.copytree(half_done / name, output)
+    damaged = shard_file(output, name, 2)  # worker 0's
+    damage_keeping_time(damaged, DAMAGES[damage][0])
+    with pytest.raises(error) as refused:
+        run(make_config(tiny_data_bin, tiny_teacher, output, num_shards=2, shard_id=1), log=quiet)
+    assert_refused_by_name(refused, output, work, damaged.name, DAMAGES[damage][1])
+    assert not damaged.exists() and not damaged.with_suffix(".json").exists()
+    assert not (output / teacher_cache.MANIFEST).exists() and not (output / "train.src-tgt.tgt.bin").exists()
+    run(make_config(tiny_data_bin, tiny_teacher, output), log=quiet)  # the same command, as one process
+    assert_same_output(output, one_process[(SEQKD if name == "seqkd" else CACHE)[0]])
+
+
+def foreign_shard(tiny_data_bin, tiny_teacher, tmp_path, name):
+    """Shard 0 and its record as a pass of other settings (another --max-tokens) writes them."""
+    run, make_config, _, _, _ = PASSES[name]
+    other = tmp_path / "other"
+    with pytest.raises(Killed):
+        run(make_config(tiny_data_bin, tiny_teacher, other, max_tokens=2048),
+            log=lambda line: (_ for _ in ()).throw(Killed()) if "shard 1/" in line else None)
+    return shard_file(other, name, 0)
+
+
+RESUME_DAMAGES = {**DAMAGES, "from a pass of other settings": (None, "was written by a pass of other settings"),
+                  "without its record": (None, "has no valid record beside it (shard000000.json missing)")}
+
+
+@pytest.mark.parametrize("damage", ["edited", "a flipped byte", "from a pass of other settings", "without its record"])
+@pytest.mark.parametrize("name", sorted(PASSES))
+def test_a_shard_changed_on_disk_is_refused_by_name_when_a_resumed_run_skips_it(
+        tiny_data_bin, tiny_teacher, one_process, half_done, tmp_path, no_launcher, name, damage):
+    """A resumed run checks the shards it skips as done before it computes anything."""
+    run, make_config, error, work, _ = PASSES[name]
+    output = tmp_path / name
+    shutil.copytree(half_done / name, output)
+    (output / work / common.JOB_ARRAY_RECORD).unlink()  # resumed as one process
+    done = shard_file(output, name, 0)
+    if damage == "from a pass of other settings":
+        foreign = foreign_shard(tiny_data_bin, tiny_teacher, tmp_path, name)
+        shutil.copy2(foreign, done)
+        shutil.copy2(foreign.with_suffix(".json"), done.with_suffix(".json"))
+    elif damage == "without its record":
+        done.with_suffix(".json").unlink()
+    else:
+        damage_keeping_time(done, DAMAGES[damage][0])
+    before = {path.name for path in (output / work).iterdir()}
+    with pytest.raises(error) as refused:
+        run(make_config(tiny_data_bin, tiny_teacher, output), log=quiet)
+    assert_refused_by_name(refused, output, work, done.name, RESUME_DAMAGES[damage][1])
+    # nothing computed: the other shards as they were, the refused one deleted
+    assert {path.name for path in (output / work).iterdir()} == before - {done.name, done.with_suffix(".json").name}
+    run(make_config(tiny_data_bin, tiny_teacher, output), log=quiet)
+    assert_same_output(output, one_process[(SEQKD if name == "seqkd" else CACHE)[0]])
+
+
+# ----------------------------------------------------------------------------- workers agree on what changes the bytes
+def cuda_claimed(monkeypatch):
+    """This process believes a GPU is there (the device is part of a pass's identity)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    return dict(cpu=False)
+
+
+DISAGREEING = {
+    "seqkd": [
+        (dict(max_tokens=2048), "--max-tokens 2048 here, 4096 in the record"),
+        (dict(batch_size=8), "--batch-size 8 here, unset in the record"),
+        (dict(shard_size=32), "--shard-size 32 here, 64 in the record"),
+        (dict(beam=4), "--beam 4 here, 5 in the record"),
+        (dict(max_len_b=12), "--max-len-b 12 here, 10 in the record"),
+        (dict(lenpen=1.5), "--lenpen 1.5 here, 1.0 in the record"),
+        ("cuda", "the device (--cpu) cuda here, cpu in the record"),
+        ("cuda fp16", "the device (--cpu) cuda here, cpu in the record; --fp16 on here, off in the record"),
+    ],
+    "teacher-cache": [
+        (dict(max_tokens=2048), "--max-tokens 2048 here, 8192 in the record"),
+        (dict(shard_size=50), "--shard-size 50 here, 100 in the record"),
+        (dict(k=4), "--k 4 here, 3 in the record"),
+        (dict(fp16=True), "--fp16 on here, off in the record"),
+        ("cuda", "the device (--cpu) cuda here, cpu in the record"),
+    ],
+}
+
+
+@pytest.mark.parametrize("name, flags, said", [(name, flags, said) for name, cases in DISAGREEING.items()
+                                               for flags, said in cases],
+                         ids=[f"{name}: {said.split(' here')[0]}" for name, cases in DISAGREEING.items()
+                              for _, said in cases])
+def test_a_worker_whose_settings_differ_from_the_pass_record_is_refused_by_name_before_any_work(
+        tiny_data_bin, tiny_teacher, half_done, tmp_path, monkeypatch, no_launcher, name, flags, said):
+    run, make_config, error, _, _ = PASSES[name]
+    output = tmp_path / name
+    shutil.copytree(half_done / name, output)
+    if isinstance(flags, str):
+        flags = {**cuda_claimed(monkeypatch), **(dict(fp16=True) if "fp16" in flags else {})}
+    before = snapshot(output)
+    with pytest.raises(error) as refused:
+        run(make_config(tiny_data_bin, tiny_teacher, output, num_shards=2, shard_id=1, **flags), log=quiet)
+    message = str(refused.value)
+    assert said in message and "\n" not in message, message
+    assert snapshot(output) == before  # worker 1 computed nothing, and the record is worker 0's
+
+
+@pytest.mark.parametrize("name", sorted(PASSES))
+def test_workers_starting_at_once_with_other_settings_cannot_both_write_the_record(
+        tiny_data_bin, tiny_teacher, tmp_path, monkeypatch, no_launcher, name):
+    """Worker 1 reads the empty folder before worker 0 writes its record: it still finds worker
+    0's record when it creates its own, and is refused by name before any work."""
+    run, make_config, error, _, _ = PASSES[name]
+    output = tmp_path / name
+    worker_1 = make_config(tiny_data_bin, tiny_teacher, output, num_shards=2, shard_id=1, max_tokens=2048)
+    set_up = seqkd.plan if name == "seqkd" else teacher_cache._set_up
+    stale = set_up(worker_1)  # what worker 1 saw at its start
+    run(make_config(tiny_data_bin, tiny_teacher, output, num_shards=2, shard_id=0), log=quiet)
+    before = snapshot(output)
+    monkeypatch.setattr(*((seqkd, "plan") if name == "seqkd" else (teacher_cache, "_set_up")), lambda config: stale)
+    with pytest.raises(error) as refused:
+        run(worker_1, log=quiet)
+    default = 4096 if name == "seqkd" else 8192
+    assert f"--max-tokens 2048 here, {default} in the record" in str(refused.value)
+    assert snapshot(output) == before
+
+
+@pytest.mark.parametrize("name", sorted(PASSES))
+def test_job_array_workers_that_disagree_on_num_shards_are_refused_so_that_someone_merges(
+        tiny_data_bin, tiny_teacher, one_process, half_done, tmp_path, no_launcher, name):
+    run, make_config, error, work, _ = PASSES[name]
+    output = tmp_path / name
+    shutil.copytree(half_done / name, output)  # worker 0 of 2 is done
+    before = snapshot(output)
+    with pytest.raises(error) as refused:  # its shards would be 1, 4, ...: shard 3 would have no worker
+        run(make_config(tiny_data_bin, tiny_teacher, output, num_shards=3, shard_id=1), log=quiet)
+    record = output / work / common.JOB_ARRAY_RECORD
+    message = str(refused.value)
+    assert message.startswith(f"--num-shards 3 here, 2 in the job array's record at {record}: give every worker "
+                              "of the array the same --num-shards") and "\n" not in message
+    assert snapshot(output) == before
+    # the array's own worker 1 finishes and merges
+    run(make_config(tiny_data_bin, tiny_teacher, output, num_shards=2, shard_id=1), log=quiet)
+    assert_same_output(output, one_process[(SEQKD if name == "seqkd" else CACHE)[0]])

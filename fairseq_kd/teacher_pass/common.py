@@ -8,10 +8,13 @@
 * shards: the split cut into shards of consecutive sentence ids, each batched as fairseq-generate
   batches (sorted by length, ``batch_by_size``) independently of the other shards, so a resumed
   pass batches as an uninterrupted one;
-* the resumable record: a job's record (its manifest) holds its settings and its inputs'
-  fingerprints (:mod:`fairseq_kd.fingerprint`); two records describe the same output when their
-  :func:`identity` is equal; a record of an older format is refused in one line
-  (:func:`refuse_older_format`);
+* the resumable record: a job's record (its manifest) holds every setting that changes its bytes
+  and its inputs' fingerprints (:mod:`fairseq_kd.fingerprint`); two records describe the same
+  output when their :func:`identity` is equal; the first worker creates it (:func:`create_record`),
+  the others are refused by name when theirs differs (:func:`identity_differences`); a record of
+  an older format is refused in one line (:func:`refuse_older_format`); each shard has a record
+  beside it, written before the shard, with its SHA-256 and the pass's identity, checked when a
+  run skips the shard as done and when the shards are merged (:func:`shard_problem`);
 * progress: per-sentence progress bar on a terminal, shard lines above it (:func:`shard_progress`);
 * workers: a pass split over several processes writing into one output folder, the fairseq way
   (:func:`workers_for`): a job array's ``--num-shards N --shard-id I``, or the ranks of ``torchrun``
@@ -21,7 +24,8 @@
   byte. The shards are merged into the final output once, when every shard exists
   (:func:`merge_when_complete`): by rank 0 after a barrier (torch.distributed, gloo), or in a job
   array by the worker that writes the last shard, under an exclusive lock file
-  (:func:`merge_lock`); the others say in one line what remains or who merges. Files that
+  (:func:`merge_lock`); the others say in one line what remains or who merges. A job array's
+  workers must agree on ``--num-shards`` (:func:`agree_on_num_shards`). Files that
   several workers may write at once are written through temporary files of their own
   (:func:`replace_atomically`; records through :func:`fairseq_kd.fingerprint.write_json`).
 
@@ -46,7 +50,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator, List, Mapping, Option
 import numpy as np
 import torch
 
-from ..fingerprint import content, read_json
+from ..fingerprint import bytes_sha256, content, file_sha256, read_json, write_json
 from ..progress import print_above_bars, progress_bar
 
 #: seed of the tie-breaking shuffle in ``ordered_indices`` (fairseq-generate's default --seed)
@@ -140,11 +144,17 @@ def teacher_fingerprint(path: Path, recorded: Optional[dict] = None) -> Optional
     return {**files, "sha256": folder_sha256(path, digests)}
 
 
+def device_kind(cpu: bool) -> str:
+    """``"cuda"`` when torch sees a GPU and ``cpu`` is not asked, else ``"cpu"``: the device a pass
+    runs on, part of its identity (the same teacher computes other floating-point bytes on each)."""
+    return "cpu" if cpu or not torch.cuda.is_available() else "cuda"
+
+
 def pick_device(cpu: bool, workers: Optional["Workers"] = None) -> torch.device:
-    """CUDA when torch sees a GPU and ``cpu`` is not asked, else the CPU; a rank of ``torchrun`` or
-    ``srun`` takes GPU ``LOCAL_RANK`` (modulo the GPUs it sees: one each when the launcher gives
-    each rank its own, as ``srun --gpus-per-task=1`` does)."""
-    if cpu or not torch.cuda.is_available():
+    """The device of :func:`device_kind`; a rank of ``torchrun`` or ``srun`` takes GPU
+    ``LOCAL_RANK`` (modulo the GPUs it sees: one each when the launcher gives each rank its own, as
+    ``srun --gpus-per-task=1`` does)."""
+    if device_kind(cpu) == "cpu":
         return torch.device("cpu")
     if workers is None or not workers.ranks:
         return torch.device("cuda")
@@ -228,6 +238,69 @@ def identity(settings: Mapping, inputs: Mapping) -> dict:
     return {**settings, **{name: content(recorded) for name, recorded in inputs.items()}}
 
 
+def identity_differences(recorded: Mapping, current: Mapping, labels: Mapping[str, str],
+                         inputs: Iterable[str]) -> List[str]:
+    """For each key on which two identities (:func:`identity`) differ, sorted: ``--max-tokens 4096
+    here, 2048 in the record`` for a setting (``labels``: its flag), ``--teacher-checkpoint: other
+    content here than in the record`` for one of the ``inputs``."""
+    inputs = set(inputs)
+    phrases = []
+    for key in sorted(set(recorded) | set(current)):
+        here, there = current.get(key), recorded.get(key)
+        if here == there:
+            continue
+        label = labels.get(key, key)
+        if key in inputs:
+            phrases.append(f"{label}: other content here than in the record")
+        else:
+            phrases.append(f"{label} {_shown(here)} here, {_shown(there)} in the record")
+    return phrases
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "unset" if value is None else str(value)
+
+
+def create_record(path: Path, record: dict) -> Optional[dict]:
+    """Write ``record`` as ``path`` unless a record is there: None when this process wrote it, else
+    the record found (``{}`` when unreadable). Workers that start at once cannot both write it: a
+    complete temporary file of this process is hard-linked to the name, which fails when it exists
+    (where the filesystem has no hard links, the name is created with ``O_EXCL`` and written)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = (json.dumps(record, indent=1, sort_keys=True) + "\n").encode("utf-8")
+    temporary = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    temporary.write_bytes(text)
+    try:
+        os.link(temporary, path)
+        return None
+    except FileExistsError:
+        return _settled_record(path)
+    except OSError:  # no hard links here
+        try:
+            handle = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return _settled_record(path)
+        with os.fdopen(handle, "wb") as written:
+            written.write(text)
+        return None
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def _settled_record(path: Path, attempts: int = 50) -> dict:
+    """The record at ``path``, waiting a little while it is unreadable (only a record created
+    without hard links can be seen half-written); ``{}`` when it stays unreadable."""
+    for _attempt in range(attempts):
+        record = read_json(path)
+        if isinstance(record, dict):
+            return record
+        time.sleep(0.1)
+    return {}
+
+
 def refuse_older_format(found, current, what: str, rerun: str, error: Type[Exception]) -> None:
     """Refuse, in one line, a record ``what`` whose ``format`` ``found`` is not ``current``."""
     if found != current:
@@ -250,6 +323,57 @@ def replace_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
 def is_temporary(path: Path) -> bool:
     """Whether ``path`` is a temporary file of :func:`replace_atomically` (left by a killed worker)."""
     return path.name.startswith(".") and path.name.endswith(".tmp")
+
+
+# ----------------------------------------------------------------------------- shards and their records
+SHARD_RECORD_FORMAT = "fairseq-kd-teacher-pass-shard/1"
+
+
+def shard_record_path(shard: Path) -> Path:
+    """The record beside a shard file: ``shard000003.npz`` -> ``shard000003.json``."""
+    return Path(shard).with_suffix(".json")
+
+
+def write_shard(path: Path, payload: bytes, pass_identity: str, index: int, sentences: Tuple[int, int]) -> None:
+    """Write shard ``index`` (sentence ids ``sentences``, ``[first, last)``) of the pass whose
+    identity digest is ``pass_identity``: its record first (the bytes' size and SHA-256), then the
+    shard, each atomically; the shard's presence marks it done, so a done shard always has its
+    record (a kill between the two leaves a record without a shard: not done)."""
+    write_json(shard_record_path(path), {
+        "format": SHARD_RECORD_FORMAT, "pass": pass_identity, "shard": index, "sentences": list(sentences),
+        "size": len(payload), "sha256": bytes_sha256(payload)})
+    replace_atomically(path, lambda handle: handle.write(payload))
+
+
+def shard_problem(path: Path, pass_identity: str, index: int, sentences: Tuple[int, int]) -> Optional[str]:
+    """Why the done shard ``path`` is not what this pass wrote there (its record missing or of
+    another pass or shard, its bytes truncated or changed since: the whole file is hashed, as a
+    disk error keeps the size and the modification time), or None."""
+    record_path = shard_record_path(path)
+    record = read_json(record_path)
+    if not isinstance(record, dict) or record.get("format") != SHARD_RECORD_FORMAT:
+        found = "missing" if not record_path.exists() else "unreadable or of another format"
+        return f"has no valid record beside it ({record_path.name} {found})"
+    if record.get("pass") != pass_identity:
+        return f"was written by a pass of other settings or inputs (its record {record_path.name} says so)"
+    if record.get("shard") != index or record.get("sentences") != list(sentences):
+        return (f"is recorded in {record_path.name} as another shard than {index} "
+                f"(sentences {sentences[0]}..{sentences[1] - 1})")
+    size = path.stat().st_size
+    if size != record.get("size"):
+        return f"is {size} bytes where its record {record_path.name} says {record.get('size')}: truncated or changed"
+    if file_sha256(path) != record.get("sha256"):
+        return f"is not the shard this pass wrote (its SHA-256 differs from {record_path.name}'s): changed on disk"
+    return None
+
+
+def refuse_shard(path: Path, problem: str, what: str, error: Type[Exception]) -> None:
+    """Delete a shard that :func:`shard_problem` refuses, and its record, then raise ``error`` in
+    one line naming it (``what``: the flag and folder, and the shard's path inside it): the same
+    command computes it again."""
+    Path(path).unlink(missing_ok=True)
+    shard_record_path(path).unlink(missing_ok=True)
+    raise error(f"{what} {problem}; it was deleted: re-run the same command to compute it again")
 
 
 # ----------------------------------------------------------------------------- workers
@@ -408,6 +532,25 @@ def wait_for_ranks(workers: Workers) -> None:
         import torch.distributed as dist
 
         dist.barrier()
+
+
+JOB_ARRAY_RECORD = "job_array.json"
+
+
+def agree_on_num_shards(folder: Path, workers: Workers, error: Type[Exception]) -> None:
+    """A job array's worker records its ``--num-shards`` in ``folder`` (the pass's work folder,
+    removed by the merge) or is refused, before any work, when the array's record holds another:
+    with two counts some shards belong to no worker, and every worker would exit 0 while none
+    merges. One process (no ``--num-shards``) and torchrun's or srun's ranks are not concerned."""
+    if workers.launcher != JOB_ARRAY:
+        return
+    path = Path(folder) / JOB_ARRAY_RECORD
+    found = create_record(path, {"num_shards": workers.count})
+    if found is not None and found.get("num_shards") != workers.count:
+        raise error(f"--num-shards {workers.count} here, {found.get('num_shards')} in the job array's record at "
+                    f"{path}: give every worker of the array the same --num-shards (a run without --num-shards "
+                    f"finishes the rest alone; once no worker of that array runs, deleting {path} lets another "
+                    "split start)")
 
 
 # ----------------------------------------------------------------------------- merging once

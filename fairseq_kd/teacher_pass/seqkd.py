@@ -16,8 +16,10 @@ accepts as it is:
 
 Decoding is resumable. The split is cut into shards of ``shard_size`` consecutive sentence ids;
 each finished shard is written to ``<output>/seqkd_work/`` atomically (temporary file, then
-rename) and skipped by a re-run with the same parameters, so an interrupted run continues where it
-stopped and never decodes a sentence twice. Within a shard, sentences are batched like
+rename), after its record (``shardNNNNNN.json``: its SHA-256 and the pass's identity), and skipped
+by a re-run with the same parameters, so an interrupted run continues where it stopped and never
+decodes a sentence twice. A shard skipped as done and every shard merged is hashed and compared
+with its record first: a changed, truncated or foreign one is deleted and refused by name. Within a shard, sentences are batched like
 ``fairseq-generate`` does (sorted by length, ``batch_by_size``). Once every shard exists the
 binaries are written (again via temporary names), the manifest is marked complete and the shards
 are deleted; a re-run with the same parameters is then a no-op.
@@ -28,23 +30,25 @@ shards (shard ``i`` is worker ``i % N``'s), and the binaries are written once, b
 barrier or by the array's worker that writes the last shard (under ``seqkd_work/merge.lock``).
 Shards are batched alone, so the output is one process's byte for byte. Each worker of the
 ``ctranslate2`` engine converts its own teacher (``ctranslate2_teacher_worker<I>``). ``force``
-needs one process (each worker would delete the others' shards).
+needs one process (each worker would delete the others' shards). The first worker writes the
+manifest; one whose settings differ is refused by name, as is a job array's worker whose
+``--num-shards`` differs from the array's record.
 
 What identifies the output (a re-run with other values is refused unless ``force``): the source
 data (split, languages, and the content of the split's binaries and of the dictionaries), the
-teacher checkpoint's content, beam, length limits, length penalty, fp16 and shard size; contents,
-not paths, so moved folders still resume (the paths are recorded in the manifest too). The inputs
-are recorded as fingerprints (:mod:`fairseq_kd.fingerprint`: size, modification time, SHA-256), so a re-run
-re-reads only files whose size or time changed, never an unchanged teacher checkpoint. Batch size,
-max tokens and the device are not part of the identity: they change the hypotheses only through
-floating-point rounding and through fairseq's length limit, which ``SequenceGenerator`` derives from
-the longest (padded) source of a batch (``max_len_a * src_len + max_len_b``), as in fairseq-generate.
+teacher checkpoint's content, and every setting that changes the hypotheses' bytes: beam, length
+limits, length penalty, fp16, shard size, max tokens and batch size (fairseq's length limit comes
+from the longest padded source of a batch, ``max_len_a * src_len + max_len_b``, and padding changes
+the rounding), the device (CPU or CUDA) and the engine's settings below; contents, not paths, so
+moved folders still resume (the paths are recorded in the manifest too). The inputs are recorded
+as fingerprints (:mod:`fairseq_kd.fingerprint`: size, modification time, SHA-256), so a re-run
+re-reads only files whose size or time changed, never an unchanged teacher checkpoint.
 
-``seqkd.json`` (format 2): ``format``, ``parameters`` (the settings above), ``inputs``
+``seqkd.json`` (format 3): ``format``, ``parameters`` (the settings above), ``inputs``
 (``split_files``, ``dictionaries``: fingerprints of those files; ``teacher``: the checkpoint's),
 then ``status``, counts, paths and, once complete, the output files' sizes. A manifest of another
-format (format 1 had none) is refused in one line: decode anew with ``--force`` or into another
-folder. Set-up, shards and the record's identity are the teacher pass's
+format (format 1 had none; format 2 lacked the batching and the device, and the shards' records) is
+refused in one line: decode anew with ``--force`` or into another folder. Set-up, shards and the record's identity are the teacher pass's
 (:mod:`fairseq_kd.teacher_pass.common`), shared with the teacher cache.
 
 Engines (``engine``). ``fairseq`` (the default) decodes with fairseq's ``SequenceGenerator`` as
@@ -57,7 +61,8 @@ per-batch length limit, ``threads`` parallel one-thread workers on the CPU, CUDA
 binaries and manifest are the same. In float32 its hypotheses are fairseq's token for token with
 beam 1; with a larger beam most sentences agree, the rest differ on near-ties and on hypotheses cut
 by the length limit (fairseq lets a forced ``</s>`` at the limit compete in the beam; CTranslate2
-stops). The engine and, for ``ctranslate2``, the quantisation are part of the identity; a manifest
+stops). The engine and, for ``ctranslate2``, the quantisation and the batch split of ``threads``
+(``ct2_batch_parts``, recorded when ``threads`` > 1 on the CPU) are part of the identity; a manifest
 written before engines existed has none and counts as ``fairseq``. ``fp16`` is for fairseq and
 transformers: use ``ct2_quantization`` ``float16`` or ``int8_float16`` on CUDA. The complete
 manifest's ``decoding`` section records the engine, the quantisation and CTranslate2's (or
@@ -78,6 +83,7 @@ it was.
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import math
 import os
@@ -92,17 +98,18 @@ import torch
 
 from ..deploy.export_ctranslate2 import QUANTIZATIONS
 from ..cli.user_errors import FOLDER, OUTPUT_FOLDER, PathError, require_path
-from ..fingerprint import fingerprint_files, write_json
+from ..fingerprint import fingerprint_files, record_sha256, write_json
 from ..models.teacher import is_hugging_face_folder, teacher_file_problem
-from .common import (JOB_ARRAY, MERGED, MERGED_BEFORE, SHARDS_REMAIN, Workers, check_max_tokens, identity,
-                     infer_languages, length_ordered_indices, load_split, load_teacher, merge_lock, merge_when_complete,
+from .common import (JOB_ARRAY, MERGED, MERGED_BEFORE, SHARDS_REMAIN, Workers, agree_on_num_shards, check_max_tokens,
+                     create_record, device_kind, identity, identity_differences, infer_languages, is_temporary,
+                     length_ordered_indices, load_split, load_teacher, merge_lock, merge_when_complete,
                      num_shards_field, on_device, pick_device, rank_group, read_record, refuse_older_format,
-                     replace_atomically, shard_batches, shard_id_field, shard_progress, shard_range, split_files,
-                     teacher_fingerprint, translation_task, wait_for_ranks, workers_for)
+                     refuse_shard, shard_batches, shard_id_field, shard_problem, shard_progress, shard_range,
+                     split_files, teacher_fingerprint, translation_task, wait_for_ranks, workers_for, write_shard)
 
 MANIFEST_NAME = "seqkd.json"
 WORK_DIR_NAME = "seqkd_work"
-FORMAT_VERSION = 2  # seqkd.json's "format"
+FORMAT_VERSION = 3  # seqkd.json's "format"
 #: decoding engines (``--engine``); ``auto`` is ``transformers`` for a Hugging Face folder, ``fairseq`` otherwise
 ENGINES = ("fairseq", "ctranslate2", "transformers")
 AUTO_ENGINE = "auto"
@@ -111,6 +118,14 @@ CT2_TEACHER_DIR = "ctranslate2_teacher"
 #: identity parameters a manifest may lack because it was written before they existed, and the value
 #: such a manifest was made with
 PARAMETER_DEFAULTS = {"engine": "fairseq"}
+#: how a refusal names each parameter and input of the identity
+LABELS = {"split": "--split", "source_lang": "--source-lang", "target_lang": "--target-lang", "beam": "--beam",
+          "max_len_a": "--max-len-a", "max_len_b": "--max-len-b", "lenpen": "--lenpen", "fp16": "--fp16",
+          "shard_size": "--shard-size", "engine": "--engine", "ct2_quantization": "--ct2-quantization",
+          "ct2_batch_parts": "the batch split of --threads", "max_tokens": "--max-tokens",
+          "batch_size": "--batch-size", "device": "the device (--cpu)", "split_files": "the split's files (--data)",
+          "dictionaries": "the dictionaries (--data)", "teacher": "--teacher-checkpoint"}
+INPUTS = ("split_files", "dictionaries", "teacher")
 
 
 class SeqKDError(ValueError):
@@ -245,6 +260,11 @@ class _Plan:
         return {"format": FORMAT_VERSION, "parameters": self.parameters, "inputs": self.inputs}
 
     @property
+    def identity_digest(self) -> str:
+        """The SHA-256 of this pass's identity, which each shard's record carries."""
+        return record_sha256(_identity(self.record))
+
+    @property
     def work(self) -> Path:
         return self.output / WORK_DIR_NAME
 
@@ -342,9 +362,15 @@ def plan(config: SeqKDConfig) -> _Plan:
         "fp16": config.fp16,
         "shard_size": config.shard_size,
         "engine": config.engine,
+        "max_tokens": config.max_tokens,
+        "batch_size": config.batch_size,
+        "device": device_kind(config.cpu),
     }
     if config.engine == "ctranslate2":
         parameters["ct2_quantization"] = config.ct2_quantization
+        # CTranslate2Engine splits each batch into --threads parts on the CPU, each padded alone
+        if config.threads > 1 and parameters["device"] == "cpu":
+            parameters["ct2_batch_parts"] = config.threads
     inputs = {
         "split_files": fingerprint_files(files, recorded.get("split_files")),
         "dictionaries": fingerprint_files(dictionaries, recorded.get("dictionaries")),
@@ -382,7 +408,8 @@ def _check_output_folder(plan_: _Plan, manifest: Optional[dict]) -> Optional[dic
     """The manifest to resume from (None: start afresh); refuses a folder holding other data or
     a manifest of another format."""
     output = plan_.output
-    if not output.exists() or not any(output.iterdir()):
+    # a worker starting at the same time may be creating the manifest (its temporary file)
+    if not output.exists() or all(is_temporary(path) for path in output.iterdir()):
         return None
     manifest_path = output / MANIFEST_NAME
     if manifest is not None and not plan_.config.force:
@@ -402,11 +429,19 @@ def _check_output_folder(plan_: _Plan, manifest: Optional[dict]) -> Optional[dic
             f"--output {output} is not empty and was not written by this command with these settings "
             f"(no readable {MANIFEST_NAME}; it holds {listing}, ...). Choose an empty or new folder, or "
             "pass --force to replace the binarised dataset in it.")
+    _refuse_other_settings(plan_, manifest)
+
+
+def _refuse_other_settings(plan_: _Plan, manifest: dict) -> None:
+    """Refuse, naming each setting that differs with both values, an output whose manifest
+    records another dataset than ``plan_``'s."""
+    old, new = _identity(manifest), _identity(plan_.record)
     differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    details = "; ".join(identity_differences(old, new, LABELS, INPUTS))
     raise SeqKDError(
-        f"--output {output} holds a sequence-KD dataset made with other settings (differing: "
-        f"{', '.join(differing)}; see {manifest_path}). Choose another folder, or pass --force to "
-        "discard it and decode anew.")
+        f"--output {plan_.output} holds a sequence-KD dataset made with other settings (differing: "
+        f"{', '.join(differing)}; see {plan_.output / MANIFEST_NAME}): {details}. Give every worker the recorded "
+        "settings, choose another folder, or pass --force to discard it and decode anew.")
 
 
 def _clear_for_force(plan_: _Plan) -> None:
@@ -556,25 +591,29 @@ def _decode_shard(plan_: _Plan, dataset, decode: Decoder, ordered, index: int,
         "lengths": torch.tensor([len(t) for t in tokens], dtype=torch.long),
         "tokens": torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.int32),
     }
-    replace_atomically(plan_.shard_path(index), lambda handle: torch.save(shard, handle))
+    payload = io.BytesIO()
+    torch.save(shard, payload)
+    write_shard(plan_.shard_path(index), payload.getvalue(), plan_.identity_digest, index, (first, last))
     return len(ids)
 
 
-def _read_shard(plan_: _Plan, index: int, sentences: int) -> Optional[List[torch.Tensor]]:
-    """Hypotheses of a finished shard, or None when it is missing or not a valid shard."""
+def _read_shard(plan_: _Plan, index: int, sentences: int) -> List[torch.Tensor]:
+    """Hypotheses of a finished shard (checked against its record by :func:`_check_shards`); one
+    that does not hold them is deleted and refused (a shard of a faulty decoder: re-run)."""
     path = plan_.shard_path(index)
-    if not path.is_file():
-        return None
+    first, last = shard_range(index, plan_.config.shard_size, sentences)
     try:
         shard = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # noqa: BLE001 - an unreadable shard is decoded again
-        return None
-    first, last = shard_range(index, plan_.config.shard_size, sentences)
-    expected = last - first
-    if (not isinstance(shard, dict) or shard.get("first_id") != first or shard.get("count") != expected
-            or int(shard["lengths"].sum()) != shard["tokens"].numel()):
-        return None
-    return list(torch.split(shard["tokens"], shard["lengths"].tolist()))
+    except Exception as error:  # noqa: BLE001 - whatever torch says, the shard is refused by name
+        problem = f"is unreadable ({str(error).splitlines()[0] if str(error) else type(error).__name__})"
+    else:
+        valid = (isinstance(shard, dict) and shard.get("first_id") == first and shard.get("count") == last - first
+                 and isinstance(shard.get("lengths"), torch.Tensor) and isinstance(shard.get("tokens"), torch.Tensor)
+                 and len(shard["lengths"]) == last - first and int(shard["lengths"].sum()) == shard["tokens"].numel())
+        if valid:
+            return list(torch.split(shard["tokens"], shard["lengths"].tolist()))
+        problem = f"does not hold the hypotheses of sentences {first}..{last - 1}"
+    refuse_shard(path, problem, f"--output {plan_.output}: {WORK_DIR_NAME}/{path.name}", SeqKDError)
 
 
 def _binarize(plan_: _Plan, dataset, task, shard_count: int) -> Dict[str, int]:
@@ -592,10 +631,7 @@ def _binarize(plan_: _Plan, dataset, task, shard_count: int) -> Dict[str, int]:
     eos = task.target_dictionary.eos()
     sentence_id = 0
     for index in range(shard_count):
-        hypotheses = _read_shard(plan_, index, len(dataset))
-        if hypotheses is None:
-            raise RuntimeError(f"shard {plan_.shard_path(index)} vanished or is corrupt; re-run to decode it")
-        for hypothesis in hypotheses:
+        for hypothesis in _read_shard(plan_, index, len(dataset)):
             source = dataset.src[sentence_id]
             writers[plan_.src][1].add_item(source)
             writers[plan_.tgt][1].add_item(hypothesis.long())
@@ -642,6 +678,29 @@ def _missing_shards(plan_: _Plan, shard_count: int) -> List[int]:
     return [index for index in range(shard_count) if not plan_.shard_path(index).is_file()]
 
 
+def _check_shards(plan_: _Plan, shards: List[int], sentences: int) -> None:
+    """Refuse (:func:`fairseq_kd.teacher_pass.common.refuse_shard`) the first of these done shards
+    that is not what its record says this pass wrote."""
+    for index in shards:
+        path = plan_.shard_path(index)
+        try:
+            problem = shard_problem(path, plan_.identity_digest, index,
+                                    shard_range(index, plan_.config.shard_size, sentences))
+        except FileNotFoundError:  # removed meanwhile by a merge of another worker
+            continue
+        if problem is not None:
+            refuse_shard(path, problem, f"--output {plan_.output}: {WORK_DIR_NAME}/{path.name}", SeqKDError)
+
+
+def _own_pending_shards(plan_: _Plan, workers: Workers, sentences: int, shard_count: int) -> List[int]:
+    """This worker's shards not decoded yet, once those done are checked against their records."""
+    owned = workers.owned(range(shard_count))
+    if _is_complete(plan_):  # merged meanwhile by another worker
+        return []
+    _check_shards(plan_, [index for index in owned if plan_.shard_path(index).is_file()], sentences)
+    return [index for index in owned if not plan_.shard_path(index).is_file()]
+
+
 def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
     """Decode, resume or confirm the sequence-KD dataset described by ``config``: all of it, or
     this worker's shards when the pass is split (``--num-shards/--shard-id``, torchrun, srun; see
@@ -657,12 +716,13 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
     task, dataset, model, device = _load(plan_, workers)  # teacher and length checks: still before any work
     sentences, shard_count = len(dataset), math.ceil(len(dataset) / config.shard_size)
     output_existed = plan_.output.exists()
-    manifest = _start_manifest(plan_, sentences, shard_count)
+    manifest = _start_manifest(plan_, workers, sentences, shard_count)
+    pending = _own_pending_shards(plan_, workers, sentences, shard_count)
     ct2_model = _prepare_ctranslate2(plan_, workers, output_existed) if plan_.config.engine == "ctranslate2" else None
     decode = make_decoder(plan_, task, dataset, model, device, ct2_model)
     del model  # the CTranslate2 engine holds its own copy of the teacher; fairseq's decoder keeps its own
     with rank_group(workers):
-        decoded_now, seconds, left = _decode_own_shards(plan_, dataset, decode, workers, device, log)
+        decoded_now, seconds, left = _decode_own_shards(plan_, dataset, decode, workers, device, pending, log)
         wait_for_ranks(workers)
         outcome = None if left else merge_when_complete(
             plan_.work, workers, shard_count, missing=lambda: _missing_shards(plan_, shard_count),
@@ -696,16 +756,27 @@ def _confirm_complete(plan_: _Plan, log: Callable[[str], None]) -> SeqKDResult:
     return SeqKDResult("up_to_date", plan_.output, sentences, 0, 0.0, shards, shards)
 
 
-def _start_manifest(plan_: _Plan, sentences: int, shard_count: int) -> dict:
-    """The work folder and the manifest of a decoding in progress, written first (a run killed
-    while converting resumes) unless the same is there (several workers start alike)."""
-    if plan_.manifest is None and plan_.config.force:
-        _clear_for_force(plan_)  # --force: one process only (run())
-    plan_.work.mkdir(parents=True, exist_ok=True)
+def _start_manifest(plan_: _Plan, workers: Workers, sentences: int, shard_count: int) -> dict:
+    """The manifest of a decoding in progress, then the work folder, written first (a run killed
+    while converting resumes) unless the same is there (several workers start alike): the first
+    of several workers starting at once writes the manifest, the others are refused by name
+    when their settings differ from it, or, in a job array, their ``--num-shards``."""
     manifest = {**plan_.record, "status": "decoding", "sentences": sentences, "shards": shard_count,
                 "data": str(plan_.data), "teacher_checkpoint": str(Path(plan_.config.teacher_checkpoint).resolve())}
-    if manifest != plan_.manifest:
+    if plan_.manifest is None and plan_.config.force:
+        _clear_for_force(plan_)  # --force: one process only (run())
         write_json(plan_.output / MANIFEST_NAME, manifest)
+    elif plan_.manifest is None:
+        found = create_record(plan_.output / MANIFEST_NAME, manifest)
+        if found is not None:  # another worker wrote it first
+            refuse_older_format(found.get("format"), FORMAT_VERSION, f"--output {plan_.output}: {MANIFEST_NAME}",
+                                "decode anew: pass --force, or choose another folder", SeqKDError)
+            if _identity(found) != _identity(plan_.record):
+                _refuse_other_settings(plan_, found)
+    elif manifest != plan_.manifest:
+        write_json(plan_.output / MANIFEST_NAME, manifest)
+    plan_.work.mkdir(parents=True, exist_ok=True)
+    agree_on_num_shards(plan_.work, workers, SeqKDError)
     return manifest
 
 
@@ -724,16 +795,16 @@ def _prepare_ctranslate2(plan_: _Plan, workers: Workers, output_existed: bool) -
         raise
 
 
-def _decode_own_shards(plan_: _Plan, dataset, decode: Decoder, workers: Workers, device,
+def _decode_own_shards(plan_: _Plan, dataset, decode: Decoder, workers: Workers, device, pending: List[int],
                        log: Callable[[str], None]) -> Tuple[int, float, List[int]]:
-    """Decode this worker's shards not written yet (at most ``max_shards``): ``(sentences decoded,
-    seconds, own shards left undecoded)``; nothing when another worker has merged meanwhile."""
+    """Decode ``pending``, this worker's shards not written yet (:func:`_own_pending_shards`; at
+    most ``max_shards``): ``(sentences decoded, seconds, own shards left undecoded)``; nothing
+    when another worker has merged meanwhile."""
     if _is_complete(plan_):
         return 0, 0.0, []
     config, sentences = plan_.config, len(dataset)
     shard_count = math.ceil(sentences / config.shard_size)
     owned = workers.owned(range(shard_count))
-    pending = [i for i in owned if _read_shard(plan_, i, sentences) is None]
     if len(pending) < len(owned):
         log(f"{workers.label}resuming: {len(owned) - len(pending)} of {len(owned)} shards already decoded")
     to_decode = pending if config.max_shards is None else pending[:config.max_shards]
@@ -757,6 +828,7 @@ def _merge(plan_: _Plan, dataset, task, manifest: dict, device) -> None:
     """Every shard exists: write the binaries and the other splits, mark the manifest complete
     and delete the shards (one worker, under the merge lock)."""
     shard_count = manifest["shards"]
+    _check_shards(plan_, list(range(shard_count)), len(dataset))
     stats = _binarize(plan_, dataset, task, shard_count)
     copied = _copy_other_splits(plan_)
     written = [p.name for lang in (plan_.src, plan_.tgt) for p in

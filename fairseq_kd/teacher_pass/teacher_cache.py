@@ -19,11 +19,14 @@ temperature 1) and their token ids (int32), plain ``.npy`` arrays beside a manif
     DIR/topk_ids.npy        int32 (tokens, k)
 
 The build is resumable at any moment: ``progress.json`` (the cache's settings and inputs) is
-written first; sentences are processed in shards of ``shard_size`` ids, each written whole as
+written first, by the first worker (the others are refused by name when their settings differ);
+sentences are processed in shards of ``shard_size`` ids, each written whole as
 ``DIR/shards/shardNNNNNN.npz`` (a temporary file renamed once complete: a shard that exists is
-complete), and once every shard exists they are merged into the three arrays (staged in
-``shards/``, renamed into place), ``cache.json`` is written last and the shards are deleted; a
-folder without ``cache.json`` is never read as a cache. The merge needs the cache's size twice on
+complete) after its record ``shardNNNNNN.json`` (its SHA-256 and the cache's identity), and once
+every shard exists they are merged into the three arrays (staged in ``shards/``, renamed into
+place), ``cache.json`` is written last and the shards are deleted; a folder without ``cache.json``
+is never read as a cache. A shard skipped as done and every shard merged is hashed and compared
+with its record first: a changed, truncated or foreign one is deleted and refused by name. The merge needs the cache's size twice on
 disk for a moment. A re-run passes the recorded fingerprints back, so an unchanged teacher
 checkpoint or split is not read again. The pass can be split over workers (``--num-shards
 --shard-id``, torchrun, srun: :mod:`fairseq_kd.teacher_pass.common`), into the same arrays.
@@ -51,9 +54,12 @@ rewrite changes the time; copies made with ``cp -p``, ``rsync -a`` or a move kee
 are refused at once, and only files of the same sizes but other times are hashed again and
 compared by content.
 
-A cache (or ``progress.json``) of another format (``fairseq-kd-teacher-cache/1`` before
-fingerprints, ``/2`` before atomic shards and array checksums) is refused in one line, by training
-and by the build: build it anew. Set-up, shards, workers and the record's identity are the teacher
+What a cache is made with (its identity): the teacher's and the split's contents, the
+dictionaries, ``k``, and the settings that change its bytes: ``max_tokens`` (the batches' padding),
+``shard_size`` (the batches), ``fp16`` and the device (CPU or CUDA). A cache (or ``progress.json``)
+of another format (``fairseq-kd-teacher-cache/1`` before fingerprints, ``/2`` before atomic shards
+and array checksums, ``/3`` before those settings and the shards' records) is refused in one line,
+by training and by the build: build it anew. Set-up, shards, workers and the record's identity are the teacher
 pass's (:mod:`fairseq_kd.teacher_pass.common`), shared with sequence-level KD.
 
 With the cache, the teacher distribution at temperature tau is the top-k one renormalised,
@@ -62,6 +68,7 @@ the teacher's mass lies within its top k, and otherwise the top-k approximation 
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -73,18 +80,28 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..fingerprint import content, dictionary_sha256, fingerprint, fingerprint_files, write_json
-from .common import (Workers, check_max_tokens, identity, infer_languages, is_temporary, length_ordered_indices,
-                     load_split, load_teacher, merge_lock, merge_when_complete, num_shards_field, on_device,
-                     pick_device, rank_group, read_record, refuse_older_format, replace_atomically, shard_batches,
-                     shard_count, shard_id_field, shard_progress, shard_range, split_files, translation_task,
-                     wait_for_ranks, workers_for)
+from ..fingerprint import (content, dictionary_sha256, fingerprint, fingerprint_files, record_sha256,
+                           write_json)
+from .common import (Workers, agree_on_num_shards, check_max_tokens, create_record, device_kind, identity,
+                     identity_differences, infer_languages, is_temporary, length_ordered_indices, load_split,
+                     load_teacher, merge_lock, merge_when_complete, num_shards_field, on_device, pick_device,
+                     rank_group, read_record, refuse_older_format, refuse_shard, shard_batches, shard_count,
+                     shard_id_field, shard_problem, shard_progress, shard_range, split_files,
+                     translation_task, wait_for_ranks, workers_for, write_shard)
 from .common import teacher_fingerprint as fingerprint_of_teacher
 
-CACHE_FORMAT = "fairseq-kd-teacher-cache/3"
-#: what a cache is made with besides its inputs (whose contents are compared: :func:`_identity`)
+CACHE_FORMAT = "fairseq-kd-teacher-cache/4"
+#: what a cache is made with besides its inputs (whose contents are compared: :func:`_identity`):
+#: every setting that changes its bytes
 SETTINGS = ("format", "k", "split", "source_lang", "target_lang", "source_dictionary_sha256",
-            "target_dictionary_sha256")
+            "target_dictionary_sha256", "max_tokens", "shard_size", "fp16", "device")
+#: how a refusal names each setting and input of the identity
+LABELS = {"format": "the format", "k": "--k", "split": "--split", "source_lang": "--source-lang",
+          "target_lang": "--target-lang", "source_dictionary_sha256": "the source dictionary (--data)",
+          "target_dictionary_sha256": "the target dictionary (--data)", "max_tokens": "--max-tokens",
+          "shard_size": "--shard-size", "fp16": "--fp16", "device": "the device (--cpu)",
+          "teacher": "--teacher-checkpoint", "data": "the split's files (--data)"}
+INPUTS = ("teacher", "data")
 MANIFEST = "cache.json"
 PROGRESS = "progress.json"
 SHARDS = "shards"
@@ -146,6 +163,15 @@ def _identity(record: dict) -> dict:
     return identity({key: record.get(key) for key in SETTINGS}, record.get("inputs") or {})
 
 
+def _refuse_other_identity(recorded: dict, parameters: dict, what: str, path: Path) -> None:
+    """Refuse, naming each setting that differs, a record (``path``) of another cache than
+    ``parameters`` describe."""
+    differences = identity_differences(_identity(recorded), _identity(parameters), LABELS, INPUTS)
+    if differences:
+        raise TeacherCacheError(f"{what} made with other settings or inputs: {'; '.join(differences)} ({path}); "
+                                "give every worker of a cache the recorded settings, or choose another --output")
+
+
 def _refuse_older_format(record: dict, what: str) -> None:
     refuse_older_format(record.get("format"), CACHE_FORMAT, what,
                         "build the cache anew: re-run fairseq-kd-teacher-cache into another folder", TeacherCacheError)
@@ -168,8 +194,9 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
     output = Path(config.output)
     task, teacher, parameters, existing, interrupted = _set_up(config)
     vocabulary = len(task.target_dictionary)
-    if not _start_or_resume(output, parameters, existing, interrupted, vocabulary, log):
+    if not _start_or_resume(output, parameters, existing, interrupted, vocabulary, workers, log):
         return output
+    pass_identity = record_sha256(_identity(parameters))
     dataset = load_split(task, config.split)
     too_small = check_max_tokens(dataset, config.max_tokens, config.split)
     if too_small:
@@ -178,11 +205,12 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
     np.cumsum(np.asarray(dataset.tgt_sizes, dtype=np.int64), out=offsets[1:])
     n_shards = shard_count(len(dataset), config.shard_size)
     with rank_group(workers):
-        _cache_own_shards(config, workers, task, teacher, dataset, offsets, log)
+        _cache_own_shards(config, workers, task, teacher, dataset, offsets, pass_identity, log)
         wait_for_ranks(workers)
         merge_when_complete(output, workers, n_shards, missing=lambda: _missing_shards(output, n_shards),
                             merged=lambda: (output / MANIFEST).is_file(),
-                            merge=lambda: _merge(config, parameters, offsets, vocabulary, log), log=log)
+                            merge=lambda: _merge(config, parameters, offsets, vocabulary, pass_identity, log),
+                            log=log)
     return output
 
 
@@ -210,6 +238,8 @@ def _set_up(config: CacheConfig):
         "format": CACHE_FORMAT, "k": config.k, "split": config.split, "source_lang": src, "target_lang": tgt,
         "source_dictionary_sha256": dictionary_sha256(task.source_dictionary),
         "target_dictionary_sha256": dictionary_sha256(task.target_dictionary),
+        "max_tokens": config.max_tokens, "shard_size": config.shard_size, "fp16": config.fp16,
+        "device": device_kind(config.cpu),
         "inputs": {"teacher": teacher_fingerprint, "data": fingerprint_files(data_files, recorded.get("data"))},
         "teacher_path": str(config.teacher_checkpoint),
     }
@@ -217,26 +247,29 @@ def _set_up(config: CacheConfig):
 
 
 def _start_or_resume(output: Path, parameters: dict, existing: Optional[dict], interrupted: Optional[dict],
-                     vocabulary: int, log: Callable[[str], None]) -> bool:
+                     vocabulary: int, workers: Workers, log: Callable[[str], None]) -> bool:
     """Whether shards remain to be made or merged: False when ``output`` holds this cache,
-    complete and sound; refuses a folder that holds anything else."""
+    complete and sound; refuses a folder that holds anything else, and a worker whose settings
+    (or, in a job array, ``--num-shards``) differ from those recorded by the first."""
     if existing is not None:
-        if _identity(existing) != _identity(parameters):
-            raise TeacherCacheError(f"--output {output}: holds a cache of another teacher, data or k; "
-                                    "choose another folder")
+        _refuse_other_identity(existing, parameters, f"--output {output}: holds a cache", output / MANIFEST)
         _confirm_complete(output, existing, parameters, vocabulary)
         log(f"{output}: the cache is already complete (same teacher, data and k; its arrays checked); nothing to do")
         return False
     theirs = [path.name for path in output.iterdir() if not is_temporary(path)] if output.is_dir() else []
     if theirs and PROGRESS not in theirs:
         raise TeacherCacheError(f"--output {output}: the folder is not empty and holds no cache; choose another folder")
-    if interrupted is not None and _identity(interrupted.get("parameters") or {}) != _identity(parameters):
-        raise TeacherCacheError(f"--output {output}: holds an interrupted cache of another teacher, data or k; "
-                                "choose another folder")
     progress = {"parameters": parameters}
-    if progress != interrupted:  # a new cache, or inputs touched since
-        output.mkdir(parents=True, exist_ok=True)
-        write_json(output / PROGRESS, progress)
+    if interrupted is None:  # a new cache, unless a worker started at the same time created it
+        interrupted = create_record(output / PROGRESS, progress)
+        if interrupted is not None:
+            _refuse_older_format(interrupted.get("parameters") or {}, f"--output {output}: {PROGRESS}")
+    if interrupted is not None:
+        _refuse_other_identity(interrupted.get("parameters") or {}, parameters,
+                               f"--output {output}: holds an interrupted cache", output / PROGRESS)
+        if progress != interrupted:  # inputs touched since: their fingerprints now
+            write_json(output / PROGRESS, progress)
+    agree_on_num_shards(output / SHARDS, workers, TeacherCacheError)
     return True
 
 
@@ -260,14 +293,20 @@ def _missing_shards(output: Path, n_shards: int) -> List[int]:
 
 
 def _cache_own_shards(config: CacheConfig, workers: Workers, task, teacher, dataset, offsets: np.ndarray,
-                      log: Callable[[str], None]) -> None:
-    """Run the teacher over this worker's shards not written yet, each written whole
-    (:func:`fairseq_kd.teacher_pass.common.replace_atomically`) once computed."""
+                      pass_identity: str, log: Callable[[str], None]) -> None:
+    """Run the teacher over this worker's shards not written yet, each written whole with its
+    record (:func:`fairseq_kd.teacher_pass.common.write_shard`) once computed; those done are
+    checked against their records first."""
     output = Path(config.output)
     n_sentences = len(offsets) - 1
     n_shards = shard_count(n_sentences, config.shard_size)
-    pending = [shard for shard in workers.owned(range(n_shards)) if not _shard_path(output, shard).is_file()]
-    if not pending or (output / MANIFEST).is_file():  # done, or merged meanwhile by another worker
+    owned = workers.owned(range(n_shards))
+    if (output / MANIFEST).is_file():  # merged meanwhile by another worker
+        return
+    _check_shards([shard for shard in owned if _shard_path(output, shard).is_file()], output, n_sentences,
+                  config.shard_size, pass_identity)
+    pending = [shard for shard in owned if not _shard_path(output, shard).is_file()]
+    if not pending:
         return
     (output / SHARDS).mkdir(exist_ok=True)
     device = pick_device(config.cpu, workers)
@@ -279,9 +318,10 @@ def _cache_own_shards(config: CacheConfig, workers: Workers, task, teacher, data
         for shard in pending:
             logprobs, token_ids = _teacher_on_shard(model, dataset, ordered, offsets, pad, device, config, shard,
                                                     on_batch)
-            replace_atomically(_shard_path(output, shard),
-                               lambda handle: np.savez(handle, logprobs=logprobs, token_ids=token_ids))
+            payload = io.BytesIO()
+            np.savez(payload, logprobs=logprobs, token_ids=token_ids)
             first, last = shard_range(shard, config.shard_size, n_sentences)
+            write_shard(_shard_path(output, shard), payload.getvalue(), pass_identity, shard, (first, last))
             log_line(f"{workers.label}shard {shard + 1}/{n_shards}: sentences {first}..{last - 1}")
 
 
@@ -307,14 +347,26 @@ def _teacher_on_shard(model, dataset, ordered, offsets, pad: int, device, config
     return logprobs, token_ids
 
 
-def _merge(config: CacheConfig, parameters: dict, offsets: np.ndarray, vocabulary: int,
+def _check_shards(shards: List[int], output: Path, n_sentences: int, shard_size: int, pass_identity: str) -> None:
+    """Refuse (:func:`fairseq_kd.teacher_pass.common.refuse_shard`) the first of these done
+    shards that is not what its record says this cache wrote."""
+    for shard in shards:
+        path = _shard_path(output, shard)
+        problem = shard_problem(path, pass_identity, shard, shard_range(shard, shard_size, n_sentences))
+        if problem is not None:
+            refuse_shard(path, problem, f"--output {output}: {SHARDS}/{path.name}", TeacherCacheError)
+
+
+def _merge(config: CacheConfig, parameters: dict, offsets: np.ndarray, vocabulary: int, pass_identity: str,
            log: Callable[[str], None]) -> None:
-    """Every shard exists: assemble the three arrays (staged in ``shards/``, renamed into place),
-    write ``cache.json`` with their fingerprints, then delete the shards and ``progress.json``
-    (one worker, under the merge lock)."""
+    """Every shard exists: check each against its record, assemble the three arrays (staged in
+    ``shards/``, renamed into place), write ``cache.json`` with their fingerprints, then delete
+    the shards and ``progress.json`` (one worker, under the merge lock)."""
     output, k = Path(config.output), config.k
     staging = output / SHARDS
     n_sentences, n_tokens = len(offsets) - 1, int(offsets[-1])
+    _check_shards(list(range(shard_count(n_sentences, config.shard_size))), output, n_sentences, config.shard_size,
+                  pass_identity)
     logprobs = np.lib.format.open_memmap(staging / LOGPROBS, mode="w+", dtype=np.float32, shape=(n_tokens, k))
     token_ids = np.lib.format.open_memmap(staging / TOKEN_IDS, mode="w+", dtype=np.int32, shape=(n_tokens, k))
     for shard in range(shard_count(n_sentences, config.shard_size)):
@@ -352,9 +404,7 @@ def _read_shard(output: Path, shard: int, rows: int, k: int, vocabulary: int) ->
             _logprob_problem(logprobs), _token_id_problem(token_ids, vocabulary)) if found), None)
     if problem is None:
         return logprobs, token_ids
-    path.unlink(missing_ok=True)
-    raise TeacherCacheError(f"--output {output}: {SHARDS}/{path.name} is damaged: {problem}; it was deleted: re-run "
-                            "the same command to compute it again")
+    refuse_shard(path, f"is damaged: {problem}", f"--output {output}: {SHARDS}/{path.name}", TeacherCacheError)
 
 
 def _shape_problem(what: str, array: np.ndarray, dtype: np.dtype, shape: tuple) -> Optional[str]:
