@@ -108,8 +108,11 @@ def test_cache_rows_equal_the_teacher_on_each_sentence(tiny_data_bin, tiny_teach
         rows = slice(offsets[index], offsets[index + 1])
         np.testing.assert_allclose(logprobs[rows], values.numpy(), atol=1e-4)
         assert np.array_equal(ids[rows], top.numpy())
-    # finished: a re-run does nothing
-    assert "already complete" in build(tiny_data_bin, tiny_teacher, output, "--k", "4").stdout
+    # finished: a re-run with the same flags does nothing; one with another batching is refused by name
+    flags = ("--k", "4", "--shard-size", "150", "--max-tokens", "300")
+    assert "already complete" in build(tiny_data_bin, tiny_teacher, output, *flags).stdout
+    other = build(tiny_data_bin, tiny_teacher, output, *flags[:4], check=False)
+    assert other.returncode == 2 and "--max-tokens 8192 here, 300 in the record" in other.stderr
 
 
 ARRAY_NAMES = ("offsets.npy", "topk_logprobs.npy", "topk_ids.npy")

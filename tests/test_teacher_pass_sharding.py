@@ -497,3 +497,17 @@ def test_job_array_workers_that_disagree_on_num_shards_are_refused_so_that_someo
     # the array's own worker 1 finishes and merges
     run(make_config(tiny_data_bin, tiny_teacher, output, num_shards=2, shard_id=1), log=quiet)
     assert_same_output(output, one_process[(SEQKD if name == "seqkd" else CACHE)[0]])
+
+
+@pytest.mark.parametrize("hard_links", [True, False], ids=["hard links", "no hard links"])
+def test_a_record_is_created_once_and_a_later_creator_reads_the_first(tmp_path, monkeypatch, hard_links):
+    if not hard_links:
+        def no_link(*_args):
+            raise PermissionError("operation not permitted")
+
+        monkeypatch.setattr(os, "link", no_link)
+    path = tmp_path / "work" / "record.json"
+    assert common.create_record(path, {"num_shards": 2}) is None
+    assert common.create_record(path, {"num_shards": 3}) == {"num_shards": 2}
+    assert json.loads(path.read_text()) == {"num_shards": 2}
+    assert [p.name for p in path.parent.iterdir()] == ["record.json"]  # no temporary file left

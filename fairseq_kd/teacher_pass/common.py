@@ -388,9 +388,10 @@ def num_shards_field():
     """``--num-shards``, one field of each teacher pass's config."""
     return field(default=None, metadata={"help": (
         "split the pass over N workers of a job array (fairseq's --num-shards), all writing into the same "
-        "--output on a shared filesystem; each processes the resumable shards i with i %% N == --shard-id, "
-        "and the one that writes the last shard merges them. Not with torchrun or srun, whose ranks split the "
-        "pass by themselves (rank 0 merges)"), "metavar": "N"})
+        "--output on a shared filesystem with the same flags (a worker whose settings or N differ from the "
+        "first's is refused); each processes the resumable shards i with i %% N == --shard-id, and the one "
+        "that writes the last shard merges them. Not with torchrun or srun, whose ranks split the pass by "
+        "themselves (rank 0 merges)"), "metavar": "N"})
 
 
 def shard_id_field():
