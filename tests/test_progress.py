@@ -100,7 +100,7 @@ def test_benchmark_counts_its_training_runs(monkeypatch, capsys, terminal):
     from fairseq_kd_recipes import benchmark
 
     monkeypatch.setattr(benchmark, "prepare_config", lambda name, workdir: {})
-    monkeypatch.setattr(benchmark, "training_flags", lambda name, paths, method: [method])
+    monkeypatch.setattr(benchmark, "training_flags", lambda name, paths, method, precision="fp32": [method])
     monkeypatch.setattr(benchmark, "_train_in_child",
                         lambda flags, steps, warmup, teacher_forward=False, epoch=1, top_ops=0, paired_limit=None,
                         shuffle_seed=None:
