@@ -78,3 +78,29 @@ def test_teacher_hooks_only_the_modules_fed_transposed_views_and_only_once(kd_ta
     again = FrozenTeacher(copy.deepcopy(model), path="")
     assert all(list(module._forward_pre_hooks.values()).count(_contiguous_input) <= 1 for module in again.model.modules())
     assert hooked(again.model) == hooked(model)
+
+
+def test_a_teacher_whose_weights_do_not_fit_its_config_is_one_line_with_counts(kd_task, tiny_teacher, tmp_path):
+    """A fairseq teacher missing a layer's tensors, holding extra ones and one of another shape is
+    refused in one line that counts each kind and names the first, not torch's list of every key."""
+    import pytest
+
+    from fairseq_kd.checkpoints import safe_load
+    from fairseq_kd.models.teacher import FrozenTeacher, TeacherCheckpointError
+
+    state = safe_load(tiny_teacher)
+    weights = state["model"]
+    dropped = sorted(key for key in weights if key.startswith("encoder.layers.2."))
+    for key in dropped:
+        del weights[key]
+    weights["encoder.extra.weight"] = torch.zeros(2)
+    weights["decoder.layers.0.fc1.bias"] = torch.zeros(3)
+    damaged = tmp_path / "damaged.pt"
+    torch.save(state, damaged)
+    with pytest.raises(TeacherCheckpointError) as refused:
+        FrozenTeacher.load(str(damaged), kd_task)
+    message = str(refused.value)
+    assert "\n" not in message and len(message) < 600, message
+    assert f"{len(dropped)} missing tensors (first: encoder.layers.2." in message, message
+    assert "1 unexpected tensor (first: encoder.extra.weight)" in message, message
+    assert "1 of another shape (first: decoder.layers.0.fc1.bias: [3] in the checkpoint, [64] in the model)" in message

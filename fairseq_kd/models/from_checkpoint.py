@@ -18,6 +18,8 @@ for the same callers.
 """
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import List, Optional
 
@@ -105,5 +107,23 @@ def build_checkpoint_model(state: dict, task) -> nn.Module:
     try:
         model.load_state_dict(state["model"], strict=True, model_cfg=cfg.model)
     except RuntimeError as err:
-        raise WeightsMismatchError(str(err)) from err
+        raise WeightsMismatchError(summarize_load_error(str(err))) from err
     return model
+
+
+def summarize_load_error(message: str) -> str:
+    """torch's ``load_state_dict`` report (every missing and unexpected key, every shape mismatch,
+    on lines of their own) in one line: how many of each, and the first."""
+    parts = []
+    for label, what in (("Missing key(s)", "missing"), ("Unexpected key(s)", "unexpected")):
+        match = re.search(re.escape(label) + r" in state_dict: (.*)", message)
+        if match:
+            keys = re.findall(r'"([^"]+)"', match.group(1))
+            parts.append(f"{len(keys)} {what} tensor{'s' * (len(keys) != 1)} (first: {keys[0] if keys else '?'})")
+    shapes = re.findall(r"size mismatch for ([^:]+): copying a param with shape (torch.Size\(\[[^]]*\]\)) from "
+                        r"checkpoint, the shape in current model is (torch.Size\(\[[^]]*\]\))", message)
+    if shapes:
+        name, saved, current = shapes[0]
+        parts.append(f"{len(shapes)} of another shape (first: {name}: {saved[11:-1]} in the checkpoint, "
+                     f"{current[11:-1]} in the model)")
+    return "; ".join(parts) if parts else " ".join(message.split())
