@@ -19,10 +19,10 @@ each finished shard is written to ``<output>/seqkd_work/`` atomically (temporary
 rename), after its record (``shardNNNNNN.json``: its SHA-256 and the pass's identity), and skipped
 by a re-run with the same parameters, so an interrupted run continues where it stopped and never
 decodes a sentence twice. A shard skipped as done and every shard merged is hashed and compared
-with its record first: a changed, truncated or foreign one is deleted and refused by name. Within a shard, sentences are batched like
-``fairseq-generate`` does (sorted by length, ``batch_by_size``). Once every shard exists the
-binaries are written (again via temporary names), the manifest is marked complete and the shards
-are deleted; a re-run with the same parameters is then a no-op.
+with its record first: a changed, truncated or foreign one is deleted and refused by name. Within a
+shard, sentences are batched like ``fairseq-generate`` does (sorted by length, ``batch_by_size``).
+Once every shard exists the binaries are written (again via temporary names), the manifest is
+marked complete and the shards are deleted; a re-run with the same parameters is then a no-op.
 
 Workers (``num_shards``/``shard_id`` of a job array, or the ranks of torchrun or srun:
 :mod:`fairseq_kd.teacher_pass.common`) share the pass in one output folder: each decodes its
@@ -48,8 +48,9 @@ re-reads only files whose size or time changed, never an unchanged teacher check
 (``split_files``, ``dictionaries``: fingerprints of those files; ``teacher``: the checkpoint's),
 then ``status``, counts, paths and, once complete, the output files' sizes. A manifest of another
 format (format 1 had none; format 2 lacked the batching and the device, and the shards' records) is
-refused in one line: decode anew with ``--force`` or into another folder. Set-up, shards and the record's identity are the teacher pass's
-(:mod:`fairseq_kd.teacher_pass.common`), shared with the teacher cache.
+refused in one line: decode anew with ``--force`` or into another folder. Set-up, shards and the
+record's identity are the teacher pass's (:mod:`fairseq_kd.teacher_pass.common`), shared with the
+teacher cache.
 
 Engines (``engine``). ``fairseq`` (the default) decodes with fairseq's ``SequenceGenerator`` as
 above. ``ctranslate2`` converts the teacher once per run into a CTranslate2 model folder,

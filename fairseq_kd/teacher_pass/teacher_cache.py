@@ -26,10 +26,11 @@ complete) after its record ``shardNNNNNN.json`` (its SHA-256 and the cache's ide
 every shard exists they are merged into the three arrays (staged in ``shards/``, renamed into
 place), ``cache.json`` is written last and the shards are deleted; a folder without ``cache.json``
 is never read as a cache. A shard skipped as done and every shard merged is hashed and compared
-with its record first: a changed, truncated or foreign one is deleted and refused by name. The merge needs the cache's size twice on
-disk for a moment. A re-run passes the recorded fingerprints back, so an unchanged teacher
-checkpoint or split is not read again. The pass can be split over workers (``--num-shards
---shard-id``, torchrun, srun: :mod:`fairseq_kd.teacher_pass.common`), into the same arrays.
+with its record first: a changed, truncated or foreign one is deleted and refused by name. The
+merge needs the cache's size twice on disk for a moment. A re-run passes the recorded fingerprints
+back, so an unchanged teacher checkpoint or split is not read again. The pass can be split over
+workers (``--num-shards --shard-id``, torchrun, srun: :mod:`fairseq_kd.teacher_pass.common`), into
+the same arrays.
 
 Training with ``--teacher-cache DIR`` (:meth:`TeacherCache.open`) refuses, before training starts
 and in one line naming ``--teacher-cache``, the file and what is wrong, a cache of another teacher,
@@ -59,8 +60,8 @@ dictionaries, ``k``, and the settings that change its bytes: ``max_tokens`` (the
 ``shard_size`` (the batches), ``fp16`` and the device (CPU or CUDA). A cache (or ``progress.json``)
 of another format (``fairseq-kd-teacher-cache/1`` before fingerprints, ``/2`` before atomic shards
 and array checksums, ``/3`` before those settings and the shards' records) is refused in one line,
-by training and by the build: build it anew. Set-up, shards, workers and the record's identity are the teacher
-pass's (:mod:`fairseq_kd.teacher_pass.common`), shared with sequence-level KD.
+by training and by the build: build it anew. Set-up, shards, workers and the record's identity
+are the teacher pass's (:mod:`fairseq_kd.teacher_pass.common`), shared with sequence-level KD.
 
 With the cache, the teacher distribution at temperature tau is the top-k one renormalised,
 ``q_i = exp(l_i / tau) / sum_j exp(l_j / tau)`` over the stored log-probabilities ``l``: exact when
@@ -73,6 +74,7 @@ import json
 import logging
 import os
 import shutil
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -169,7 +171,8 @@ def _refuse_other_identity(recorded: dict, parameters: dict, what: str, path: Pa
     differences = identity_differences(_identity(recorded), _identity(parameters), LABELS, INPUTS)
     if differences:
         raise TeacherCacheError(f"{what} made with other settings or inputs: {'; '.join(differences)} ({path}); "
-                                "give every worker of a cache the recorded settings, or choose another --output")
+                                "run with the recorded settings (every worker of a cache needs them), or choose "
+                                "another --output")
 
 
 def _refuse_older_format(record: dict, what: str) -> None:
@@ -254,7 +257,8 @@ def _start_or_resume(output: Path, parameters: dict, existing: Optional[dict], i
     if existing is not None:
         _refuse_other_identity(existing, parameters, f"--output {output}: holds a cache", output / MANIFEST)
         _confirm_complete(output, existing, parameters, vocabulary)
-        log(f"{output}: the cache is already complete (same teacher, data and k; its arrays checked); nothing to do")
+        log(f"{output}: the cache is already complete (same teacher, data and settings; its arrays checked); "
+            "nothing to do")
         return False
     theirs = [path.name for path in output.iterdir() if not is_temporary(path)] if output.is_dir() else []
     if theirs and PROGRESS not in theirs:
@@ -395,7 +399,7 @@ def _read_shard(output: Path, shard: int, rows: int, k: int, vocabulary: int) ->
     try:
         with np.load(path, allow_pickle=False) as stored:
             logprobs, token_ids = stored["logprobs"], stored["token_ids"]
-    except (OSError, ValueError, KeyError) as error:
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:
         problem = f"unreadable ({str(error).splitlines()[0]})"
     else:
         problem = next((found for found in (
