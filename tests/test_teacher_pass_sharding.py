@@ -511,3 +511,18 @@ def test_a_record_is_created_once_and_a_later_creator_reads_the_first(tmp_path, 
     assert common.create_record(path, {"num_shards": 3}) == {"num_shards": 2}
     assert json.loads(path.read_text()) == {"num_shards": 2}
     assert [p.name for p in path.parent.iterdir()] == ["record.json"]  # no temporary file left
+
+
+def test_the_batch_split_of_ctranslate2_threads_is_part_of_the_identity_only_when_it_splits(
+        tiny_data_bin, tiny_teacher, tmp_path):
+    """CTranslate2Engine decodes each batch as --threads parts on the CPU, each padded alone."""
+    def identity(threads):
+        planned = seqkd.plan(seqkd_config(tiny_data_bin, tiny_teacher, tmp_path / "out", engine="ctranslate2",
+                                          threads=threads))
+        return seqkd._identity(planned.record)
+
+    assert identity(0) == identity(1) and "ct2_batch_parts" not in identity(1)
+    assert identity(4)["ct2_batch_parts"] == 4
+    said = common.identity_differences(identity(2), identity(4), seqkd.LABELS, seqkd.INPUTS)
+    assert said == ["the batch split of --threads 4 here, 2 in the record"]
+    assert not (tmp_path / "out").exists()  # planning writes nothing
