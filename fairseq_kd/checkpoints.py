@@ -41,6 +41,7 @@ import os
 import pickle
 import re
 import types
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -130,7 +131,9 @@ def weights_only_load(f, *args, **kwargs):
     # a test) restores torch's list when it exits, dropping what was added before it.
     torch.serialization.add_safe_globals(list(ALLOWED_CHECKPOINT_GLOBALS))
     try:
-        return torch.load(f, *args, weights_only=True, **kwargs)
+        with warnings.catch_warnings():  # torch's note on a pickle protocol other than its own precedes a refusal
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(f, *args, weights_only=True, **kwargs)
     except pickle.UnpicklingError as err:
         path = f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", f)  # a Path has .name too
         raise UnsafeCheckpointError(refusal_message(path, err)) from None

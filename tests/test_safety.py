@@ -9,6 +9,7 @@ that the path refused it clearly and that the marker was never created. A contro
 gadget does run under the variable when ``weights_only`` is left out.
 """
 import os
+import pickle
 import subprocess
 import sys
 
@@ -172,6 +173,29 @@ def test_seqkd(gadget, tiny_data_bin, tmp_path):
                  "--output", tmp_path / "out", "--cpu", "--split", "valid"])
     _refused(proc, marker, "error:", "--teacher-checkpoint")
     assert "Traceback" not in proc.stderr
+
+
+def test_translate_refuses_a_hugging_face_folder_with_a_gadget_naming_its_own_flag(tiny_data_bin, tmp_path):
+    """fairseq-kd-translate --model DIR, DIR a Hugging Face folder whose pickled weights carry a gadget
+    (pickle protocol 4): one line naming --model (the flag the folder came with, not training's
+    --teacher-checkpoint), nothing before it (no note of torch's on the protocol), the gadget never run."""
+    import json
+
+    marker = tmp_path / "gadget_ran"
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    with open(folder / "pytorch_model.bin", "wb") as weights:
+        pickle.dump({"model.shared.weight": _MakesMarkerWhenUnpickled(marker)}, weights, protocol=4)
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "marian", "vocab_size": 50, "d_model": 16, "encoder_layers": 1, "decoder_layers": 1,
+        "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 32, "decoder_ffn_dim": 32,
+        "pad_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1, "max_position_embeddings": 64}))
+    proc = _run([BIN / "fairseq-kd-translate", tiny_data_bin, "--model", folder])
+    assert not marker.exists(), "the pickle gadget ran"
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr
+    assert proc.stderr.startswith(f"fairseq-kd-translate: error: --model {str(folder)!r}: refusing to load its "
+                                  "pickled weights"), proc.stderr
 
 
 @pytest.mark.parametrize("figure", ["alp", "alignment"])

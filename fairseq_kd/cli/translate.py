@@ -199,10 +199,16 @@ def _hugging_face_engine(args, task, dataset):
 
     from fairseq_kd.deploy.hf_engine import HuggingFaceEngine, first_target_symbol
     from fairseq_kd.models.hf_teacher import HuggingFaceTeacher
+    from fairseq_kd.models.teacher import FLAG, TeacherCheckpointError
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    teacher = HuggingFaceTeacher.load(args.model, task)
+    try:
+        teacher = HuggingFaceTeacher.load(args.model, task)
+    except TeacherCheckpointError as err:
+        # the teacher loader names the training flag; here the folder came with --model
+        message = str(err)
+        raise TeacherCheckpointError("--model" + message[len(FLAG):] if message.startswith(FLAG) else message) from None
     model = teacher.model.to(args.device)
     if args.compute_type == "float16":
         model = model.half()

@@ -108,11 +108,14 @@ def _pickle_header(path: Path, refuse) -> Dict[str, Tuple[str, Tuple[int, ...]]]
     """Weights-only unpickling onto the meta device: names, dtypes and shapes, no tensor data.
     A pickle that weights-only loading refuses raises ``pickle.UnpicklingError`` for the caller."""
     import pickle
+    import warnings
 
     import torch
 
     try:
-        state = torch.load(str(path), weights_only=True, map_location="meta")
+        with warnings.catch_warnings():  # torch's note on a pickle protocol other than its own precedes a refusal
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            state = torch.load(str(path), weights_only=True, map_location="meta")
     except pickle.UnpicklingError:
         raise
     except Exception as err:  # noqa: BLE001 - any other failure: the file is damaged
