@@ -14,5 +14,10 @@ WORKERS="${FAIRSEQ_KD_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
 parallel=()
 if [[ "$WORKERS" -gt 1 ]] && "$PY" -c "import xdist" 2>/dev/null; then
     parallel=(-n "$WORKERS" --dist loadfile)
+    # pytest-xdist otherwise hands out the files with the most tests first (--loadscope-reorder,
+    # its default), not conftest's LONGEST_FILES order: the short demo, a few long tests, started last
+    if "$PY" -c "import inspect, sys, xdist.plugin; sys.exit('--no-loadscope-reorder' not in inspect.getsource(xdist.plugin))" 2>/dev/null; then
+        parallel+=(--no-loadscope-reorder)
+    fi
 fi
 exec "$PY" -m pytest -q -p no:cacheprovider "${parallel[@]}" "${@:-tests}"
