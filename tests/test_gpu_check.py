@@ -82,7 +82,7 @@ def test_the_dry_run_trains_resumes_and_reports_every_row(dry_run):
     parameters: the CPU is deterministic), and the report holds every row, the teacher passes and
     the benchmark's rows in the same precision."""
     report = json.loads((dry_run / "gpu_check.json").read_text())
-    assert report["header"]["device"] == "cpu" and report["header"]["commit"]
+    assert report["header"]["device"] == "cpu" and "commit" in report["header"]  # None outside a git checkout
     assert {step["name"].split(" ")[0]: step["status"] for step in report["steps"]} == {
         "teacher": "ok", "teacher-cache": "ok"}  # no seq_kd row: no seq-KD pass
     rows = {(row["method"], row["precision"]): row["result"] for row in report["trainings"]}
