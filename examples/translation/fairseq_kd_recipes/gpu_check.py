@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shutil
@@ -27,17 +26,17 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .benchmark import CONFIGS as BENCHMARK_CONFIGS
+from .benchmark import PRECISIONS as PRECISION_FLAGS
+from .benchmark import _quiet_env
 from .execute import console_script, python_module
 from .methods import METHODS, TEACHER
 from .plan import RecipeOptions, step_planner, with_placement
 
 PAIR = "multi30k_fr_en"
-PRECISION_FLAGS = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"]}
 #: the benchmark's rows measured after the trainings, per precision
 BENCHMARK_ROWS = ("plain", "limit", "word_kd", "a2d_kd")
 #: statistics of a log line that time the run instead of computing the model (not compared on resume)
@@ -168,12 +167,9 @@ def plan_trainings(data: Path, workdir: Path, methods: Sequence[str], precisions
 
 
 def child_environment(cpu: bool) -> dict:
-    package_parent = str(Path(__file__).resolve().parents[1])
-    python_path = os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))
     # Several trainings share the machine's cores: two threads each keeps them from oversubscribing.
     threads = "1" if cpu else "2"
-    return {**os.environ, "PYTHONPATH": python_path, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": threads,
-            "MKL_NUM_THREADS": threads}
+    return {**_quiet_env(), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
 
 
 def run_logged(command: List[str], log: Path, env: dict, timeout: Optional[float]) -> Optional[str]:
