@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shutil
 import subprocess
@@ -29,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+from fairseq_kd.teacher_pass.common import replace_atomically
 
 from .benchmark import PRECISIONS as PRECISION_FLAGS
 from .benchmark import _quiet_env
@@ -346,9 +347,7 @@ class Report:
         with self._lock:
             self.out.mkdir(parents=True, exist_ok=True)
             for suffix, text in (("json", json.dumps(self.data, indent=2, default=str)), ("md", to_markdown(self.data))):
-                staging = self.out / f".{REPORT_NAME}.{suffix}.tmp"
-                staging.write_text(text, encoding="utf-8")
-                os.replace(staging, self.out / f"{REPORT_NAME}.{suffix}")
+                replace_atomically(self.out / f"{REPORT_NAME}.{suffix}", lambda handle: handle.write(text.encode()))
 
 
 def say(line: str) -> None:
