@@ -9,8 +9,7 @@ import shutil
 import pytest
 
 from conftest import BIN, run_cli_here, train_student
-from fairseq_kd.cli.user_errors import (FILE, FOLDER, OUTPUT_FILE, OUTPUT_FOLDER, PathError, message_of,
-                                        path_problem, require_path)
+from fairseq_kd.errors import FILE, FOLDER, OUTPUT_FILE, OUTPUT_FOLDER, PathError, message_of, path_problem, require_path
 
 
 @pytest.fixture()

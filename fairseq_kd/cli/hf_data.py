@@ -26,7 +26,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence
 
-from fairseq_kd.cli.user_errors import FILE, FOLDER, exits_on_user_error, require_path
+from fairseq_kd.cli.user_errors import exits_on_user_error
+from fairseq_kd.errors import FILE, FOLDER, require_path
 
 PROG = "fairseq-kd-hf-data"
 #: fairseq's ``</s>`` and its first ordinary symbol (fairseq.data.Dictionary: ``<s> <pad> </s> <unk>``)

@@ -33,7 +33,7 @@ from typing import List, Optional
 
 from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
-from fairseq_kd.scoring.files import not_a_file
+from fairseq_kd.errors import not_a_file
 
 #: figures whose weights a training checkpoint holds, by sub-command
 CHECKPOINT_FIGURES = ("alignment", "alp")

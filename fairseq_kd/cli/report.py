@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 
 from fairseq_kd.cli.score import (add_completeness_arguments, add_scoring_arguments, check_outputs_are_not_inputs,
                                   expected_sentence_count, scoring_settings, split_name_and_path)
-from fairseq_kd.scoring.files import not_a_file
+from fairseq_kd.errors import not_a_file
 from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
 from fairseq_kd.scoring.report import (

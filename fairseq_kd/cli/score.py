@@ -29,7 +29,7 @@ from sacrebleu.metrics.bleu import BLEU
 from fairseq_kd.scoring.bleu import (DEFAULT_N_BOOTSTRAP, DEFAULT_N_TRIALS, DEFAULT_SEED, BleuSettings, check_n_bootstrap,
                                      check_n_trials)
 from fairseq_kd.scoring.detok import BPE_SCHEMES, count_lines
-from fairseq_kd.scoring.files import not_a_file
+from fairseq_kd.errors import not_a_file
 from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
 from fairseq_kd.scoring.report import (

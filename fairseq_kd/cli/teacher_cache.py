@@ -21,7 +21,8 @@ import sys
 from typing import List, Optional
 
 from fairseq_kd.cli.flags import add_config_flags
-from fairseq_kd.cli.user_errors import FOLDER, OUTPUT_FOLDER, exits_on_user_error, path_problem
+from fairseq_kd.cli.user_errors import exits_on_user_error
+from fairseq_kd.errors import FOLDER, OUTPUT_FOLDER, path_problem
 
 
 def build_parser() -> argparse.ArgumentParser:

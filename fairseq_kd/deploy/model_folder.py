@@ -135,7 +135,7 @@ class ExportFolder:
 
     def check(self) -> Path:
         """The output as a Path, or ``error`` in one line before anything is touched."""
-        from ..cli.user_errors import OUTPUT_FOLDER, path_problem
+        from ..errors import OUTPUT_FOLDER, path_problem
 
         out = self.path
         if out.name in ("", ".."):  # "." or "..": the folder would be renamed from inside itself

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from ..scoring.files import not_a_file
+from ..errors import not_a_file
 
 
 @dataclass

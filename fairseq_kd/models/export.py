@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ..checkpoints import safe_load
-from ..cli.user_errors import OUTPUT_FILE, path_problem
+from ..errors import OUTPUT_FILE, path_problem
 from .from_checkpoint import NoModelError, checkpoint_file_problem, read_model_checkpoint
 
 # Config groups a stock fairseq loader reads; the rest of the training config is dropped.

@@ -26,7 +26,7 @@ from typing import List, Optional
 from torch import nn
 
 from ..checkpoints import load_fairseq_checkpoint
-from ..cli.user_errors import FILE, path_problem
+from ..errors import FILE, path_problem
 
 
 def checkpoint_file_problem(path) -> Optional[str]:

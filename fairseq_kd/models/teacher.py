@@ -19,7 +19,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from torch import nn
 
 from ..checkpoints import UnsafeCheckpointError, task_state
-from ..cli.user_errors import FOLDER, path_problem
+from ..errors import FOLDER, path_problem
 from ..fingerprint import dictionary_sha256, file_sha256
 from .feature_capture import CapturedFeatures, CaptureRequest, FeatureCapture, NotATransformerError
 from .from_checkpoint import (

@@ -6,13 +6,7 @@ import json
 from contextlib import contextmanager
 from pathlib import Path
 
-
-def not_a_file(path) -> str:
-    """Why ``path`` is not a readable file, for messages: '... is a folder ...' or 'does not exist'."""
-    path = Path(path)
-    if path.is_dir():
-        return "is a folder, not a file: give the path of a file (e.g. one inside it)"
-    return "does not exist"
+from ..errors import not_a_file, undecodable_text_message
 
 
 class UndecodableFileError(ValueError):
@@ -25,9 +19,6 @@ def naming_decode_errors(path, what: str = "file"):
     try:
         yield
     except UnicodeDecodeError as error:
-        # the one wording of an undecodable file: conversion advised for text, never for binary data
-        from ..cli.user_errors import undecodable_text_message
-
         raise UndecodableFileError(f"{what}: {undecodable_text_message(error, path)}") from None
 
 

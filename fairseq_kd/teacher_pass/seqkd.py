@@ -98,7 +98,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..deploy.export_ctranslate2 import QUANTIZATIONS
-from ..cli.user_errors import FOLDER, OUTPUT_FOLDER, PathError, require_path
+from ..errors import FOLDER, OUTPUT_FOLDER, PathError, require_path
 from ..fingerprint import fingerprint_files, record_sha256, write_json
 from ..models.teacher import is_hugging_face_folder, teacher_file_problem
 from .common import (JOB_ARRAY, MERGED, MERGED_BEFORE, SHARDS_REMAIN, Workers, agree_on_num_shards, check_max_tokens,

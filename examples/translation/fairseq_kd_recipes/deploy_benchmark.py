@@ -292,7 +292,7 @@ def validate(args: argparse.Namespace) -> List[str]:
         errors.append(f"--max-len-b: {args.max_len_b} must be >= 1")
     # scoring
     if args.ref is not None and not args.ref.is_file():
-        from fairseq_kd.scoring.files import not_a_file
+        from fairseq_kd.errors import not_a_file
 
         errors.append(f"--ref: file {str(args.ref)!r} {not_a_file(args.ref)}")
     if args.bootstrap == 0:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from fairseq_kd.cli.user_errors import message_of
+from fairseq_kd.errors import message_of
 from fairseq_kd.progress import progress_to_stderr
 from .corpora.common import PrepareContext
 from .download import Fetcher, load_pinned_checksums
