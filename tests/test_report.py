@@ -208,7 +208,7 @@ def expect_error(capsys, argv, *fragments, runner=run_score):
 def test_score_errors_name_the_flag_and_file(test_set, tmp_path, capsys):
     _, _, files = test_set
     missing = tmp_path / "missing.txt"
-    expect_error(capsys, ["--generate-output", missing], "--generate-output", str(missing), "does not exist")
+    expect_error(capsys, ["--generate-output", missing], "--generate-output", str(missing), "no such file")
     hyp, ref, empty = tmp_path / "h.txt", tmp_path / "r.txt", tmp_path / "empty.txt"
     hyp.write_text("a b\nc d\ne f\n")
     ref.write_text("a b\nc d\n")
@@ -239,7 +239,7 @@ def test_score_rejects_baseline_on_another_test_set_or_tampered(test_set, tmp_pa
     for key, change, message in (("bleu", lambda value: value + 1.0, "is not the BLEU of its text"),
                                  ("hypotheses", lambda lines: lines[1:] + lines[:1], "is not the BLEU of its text"),
                                  ("references", lambda lines: lines[:-1] + ["x"], "do not match references_sha256"),
-                                 ("format", lambda _: "fairseq-kd-score/1", "score the fairseq-generate output")):
+                                 ("format", lambda _: "fairseq-kd-score/1", "not a score record")):
         record_path.write_text(json.dumps({**record, key: change(record[key])}))
         expect_error(capsys, ["--generate-output", files["word_kd"], *DETOK, "--baseline", f"no_kd={record_path}"],
                      str(record_path), message)
@@ -340,7 +340,7 @@ def test_report_errors(test_set, tmp_path, capsys):
                  "repeated: a", runner=run_report)
     expect_error(capsys, both + ["--params", "a=many"], "--params", "not a number", runner=run_report)
     expect_error(capsys, both + ["--speed", "zzz=3"], "unknown systems", runner=run_report)
-    expect_error(capsys, ["--system", f"a={tmp_path / 'nope.txt'}"], "nope.txt", "does not exist", runner=run_report)
+    expect_error(capsys, ["--system", f"a={tmp_path / 'nope.txt'}"], "nope.txt", "no such file", runner=run_report)
     other = write_generate_output(tmp_path / "other.txt", systems["no_kd"][:100], references[:100], seed=9)
     expect_error(capsys, both + ["--system", f"c={other}"], "not the same test set", runner=run_report)
     prefix = tmp_path / "t"

@@ -14,6 +14,7 @@ import sacrebleu
 from sacrebleu.metrics.bleu import BLEU
 
 from conftest import sacrebleu_command_line
+from fairseq_kd.errors import PathError
 from fairseq_kd.scoring.bleu import BleuSettings, check_n_trials, compare_systems, score_corpus
 from fairseq_kd.scoring.detok import (
     detokenize_lines,
@@ -321,7 +322,8 @@ def test_read_generate_output_errors(tmp_path, text, message):
 
 
 def test_read_generate_output_missing_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    # the one wording of path problems (fairseq_kd.errors.path_problem), a user error
+    with pytest.raises(PathError, match="absent.txt': no such file"):
         read_generate_output(tmp_path / "absent.txt")
 
 

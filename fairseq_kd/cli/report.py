@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 
 from fairseq_kd.cli.score import (add_completeness_arguments, add_scoring_arguments, check_outputs_are_not_inputs,
                                   expected_sentence_count, scoring_settings, split_name_and_path)
-from fairseq_kd.errors import not_a_file
+from fairseq_kd.errors import FILE, OUTPUT_FILE, FileAccessError, InputError, UserError, message_of, require_path
 from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
 from fairseq_kd.scoring.report import (
@@ -98,13 +98,13 @@ def parse_named_numbers(values: List[str], flag: str, convert) -> Dict:
     for value in values:
         name, separator, number = value.partition("=")
         if not separator or not name:
-            raise ValueError(f"{flag} expects NAME=NUMBER, got {value!r}")
+            raise InputError(f"{flag} expects NAME=NUMBER, got {value!r}")
         try:
             parsed[name] = convert(number)
         except ValueError:
-            raise ValueError(f"{flag} {value!r}: {number!r} is not a number") from None
+            raise InputError(f"{flag} {value!r}: {number!r} is not a number") from None
         if parsed[name] < 0:
-            raise ValueError(f"{flag} {value!r}: must not be negative")
+            raise InputError(f"{flag} {value!r}: must not be negative")
     return parsed
 
 
@@ -123,11 +123,10 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     try:
         named_paths = [split_name_and_path(value, "--system") for value in args.system]
         for name, path in named_paths:
-            if not path.is_file():
-                raise FileNotFoundError(f"--system {name}: file {str(path)!r} {not_a_file(path)}")
+            require_path(path, f"--system {name}", FILE)
         processing, settings = scoring_settings(args)
-        if args.ref is not None and not args.ref.is_file():
-            raise FileNotFoundError(f"--ref: file {str(args.ref)!r} {not_a_file(args.ref)}")
+        if args.ref is not None:
+            require_path(args.ref, "--ref", FILE)
         names = [name for name, _ in named_paths]
         # A sidecar may describe more systems than this table shows; only the shown ones count.
         extras = read_sidecar(args.sidecar) if args.sidecar is not None else {}
@@ -140,13 +139,15 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         params.update(parse_named_numbers(args.params, "--params", parameter_count))
         speeds.update(parse_named_numbers(args.speed, "--speed", float))
         if args.baseline is not None and args.baseline not in names:
-            raise ValueError(f"--baseline {args.baseline!r} is not one of the --system names {names}")
+            raise InputError(f"--baseline {args.baseline!r} is not one of the --system names {names}")
         expected = expected_sentence_count(args)
         if args.out_prefix is not None:
             inputs = [(f"--system {name}", path) for name, path in named_paths]
             inputs += [("--sidecar", args.sidecar), ("--expected-from", args.expected_from), ("--ref", args.ref)]
             check_outputs_are_not_inputs([("--out-prefix", path) for path in report_paths(args.out_prefix).values()],
                                          inputs)
+            for path in report_paths(args.out_prefix).values():
+                require_path(path, "--out-prefix", OUTPUT_FILE)
             check_outputs_free(report_paths(args.out_prefix).values(), args.overwrite, "--out-prefix")
         systems = [
             load_system(name, path, processing, settings, 0, args.seed, expected, args.allow_partial,
@@ -155,14 +156,17 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         ]
         report = build_report(systems, args.baseline, params, speeds, args.bootstrap, args.seed, args.ar_trials)
         report.title = args.title
-    except (argparse.ArgumentTypeError, ValueError, FileNotFoundError, FileExistsError) as error:
+    except (argparse.ArgumentTypeError, UserError) as error:
         parser.error(str(error))
     for name, info in report.partial.items():
         print(f"warning: {name} is a PARTIAL score: {info['n_sentences']} of {info['n_expected']} "
               "expected sentences", file=sys.stderr)
     print(report_markdown(report), end="")
     if args.out_prefix is not None:
-        write_report(report, args.out_prefix, overwrite=args.overwrite)
+        try:
+            write_report(report, args.out_prefix, overwrite=args.overwrite)
+        except OSError as error:  # the folder or files of --out-prefix
+            raise FileAccessError(message_of(error)) from None
 
 
 if __name__ == "__main__":

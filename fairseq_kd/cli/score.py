@@ -29,7 +29,7 @@ from sacrebleu.metrics.bleu import BLEU
 from fairseq_kd.scoring.bleu import (DEFAULT_N_BOOTSTRAP, DEFAULT_N_TRIALS, DEFAULT_SEED, BleuSettings, check_n_bootstrap,
                                      check_n_trials)
 from fairseq_kd.scoring.detok import BPE_SCHEMES, count_lines
-from fairseq_kd.errors import not_a_file
+from fairseq_kd.errors import FILE, OUTPUT_FILE, FileAccessError, InputError, UserError, message_of, require_path
 from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
 from fairseq_kd.scoring.report import (
@@ -121,10 +121,10 @@ def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
 def scoring_settings(args: argparse.Namespace) -> Tuple[TextProcessing, BleuSettings]:
     """The flags of :func:`add_scoring_arguments`, checked: how text is processed, how BLEU is computed."""
     if args.ref_is_plain and args.ref is None:
-        raise ValueError("--ref-is-plain applies to --ref only; fairseq-generate T- lines are "
+        raise InputError("--ref-is-plain applies to --ref only; fairseq-generate T- lines are "
                          "processed like the hypotheses")
     if args.detok_hf is not None and (args.remove_bpe != "none" or args.detok_moses):
-        raise ValueError("--detok-hf turns the model's tokens into text itself: drop --remove-bpe and --detok-moses")
+        raise InputError("--detok-hf turns the model's tokens into text itself: drop --remove-bpe and --detok-moses")
     check_n_bootstrap(args.bootstrap)
     check_n_trials(args.ar_trials)
     return (TextProcessing(remove_bpe=args.remove_bpe, moses_lang=args.detok_moses, hf_folder=args.detok_hf),
@@ -154,14 +154,12 @@ def expected_sentence_count(args: argparse.Namespace) -> Optional[int]:
     """N from --expected-sentences or --expected-from (validated), else None."""
     if args.expected_sentences is not None:
         if args.expected_sentences < 1:
-            raise ValueError(f"--expected-sentences must be a positive count, got {args.expected_sentences}")
+            raise InputError(f"--expected-sentences must be a positive count, got {args.expected_sentences}")
         return args.expected_sentences
     if args.expected_from is not None:
-        if not args.expected_from.is_file():
-            raise FileNotFoundError(f"--expected-from: file {str(args.expected_from)!r} {not_a_file(args.expected_from)}")
         count = count_lines(args.expected_from, "--expected-from")
         if count == 0:
-            raise ValueError(f"--expected-from file {str(args.expected_from)!r} is empty")
+            raise InputError(f"--expected-from file {str(args.expected_from)!r} is empty")
         return count
     return None
 
@@ -180,7 +178,7 @@ def check_outputs_are_not_inputs(outputs, inputs) -> None:
     for out_flag, out_path in outputs:
         for in_flag, in_path in inputs:
             if out_path is not None and in_path is not None and same_file(out_path, in_path):
-                raise ValueError(
+                raise InputError(
                     f"{out_flag} {str(out_path)!r} is the {in_flag} input file; writing it would destroy "
                     "the input. Choose another output path."
                 )
@@ -258,20 +256,26 @@ def validate_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace
         inputs.append(("--baseline", args.baseline_path))
         if args.bootstrap == 0:
             parser.error("--baseline needs resampling for the paired test; drop --bootstrap 0")
-    for flag, path in inputs:
-        if not path.is_file():
-            parser.error(f"{flag}: file {str(path)!r} {not_a_file(path)}")
+    try:
+        for flag, path in inputs:
+            require_path(path, flag, FILE)
+    except UserError as error:
+        parser.error(str(error))
     if args.expected_from is not None:
         inputs.append(("--expected-from", args.expected_from))
     try:
-        check_outputs_are_not_inputs([("--output-json", args.output_json), ("--output-md", args.output_md)], inputs)
+        outputs = [("--output-json", args.output_json), ("--output-md", args.output_md)]
+        for flag, path in outputs:
+            if path is not None:
+                require_path(path, flag, OUTPUT_FILE)
+        check_outputs_are_not_inputs(outputs, inputs)
         args.expected = expected_sentence_count(args)
         args.processing, args.settings = scoring_settings(args)
         if args.output_json is not None:
             check_outputs_free([args.output_json], args.overwrite, "--output-json")
         if args.output_md is not None:
             check_score_table(args.output_md)
-    except (ValueError, FileExistsError, FileNotFoundError) as error:
+    except UserError as error:
         parser.error(str(error))
     if args.system is None:
         args.system = (args.generate_output or args.hyp).stem
@@ -313,13 +317,13 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
                 message = (f"--hyp/--ref have {system.result.n_sentences} lines but "
                            f"{args.expected} sentences are expected")
                 if not args.allow_partial:
-                    raise ValueError(message + "; pass --allow-partial to score them anyway")
+                    raise InputError(message + "; pass --allow-partial to score them anyway")
                 system.partial = {"complete": False, "n_sentences": system.result.n_sentences,
                                   "n_expected": args.expected, "problems": [message]}
         paired = None
         if baseline is not None:
             paired = compare_with_baseline(system, baseline, args.bootstrap, args.ar_trials, args.seed)
-    except (ValueError, FileNotFoundError) as error:
+    except UserError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     record = score_record(system, paired)
 
@@ -338,12 +342,15 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
             f"{paired['difference']:+.2f} BLEU, p = {format_p_value(paired['p_bootstrap'])} (sacreBLEU paired "
             f"bootstrap), p = {format_p_value(paired['p_randomization'])} (paired approximate randomisation)"
         )
-    if args.output_json is not None:
-        args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        write_json(args.output_json, record)
-    if args.output_md is not None:
-        args.output_md.parent.mkdir(parents=True, exist_ok=True)
-        append_score_row(args.output_md, record)
+    try:
+        if args.output_json is not None:
+            args.output_json.parent.mkdir(parents=True, exist_ok=True)
+            write_json(args.output_json, record)
+        if args.output_md is not None:
+            args.output_md.parent.mkdir(parents=True, exist_ok=True)
+            append_score_row(args.output_md, record)
+    except OSError as error:  # the folder or file named by --output-json/--output-md
+        raise FileAccessError(message_of(error)) from None
 
 
 if __name__ == "__main__":

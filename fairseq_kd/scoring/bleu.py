@@ -29,6 +29,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 from sacrebleu.metrics.bleu import BLEU
 from sacrebleu.significance import PairedTest
 
+from ..errors import InputError
+
 DEFAULT_SEED = 12345  # sacreBLEU's default SACREBLEU_SEED
 DEFAULT_N_BOOTSTRAP = 1000  # sacreBLEU's --paired-bs-n and --confidence-n default
 DEFAULT_N_TRIALS = 10000  # sacreBLEU's --paired-ar-n default
@@ -58,12 +60,12 @@ class BleuSettings:
 
     def __post_init__(self):
         if self.tokenize not in BLEU.TOKENIZERS:
-            raise ValueError(
+            raise InputError(
                 f"unknown sacreBLEU tokenizer {self.tokenize!r}; choose one of "
                 f"{', '.join(sorted(BLEU.TOKENIZERS))}"
             )
         if self.smooth_method not in BLEU.SMOOTH_DEFAULTS:
-            raise ValueError(
+            raise InputError(
                 f"unknown smoothing method {self.smooth_method!r}; choose one of "
                 f"{', '.join(BLEU.SMOOTH_DEFAULTS)}"
             )
@@ -82,7 +84,7 @@ class BleuSettings:
 
 def check_n_bootstrap(n_bootstrap: int) -> None:
     if n_bootstrap != 0 and n_bootstrap < MIN_N_BOOTSTRAP:
-        raise ValueError(
+        raise InputError(
             f"--bootstrap {n_bootstrap}: use 0 to switch resampling off, or at least "
             f"{MIN_N_BOOTSTRAP} resamples (a 95% interval drops 1 in 40 on each side); "
             f"{DEFAULT_N_BOOTSTRAP} is usual"
@@ -91,7 +93,7 @@ def check_n_bootstrap(n_bootstrap: int) -> None:
 
 def check_n_trials(n_trials: int) -> None:
     if n_trials < 0 or 0 < n_trials < 100:
-        raise ValueError(
+        raise InputError(
             f"--ar-trials {n_trials}: use 0 to skip the approximate randomisation test, or at "
             f"least 100 trials (p cannot fall below 1/(trials+1)); {DEFAULT_N_TRIALS} is usual"
         )
@@ -113,9 +115,9 @@ def sacrebleu_seed(seed: int) -> Iterator[None]:
 
 def check_parallel(hypotheses: Sequence[str], references: Sequence[str]) -> None:
     if not hypotheses:
-        raise ValueError("no hypotheses to score: the input is empty")
+        raise InputError("no hypotheses to score: the input is empty")
     if len(hypotheses) != len(references):
-        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
+        raise InputError(f"{len(hypotheses)} hypotheses but {len(references)} references")
 
 
 @dataclass
@@ -203,13 +205,13 @@ def compare_systems(
     """
     named_systems = [(name, list(hypotheses)) for name, hypotheses in named_systems]
     if not named_systems:
-        raise ValueError("no systems to compare")
+        raise InputError("no systems to compare")
     for _, hypotheses in named_systems:
         check_parallel(hypotheses, references)
     check_n_bootstrap(n_bootstrap)
     check_n_trials(n_trials)
     if not n_bootstrap:
-        raise ValueError("intervals and paired tests need resampling: use --bootstrap 1000, not 0")
+        raise InputError("intervals and paired tests need resampling: use --bootstrap 1000, not 0")
     signature, bootstrap = _paired_test(named_systems, references, settings, "bs", n_bootstrap, seed)
     randomization = [None] * len(named_systems)
     if n_trials and len(named_systems) > 1:

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .files import naming_decode_errors, not_a_file
+from ..errors import FILE, FOLDER, InputError, MissingDependencyError, require_path
+from .files import naming_decode_errors
 
 BPE_SCHEMES = ("none", "subword_nmt", "sentencepiece")
 
@@ -52,7 +53,7 @@ def remove_bpe(line: str, scheme: str) -> str:
         return line.replace(" ", "").replace(SENTENCEPIECE_WORD_BOUNDARY, " ").strip()
     if scheme == "none":
         return line
-    raise ValueError(f"unknown subword scheme {scheme!r}; expected one of {', '.join(BPE_SCHEMES)}")
+    raise InputError(f"unknown subword scheme {scheme!r}; expected one of {', '.join(BPE_SCHEMES)}")
 
 
 def moses_detokenize(lines: Sequence[str], lang: str) -> List[str]:
@@ -77,7 +78,7 @@ FAIRSEQ_CONTROL_SYMBOLS = frozenset({"<s>", "<pad>", "</s>"})
 FAIRSEQ_UNKNOWN_SYMBOLS = frozenset({"<unk>", "<<unk>>"})
 
 
-class HuggingFaceMissingError(ImportError):
+class HuggingFaceMissingError(MissingDependencyError):
     """``--detok-hf`` without transformers installed; the message names the fix."""
 
 
@@ -86,10 +87,8 @@ def load_hf_tokenizer(folder: str):
     """The tokenizer of a ``save_pretrained`` folder, offline (nothing downloaded, no remote code),
     loaded once per folder. transformers is imported here only: scoring without ``--detok-hf``
     needs nothing beyond sacreBLEU."""
-    if not Path(folder).is_dir():
-        problem = "is a file, not a folder" if Path(folder).exists() else "no such folder"
-        raise FileNotFoundError(f"--detok-hf {folder!r}: {problem}; give the Hugging Face save_pretrained folder "
-                                "the data was binarised with (fairseq-kd-hf-data --teacher)")
+    require_path(folder, "--detok-hf", FOLDER, "give the Hugging Face save_pretrained folder the data was "
+                 "binarised with (fairseq-kd-hf-data --teacher)")
     try:
         import transformers
     except ImportError as error:
@@ -98,7 +97,7 @@ def load_hf_tokenizer(folder: str):
         return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except Exception as error:  # noqa: BLE001 - any failure means: no usable tokenizer there
         first_line = str(error).splitlines()[0] if str(error) else ""
-        raise ValueError(f"--detok-hf {folder!r}: its tokenizer cannot be loaded offline ({type(error).__name__}: "
+        raise InputError(f"--detok-hf {folder!r}: its tokenizer cannot be loaded offline ({type(error).__name__}: "
                          f"{first_line}); give the save_pretrained folder the data was binarised with "
                          "(fairseq-kd-hf-data --teacher)") from None
 
@@ -131,7 +130,7 @@ class HuggingFaceDetokenizer:
                 piece = str(tokenizer.unk_token)
             token_id = tokenizer.convert_tokens_to_ids(piece)
             if token_id is None or (token_id == tokenizer.unk_token_id and piece != str(tokenizer.unk_token)):
-                raise ValueError(f"--detok-hf {self.folder!r}: {piece!r} is not a token of its tokenizer; was this "
+                raise InputError(f"--detok-hf {self.folder!r}: {piece!r} is not a token of its tokenizer; was this "
                                  f"output decoded from data binarised with fairseq-kd-hf-data --teacher {self.folder}?")
             if token_id not in self.language_tags:
                 ids.append(token_id)
@@ -159,12 +158,12 @@ def detokenize_lines(
     """Apply :func:`remove_bpe` and then, if ``moses_lang`` is given, :func:`moses_detokenize`; or,
     with ``hf_folder``, :class:`HuggingFaceDetokenizer` of that folder instead of both."""
     if remove_bpe_scheme not in BPE_SCHEMES:
-        raise ValueError(
+        raise InputError(
             f"unknown subword scheme {remove_bpe_scheme!r}; expected one of {', '.join(BPE_SCHEMES)}"
         )
     if hf_folder is not None:
         if remove_bpe_scheme != "none" or moses_lang:
-            raise ValueError("--detok-hf turns the model's tokens into text itself: drop --remove-bpe and "
+            raise InputError("--detok-hf turns the model's tokens into text itself: drop --remove-bpe and "
                              "--detok-moses")
         return HuggingFaceDetokenizer(hf_folder)(lines)
     plain = [remove_bpe(line, remove_bpe_scheme) for line in lines]
@@ -175,14 +174,12 @@ def detokenize_lines(
 
 def read_lines(path: Path, what: str) -> List[str]:
     """Lines of a UTF-8 text file without their line ends; ``what`` names the file in errors."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} file {str(path)!r} {not_a_file(path)}")
+    path = require_path(path, what, FILE)
     with naming_decode_errors(path, f"{what} file"), open(path, encoding="utf-8", newline="") as handle:
         return [line.rstrip("\r\n") for line in handle]
 
 
-class IncompleteGenerateOutputError(ValueError):
+class IncompleteGenerateOutputError(InputError):
     """A fairseq-generate output does not hold every sentence of the test set exactly once."""
 
 
@@ -334,7 +331,7 @@ def _paired_sentences(path: Path, scanned: _GenerateLines):
     source = "D" if scanned.hypotheses["D"] else "H"
     chosen = scanned.hypotheses[source]
     if not chosen:
-        raise ValueError(
+        raise InputError(
             f"{path}: no H- or D- lines found; is this a fairseq-generate output file "
             "(written without --quiet)?"
         )
@@ -346,7 +343,7 @@ def _paired_sentences(path: Path, scanned: _GenerateLines):
     ):
         unmatched = sorted(set(present) - set(counterpart))
         if unmatched:
-            raise ValueError(f"{path}: {len(unmatched)} {unmatched_what} (first ids: {unmatched[:5]}); {advice}")
+            raise InputError(f"{path}: {len(unmatched)} {unmatched_what} (first ids: {unmatched[:5]}); {advice}")
     return source, chosen
 
 

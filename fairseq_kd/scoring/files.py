@@ -1,15 +1,16 @@
-"""Input files of the scoring commands: a clear message for a folder given where a file is
-expected, the file's name in every UTF-8 decoding error, and JSON inputs read with both."""
+"""Input files of the scoring commands: a path that is not a readable file said as such
+(:func:`fairseq_kd.errors.require_path`), the file's name in every UTF-8 decoding error, and JSON
+inputs read with both."""
 from __future__ import annotations
 
 import json
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import not_a_file, undecodable_text_message
+from ..errors import FILE, InputError, require_path, undecodable_text_message
 
 
-class UndecodableFileError(ValueError):
+class UndecodableFileError(InputError):
     """A text input is not valid UTF-8."""
 
 
@@ -24,11 +25,9 @@ def naming_decode_errors(path, what: str = "file"):
 
 def load_json(path, what: str):
     """The JSON content of ``path``; ``what`` names the file in errors (e.g. ``"--sidecar file"``)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} {str(path)!r} {not_a_file(path)}")
+    path = require_path(path, what, FILE)
     try:
         with naming_decode_errors(path, what), open(path, encoding="utf-8") as handle:
             return json.load(handle)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{what} {path}: not valid JSON ({error})") from None
+        raise InputError(f"{what} {path}: not valid JSON ({error})") from None

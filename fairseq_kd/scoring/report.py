@@ -45,10 +45,10 @@ from .bleu import (
     score_corpus,
 )
 from .detok import detokenize_lines, read_generate_output, read_lines
-from .files import load_json, naming_decode_errors, not_a_file
+from ..errors import FILE, FileAccessError, InputError, message_of, require_path
+from .files import load_json, naming_decode_errors
 
 SCORE_FORMAT = "fairseq-kd-score/2"
-OLD_SCORE_FORMATS = ("fairseq-kd-score/1",)
 REPORT_FORMAT = "fairseq-kd-report/1"
 
 
@@ -127,7 +127,7 @@ def score_generate_output(
     if ref_path is not None:
         reference_lines = read_lines(ref_path, "--ref")
         if expected_sentences is not None and expected_sentences != len(reference_lines):
-            raise ValueError(f"--ref file {str(ref_path)!r} has {len(reference_lines)} lines but "
+            raise InputError(f"--ref file {str(ref_path)!r} has {len(reference_lines)} lines but "
                              f"{expected_sentences} sentences are expected")
         expected_sentences = len(reference_lines)
     generated = read_generate_output(path, expected_sentences, allow_partial)
@@ -166,11 +166,11 @@ def score_text_files(
     hypotheses = read_lines(hyp_path, "--hyp")
     references = read_lines(ref_path, "--ref")
     if not hypotheses:
-        raise ValueError(f"--hyp file {str(hyp_path)!r} is empty")
+        raise InputError(f"--hyp file {str(hyp_path)!r} is empty")
     if not references:
-        raise ValueError(f"--ref file {str(ref_path)!r} is empty")
+        raise InputError(f"--ref file {str(ref_path)!r} is empty")
     if len(hypotheses) != len(references):
-        raise ValueError(
+        raise InputError(
             f"--hyp file {str(hyp_path)!r} has {len(hypotheses)} lines but --ref file "
             f"{str(ref_path)!r} has {len(references)}; they must be line-parallel"
         )
@@ -218,7 +218,7 @@ def is_score_record_file(path: Path) -> bool:
 def _text_list(record: Dict, key: str, path: Path) -> List[str]:
     values = record.get(key)
     if not isinstance(values, list) or not values or not all(isinstance(value, str) for value in values):
-        raise ValueError(f"{path}: {key} must be a non-empty list of strings (one scored line each)")
+        raise InputError(f"{path}: {key} must be a non-empty list of strings (one scored line each)")
     return values
 
 
@@ -230,14 +230,8 @@ def load_score_record(path: Path, name: Optional[str] = None) -> SystemScore:
     """
     path = Path(path)
     record = load_json(path, "score record")
-    if isinstance(record, dict) and record.get("format") in OLD_SCORE_FORMATS:
-        raise ValueError(
-            f"{path}: a score record of an older fairseq-kd-score ({record['format']}) keeps sentence "
-            "statistics, not the text that sacreBLEU's paired tests need; score the fairseq-generate "
-            "output (or --hyp/--ref files) again"
-        )
     if not isinstance(record, dict) or record.get("format") != SCORE_FORMAT:
-        raise ValueError(
+        raise InputError(
             f"{path}: not a score record (expected \"format\": \"{SCORE_FORMAT}\"); write one "
             "with fairseq-kd-score --output-json"
         )
@@ -247,20 +241,20 @@ def load_score_record(path: Path, name: Optional[str] = None) -> SystemScore:
         if key not in record
     ]
     if missing:
-        raise ValueError(f"{path}: score record lacks {', '.join(missing)}")
+        raise InputError(f"{path}: score record lacks {', '.join(missing)}")
     hypotheses, references = _text_list(record, "hypotheses", path), _text_list(record, "references", path)
     if len(hypotheses) != len(references):
-        raise ValueError(f"{path}: {len(hypotheses)} hypotheses but {len(references)} references")
+        raise InputError(f"{path}: {len(hypotheses)} hypotheses but {len(references)} references")
     if references_fingerprint(references) != record["references_sha256"]:
-        raise ValueError(f"{path}: the stored references do not match references_sha256; the record "
+        raise InputError(f"{path}: the stored references do not match references_sha256; the record "
                          "was changed after it was written")
     try:
         settings = BleuSettings(**record["settings"])
     except TypeError as error:
-        raise ValueError(f"{path}: bad settings {record['settings']} ({error})") from None
+        raise InputError(f"{path}: bad settings {record['settings']} ({error})") from None
     recomputed = score_corpus(hypotheses, references, settings, n_bootstrap=0).score
     if recomputed != record["bleu"]:
-        raise ValueError(
+        raise InputError(
             f"{path}: stored BLEU {record['bleu']} is not the BLEU of its text ({recomputed}); the "
             "record was changed after it was written"
         )
@@ -298,22 +292,20 @@ def load_system(
     Partial scores (an incomplete generate output, or a record written with --allow-partial) and
     records of another sentence count than ``expected_sentences`` are refused unless
     ``allow_partial``."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"system {name!r}: file {str(path)!r} {not_a_file(path)}")
+    path = require_path(path, f"system {name!r} file", FILE)
     if not is_score_record_file(path):
         return score_generate_output(name, path, processing, settings, n_bootstrap, seed,
                                      expected_sentences, allow_partial, ref_path, ref_is_plain)
     system = load_score_record(path, name)
     if not allow_partial:
         if system.partial:
-            raise ValueError(
+            raise InputError(
                 f"system {name!r}: score record {str(path)!r} is a partial score "
                 f"({system.partial['n_sentences']} of {system.partial['n_expected']} sentences); "
                 "score a complete output, or pass --allow-partial"
             )
         if expected_sentences is not None and system.result.n_sentences != expected_sentences:
-            raise ValueError(
+            raise InputError(
                 f"system {name!r}: score record {str(path)!r} has {system.result.n_sentences} "
                 f"sentences but {expected_sentences} are expected; pass --allow-partial to use it anyway"
             )
@@ -325,18 +317,18 @@ def check_comparable(systems: Sequence[SystemScore]) -> None:
     first = systems[0]
     for other in systems[1:]:
         if other.result.settings != first.result.settings:
-            raise ValueError(
+            raise InputError(
                 f"systems {first.name!r} and {other.name!r} were scored with different sacreBLEU "
                 f"settings ({first.result.settings.to_dict()} vs {other.result.settings.to_dict()}); "
                 "score them with the same --tokenize/--lowercase"
             )
         if other.result.n_sentences != first.result.n_sentences:
-            raise ValueError(
+            raise InputError(
                 f"systems {first.name!r} and {other.name!r} have {first.result.n_sentences} and "
                 f"{other.result.n_sentences} sentences: not the same test set"
             )
         if other.references_sha256 != first.references_sha256:
-            raise ValueError(
+            raise InputError(
                 f"systems {first.name!r} and {other.name!r} were scored against different "
                 "references (after detokenisation): not the same test set, or different "
                 "--remove-bpe/--detok-moses settings"
@@ -421,7 +413,7 @@ def check_score_table(path: Path) -> bool:
     with open(path, encoding="utf-8") as handle:
         first_line = handle.readline().rstrip("\n")
     if first_line != SCORE_TABLE_HEADER:
-        raise ValueError(
+        raise InputError(
             f"--output-md {str(path)!r} exists but is not a score table written by this "
             "command (its first line differs); choose another file"
         )
@@ -510,22 +502,22 @@ def build_report(
     BLEU itself is the full-corpus score.
     """
     if not systems:
-        raise ValueError("no systems given")
+        raise InputError("no systems given")
     names = [system.name for system in systems]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
-        raise ValueError(f"system names must be unique; repeated: {', '.join(duplicates)}")
+        raise InputError(f"system names must be unique; repeated: {', '.join(duplicates)}")
     params, sents_per_sec = dict(params or {}), dict(sents_per_sec or {})
     for flag, values in (("--params", params), ("--speed", sents_per_sec)):
         unknown = sorted(set(values) - set(names))
         if unknown:
-            raise ValueError(f"{flag} names unknown systems {unknown}; systems are {names}")
+            raise InputError(f"{flag} names unknown systems {unknown}; systems are {names}")
     if baseline is not None and baseline not in names:
-        raise ValueError(f"--baseline {baseline!r} is not one of the systems {names}")
+        raise InputError(f"--baseline {baseline!r} is not one of the systems {names}")
     check_n_bootstrap(n_bootstrap)
     check_n_trials(n_trials)
     if baseline is not None and not n_bootstrap:
-        raise ValueError("--baseline needs resampling for the paired test: use --bootstrap 1000, not 0")
+        raise InputError("--baseline needs resampling for the paired test: use --bootstrap 1000, not 0")
     check_comparable(systems)
 
     by_name = {system.name: system for system in systems}
@@ -660,9 +652,7 @@ def write_report(report: Report, out_prefix: Path, overwrite: bool = False) -> D
 def check_outputs_free(paths, overwrite: bool, flag: str) -> None:
     existing = [str(path) for path in paths if Path(path).exists()]
     if existing and not overwrite:
-        raise FileExistsError(
-            f"{flag}: {', '.join(existing)} already exist(s); pass --overwrite to replace"
-        )
+        raise InputError(f"{flag}: {', '.join(existing)} already exist(s); pass --overwrite to replace")
 
 
 def read_sidecar(path: Path) -> Dict[str, Dict]:
@@ -670,20 +660,20 @@ def read_sidecar(path: Path) -> Dict[str, Dict]:
     path = Path(path)
     data = load_json(path, "--sidecar file")
     if not isinstance(data, dict) or not all(isinstance(value, dict) for value in data.values()):
-        raise ValueError(
+        raise InputError(
             f'--sidecar {path}: expected {{"system": {{"params": N, "sents_per_sec": X}}, ...}}'
         )
     for name, values in data.items():
         unknown = sorted(set(values) - {"params", "sents_per_sec"})
         if unknown:
-            raise ValueError(
+            raise InputError(
                 f"--sidecar {path}: system {name!r} has unknown keys {unknown}; "
                 "allowed: params, sents_per_sec"
             )
         params = values.get("params")
         if params is not None and (isinstance(params, bool) or not isinstance(params, int) or params < 0):
-            raise ValueError(f"--sidecar {path}: {name}.params must be a non-negative integer, got {params!r}")
+            raise InputError(f"--sidecar {path}: {name}.params must be a non-negative integer, got {params!r}")
         speed = values.get("sents_per_sec")
         if speed is not None and (isinstance(speed, bool) or not isinstance(speed, (int, float)) or speed < 0):
-            raise ValueError(f"--sidecar {path}: {name}.sents_per_sec must be a non-negative number, got {speed!r}")
+            raise InputError(f"--sidecar {path}: {name}.sents_per_sec must be a non-negative number, got {speed!r}")
     return data
