@@ -187,3 +187,34 @@ def test_undecodable_bytes_of_no_known_file_are_not_advised_to_be_converted_when
     with pytest.raises(UnicodeDecodeError) as error:
         (b"\x00\x01\xff" * 8).decode("utf-8")
     assert "iconv" not in message_of(error.value) and "convert" not in message_of(error.value)
+
+
+def test_scoring_and_plot_outputs_under_a_file_are_one_line_before_work(paths, tmp_path):
+    """An output whose folder cannot be made (a file is in the way) is refused by the one path
+    wording before any scoring or drawing, not the system's error when it is written."""
+    folder, a_file = paths
+    hyp = tmp_path / "hyp.txt"
+    hyp.write_text("a b\n")
+    proc = run_cli_here("fairseq-kd-score", "--hyp", hyp, "--ref", hyp, "--output-json", a_file / "s.json")
+    _one_line_error(proc, "fairseq-kd-score", "--output-json", f"cannot be made: {str(a_file)!r} is a file, not a folder")
+    proc = run_cli_here("fairseq-kd-report", "--system", f"a={hyp}", "--out-prefix", a_file / "r")
+    _one_line_error(proc, "fairseq-kd-report", "--out-prefix", f"cannot be made: {str(a_file)!r} is a file, not a folder")
+    log = tmp_path / "train.log"
+    log.write_text('{"epoch": 1, "update": 1.0, "loss": "2.0", "num_updates": "1"}\n')
+    proc = run_cli_here("fairseq-kd-plot", "curves", "--log", log, "--output", a_file / "c.png")
+    _one_line_error(proc, "fairseq-kd-plot", "--output", f"cannot be made: {str(a_file)!r} is a file, not a folder")
+    proc = run_cli_here("fairseq-kd-plot", "curves", "--log", folder, "--output", tmp_path / "c.png")
+    _one_line_error(proc, "fairseq-kd-plot", f"training log {str(folder)!r}: is a folder, not a file")
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_scoring_inputs_of_the_wrong_kind_are_path_errors(paths):
+    """The scoring readers' refusals are the plugin's user errors (PathError), in the one wording."""
+    from fairseq_kd.scoring.detok import read_generate_output
+    from fairseq_kd.scoring.files import load_json
+
+    folder, a_file = paths
+    with pytest.raises(PathError, match="is a folder, not a file"):
+        read_generate_output(folder)
+    with pytest.raises(PathError, match=f"--sidecar file {str(a_file / 'x')!r}: no such file: "):
+        load_json(a_file / "x", "--sidecar file")

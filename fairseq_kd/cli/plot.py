@@ -33,7 +33,7 @@ from typing import List, Optional
 
 from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
-from fairseq_kd.errors import not_a_file
+from fairseq_kd.errors import FILE, OUTPUT_FILE, FileAccessError, InputError, message_of, path_problem, require_path
 
 #: figures whose weights a training checkpoint holds, by sub-command
 CHECKPOINT_FIGURES = ("alignment", "alp")
@@ -47,9 +47,7 @@ def figure_weights_from_checkpoint(figure: str, checkpoint: Path) -> dict:
     """
     if figure not in CHECKPOINT_FIGURES:
         raise ValueError(f"no {figure!r} weights in checkpoints; expected one of {', '.join(CHECKPOINT_FIGURES)}")
-    checkpoint = Path(checkpoint)
-    if not checkpoint.is_file():
-        raise FileNotFoundError(f"--checkpoint file {str(checkpoint)!r} {not_a_file(checkpoint)}")
+    checkpoint = require_path(checkpoint, "--checkpoint", FILE)
     import fairseq_kd
 
     fairseq_kd.register()  # the criterions and the allow-list of classes fairseq checkpoints hold
@@ -58,14 +56,14 @@ def figure_weights_from_checkpoint(figure: str, checkpoint: Path) -> dict:
 
         try:
             return layer_weights_from_checkpoint(checkpoint)
-        except ValueError as error:
-            raise ValueError(f"--checkpoint {error}") from None
+        except ValueError as error:  # its refusals of the checkpoint
+            raise InputError(f"--checkpoint {error}") from None
     from fairseq_kd.checkpoints import load_fairseq_checkpoint
     from fairseq_kd.modules.attention_alignment import AlignmentShapeError, alignment_weights_from_state
 
     criterion_state = load_fairseq_checkpoint(checkpoint).get("criterion")
     if not criterion_state:
-        raise ValueError(
+        raise InputError(
             f"--checkpoint {str(checkpoint)!r} has no criterion parameters; alignment weights exist only "
             "in checkpoints written by fairseq-train --criterion a2d_kd (with --a2d-lambda > 0), not "
             "in exported students or teachers"
@@ -73,7 +71,7 @@ def figure_weights_from_checkpoint(figure: str, checkpoint: Path) -> dict:
     try:
         return alignment_weights_from_state(criterion_state)
     except AlignmentShapeError as error:
-        raise ValueError(f"--checkpoint {str(checkpoint)!r}: {error}") from None
+        raise InputError(f"--checkpoint {str(checkpoint)!r}: {error}") from None
 
 
 FIGURE_NAMES = {"alignment": "Align-to-Distill alignment weights", "alp": "ALP-KD layer weights"}
@@ -181,6 +179,9 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     if args.output.suffix.lower() != ".png":
         parser.error(f"--output {str(args.output)!r}: the file name must end in .png")
+    problem = path_problem(args.output, OUTPUT_FILE)
+    if problem is not None:
+        parser.error(f"--output {str(args.output)!r}: {problem}")
     if args.output.exists() and not args.overwrite:
         parser.error(f"--output {str(args.output)!r} already exists; pass --overwrite to replace it")
     if args.dpi < 10:
@@ -190,6 +191,9 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         if args.checkpoint is None:
             parser.error("--weights-output writes the weights read from --checkpoint; with --input they are "
                          "already in that file")
+        problem = path_problem(weights_output, OUTPUT_FILE)
+        if problem is not None:
+            parser.error(f"--weights-output {str(weights_output)!r}: {problem}")
         if weights_output.exists() and not args.overwrite:
             parser.error(f"--weights-output {str(weights_output)!r} already exists; pass --overwrite to replace it")
     title = args.title if args.title is not None else default_title(args)
@@ -202,25 +206,31 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
             draw = plot_alignment_heatmaps if args.command == "alignment" else plot_alp_weights
             figure = draw(weights, title=title)  # checks the weights before anything is written
             if weights_output is not None:
-                write_weights_json(weights, weights_output)
+                try:
+                    write_weights_json(weights, weights_output)
+                except OSError as error:
+                    raise FileAccessError(message_of(error)) from None
                 print(f"wrote {weights_output}")
         elif args.command == "compare":
             runs = {}
             for value in args.log:
                 name, separator, path = value.partition("=")
                 if not separator or not name or not path:
-                    raise ValueError(f"--log expects NAME=LOG, got {value!r}")
+                    raise InputError(f"--log expects NAME=LOG, got {value!r}")
                 if name in runs:
-                    raise ValueError(f"--log: the name {name!r} is given twice")
+                    raise InputError(f"--log: the name {name!r} is given twice")
                 runs[name] = read_fairseq_log(Path(path))
             figure = plot_run_comparison(runs, args.key, args.split, title=title)
         else:
             if args.columns < 1:
-                raise ValueError(f"--columns {args.columns}: must be at least 1")
+                raise InputError(f"--columns {args.columns}: must be at least 1")
             figure = plot_training_curves(read_fairseq_log(args.log), args.keys, args.columns, title=title)
-    except (ValueError, FileNotFoundError) as error:
+    except InputError as error:
         parser.error(str(error))
-    save_figure(figure, args.output, dpi=args.dpi)
+    try:
+        save_figure(figure, args.output, dpi=args.dpi)
+    except OSError as error:
+        raise FileAccessError(message_of(error)) from None
     print(f"wrote {args.output}")
 
 

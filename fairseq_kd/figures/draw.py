@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
+from ..errors import InputError
 from .training_log import LogRecord, curve_keys, validation_series
 
 ATTENTION_KIND_TITLES = {
@@ -86,11 +87,11 @@ def _finite_matrix(values, what: str) -> np.ndarray:
     try:
         matrix = np.asarray(values, dtype=np.float64)
     except (TypeError, ValueError):
-        raise ValueError(f"{what}: expected a rectangular list of lists of numbers") from None
+        raise InputError(f"{what}: expected a rectangular list of lists of numbers") from None
     if matrix.ndim != 2 or matrix.size == 0:
-        raise ValueError(f"{what}: expected a non-empty 2-D list of numbers, got shape {matrix.shape}")
+        raise InputError(f"{what}: expected a non-empty 2-D list of numbers, got shape {matrix.shape}")
     if not np.all(np.isfinite(matrix)):
-        raise ValueError(f"{what}: contains NaN or infinite values")
+        raise InputError(f"{what}: contains NaN or infinite values")
     return matrix
 
 
@@ -102,7 +103,7 @@ def _map_labels(layers: int, heads: int) -> List[str]:
 def _positive_int(entry: Dict, key: str, kind: str) -> int:
     value = entry.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"alignment weights, kind {kind!r}: {key} must be a positive integer, got {value!r}")
+        raise InputError(f"alignment weights, kind {kind!r}: {key} must be a positive integer, got {value!r}")
     return value
 
 
@@ -116,7 +117,7 @@ def plot_alignment_heatmaps(alignments: Dict[str, Dict], title: Optional[str] = 
     so signed data get a diverging colour scale centred on 0. Lines mark layer boundaries.
     """
     if not isinstance(alignments, dict) or not alignments:
-        raise ValueError(
+        raise InputError(
             'alignment weights: expected {"encoder_self": {"weights": [[...]], "student_layers": m, '
             '"student_heads": hs, "teacher_layers": n, "teacher_heads": ht}, ...}'
         )
@@ -125,7 +126,7 @@ def plot_alignment_heatmaps(alignments: Dict[str, Dict], title: Optional[str] = 
     for kind in kinds:
         entry = alignments[kind]
         if not isinstance(entry, dict) or "weights" not in entry:
-            raise ValueError(f"alignment weights, kind {kind!r}: expected an object with 'weights'")
+            raise InputError(f"alignment weights, kind {kind!r}: expected an object with 'weights'")
         sizes = {
             key: _positive_int(entry, key, kind)
             for key in ("student_layers", "student_heads", "teacher_layers", "teacher_heads")
@@ -137,7 +138,7 @@ def plot_alignment_heatmaps(alignments: Dict[str, Dict], title: Optional[str] = 
         )
         if weights.shape != expected:
             hint = " (transposed? rows must be student maps)" if weights.shape == expected[::-1] else ""
-            raise ValueError(
+            raise InputError(
                 f"alignment weights, kind {kind!r}: shape {weights.shape} but the sizes give "
                 f"{expected} = (student_layers*student_heads, teacher_layers*teacher_heads){hint}"
             )
@@ -177,7 +178,7 @@ def plot_alp_weights(weights_by_side: Dict[str, Sequence[Sequence[float]]], titl
     are written in the cells when the grid is small enough to read them.
     """
     if not isinstance(weights_by_side, dict) or not weights_by_side:
-        raise ValueError(
+        raise InputError(
             'ALP-KD weights: expected {"encoder": [[weights over teacher layers] per student '
             'layer], "decoder": ...}'
         )
@@ -225,12 +226,12 @@ def plot_training_curves(
     present = {key for record in records for key in record.values}
     missing = [key for key in extra_keys if key not in present]
     if missing:
-        raise ValueError(
+        raise InputError(
             f"--keys {', '.join(missing)}: not in the log; it has {', '.join(sorted(present)) or 'no statistics'}"
         )
     keys = curve_keys(records, extra_keys)
     if not keys:
-        raise ValueError("the log has no statistic ending in 'loss'; name some with --keys")
+        raise InputError("the log has no statistic ending in 'loss'; name some with --keys")
     splits = list(dict.fromkeys(record.split for record in records))
     columns = max(1, min(columns, len(keys)))
     rows = math.ceil(len(keys) / columns)
@@ -260,13 +261,13 @@ def plot_run_comparison(runs: Dict[str, Sequence[LogRecord]], key: str = "nll_lo
     """One statistic of several training runs on one axis against updates (e.g. every student's
     validation nll: KD against no KD at a glance). Raises naming a run without that statistic."""
     if not runs:
-        raise ValueError("no runs given")
+        raise InputError("no runs given")
     figure = Figure(figsize=(6.4, 4.2), layout="constrained")
     axes = figure.add_subplot(1, 1, 1)
     for name, records in runs.items():
         series = validation_series(records, key, split)
         if not series:
-            raise ValueError(f"run {name!r}: its log has no {split} {key} (was validation on? "
+            raise InputError(f"run {name!r}: its log has no {split} {key} (was validation on? "
                              f"--log-format json or simple)")
         x, y = zip(*series)
         axes.plot(x, y, marker="o", markersize=3, linewidth=1.4, label=name)

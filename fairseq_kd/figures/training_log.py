@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from ..errors import not_a_file
+from ..errors import FILE, InputError, require_path
 
 
 @dataclass
@@ -146,13 +146,11 @@ def parse_fairseq_log(lines: Iterable[str]) -> List[LogRecord]:
 
 
 def read_fairseq_log(path: Path) -> List[LogRecord]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"training log {str(path)!r} {not_a_file(path)}")
+    path = require_path(path, "training log", FILE)
     with open(path, encoding="utf-8", errors="replace") as handle:
         records = parse_fairseq_log(handle)
     if not records:
-        raise ValueError(
+        raise InputError(
             f"{path}: no fairseq statistics lines found (expected fairseq-train output with "
             "--log-format json or simple)"
         )
