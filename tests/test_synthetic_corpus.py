@@ -123,8 +123,8 @@ def test_same_seed_same_bytes_different_seed_different(tmp_path):
 
 
 def test_corpus_does_not_depend_on_hash_randomisation():
-    # synthetic.py is imported as a top-level module so the subprocesses skip the plugin's imports
-    code = ("import hashlib, sys; sys.path.insert(0, 'fairseq_kd/data'); import synthetic; "
+    # the package imports neither torch nor fairseq: the subprocesses start quickly
+    code = ("import hashlib; from fairseq_kd.data import synthetic; "
             "corpus = synthetic.generate_corpus(11, {'train': 300, 'test': 30}); "
             "print(hashlib.sha256(repr(corpus).encode()).hexdigest())")
     digests = {subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, text=True,
@@ -239,7 +239,8 @@ def test_bad_arguments_fail_before_writing(tmp_path, bad_flags):
     assert exit_info.value.code == 2 and not out.exists()
 
 
-def test_a_format_1_manifest_is_refused_in_one_line_naming_force(tmp_path):
+def test_a_format_1_manifest_is_a_foreign_folder_refused_in_one_line_naming_force(tmp_path):
+    """A manifest of another format is no corpus made with these parameters (no special refusal)."""
     out = tmp_path / "corpus"
     write_corpus(out, seed=1, **SMALL)
     manifest = json.loads((out / "corpus.json").read_text())
@@ -250,13 +251,26 @@ def test_a_format_1_manifest_is_refused_in_one_line_naming_force(tmp_path):
               "sha256": {name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in corpus_files}}
     (out / "corpus.json").write_text(json.dumps(legacy, indent=2) + "\n")
     stamps = {name: (out / name).stat().st_mtime_ns for name in corpus_files}
-    with pytest.raises(FileExistsError, match=r"older format .*re-run with --force") as refused:
+    with pytest.raises(FileExistsError, match=r"holds no corpus made with these parameters .*pass --force") as refused:
         write_corpus(out, seed=1, **SMALL)
     assert "\n" not in str(refused.value)
     assert {name: (out / name).stat().st_mtime_ns for name in corpus_files} == stamps  # nothing rewritten
     assert write_corpus(out, seed=1, force=True, **SMALL) == "written"
     assert json.loads((out / "corpus.json").read_text())["format"] == 2
     assert write_corpus(out, seed=1, **SMALL) == "reused"
+
+
+def test_an_output_folder_under_a_file_is_one_line_naming_the_flag(tmp_path):
+    """The system's refusal to make the folder is a user error naming --output-dir and the file in
+    the way, not a traceback."""
+    from fairseq_kd.errors import UserError
+
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(UserError) as refused:
+        write_corpus(tmp_path / "a_file" / "corpus", seed=1, **SMALL)
+    message = str(refused.value)
+    assert message.startswith(f"output folder {tmp_path / 'a_file' / 'corpus'} (--output-dir): ")
+    assert "is a file, not a folder" in message and "\n" not in message
 
 
 def test_reuse_reads_only_the_files_whose_size_or_time_changed(tmp_path, hashed_files):

@@ -1,71 +1,12 @@
 """Synthetic parallel corpus between two invented languages, for the teacher -> student demo.
 
-The corpus has to be learnable by a tiny Transformer on 2 CPU cores in about two minutes, yet hard
-enough that a bigger teacher beats a small student and distillation has something to transfer.
-Every source sentence has exactly one correct translation (the target is a function of the source
-string), so a perfect system scores BLEU 100.
-
-Grammar
--------
-Source ("src", SVO, head-initial, almost no morphology)::
-
-    S        -> CLAUSE ("i" CLAUSE)? "."                  "i" = and (probability 0.2)
-    CLAUSE   -> SUBJ "ne"? VERB OBJ? PP?                  OBJ iff VERB is transitive; "ne" = not
-    SUBJ     -> PRON | NP                                 PRON in {mi, tu, nos, vos} (1sg 2sg 1pl 2pl)
-    OBJ      -> NP
-    NP       -> DET? NOUN ADJ{0,2} RC?                    DET omitted only for (bare) plurals
-    RC       -> "ki" VERB OBJ'?                           subject relative clause, "ki" = that
-    OBJ'     -> DET? NOUN ADJ{0,2}                        (no further embedding)
-    PP       -> PREP DET? NOUN ADJ{0,2}
-    NOUN     -> N | N N                                   N N: one of a few listed noun compounds
-    DET      -> la (the) | un (a, singular) | kem (some, plural) | esi (this/these)
-
-Source nouns have no gender; plural is the suffix "-s" on the (last) noun word; verbs do not inflect.
-
-Target ("tgt", SOV, head-final, rich agreement)::
-
-    S'       -> CLAUSE' ("e" CLAUSE')? "."
-    CLAUSE'  -> SUBJ' PP'? (NP' "ko")? "ma"? VERB'+agr(subject)       "ko" marks the object
-    NP'      -> RC'? DET'+agr ADJ'_k+agr ... ADJ'_1+agr NOUN'          adjectives mirrored
-    RC'      -> (NP' "ko")? VERB'+agr(head noun) "ke"                   relative clause before its head
-    PP'      -> NP' POSTP                                              postpositions
-    NOUN'    -> stem (singular) | stem + "en" (plural)
-
-Every target noun has a lexical gender m/f/n (10 nouns each; a compound takes its head's gender)
-that is not visible in either language's noun form. Determiners, adjectives and verbs end in a
-consonant-final stem followed by an all-vowel agreement suffix:
-
-    3rd person (det, adj, verb)      m.sg -o   f.sg -a   n.sg -u   m.pl -oi   f.pl -ai   n.pl -ui
-    1st/2nd person (verb only)       1sg -e    2sg -i    1pl -eo   2pl -io
-
-Determiners, adjectives and relative-clause verbs agree with their head noun; the clause-final verb
-agrees with the subject (pronoun person/number, or the subject noun's gender/number). Target
-determiner stems: d- (la), n- (un, kem), s- (esi); pronouns ja, ty, my, vy.
-
-Lexical mapping (fixed; content words are invented once from LEXICON_SEED, independent of the
-corpus seed): 30 nouns, 6 two-word source compounds that become one target word (modifier stem +
-head stem), 14 adjectives, 16 verbs (10 transitive) of which 4 become two target words
-(an uninflected noun + the inflected light verb "kav-"), 5 prepositions of which "tras" becomes
-the two-word postposition "ura lim". "un" and "kem" both become "n-"; "ko" and "ke" have no
-source counterpart. Sentences with fewer than MIN_TOKENS or more than MAX_TOKENS tokens on either
-side (counting ".") are resampled; source length averages about 9 tokens.
-
-Why it is learnable: a deterministic context-free transduction over a vocabulary of about 110
-source and 320 target types, with every construction seen thousands of times in 20k pairs.
-Why it is hard for a small model: (1) reordering at several levels: verb to the end, PP in front
-of the object, adjectives mirrored in front of the noun, and relative clauses (with their own
-object) moved in front of the determiner of their head; (2) agreement that needs a memorised,
-unmarked lexical gender, and that is long-distance: the final verb agrees with the subject across
-the PP, the object and any relative clause, whose own noun sits nearer to the verb in the target;
-(3) words that do not map one to one: 2->1 compounds, 1->2 light verbs and postpositions, two
-source determiners sharing one target stem, target-only object and relative markers.
-
-Example (glossed; target "bekim" and "hulap" are masculine, "numat" neuter)::
-
-    src: un kitepa lize kem lilefos ki tebi la ponu .
-         a kitepa sees some lilefo-PL that tebi the ponu
-    tgt: no bekim du numat ko vutoi ke noi hulapen ko ravato .
-         a-M.SG kitepa [the-N.SG ponu OBJ tebi-M.PL REL] some-M.PL lilefo-PL OBJ sees-M.SG
+Source: SVO, head-initial, almost no morphology. Target: SOV, head-final, with gender and number
+agreement (a lexical gender visible in neither noun form), postpositions, mirrored adjectives,
+relative clauses before their head, compounds and light verbs that do not map one to one. The
+target is a function of the source string (a perfect system scores BLEU 100); the content words
+are invented once from :data:`LEXICON_SEED`, the sentences drawn from the corpus seed. The grammar,
+its lexicon and why it is learnable by a tiny Transformer yet hard for a small one:
+``docs/design/synthetic_corpus.md``.
 """
 from __future__ import annotations
 
@@ -76,14 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence, Union
 
+from ..errors import FileAccessError, InputError, PathError, UserError, message_of
+from ..fingerprint import content, fingerprint_files, read_json, write_json
+
 GRAMMAR_VERSION = 1  # bump whenever the generated sentences change, so stale corpora are not reused
 LEXICON_SEED = 20240611
 MIN_TOKENS, MAX_TOKENS = 3, 20
 SPLITS = ("train", "valid", "test")
 MANIFEST_NAME = "corpus.json"
-#: corpus.json's "format": 2 records the files' fingerprints (``files``); a manifest of another
-#: format (format 1 had none) is refused: write the corpus anew with --force
-MANIFEST_FORMAT = 2
+MANIFEST_FORMAT = 2  # corpus.json's "format"
 
 GENDERS = ("m", "f", "n")
 AGREEMENT_SUFFIX = {("m", "sg"): "o", ("f", "sg"): "a", ("n", "sg"): "u",
@@ -109,6 +51,14 @@ LIGHT_VERB_COUNT = 2  # per kind (transitive, intransitive)
 P_PRONOUN_SUBJECT, P_PLURAL, P_COMPOUND = 0.25, 0.35, 0.1
 ADJECTIVE_COUNT_WEIGHTS = ((0, 0.55), (1, 0.35), (2, 0.10))
 P_RELATIVE, P_PP, P_NEGATION, P_COORDINATION = 0.12, 0.3, 0.1, 0.2
+
+
+class CorpusError(InputError):
+    """Parameters of which no corpus can be made."""
+
+
+class CorpusExistsError(FileAccessError, FileExistsError):
+    """The output folder holds something else than this corpus; nothing was written."""
 
 
 @dataclass(frozen=True)
@@ -345,7 +295,7 @@ def generate_corpus(seed: int, sizes: Mapping[str, int]) -> dict[str, list[tuple
         if translations.setdefault(source, target) != target:
             raise AssertionError(f"grammar is ambiguous: {source!r} has two translations")
     else:
-        raise ValueError(f"could not draw {total} distinct sentences; ask for a smaller corpus")
+        raise CorpusError(f"could not draw {total} distinct sentences; ask for a smaller corpus")
     pairs = list(translations.items())
     rng.shuffle(pairs)
     splits, start = {}, 0
@@ -354,24 +304,15 @@ def generate_corpus(seed: int, sizes: Mapping[str, int]) -> dict[str, list[tuple
     return splits
 
 
-def _existing_corpus_matches(out_dir: Path, parameters: dict, force: bool) -> bool:
+def _existing_corpus_matches(out_dir: Path, parameters: dict) -> bool:
     """Whether ``out_dir`` holds the corpus of ``parameters``, its files unchanged (files of the
-    recorded sizes and modification times are not read again). A manifest of an older format is
-    refused (FileExistsError) naming --force, unless ``force``."""
-    from ..fingerprint import content, fingerprint_files, read_json  # here: the generator also runs standalone
-
+    recorded sizes and modification times are not read again)."""
     try:
         manifest = read_json(out_dir / MANIFEST_NAME)
     except (OSError, ValueError):
         return False
-    if not isinstance(manifest, dict):
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         return False
-    if manifest.get("format") != MANIFEST_FORMAT:
-        if force:
-            return False
-        raise FileExistsError(
-            f"{out_dir / MANIFEST_NAME} is of an older format ({manifest.get('format') or 'no format'}; this "
-            f"version writes {MANIFEST_FORMAT}); write the corpus anew: re-run with --force")
     if manifest.get("grammar_version") != GRAMMAR_VERSION or manifest.get("parameters") != parameters:
         return False
     recorded = manifest.get("files") or {}
@@ -388,46 +329,48 @@ def write_corpus(out_dir: Union[str, Path], seed: int = 1, train_size: int = 200
     Returns "reused" when ``out_dir`` already holds a corpus whose manifest records the same
     parameters and whose files still match their recorded fingerprints
     (:mod:`.fingerprint`), else "written".
-    A non-empty ``out_dir`` holding anything else is left untouched (FileExistsError) unless
+    A non-empty ``out_dir`` holding anything else is left untouched (:class:`CorpusExistsError`) unless
     ``force``, in which case the corpus files and manifest are overwritten and other files kept.
     """
     out_dir = Path(out_dir)
     for name, size in (("train_size", train_size), ("valid_size", valid_size), ("test_size", test_size)):
         if not isinstance(size, int) or size < 1:
-            raise ValueError(f"{name} (--{name.replace('_', '-')}) must be a positive integer, "
-                             f"got {size!r}")
+            raise CorpusError(f"{name} (--{name.replace('_', '-')}) must be a positive integer, "
+                              f"got {size!r}")
     for name, lang in (("source_lang", source_lang), ("target_lang", target_lang)):
         if not re.fullmatch(r"[A-Za-z0-9_-]+", lang):
-            raise ValueError(f"{name} (--{name.replace('_', '-')}) must be a non-empty file suffix of "
-                             f"letters, digits, '_' or '-', got {lang!r}")
+            raise CorpusError(f"{name} (--{name.replace('_', '-')}) must be a non-empty file suffix of "
+                              f"letters, digits, '_' or '-', got {lang!r}")
     if source_lang == target_lang:
-        raise ValueError(f"source_lang and target_lang (--source-lang, --target-lang) must differ, "
-                         f"both are {source_lang!r}")
+        raise CorpusError(f"source_lang and target_lang (--source-lang, --target-lang) must differ, "
+                          f"both are {source_lang!r}")
     if out_dir.exists() and not out_dir.is_dir():
-        raise NotADirectoryError(f"output folder {out_dir} (--output-dir) exists and is not a folder")
+        raise PathError(f"output folder {out_dir} (--output-dir) exists and is not a folder")
 
     parameters = {"seed": seed, "train_size": train_size, "valid_size": valid_size,
                   "test_size": test_size, "source_lang": source_lang, "target_lang": target_lang}
-    if out_dir.is_dir() and any(out_dir.iterdir()):
-        if _existing_corpus_matches(out_dir, parameters, force):
-            return "reused"
-        if not force:
-            raise FileExistsError(
-                f"output folder {out_dir} is not empty and holds no corpus made with these parameters "
-                f"(see {MANIFEST_NAME}); choose another folder or pass --force to overwrite")
-
-    splits = generate_corpus(seed, dict(zip(SPLITS, (train_size, valid_size, test_size))))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for split, pairs in splits.items():
-        for side, lang in enumerate((source_lang, target_lang)):
-            path = out_dir / f"{split}.{lang}"
-            path.write_text("".join(pair[side] + "\n" for pair in pairs), encoding="utf-8")
-            written.append(path)
-    from ..fingerprint import fingerprint_files, write_json
-
-    # the manifest is written last, so an interrupted run is never mistaken for a finished one
-    manifest = {"format": MANIFEST_FORMAT, "generator": __name__, "grammar_version": GRAMMAR_VERSION,
-                "parameters": parameters, "files": fingerprint_files(written)}
-    write_json(out_dir / MANIFEST_NAME, manifest)
+    try:
+        if out_dir.is_dir() and any(out_dir.iterdir()):
+            if _existing_corpus_matches(out_dir, parameters):
+                return "reused"
+            if not force:
+                raise CorpusExistsError(
+                    f"output folder {out_dir} is not empty and holds no corpus made with these parameters "
+                    f"(see {MANIFEST_NAME}); choose another folder or pass --force to overwrite")
+        splits = generate_corpus(seed, dict(zip(SPLITS, (train_size, valid_size, test_size))))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        written = []
+        for split, pairs in splits.items():
+            for side, lang in enumerate((source_lang, target_lang)):
+                path = out_dir / f"{split}.{lang}"
+                path.write_text("".join(pair[side] + "\n" for pair in pairs), encoding="utf-8")
+                written.append(path)
+        # the manifest is written last, so an interrupted run is never mistaken for a finished one
+        manifest = {"format": MANIFEST_FORMAT, "generator": __name__, "grammar_version": GRAMMAR_VERSION,
+                    "parameters": parameters, "files": fingerprint_files(written)}
+        write_json(out_dir / MANIFEST_NAME, manifest)
+    except UserError:
+        raise
+    except OSError as error:  # the system's refusal to read or write the user's folder
+        raise FileAccessError(f"output folder {out_dir} (--output-dir): {message_of(error)}") from error
     return "written"
