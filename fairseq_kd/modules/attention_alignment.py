@@ -1,36 +1,15 @@
-"""Align-to-Distill's Attention Alignment Module, AAM (Jin et al., 2024, Sec. 4.2.1, Eq. 9).
-
-For one attention kind the student has ``m`` layers of ``H_S`` heads and the teacher ``n`` layers
-of ``H_T`` heads. The AAM is a 1x1 ("pointwise") convolution over the map axis: every one of the
-``C = n * H_T`` intermediate maps is a weighted sum of all ``m * H_S`` student maps plus a bias,
+"""Align-to-Distill's Attention Alignment Module, AAM (Jin et al., 2024, Sec. 4.2.1, Eq. 9): a 1x1
+("pointwise") convolution over the map axis. With ``m`` student layers of ``H_S`` heads and ``n``
+teacher layers of ``H_T`` heads, each of the ``C = n * H_T`` intermediate maps is
 
     H^I_c = sum_{l,k} w_{c,(l,k)} A_S^{l,k} + b_c        (Eq. 9)
 
-so any student can learn from any teacher (3x8 student maps from 6x4 teacher maps, 12 from 4, ...).
-It is applied as one ``einsum`` over the stacked ``(layers, batch, heads, Tq, Tk)`` maps.
-
-Map order is layer-major everywhere: map ``(l, k)`` (1-based) has index ``(l - 1) * heads + k - 1``,
-for the student's inputs, the teacher's maps and the exported heatmap
-(:func:`fairseq_kd.figures.draw.plot_alignment_heatmaps`).
-
-Two parametrisations (``combination``):
-
-* ``signed`` (Eq. 9 as written): ``w`` and ``b`` are free. Initialisation ``w = 1 / (m * H_S)``,
-  ``b = 0`` (``init="mean"``): every intermediate map starts as the mean of the student maps, an
-  attention distribution over exactly the keys each query may attend to, so the first losses are
-  meaningful and no student map is favoured before training says which teacher map it resembles.
-  ``init="conv"`` is ``torch.nn.Conv2d``'s default (uniform in ``+-1/sqrt(m * H_S)`` for weight and
-  bias), which the authors' public code uses.
-* ``mixture``: ``H^I_c = sum_{l,k} softmax_c(w)_{(l,k)} A_S^{l,k}``, a convex combination with no
-  bias, so every row of ``H^I_c`` is itself a distribution over the keys its query may attend to
-  and ``KL(A_T || H^I)`` is taken directly, with its minimum 0 exactly where the intermediate map
-  equals the teacher's. ``w = 0`` at the start (the uniform mixture, i.e. the mean map again).
-
-The module is a training-only parameter set: it lives in the criterion, so the trainer optimises
-and checkpoints it (the checkpoint's ``criterion`` entry), and the student model never contains
-it. Its sizes travel with its state dict (``get_extra_state``) so that weights read back from a
-checkpoint can be drawn without the models, and a resume with a differently shaped teacher or
-student fails with a clear message rather than a shape error.
+applied as one ``einsum``; map ``(l, k)`` (1-based, layer-major) has index ``(l - 1) * heads + k - 1``.
+``combination="signed"`` is Eq. 9 (``init="mean"``: every map starts as the students' mean;
+``"conv"``: ``Conv2d``'s default init, as the authors' code); ``"mixture"`` (a deviation) is a
+softmax-weighted convex combination without bias, so every intermediate map stays a distribution.
+Training-only parameters of the criterion; their sizes travel in the state dict (``get_extra_state``).
+Why: ``docs/design/attention_alignment.md``.
 """
 from __future__ import annotations
 
@@ -39,10 +18,12 @@ from typing import Dict, Mapping
 import torch
 from torch import Tensor, nn
 
+from ..errors import InputError
+
 SIZE_KEYS = ("student_layers", "student_heads", "teacher_layers", "teacher_heads")
 
 
-class AlignmentShapeError(ValueError):
+class AlignmentShapeError(InputError):
     """Maps or saved weights whose sizes do not fit an Attention Alignment Module."""
 
 

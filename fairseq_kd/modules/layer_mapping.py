@@ -8,10 +8,12 @@ one validation with the same error messages.
 import random
 from typing import Sequence, Tuple
 
+from ..errors import InputError
+
 LayerMapping = Tuple[Tuple[int, ...], ...]
 
 
-class LayerMappingError(ValueError):
+class LayerMappingError(InputError):
     """A mapping that names layers the models do not have, or is malformed."""
 
 
