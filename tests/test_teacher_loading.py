@@ -104,3 +104,40 @@ def test_a_teacher_whose_weights_do_not_fit_its_config_is_one_line_with_counts(k
     assert f"{len(dropped)} missing tensors (first: encoder.layers.2." in message, message
     assert "1 unexpected tensor (first: encoder.extra.weight)" in message, message
     assert "1 of another shape (first: decoder.layers.0.fc1.bias: [3] in the checkpoint, [64] in the model)" in message
+
+
+def test_a_corrupt_value_in_a_teachers_config_is_one_line_naming_the_file_and_key(kd_task, tiny_teacher, tmp_path):
+    """A teacher whose config says ``encoder_layers: "three"`` is a user error (issue 41, 6): one line
+    naming the file and the key, not fairseq's TypeError from deep inside building the model."""
+    import pytest
+
+    from fairseq_kd.errors import UserError
+    from fairseq_kd.models.teacher import FrozenTeacher, TeacherCheckpointError
+
+    state = torch.load(tiny_teacher, weights_only=False)
+    state["cfg"]["model"].encoder_layers = "three"
+    damaged = tmp_path / "three.pt"
+    torch.save(state, damaged)
+    with pytest.raises(TeacherCheckpointError) as refused:
+        FrozenTeacher.load(str(damaged), kd_task)
+    message = str(refused.value)
+    assert isinstance(refused.value, UserError) and "\n" not in message, message
+    assert str(damaged) in message and "encoder_layers is 'three', not a number" in message, message
+
+
+def test_the_model_and_task_errors_a_user_can_fix_are_user_errors():
+    """Issue 41's rule: what a user's input causes is one of the plugin's UserError classes (and the
+    built-in class callers catch); a broken invariant of the plugin is not."""
+    from fairseq_kd.errors import FileAccessError, MissingDependencyError, UserError
+    from fairseq_kd.models.feature_capture import NotATransformerError
+    from fairseq_kd.models.from_checkpoint import CheckpointModelError, ModelConfigError, WeightsMismatchError
+    from fairseq_kd.models.hf_teacher import TransformersMissingError
+    from fairseq_kd.models.hf_vocabulary import VocabularyError
+    from fairseq_kd.models.teacher import TeacherCheckpointError
+
+    for kind in (TeacherCheckpointError, CheckpointModelError, ModelConfigError, WeightsMismatchError,
+                 VocabularyError, NotATransformerError, TransformersMissingError):
+        assert issubclass(kind, UserError) and issubclass(kind, ValueError), kind
+    assert issubclass(NotATransformerError, TypeError)
+    assert issubclass(TransformersMissingError, MissingDependencyError)
+    assert issubclass(FileAccessError, OSError)

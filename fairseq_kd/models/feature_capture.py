@@ -39,14 +39,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from ..errors import InputError
+
 ENCODER_SELF = "encoder_self"
 DECODER_SELF = "decoder_self"
 DECODER_CROSS = "decoder_cross"
 ATTENTION_KINDS = (ENCODER_SELF, DECODER_SELF, DECODER_CROSS)
 
 
-class NotATransformerError(TypeError):
-    """The model lacks the encoder/decoder layer structure of a fairseq Transformer."""
+class NotATransformerError(InputError, TypeError):
+    """The model (a user's checkpoint, folder or ``--arch``) lacks the encoder/decoder layer
+    structure of a fairseq Transformer."""
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,14 @@
 """A fairseq Transformer translation model read from its training checkpoint: the steps the
 frozen teacher (:meth:`fairseq_kd.models.teacher.FrozenTeacher.load`), the CTranslate2 export
-(:func:`fairseq_kd.deploy.export_ctranslate2.load_transformer`) and the student export share.
+and the student export share.
 
-1. :func:`read_model_checkpoint`: the file read with ``weights_only=True``
-   (:func:`fairseq_kd.checkpoints.load_fairseq_checkpoint`; its errors pass through as they are),
-   which must hold a fairseq model configuration and weights;
-2. :func:`check_transformer`: its architecture must be one of fairseq's encoder-decoder
-   Transformers (the plugin's architectures registered, since importing this package registers
-   them);
-3. :func:`build_checkpoint_model`: the model built by fairseq for a task's dictionaries and its
-   weights loaded strictly.
+1. :func:`read_model_checkpoint`: the file read weights-only; it must hold a model config and weights;
+2. :func:`check_transformer`: its architecture is one of fairseq's encoder-decoder Transformers;
+3. :func:`build_checkpoint_model`: its config's values checked, the model built by fairseq for a
+   task's dictionaries and its weights loaded strictly.
 
-Each step raises its own :class:`CheckpointModelError`; callers word it with their own flag (the
-teacher's ``--teacher-checkpoint``, the export's ``CHECKPOINT``). Before any of them,
-:func:`checkpoint_file_problem` says what is wrong with the path itself (a folder, no such file),
-for the same callers.
+Each step raises its own :class:`CheckpointModelError`; callers word it with their own flag.
+:func:`checkpoint_file_problem` says what is wrong with the path itself (a folder, no such file).
 """
 from __future__ import annotations
 
@@ -26,7 +20,7 @@ from typing import List, Optional
 from torch import nn
 
 from ..checkpoints import load_fairseq_checkpoint
-from ..errors import FILE, path_problem
+from ..errors import FILE, InputError, path_problem
 
 
 def checkpoint_file_problem(path) -> Optional[str]:
@@ -44,7 +38,7 @@ def checkpoint_file_problem(path) -> Optional[str]:
     return f"{problem}{listed}; give the checkpoint file, e.g. {example}"
 
 
-class CheckpointModelError(ValueError):
+class CheckpointModelError(InputError):
     """A checkpoint that cannot give a fairseq Transformer model."""
 
 
@@ -67,6 +61,10 @@ class NotATransformerCheckpointError(CheckpointModelError):
 class WeightsMismatchError(CheckpointModelError):
     """The checkpoint's weights do not fit the model its own configuration builds (the message is
     ``load_state_dict``'s)."""
+
+
+class ModelConfigError(CheckpointModelError):
+    """A value of the checkpoint's model config cannot build the model (``encoder_layers: "three"``)."""
 
 
 def read_model_checkpoint(path: str) -> dict:
@@ -97,13 +95,43 @@ def read_transformer_checkpoint(path: str) -> dict:
     return state
 
 
+def check_config_values(model_cfg) -> None:
+    """Each value of ``model_cfg`` that its architecture gives a number or a flag is one (a string
+    such as ``encoder_layers: "three"`` is refused naming the key); None is left to fairseq."""
+    from argparse import Namespace
+
+    from fairseq import models
+
+    model_type = getattr(model_cfg, "_name", None) or getattr(model_cfg, "arch", None)
+    architecture = models.ARCH_CONFIG_REGISTRY.get(model_type)
+    if architecture is None:
+        return
+    defaults = Namespace()
+    architecture(defaults)  # fairseq's architectures fill in what a Namespace lacks
+    for key, default in sorted(vars(defaults).items()):
+        value = getattr(model_cfg, key, None)
+        if value is None or default is None or isinstance(default, str):
+            continue
+        numeric = isinstance(value, (int, float))
+        if (numeric if isinstance(default, bool) else numeric and not isinstance(value, bool)):
+            continue
+        wanted = "true or false" if isinstance(default, bool) else "a number"
+        raise ModelConfigError(f"its model config's {key} is {value!r}, not {wanted}: the checkpoint is damaged "
+                               "or was not written by fairseq")
+
+
 def build_checkpoint_model(state: dict, task) -> nn.Module:
     """The model of ``state``'s configuration built by fairseq for ``task`` (what ``build_model``
     reads of it: the source and target dictionaries), with ``state``'s weights loaded strictly."""
     from fairseq import models
 
     cfg = state["cfg"]
-    model = models.build_model(cfg.model, task, from_checkpoint=True)
+    check_config_values(cfg.model)
+    try:
+        model = models.build_model(cfg.model, task, from_checkpoint=True)
+    except (TypeError, ValueError) as err:  # another value of the config that fairseq cannot build from
+        raise ModelConfigError(f"its model config cannot build a model ({type(err).__name__}: "
+                               f"{' '.join(str(err).split())})") from err
     try:
         model.load_state_dict(state["model"], strict=True, model_cfg=cfg.model)
     except RuntimeError as err:

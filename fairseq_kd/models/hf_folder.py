@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from ..errors import FileAccessError
+
 #: how many positions a model may compute for itself (sinusoidal positions are not in the weights):
 #: more than any released translation model's 1024, few enough to build in seconds
 MAX_COMPUTED_POSITIONS = 16384
@@ -83,8 +85,9 @@ def _shards(folder: Path, index: str, refuse) -> List[str]:
         weight_map = json.loads((folder / index).read_text(encoding="utf-8"))["weight_map"]
         shards = sorted(set(weight_map.values()))
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise refuse(f"{index} is not a readable weights index ({type(err).__name__}: {err}); "
-                     "save the model again with save_pretrained") from None
+        refusal = refuse(f"{index} is not a readable weights index ({type(err).__name__}: {err}); "
+                         "save the model again with save_pretrained")
+        raise (FileAccessError(str(refusal)) if isinstance(err, OSError) else refusal) from None
     for shard in shards:
         if not isinstance(shard, str) or Path(shard).name != shard or not (folder / shard).is_file():
             raise refuse(f"{index} lists the shard {shard!r}, which is not a file of the folder; "

@@ -78,6 +78,7 @@ from typing import Mapping, Optional, Tuple
 import torch
 from torch import nn
 
+from ..errors import FileAccessError, InputError, MissingDependencyError
 from ..fingerprint import file_sha256
 from . import hf_folder
 from .feature_capture import (
@@ -91,7 +92,7 @@ from .feature_capture import (
 )
 from .hf_vocabulary import NO_ID, VocabularyError, VocabularyMap, tokenizer_maps
 from .shape import TransformerShape
-from .teacher import FLAG, HF_CONFIG_FILE as CONFIG_FILE, FrozenTeacher, TeacherCheckpointError
+from .teacher import FLAG, HF_CONFIG_FILE as CONFIG_FILE, FrozenTeacher, TeacherCheckpointError, readable
 
 logger = logging.getLogger(__name__)
 
@@ -120,12 +121,16 @@ def folder_sha256(folder, file_digests: Optional[Mapping[str, str]] = None) -> s
     return digest.hexdigest()
 
 
+class TransformersMissingError(TeacherCheckpointError, MissingDependencyError):
+    """A Hugging Face teacher is given but transformers is not installed."""
+
+
 def import_transformers():
     """transformers, or one line saying how to install it (the plugin imports it only here)."""
     try:
         import transformers
     except ImportError as err:
-        raise TeacherCheckpointError(f"{FLAG}: a Hugging Face teacher needs transformers: {INSTALL_HINT} "
+        raise TransformersMissingError(f"{FLAG}: a Hugging Face teacher needs transformers: {INSTALL_HINT} "
                                      f"({err})") from None
     return transformers
 
@@ -142,8 +147,9 @@ def read_config(folder) -> dict:
         with open(Path(folder) / CONFIG_FILE, encoding="utf-8") as handle:
             config = json.load(handle)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise refuse(folder, f"{CONFIG_FILE} is not readable JSON ({type(err).__name__}: {err}); "
-                     "write the folder again with save_pretrained") from None
+        refusal = refuse(folder, f"{CONFIG_FILE} is not readable JSON ({type(err).__name__}: {err}); "
+                         "write the folder again with save_pretrained")
+        raise (FileAccessError(str(refusal)) if isinstance(err, OSError) else refusal) from None
     if not isinstance(config, dict) or not config.get("model_type"):
         raise refuse(folder, f"{CONFIG_FILE} names no model_type; it is not a Hugging Face model folder")
     return config
@@ -168,7 +174,7 @@ def model_class(transformers, folder, model_type: str):
 
 def prefers_safetensors(folder) -> bool:
     """True when the folder has safetensors weights, False for pickled ones only; refuses none."""
-    names = {child.name for child in Path(folder).iterdir()}
+    names = {child.name for child in readable(lambda path: list(Path(path).iterdir()), folder)}
     if names & set(SAFETENSORS_FILES):
         return True
     if names & set(PICKLE_FILES):
@@ -331,7 +337,7 @@ class HuggingFaceTeacherModel(nn.Module):
                           else (self.hf_of_fairseq, self.has_missing_symbols))
         hf_ids = table[fairseq_tokens]
         if missing and bool(hf_ids.eq(NO_ID).any()):
-            raise ValueError("the batch holds a symbol the teacher's vocabulary lacks (fairseq's <s>: "
+            raise InputError("the batch holds a symbol the teacher's vocabulary lacks (fairseq's <s>: "
                              "do not use --prepend-bos with a Hugging Face teacher)")
         return hf_ids
 
@@ -631,7 +637,7 @@ class HuggingFaceTeacher(FrozenTeacher):
     @property
     def sha256(self) -> Optional[str]:
         if self._sha256 is None and self.path and os.path.isdir(self.path):
-            self._sha256 = folder_sha256(self.path)
+            self._sha256 = readable(folder_sha256, self.path)
         return self._sha256
 
     # forward: FrozenTeacher's; its FeatureCapture delegates to HuggingFaceTeacherModel.feature_capture

@@ -32,6 +32,8 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ..errors import InputError
+
 #: fairseq's fixed specials, index = position (fairseq.data.Dictionary's defaults)
 FAIRSEQ_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
 #: the tokenizer attribute (``<role>_token_id``) that fills each of fairseq's specials
@@ -44,7 +46,7 @@ SEPARATE_VOCABULARY_FILES = {"source": "vocab.json", "target": "target_vocab.jso
 NO_ID = -1
 
 
-class VocabularyError(ValueError):
+class VocabularyError(InputError):
     """The tokenizer's vocabulary cannot be written as a fairseq dictionary."""
 
 
@@ -153,7 +155,7 @@ class VocabularyMap:
         for symbol in self.fairseq_symbols[len(FAIRSEQ_SPECIALS):]:
             dictionary.add_symbol(symbol, n=(counts or {}).get(symbol, 0))
         if tuple(dictionary.symbols) != self.fairseq_symbols:  # fairseq's defaults changed under us
-            raise VocabularyError("fairseq's Dictionary does not put <s> <pad> </s> <unk> at 0-3")
+            raise RuntimeError("fairseq's Dictionary does not put <s> <pad> </s> <unk> at 0-3")
         return dictionary
 
     def mismatch(self, symbols: Sequence[str]) -> Optional[str]:

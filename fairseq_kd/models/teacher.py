@@ -19,10 +19,11 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from torch import nn
 
 from ..checkpoints import UnsafeCheckpointError, task_state
-from ..errors import FOLDER, path_problem
+from ..errors import FOLDER, FileAccessError, InputError, message_of, path_problem, undecodable_text_message
 from ..fingerprint import dictionary_sha256, file_sha256
 from .feature_capture import CapturedFeatures, CaptureRequest, FeatureCapture, NotATransformerError
 from .from_checkpoint import (
+    ModelConfigError,
     NoModelError,
     NotATransformerCheckpointError,
     WeightsMismatchError,
@@ -37,7 +38,7 @@ TEACHER_DATA_FLAG = "--teacher-data"
 logger = logging.getLogger(__name__)
 
 
-class TeacherCheckpointError(ValueError):
+class TeacherCheckpointError(InputError):
     """The teacher checkpoint cannot be used with this data or this plugin."""
 
 
@@ -148,6 +149,8 @@ class FrozenTeacher:
             model = build_checkpoint_model(state, task)
         except WeightsMismatchError as err:
             raise TeacherCheckpointError(f"{FLAG} {path!r}: weights do not fit its own config: {err}") from err
+        except ModelConfigError as err:
+            raise TeacherCheckpointError(f"{FLAG} {path!r}: {err}") from err
         try:
             return cls(model, path, sha256 or file_sha256(path))
         except NotATransformerError as err:
@@ -158,7 +161,7 @@ class FrozenTeacher:
         """Content hash of the checkpoint file (what binds a student's run to this teacher);
         None for a teacher built in memory without a file."""
         if self._sha256 is None and self.path and os.path.isfile(self.path):
-            self._sha256 = file_sha256(self.path)
+            self._sha256 = readable(file_sha256, self.path)
         return self._sha256
 
     def follow(self, reference: torch.Tensor) -> None:
@@ -178,6 +181,15 @@ class FrozenTeacher:
             return net_output, capture.features()
 
 
+def readable(read, path, *args):
+    """``read(path, *args)``, an OSError of the system (a file of the teacher that cannot be read)
+    said in one line naming the flag and the file."""
+    try:
+        return read(path, *args)
+    except OSError as err:
+        raise FileAccessError(f"{FLAG} {str(path)!r}: {message_of(err)}") from None
+
+
 def _read_teacher_checkpoint(path: str) -> dict:
     """The teacher's checkpoint state (:func:`.from_checkpoint.read_transformer_checkpoint`), its
     errors worded for ``--teacher-checkpoint``."""
@@ -195,7 +207,8 @@ def _read_teacher_checkpoint(path: str) -> dict:
             "(fairseq's transformer family); distillation needs a Transformer teacher."
         ) from None
     except Exception as err:  # noqa: BLE001 - every failure here means "not a usable checkpoint"
-        raise TeacherCheckpointError(
+        kind = FileAccessError if isinstance(err, OSError) else TeacherCheckpointError
+        raise kind(
             f"{FLAG} {path!r} is not a readable fairseq checkpoint: {type(err).__name__}: {err}"
         ) from err
 
@@ -291,7 +304,14 @@ def _compare_dictionary_files(path: str, folder: str, origin: str, dictionaries:
     if missing:
         raise _Unverifiable(f"{origin} {folder!r} has no {' and no '.join(missing)}")
     for side, dictionary in dictionaries.items():
-        teacher_dict = Dictionary.load(str(files[side]))
+        try:
+            teacher_dict = Dictionary.load(str(files[side]))
+        except OSError as err:
+            raise FileAccessError(f"{FLAG} {path!r}: {message_of(err)}") from None
+        except UnicodeDecodeError as err:
+            raise TeacherCheckpointError(f"{FLAG} {path!r}: {undecodable_text_message(err, files[side])}") from None
+        except ValueError as err:  # fairseq's "Incorrect dictionary format" and the like
+            raise TeacherCheckpointError(f"{FLAG} {path!r}: {files[side]} is not a fairseq dictionary ({err})") from None
         if teacher_dict.symbols != dictionary.symbols:
             raise TeacherCheckpointError(
                 f"{FLAG} {path!r}: the teacher's {side} dictionary ({files[side]}, {origin}) differs "

@@ -20,6 +20,7 @@ from omegaconf import II
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from .. import checkpoints
+from ..errors import InputError
 from ..models.feature_capture import NotATransformerError
 from ..models.shape import TransformerShape
 from ..models.hf_teacher import HuggingFaceTeacher
@@ -92,7 +93,7 @@ class TranslationKDTask(TranslationTask):
             self.check_teacher_positions()
         self.teacher_cache = None
         if cfg.teacher_cache:
-            from ..teacher_pass.teacher_cache import TeacherCache
+            from ..data.teacher_cache_reader import TeacherCache
 
             self.teacher_cache = TeacherCache.open(
                 cfg.teacher_cache, self, teacher_sha256=self.teacher.sha256 if self.teacher is not None else None)
@@ -106,7 +107,7 @@ class TranslationKDTask(TranslationTask):
             ("target", "--max-target-positions", self.cfg.max_target_positions, teacher_target),
         ):
             if teacher_limit is not None and task_limit is not None and teacher_limit < task_limit:
-                raise ValueError(
+                raise InputError(
                     f"--teacher-checkpoint {self.cfg.teacher_checkpoint!r} reads at most {teacher_limit} "
                     f"{side} positions, but the task allows {side} sentences of up to {task_limit} tokens "
                     f"({flag} {task_limit}). Pass {flag} {teacher_limit} (longer training sentences are "
@@ -193,13 +194,13 @@ class TranslationKDTask(TranslationTask):
 
     def require_teacher(self, criterion_name: str) -> FrozenTeacher:
         if self.teacher is None:
-            raise ValueError(
+            raise InputError(
                 f"criterion {criterion_name!r} distils from a teacher: pass --teacher-checkpoint PATH "
                 "(a trained fairseq Transformer translation checkpoint)."
             )
         if (isinstance(self.teacher, HuggingFaceTeacher) and self.teacher.shape is None
                 and not reads_output_only(criterion_name)):
-            raise ValueError(
+            raise InputError(
                 f"criterion {criterion_name!r} distils the teacher's attention maps or hidden states, which the "
                 f"Hugging Face teacher --teacher-checkpoint {self.teacher.path!r} cannot provide "
                 f"({self.teacher.feature_problem}): use --criterion word_kd or selective_kd with it, or a "
@@ -210,7 +211,7 @@ class TranslationKDTask(TranslationTask):
     def require_student_shape(self, criterion_name: str) -> TransformerShape:
         if self.student_shape is None:
             reason = f" ({self.student_shape_error})" if self.student_shape_error else ""
-            raise ValueError(
+            raise InputError(
                 f"criterion {criterion_name!r} needs an encoder-decoder Transformer student "
                 "(a --arch of fairseq's transformer family with at least one encoder and one decoder "
                 f"layer, see --encoder-layers / --decoder-layers); the model built has another layout{reason}."
@@ -260,7 +261,7 @@ def check_precision_device(cfg) -> None:
     import torch
 
     if _flag_value(cfg, "fp16") and _flag_value(cfg, "cpu"):
-        raise ValueError("--fp16 with --cpu: float16 training needs a GPU; drop --fp16 to train on the CPU in "
+        raise InputError("--fp16 with --cpu: float16 training needs a GPU; drop --fp16 to train on the CPU in "
                          "float32, or use --bf16 to train in bfloat16 on the CPU.")
     if _flag_value(cfg, "cpu") or torch.cuda.is_available():
         return
@@ -268,6 +269,6 @@ def check_precision_device(cfg) -> None:
         if _flag_value(cfg, flag):
             cpu_alternative = ("pass --cpu to train in bfloat16 on the CPU" if flag == "bf16" else
                                "drop --fp16 and pass --cpu to train in float32 on the CPU")
-            raise ValueError(f"--{flag}: this machine has no GPU that torch can use (torch.cuda.is_available() "
+            raise InputError(f"--{flag}: this machine has no GPU that torch can use (torch.cuda.is_available() "
                              f"is False), so training would run on the CPU; {cpu_alternative}, or run on a "
                              "machine with a GPU.")
