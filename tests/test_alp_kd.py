@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import build_tiny_student, run_module, train_student
-from fairseq_kd.criterions.alp_kd import ALPKDCriterion, layer_weights_from_checkpoint
+from fairseq_kd.criterions.alp_kd import ALPKDCriterion
+from fairseq_kd.figures.alp_weights import layer_weights_from_checkpoint
 from fairseq_kd.models.feature_capture import CaptureRequest
 from fairseq_kd.modules.layer_mapping import LayerMappingError
 from fairseq_kd.figures.draw import plot_alp_weights

@@ -2,7 +2,7 @@
 a checkpoint, kept when a resumed run begins the same epoch again, emptied by a new epoch."""
 import torch
 
-from fairseq_kd.criterions.base import EpochSums
+from fairseq_kd.criterions.epoch_sums import EpochSums
 
 
 def test_sums_survive_a_resume_within_the_epoch_and_reset_at_the_next():

@@ -32,7 +32,7 @@ from fairseq_kd_recipes.execute import (
     training_record,
 )
 from fairseq_kd_recipes.methods import (BASELINE, METHODS, PLAIN_CRITERION, README_TABLE_HEADER, TEACHER, criteria,
-                                       readme_flag_table)
+                                       needs_teacher_heads, readme_flag_table)
 from fairseq_kd_recipes.pairs import PAIRS
 from fairseq_kd_recipes.plan import RecipeOptions, batch_split, build_plan, with_placement
 from fairseq_kd_recipes.prepare.corpora import iwslt14_de_en
@@ -178,7 +178,7 @@ def test_every_method_is_a_valid_fairseq_train_command(tmp_path, pair_name):
         if method.student in ("student_4h", "student_8h"):
             heads = 4 if method.student == "student_4h" else 8
             assert args.encoder_attention_heads == args.decoder_attention_heads == heads
-        if getattr(CRITERION_REGISTRY[method.criterion], "NEEDS_TEACHER_HEADS", False):  # tinybert, minilm
+        if needs_teacher_heads(method.criterion):  # tinybert, minilm
             assert args.encoder_attention_heads == teacher.encoder_attention_heads
             assert args.decoder_attention_heads == teacher.decoder_attention_heads
 
@@ -200,7 +200,7 @@ def test_each_pair_prepares_through_the_module_its_checkout_script_runs(tmp_path
 
 def test_readme_flag_table_is_the_one_generated_from_the_method_table():
     """The README's table of criterions and flags is what ``python -m fairseq_kd_recipes.methods``
-    prints (regenerate it with that command after changing a criterion's PAPER, MAIN_FLAGS or config)."""
+    prints (regenerate it with that command after changing a criterion's row in CRITERIA or its config)."""
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     start = readme.index(README_TABLE_HEADER)
     end = readme.index("\n\n", start)

@@ -11,9 +11,9 @@ from fairseq_kd.criterions.base import KDCriterionConfig
 from hidden_kd_support import build_criterion
 
 FOUR_HEADS = {"encoder_attention_heads": 4, "decoder_attention_heads": 4}
-#: criterion -> (the paper's name for --kd-weight, its flag), from each class's KD_WEIGHT_ALIAS
-ALIASES = {name: (cls.KD_WEIGHT_ALIAS, "--" + cls.KD_WEIGHT_ALIAS.replace("_", "-"))
-           for name, cls in kd_criterions().items() if cls.KD_WEIGHT_ALIAS}
+#: criterion -> (the paper's name for --kd-weight, its flag), from each config's kd_weight_alias field
+ALIASES = {name: (cls.kd_weight_alias(), "--" + cls.kd_weight_alias().replace("_", "-"))
+           for name, cls in kd_criterions().items() if cls.kd_weight_alias()}
 
 
 def test_every_criterion_has_kd_weight_and_temperature_from_the_base_config():

@@ -52,7 +52,7 @@ def figure_weights_from_checkpoint(figure: str, checkpoint: Path) -> dict:
 
     fairseq_kd.register()  # the criterions and the allow-list of classes fairseq checkpoints hold
     if figure == "alp":
-        from fairseq_kd.criterions.alp_kd import layer_weights_from_checkpoint
+        from fairseq_kd.figures.alp_weights import layer_weights_from_checkpoint
 
         try:
             return layer_weights_from_checkpoint(checkpoint)

@@ -1,94 +1,17 @@
 """Align-to-Distill, A2D (Jin et al., LREC-COLING 2024, arXiv:2403.01479).
 
-    fairseq-train DATA --user-dir fairseq_kd --task translation_kd --teacher-checkpoint T.pt \\
-        --criterion a2d_kd [--a2d-preset low_resource|wmt] ...
+    H^I_c  = AAM_kind(A_S)_c, one intermediate map per teacher map A_T^c   (Eq. 9)
+    L_kind = sum_c KL(A_T^c || H^I_c)                                      (Eq. 10)
+    L_att  = L_enc-self + (L_dec-self + L_dec-cross) / 2                    (Eq. 11)
+    L      = L_CE + lambda_e L_att + mu L_KD,  lambda_e = lambda_0 decay^(e-1)  (Eq. 12, Sec. 5.2)
 
-For each attention kind in use (encoder self, decoder self, decoder cross) all student maps go
-through that kind's Attention Alignment Module (:mod:`fairseq_kd.modules.attention_alignment`,
-Eq. 9), which makes one intermediate map ``H^I_c`` per teacher map ``A_T^c``. Then
-
-    L_kind = sum_c KL(A_T^c || H^I_c)                                   (Eq. 10)
-    L_att  = L_enc-self + (L_dec-self + L_dec-cross) / 2                 (Eq. 11)
-    L      = L_CE + lambda_e * L_att + mu * L_KD                         (Eq. 12)
-
-with ``L_KD`` word-level KD (:func:`~fairseq_kd.criterions.losses.word_level_kd`) and
-``lambda_e = lambda_0 * decay^(e - 1)`` at epoch ``e`` (Sec. 5.2: lambda decays exponentially, by a
-factor 0.9 per epoch), a pure function of the epoch so a resumed run continues the schedule.
-The modules are sized from the actual teacher and student when the criterion is built; no head,
-layer or width parity is needed.
-
-Choices the paper leaves open, documented here:
-
-* **Making ``H^I`` a distribution** (``--a2d-normalization``). Eq. 9's ``H^I`` is a signed linear
-  combination, not a distribution, and the paper does not say how Eq. 10 turns it into one. Every
-  mode below has its minimum where the intermediate map equals the teacher's map (a student
-  identical to its teacher, with an identity alignment, gives 0; ``tests/test_a2d_kd.py`` checks
-  it for every mode and kind against a slow reference):
-
-  - ``mixture`` (default): the AAM combines the student maps convexly (softmax-normalised
-    weights, no bias; :class:`~fairseq_kd.modules.attention_alignment.AttentionAlignment`), so
-    each row of ``H^I`` is a distribution over the keys its query may attend to, and Eq. 10 is the
-    KL between two attention distributions per query, summed over real queries. Why it is the
-    default: it is the only mode whose KL compares attention rows as they are. ``row`` and
-    ``flat`` softmax *probabilities* (values in [0, 1]), which flattens every target towards
-    uniform (a one-hot teacher row of length 10 becomes a distribution whose largest entry is
-    0.23), so the attention signal they give is weak; and the old ``row`` mode (raw teacher
-    probabilities against a log-softmax of ``H^I``) had its minimum away from the teacher's maps.
-    The real-data comparison of the modes is recorded in ``docs/results/README.md`` as it is run.
-  - ``row``: Eq. 9 as written (signed weights, bias); a log-softmax over each query's attendable
-    keys is applied to ``H^I`` and to the teacher's probabilities alike, so the minimum is at
-    ``H^I = A_T`` (up to a constant per row).
-  - ``flat``: the same with one log-softmax over all attendable entries of a map (query x key),
-    both sides alike: one distribution per map and sentence, masked.
-  - ``authors``: the authors' public code (github.com/ncsoft/Align-to-Distill,
-    ``kd_label_smoothed_cross_entropy.py``) exactly: ``torch.nn.Conv2d``-initialised signed AAM;
-    a log-softmax over every entry of each flattened map, padded and future entries included, on
-    both sides; ``KL`` summed over maps and sentences; ``(1 - alpha) CE + alpha KD`` with
-    ``--a2d-alpha 0.5``, where the authors average CE and KD over the batch's ``B x T`` target
-    positions. To keep that balance under fairseq's per-token normalisation the summed KL is
-    multiplied by ``B x T``: the objective is then the authors' times ``B x T`` (a per-batch
-    factor that Adam's update does not see), and the logged ``*_att_loss`` is their summed KL
-    times ``B x T / ntokens``, i.e. thousands of times the other modes' per-token values.
-* **Safe KL.** ``sum p_T (log p_T - log q)`` with ``xlogy(p_T, p_T)`` (``0 log 0 = 0``) and
-  excluded entries removed by selection, never by multiplying an infinite log by zero; all in
-  float32 even when the model runs in fp16/bf16.
-* **Map reduction** (``--a2d-map-reduction``). Eq. 10 sums over the teacher maps ``c``
-  (``sum``); the default (``auto``) is ``mean`` (each kind's sum divided by its number of teacher
-  maps, so ``lambda`` weighs one map's KL whatever the teacher's depth and head count), except
-  under ``--a2d-normalization authors``, which reproduces the authors' code and so sums. Why
-  ``mean`` is the default: with the paper's ``lambda_0 = 1`` and a 6-layer, 4-head teacher the
-  summed terms are 24 KLs per token, several times the CE at the start; they dominate the
-  gradient until lambda has decayed, and the student learns the task later than without KD. The
-  real-corpus comparison that chose ``mean`` on validation nll (against ``sum``, word-level KD
-  alone and no KD), with the measured sizes of the terms, is in ``docs/results/README.md``
-  (Multi30k Fr-En, CPU budget). The presets keep the paper's lambda values, which the paper
-  states for the sum: ``sum`` gives the paper's scale. Each KL is summed over real query positions (``mixture``, ``row``) or sentences
-  (``flat``), and the criterion base divides by fairseq's ``sample_size`` as it does for CE. The terms are logged
-  unweighted per kind as ``enc_self_att_loss``, ``dec_self_att_loss``, ``dec_cross_att_loss``,
-  next to ``word_kd_loss``; with ``all`` kinds, ``L_att = enc + (dec_self + dec_cross) / 2``.
-* **Which kinds** (``--a2d-attention-kinds``, Table 4): ``all`` (weights 1, 1/2, 1/2),
-  ``enc_self`` (1), ``dec_all`` (1/2, 1/2), ``dec_self`` (1) and ``dec_cross`` (1): a single decoder
-  kind takes weight 1 so that its loss has the scale of Dec-All's (Table 4 caption). Only the
-  kinds in use are captured.
-* **Head-wise or layer-wise maps** (``--a2d-granularity``, Table 6): ``head`` (default) aligns
-  every head's map; ``layer`` averages each layer's heads first, for teacher and student, and
-  aligns the per-layer maps.
-* **Presets** (``--a2d-preset``, Sec. 5.2): ``low_resource`` (default; IWSLT, WMT'22 De-Dsb):
-  ``lambda_0 = 1``, decay 0.9 per epoch, ``mu = 1``. ``wmt`` (WMT'14 En-De, many more maps):
-  ``lambda_0 = 0.1``; the paper states no other change for this setting, so the decay stays 0.9. ``--a2d-lambda`` and
-  ``--a2d-lambda-decay`` override the preset; ``--kd-weight 0`` (alias ``--a2d-mu 0``) is Table 2's
-"A2D w/o L_KD".
-
-* **Ending the attention phase** (``--a2d-attention-epochs N``, not in the paper, whose lambda
-  decays for ever): ``lambda_e = 0`` after epoch ``N``, leaving ``L_CE + mu * L_KD``. Word-level KD
-  needs only the teacher's output distribution, so with ``--teacher-cache`` (made by
-  ``fairseq-kd-teacher-cache`` from the same ``--teacher-checkpoint``) the epochs after ``N`` read
-  the teacher's top k from the cache and run no teacher at all: those steps cost what word KD from
-  the cache costs. With lambda decaying by 0.9 per epoch, epoch 30 weighs the attention at 0.05 of
-  epoch 1.
-
-The alignment weights can be drawn as the paper's Figure 2: ``fairseq-kd-plot alignment
---checkpoint CKPT --output aam.png``.
+The alignment modules (:mod:`fairseq_kd.modules.attention_alignment`) are sized from the actual
+teacher and student: no head, layer or width parity is needed. Choices the paper leaves open, each a
+flag: how ``H^I`` becomes a distribution (``--a2d-normalization``; ``authors`` is the authors'
+public code), the reduction over maps (``--a2d-map-reduction``; ``mean`` by default), which kinds
+(Table 4), head- or layer-wise maps (Table 6), the presets (Sec. 5.2), and an end to the attention
+phase (``--a2d-attention-epochs``, after which ``--teacher-cache`` can serve word KD). Why each
+default, and the measurements behind them: ``docs/methods/a2d_kd.md``.
 """
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
@@ -98,11 +21,12 @@ from fairseq.criterions import register_criterion
 from fairseq.dataclass import ChoiceEnum
 from torch import Tensor, nn
 
+from ..errors import InputError
 from ..models.feature_capture import DECODER_CROSS, DECODER_SELF, ENCODER_SELF, AttentionMaps, CaptureRequest
 from ..modules.attention_alignment import AttentionAlignment
 from .startup_checks import check_capturable
 from .base import KDCriterionBase, KDCriterionConfig, ranged, weight
-from .losses import masked_row_kl, word_kd_term
+from .losses import masked_row_kl
 
 #: ``--a2d-attention-kinds`` -> weight of each kind's loss inside L_att (Eq. 11, Table 4).
 KIND_WEIGHTS = {
@@ -168,7 +92,7 @@ def _authors_alpha(mu: float, alpha: float) -> Tuple[float, float]:
 
 @dataclass(frozen=True)
 class NormalizationMode:
-    """Everything one ``--a2d-normalization`` value decides (the module docstring says why)."""
+    """Everything one ``--a2d-normalization`` value decides (docs/methods/a2d_kd.md says why)."""
 
     name: str
     #: how the AAM combines the student maps (``AttentionAlignment``'s ``combination``)
@@ -198,7 +122,7 @@ class NormalizationMode:
         return self.kl(intermediate.float(), teacher_maps.float(), attendable.unsqueeze(0))
 
 
-#: ``--a2d-normalization`` -> its mode (see the module docstring)
+#: ``--a2d-normalization`` -> its mode (see docs/methods/a2d_kd.md)
 NORMALIZATION_MODES = {mode.name: mode for mode in (
     NormalizationMode("mixture", combination="mixture", init="mean", default_reduction="mean",
                       kl=_mixture_kl, ce_kd_weights=_ce_and_mu_kd),
@@ -217,7 +141,7 @@ def normalization_mode(normalization: str) -> NormalizationMode:
     try:
         return NORMALIZATION_MODES[normalization]
     except KeyError:
-        raise ValueError(
+        raise InputError(
             f"--a2d-normalization must be one of {sorted(NORMALIZATION_MODES)}, got {normalization!r}"
         ) from None
 
@@ -242,7 +166,7 @@ class A2DConfig(KDCriterionConfig):
         1.0, help="weight mu of word-level KD (Eq. 12), CE weight 1; 0 = 'A2D w/o L_KD' (Table 2)",
     )
     a2d_mu: Optional[float] = weight(
-        None, help="the paper's name for --kd-weight (mu, Eq. 12); when given, it replaces it",
+        None, kd_weight_alias=True, help="the paper's name for --kd-weight (mu, Eq. 12); when given, it replaces it",
     )
     a2d_attention_kinds: ChoiceEnum(list(KIND_WEIGHTS)) = field(
         default="all",
@@ -262,16 +186,14 @@ class A2DConfig(KDCriterionConfig):
                   "signed AAM (Eq. 9), log-softmax over each query's attendable keys on both sides; "
                   "flat = the same over each whole masked map; authors = the authors' public code "
                   "(unmasked flattened maps, KL summed over maps and sentences, (1-alpha) CE + alpha "
-                  "KD): its attention term is the authors' summed KL times B x T target positions, "
-                  "thousands of times the other modes' per-token values at the same --a2d-lambda"},
+                  "KD): its attention term is the authors' summed KL times B x T target positions"},
     )
     a2d_map_reduction: ChoiceEnum(list(MAP_REDUCTIONS)) = field(
         default="auto",
         metadata={"help": "sum: Eq. 10 as written, each kind's KL summed over the teacher's maps (the "
                   "paper's lambda values are for this scale); mean: divided by that number of maps "
                   "(n_layers x n_heads), so lambda weighs one map's KL at any teacher size; auto "
-                  "(default): mean, or sum with --a2d-normalization authors (the authors' code). "
-                  "mean won the real-corpus comparison on validation (docs/results/)"},
+                  "(default): mean, or sum with --a2d-normalization authors (the authors' code)"},
     )
     a2d_attention_epochs: Optional[int] = ranged(
         None, 1, meaning="the last epoch with the attention loss; --a2d-lambda 0 trains without it", example="10",
@@ -291,12 +213,8 @@ class AlignToDistillCriterion(KDCriterionBase):
     TERM_NAMES = ("enc_self_att", "dec_self_att", "dec_cross_att", "word_kd")
     #: lambda_e, logged every step next to the terms (0 after --a2d-attention-epochs)
     SCHEDULED_WEIGHT_KEYS = ("a2d_lambda",)
-    KD_WEIGHT_ALIAS = "a2d_mu"
     WEIGHT_FLAGS = {"ce": "1 - --a2d-alpha", "word_kd": "--kd-weight",
                     **{term: "--a2d-lambda" for term in KIND_TERMS.values()}}
-    PAPER = "Align-to-Distill (Jin et al. 2024)"
-    MAIN_FLAGS = ("a2d_preset", "a2d_lambda_decay", "a2d_granularity", "a2d_attention_kinds", "a2d_normalization",
-                  "a2d_map_reduction", "a2d_attention_epochs")
 
     def __init__(self, cfg: A2DConfig, task):
         super().__init__(cfg, task)
@@ -367,7 +285,7 @@ class AlignToDistillCriterion(KDCriterionBase):
         return CaptureRequest(attention_kinds=kinds), CaptureRequest(attention_kinds=kinds)
 
     # -------------------------------------------------------------- terms
-    def distillation_terms(self, batch) -> Dict[str, Tensor]:
+    def terms(self, batch) -> Dict[str, Tensor]:
         weights = self.loss_weights()
         terms = {}
         for kind in self.kind_weights:
@@ -377,8 +295,6 @@ class AlignToDistillCriterion(KDCriterionBase):
                 )
                 if self.mode.scales_by_positions:
                     terms[KIND_TERMS[kind]] = terms[KIND_TERMS[kind]] * batch.target_mask.numel()
-        if weights["word_kd"] != 0:
-            terms["word_kd"] = word_kd_term(batch, batch.target_mask, self.kd_temperature)
         return terms
 
     def attention_term(self, kind: str, student: AttentionMaps, teacher: AttentionMaps) -> Tensor:
@@ -397,15 +313,15 @@ class AlignToDistillCriterion(KDCriterionBase):
 def resolve_map_reduction(requested: str, normalization: str) -> str:
     """``sum`` or ``mean`` for ``--a2d-map-reduction requested`` under ``--a2d-normalization``.
 
-    ``auto`` is ``mean`` (the module docstring says why), except for ``authors``, whose code sums
+    ``auto`` is ``mean`` (docs/methods/a2d_kd.md says why), except for ``authors``, whose code sums
     over maps; asking ``authors`` to average would no longer be the authors' objective, so it is
     refused rather than silently changed.
     """
     if requested not in MAP_REDUCTIONS:
-        raise ValueError(f"--a2d-map-reduction must be one of {', '.join(MAP_REDUCTIONS)}, got {requested!r}")
+        raise InputError(f"--a2d-map-reduction must be one of {', '.join(MAP_REDUCTIONS)}, got {requested!r}")
     mode = normalization_mode(normalization)
     if requested == "mean" and not mode.allows_mean:
-        raise ValueError(
+        raise InputError(
             f"--a2d-map-reduction mean cannot be combined with --a2d-normalization {mode.name}, "
             f"{mode.mean_refusal}; drop --a2d-map-reduction or choose another --a2d-normalization"
         )

@@ -1,26 +1,13 @@
 """ALP-KD: attention-based layer projection (Passban et al. 2021, AAAI, arXiv:2012.14022).
 
-For student layer ``j`` and every position, the teacher layers of its bucket ``A(j)`` are combined
-by attention (Eq. 5)::
+    alpha_jk = softmax_{k in A(j)} (h_S^j . h_T^k)        C^j = sum_{k in A(j)} alpha_jk h_T^k   (Eq. 5)
+    L_ALP    = sum_positions sum_j MSE(h_S^j, C^j)                                             (Eq. 7)
 
-    alpha_jk = softmax_{k in A(j)} (h_S^j . h_T^k)        C^j = sum_{k in A(j)} alpha_jk h_T^k
-    L_ALP    = sum_positions sum_j MSE(h_S^j, C^j)                                    (Eq. 7)
-
-The default bucket is every teacher layer for every student layer (Eq. 6: no bucket search);
-``--alp-buckets no|po`` selects the paper's no-overlap / partial-overlap buckets (generalised in
-:mod:`fairseq_kd.modules.layer_mapping`) and ``--alp-bucket-map`` explicit ones. The attention is
-a plain dot product as in the paper (computed in float32). When ``d_S != d_T`` the student's
-states go through a learnable map ``P: d_S -> d_T`` (one per side) before both the dot product and
-the MSE, so ``h_S^j`` reads ``P h_S^j`` above. The MSE of two vectors is the mean squared difference
-over the features; the sum runs over real positions and student layers (unit of ``alp_loss``: real
-tokens of the distilled side(s)). Total: ``beta L_CE + eta L_KD + lambda L_ALP`` (Eq. 7; 0.2, 0.1,
-0.7 by default as in CKD).
-
-The weights depend on the position, so they are read out as averages: during training the
-criterion keeps, per side, the mean of ``alpha_j.`` over all real positions seen since the current
-epoch began (saved with the checkpoint; on several GPUs, those of the worker that writes it). :meth:`ALPKDCriterion.layer_weights` returns them as
-``{"encoder": [[alpha over teacher layers] per student layer], "decoder": ...}``, the format of
-``fairseq-kd-plot alp``; :func:`layer_weights_from_checkpoint` reads them from a saved checkpoint.
+The bucket ``A(j)`` is every teacher layer by default (Eq. 6); ``--alp-buckets no|po`` or
+``--alp-bucket-map`` choose others. At ``d_S != d_T`` the student's states go through a learnable
+map ``P`` (one per side) before the dot product and the MSE. Total ``beta L_CE + eta L_KD + lambda
+L_ALP`` (0.2, 0.1, 0.7). The mean ``alpha`` over the epoch's real positions is kept per side
+(:meth:`ALPKDCriterion.layer_weights`, saved with the checkpoint) for ``fairseq-kd-plot alp``.
 """
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -32,7 +19,7 @@ from torch import Tensor, nn
 
 from ..modules.layer_mapping import ALP_BUCKETS, resolve_mapping
 from ..modules.projection import width_projection
-from .base import EpochSums
+from .epoch_sums import EpochSums
 from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion
 from .losses import _keep_gradients, _kept_gradients, _wants_gradient, rows_per_chunk
 
@@ -59,8 +46,6 @@ class ALPKDConfig(HiddenStateKDConfig):
 class ALPKDCriterion(HiddenStateKDCriterion):
     LAYER_TERM = "alp"
     TERM_NAMES = ("word_kd", "alp")
-    PAPER = "ALP-KD (Passban et al. 2021)"
-    MAIN_FLAGS = ("alp_buckets", "alp_bucket_map")
 
     def __init__(self, cfg: ALPKDConfig, task):
         super().__init__(cfg, task)
@@ -120,7 +105,7 @@ class ALPKDCriterion(HiddenStateKDCriterion):
         return {"alpha_sums": self.alpha_sums.state()}
 
     def load_checkpoint_state(self, state: dict) -> None:
-        self.alpha_sums.load_state(saved_alpha_sums(state))
+        self.alpha_sums.load_state(state.get("alpha_sums") or {})
 
 
 def alp_layer_mse(student_states: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], teacher_states: Tensor,
@@ -222,31 +207,4 @@ def mean_alpha(sums: Dict[str, Tensor]) -> Dict[str, List[List[float]]]:
         if name.startswith("alpha/"):
             side = name.split("/", 1)[1]
             weights[side] = (total / torch.as_tensor(sums[f"positions/{side}"]).clamp_min(1.0)).cpu().tolist()
-    return weights
-
-
-def saved_alpha_sums(state: dict) -> dict:
-    """The :class:`~.base.EpochSums` state in a criterion's checkpoint state; a state of the format
-    before it (``alpha_sum``, ``alpha_positions``) is refused."""
-    if "alpha_sum" in state and "alpha_sums" not in state:
-        raise ValueError("the ALP-KD state in this checkpoint is of an older fairseq-kd format (alpha_sum); "
-                         "re-run the training to write it anew")
-    return state.get("alpha_sums") or {}
-
-
-def layer_weights_from_checkpoint(path) -> Dict[str, List[List[float]]]:
-    """The ALP-KD layer weights saved in a checkpoint of a ``--criterion alp_kd`` run."""
-    from ..checkpoints import load_fairseq_checkpoint, task_state
-
-    state = load_fairseq_checkpoint(path)  # weights_only=True, explicitly
-    saved = task_state(state).get("criterion", {})
-    try:
-        weights = mean_alpha(saved_alpha_sums(saved).get("sums", {}))
-    except ValueError as error:
-        raise ValueError(f"{path}: {error}") from None
-    if not weights:
-        raise ValueError(
-            f"{path}: no ALP-KD layer weights in this checkpoint (it must come from fairseq-train "
-            "--task translation_kd --criterion alp_kd, saved after at least one training step)"
-        )
     return weights

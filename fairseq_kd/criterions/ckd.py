@@ -1,47 +1,13 @@
 """Combinatorial KD, CKD (Wu et al. 2020, "Why Skip If You Can Combine", EMNLP, arXiv:2010.03034).
 
-In the paper, student layer ``i`` learns from a fusion of the teacher layers ``M(i)`` (Eq. 3-4)::
+    L_CKD = sum_positions sum_i MSE(h_S^i, W_i [h_T^{j_1}; h_T^{j_2}; ...] + b_i),   j in M(i)   (Eq. 3-4)
 
-    f^i = W_i [h_T^{j_1} ; h_T^{j_2} ; ...] + b_i,   j in M(i)      (concatenation + linear map)
-    L_CKD = sum_positions sum_i MSE(h_S^i, f^i)
-
-with ``W_i`` of shape ``d_S x |M(i)| d_T`` and ``b_i`` learnable distillation-only parameters (the
-paper has ``d_S = d_T``; mapping straight to the student's width bridges any widths). The MSE of
-two vectors is the mean squared difference over their ``d_S`` features; the sum runs over real
-positions and student layers (unit of ``ckd_loss``: real tokens of the distilled side(s)).
-Total: ``beta L_CE + eta L_KD + lambda L_CKD`` with ``eta = 0.1``, ``lambda = 0.7`` (Sec. 4).
-
-Mappings ``M``: the paper's RC, OC, SC and CC, generalised to any depths ``n >= m`` by the rules
-of :mod:`fairseq_kd.modules.layer_mapping` (which reproduce the paper's 6-to-2 sets exactly), or
-an explicit ``--ckd-layer-map`` such as ``1,2,3|4,5,6``. The paper distils the encoder only,
-having found decoder KD to hurt; ``--layer-sides decoder|both`` adds the decoder, with the same
-strategy (or explicit map) applied to the decoder's depths.
-
-Which side the learnable map sits on (``--ckd-map-side``):
-
-* ``teacher`` (Eq. 4, the paper): the fusion ``f^i`` is the target. Its parameters are learnt
-  from this same loss, so the objective has a degenerate minimum: ``W_i = 0`` and a student whose
-  states are the constant ``b_i`` at every position give ``L_CKD = 0`` with no information about
-  the source. Measured on Multi30k Fr-En (2+2 student, d 64, from a 6+6 d 128 teacher, the paper's
-  weights): after 300 updates the variance of the student's encoder states across tokens had
-  fallen to 0.5% and 0.2% of their second moment (plain training: 89%, 86%), and the finished
-  student scored 8.1 BLEU against no KD's 31.5.
-* ``student`` (default): the student's state is mapped into the teacher's space and compared
-  with the concatenation the paper fuses, ``L = sum_i MSE(W_i h_S^i + b_i, [h_T^{j_1}; h_T^{j_2}; ...])``
-  with ``W_i`` of shape ``|M(i)| d_T x d_S``, the MSE a mean over the ``|M(i)| d_T`` features. The
-  target is the teacher's own states, fixed, so the loss is zero only when the student's layer
-  carries (linearly) everything its teacher layers hold; this is how PKD, TinyBERT and ALP-KD
-  bridge widths. It keeps CKD's idea (every teacher layer of ``M(i)`` supervises student layer
-  ``i``, none is skipped) and mapping strategies. Chosen as the default on validation nll in the
-  Multi30k comparison of ``docs/results/`` (see there).
-
-Implementation (``teacher`` side): ``W_i [h^{j_1}; h^{j_2}]`` equals ``W_{i,1} h^{j_1} + W_{i,2} h^{j_2}``
-for the column blocks ``W_{i,k}`` of ``W_i``, so all (student layer, teacher layer) pairs are projected in one
-batched matmul over the stacked teacher states and summed per student layer with ``index_add``.
-The ``student`` side likewise projects each student layer once per (student layer, teacher layer)
-pair, the row blocks of ``W_i``, in one batched matmul, through
-:func:`~fairseq_kd.criterions.losses.projected_mse_sum`, which forms its gradient chunk by chunk and
-so never holds the ``(pairs, positions, d_T)`` residual whole.
+with the paper's mappings ``M`` (RC, OC, SC, CC, generalised to any depths ``n >= m``) or an explicit
+``--ckd-layer-map``; total ``beta L_CE + eta L_KD + lambda L_CKD`` with ``eta = 0.1``, ``lambda =
+0.7`` (Sec. 4). Deviation (``--ckd-map-side student``, the default): the learnt map sits on the
+student's side, ``MSE(W_i h_S^i + b_i, [h_T^{j_1}; ...])``, because the paper's teacher-side fusion
+(``--ckd-map-side teacher``) is minimised by a constant student. Why, the measurements, and the
+batched implementation: ``docs/methods/ckd.md``.
 """
 from dataclasses import dataclass, field
 from typing import Optional
@@ -79,8 +45,8 @@ class CombinatorialKDConfig(HiddenStateKDConfig):
         metadata={"help": "where the learnable linear map sits: student (default; W_i h_S^i + b_i is "
                   "compared with the concatenated teacher layers [h_T^j; ...], a fixed target) or "
                   "teacher (the paper's Eq. 4: h_S^i is compared with the learnt fusion "
-                  "W_i [h_T^j; ...] + b_i; this objective is minimised by a constant student and "
-                  "collapsed the student's encoder on Multi30k, see the module docstring)"},
+                  "W_i [h_T^j; ...] + b_i; this objective is minimised by a constant student, see "
+                  "docs/methods/ckd.md)"},
     )
 
 
@@ -159,10 +125,6 @@ class StudentProjection(nn.Module):
 class CombinatorialKDCriterion(HiddenStateKDCriterion):
     LAYER_TERM = "ckd"
     TERM_NAMES = ("word_kd", "ckd")
-    PAPER = "combinatorial KD (Wu et al. 2020)"
-    MAIN_FLAGS = ("ckd_mapping", "ckd_layer_map", "ckd_map_side")
-    FLAGS_NOTE = ("(default: the student's states mapped to the teacher's; the paper's teacher-side fusion "
-                  "admits a collapsed student, see `docs/results/README.md`)")
 
     def __init__(self, cfg: CombinatorialKDConfig, task):
         super().__init__(cfg, task)

@@ -1,21 +1,12 @@
-"""What the hidden-state distillation criterions share (PKD, CKD, ALP-KD, RAIL-KD, internal KD).
+"""What the hidden-state criterions share (PKD, CKD, ALP-KD, RAIL-KD, internal KD).
 
-Each method's mathematics reads top to bottom in its own module; this one holds only the glue
-common to all of them, so that it is defined (and validated) once:
+    loss = beta L_CE + eta L_KD + lambda L_layer,   beta = 1 - eta - lambda
 
-* the three-way weighting of CKD (Wu et al. 2020, Sec. 4) and ALP-KD (Passban et al. 2021,
-  Eq. 7), ``loss = beta * L_CE + eta * L_KD + lambda * L_layer`` with ``beta = 1 - eta - lambda``,
-  where ``L_KD`` is word-level KD (:func:`~fairseq_kd.criterions.losses.word_level_kd`) and
-  ``L_layer`` the method's layer term; the papers' ``eta = 0.1``, ``lambda = 0.7`` are the defaults
-  (RAIL-KD overrides them with its 1/3, 1/3, 1/3);
-* which stack is distilled (``--layer-sides``: encoder by default, as CKD found any decoder KD to
-  hurt translation; decoder or both on request), what is captured for it, and the shapes the
-  learnable modules are sized from;
-* running a learnable module in its parameters' dtype (the trainer halves criterion parameters
-  under ``--fp16``) while every loss itself is computed in float32.
-
-Every layer term is a sum over real (unpadded) positions, or over sentences for sentence-vector
-losses, so the base's division by ``sample_size`` is its only normalisation.
+(CKD, Wu et al. 2020, Sec. 4; ALP-KD, Passban et al. 2021, Eq. 7), with the papers' ``eta = 0.1``,
+``lambda = 0.7`` as defaults. ``--layer-sides`` chooses the distilled stack (encoder by default,
+as CKD found decoder KD to hurt; decoder or both on request). Learnable modules run in their
+parameters' dtype (:func:`in_param_dtype`), every loss in float32. A subclass gives its term's name
+(``LAYER_TERM``) and :meth:`~HiddenStateKDCriterion.layer_loss` for one side.
 """
 from dataclasses import dataclass, field
 from typing import Dict, Tuple
@@ -25,8 +16,8 @@ from fairseq.dataclass import ChoiceEnum
 from torch import Tensor, nn
 
 from ..models.feature_capture import CaptureRequest
+from ..errors import InputError
 from .base import DistillationBatch, KDCriterionBase, KDCriterionConfig, weight
-from .losses import word_kd_term
 
 LAYER_SIDES = ChoiceEnum(["encoder", "decoder", "both"])
 SIDES_OF = {"encoder": ("encoder",), "decoder": ("decoder",), "both": ("encoder", "decoder")}
@@ -75,7 +66,7 @@ class HiddenStateKDCriterion(KDCriterionBase):
         """The CE weight ``1 - kd_weight - layer_weight`` must not be negative (each weight's own
         range, >= 0, is checked by the base)."""
         if kd_weight + layer_weight > 1.0 + 1e-9:
-            raise ValueError(
+            raise InputError(
                 f"--kd-weight ({kd_weight}) and --layer-weight ({layer_weight}) must be >= 0 with a sum "
                 "of at most 1, since the CE weight is 1 - kd_weight - layer_weight"
             )
@@ -102,23 +93,14 @@ class HiddenStateKDCriterion(KDCriterionBase):
             self.LAYER_TERM: self.layer_weight,
         }
 
-    def distillation_terms(self, batch: DistillationBatch) -> Dict[str, Tensor]:
-        weights = self.loss_weights()
-        terms: Dict[str, Tensor] = {}
-        if weights["word_kd"] != 0:
-            terms["word_kd"] = self.word_kd_term(batch)
-        if weights[self.LAYER_TERM] != 0:
-            terms[self.LAYER_TERM] = sum(
-                self.layer_loss(
-                    side, batch.student.hidden(side), batch.teacher.hidden(side),
-                    batch.student.padding_mask(side),
-                )
-                for side in self.sides
-            )
-        return terms
-
-    def word_kd_term(self, batch: DistillationBatch) -> Tensor:
-        return word_kd_term(batch, batch.target_mask, self.kd_temperature)
+    def terms(self, batch: DistillationBatch) -> Dict[str, Tensor]:
+        if self.loss_weights()[self.LAYER_TERM] == 0:
+            return {}
+        return {self.LAYER_TERM: sum(
+            self.layer_loss(side, batch.student.hidden(side), batch.teacher.hidden(side),
+                            batch.student.padding_mask(side))
+            for side in self.sides
+        )}
 
     # ------------------------------------------------------------------ helpers
     def register_layer_index(self, name: str, layers) -> None:

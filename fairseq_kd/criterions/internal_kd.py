@@ -1,49 +1,15 @@
 """Knowledge distillation from internal representations (Aguilar et al. 2020, AAAI, arXiv:1910.03723).
 
-Matched pairs: student layer ``j`` with the top teacher layer of its group of ``n/m`` layers,
-``floor(j n / m)`` (the paper's 12-to-6 pairs 2, 4, ..., 12). Per pair two terms:
-
-* ``internal_kl``: ``KL(A_T || A_S)`` of every query's self-attention distribution (Eq. 2), per head
-  when teacher and student have the same number of heads, else between the head-averaged maps;
-  averaged over heads and summed over real query positions (unit: real tokens);
-* ``internal_cos``: ``1 - cos(P v_S, v_T)`` between sentence vectors (Eq. 3). The paper uses BERT's
-  ``[CLS]`` vector; a translation encoder has none, so ``v`` is the mean over the sentence's real
-  positions. ``P`` is a learnable ``d_S -> d_T`` map (one per side) when the widths differ, the
-  identity otherwise (the paper matches equal widths as-is). Per sentence as in Eq. 3:
-  ``internal_cos_loss`` is the mean over sentences (a ``SENTENCE_TERMS`` entry of the criterion
-  base), so ``--layer-weight`` weighs it as the paper does at any sentence length.
-
-Both are summed over the active pairs and weighted by ``--layer-weight``. ``--layer-sides``
-selects encoder self-attention (default), decoder self-attention (causal; future keys take no
-part), or both, moved through the schedule in lockstep (stage ``s`` is pair ``s`` of each side).
-
-Schedules (Sec. "How to distill the internal knowledge?", Algorithm 1):
-
-* ``all``: every pair in every epoch, with soft labels (the paper's "soft + kl + cos");
-* ``pid`` (progressive): one pair at a time, bottom-up;
-* ``sid`` (stacked): like PID, but the pairs already passed stay in the loss.
-
-PID and SID move to the next pair after ``--internal-epochs-per-layer`` epochs on the current one,
-or earlier when the epoch's mean cosine loss of the current pair falls below
-``--internal-cos-threshold``, "whatever happens first". After the last pair only soft labels
-(word-level KD, ``--kd-weight``) remain; ``--internal-soft-labels-throughout`` adds them during the
-internal phase as well (the paper's Exp3.5), and ``--hard-label-weight`` adds the label-smoothed
-CE on the references in every phase (Exp3.6; 0 by default, as in the paper's other runs).
-The paper gives no values for the epoch budget and the threshold; the defaults (5 epochs, 0.05)
-are ours. Once the schedule has ended the width projections receive no gradient, so a PID/SID run
-on several GPUs with ``d_S != d_T`` needs fairseq's ``--find-unused-parameters``.
-
-The schedule is resumable and the same on every worker. The stage at epoch ``e`` is a pure
-function of ``e`` and the epochs at which the threshold was crossed (:func:`schedule_stage`);
-only that list of crossings is state, saved through ``checkpoint_state``. The threshold is
-compared with the epoch's aggregated cosine loss: during training each step returns the current
-pair's summed ``1 - cos`` and its sentence count as extra logging values (``LOG_KEYS``, through
-:class:`~.base.DistillationTerms`; zeros in validation and for a dummy batch, which a worker out of
-data trains on with a zeroed loss); fairseq gathers every worker's logging outputs on every
-worker, and the task hands them to :meth:`InternalKDCriterion.reduce_worker_logs`, which adds
-them to the criterion's :class:`~.base.EpochSums`; at the next ``begin_epoch`` every worker
-divides the same two sums. The sums of an unfinished epoch are saved with the checkpoint, so a
-stop-and-resume decides exactly as an uninterrupted run.
+Student layer ``j`` is paired with teacher layer ``floor(j n / m)``; per pair ``internal_kl``,
+``KL(A_T || A_S)`` of every query's self-attention (Eq. 2; head-averaged maps when the head counts
+differ), averaged over heads and summed over real queries, and ``internal_cos``, ``1 - cos(P v_S,
+v_T)`` of sentence vectors (Eq. 3; per sentence), both weighted by ``--layer-weight``. Schedules
+(Algorithm 1): ``all`` pairs every epoch with soft labels; ``pid`` one pair at a time, ``sid``
+stacking them, moving on after ``--internal-epochs-per-layer`` epochs or an epoch whose mean
+cosine loss, over every worker's sentences, fell below ``--internal-cos-threshold``; then soft
+labels (word-level KD) only. ``--hard-label-weight`` keeps CE in every phase (Exp3.6).
+Deviations (``v`` is a mean over real positions, not ``[CLS]``; our schedule defaults) and how the
+schedule resumes: ``docs/methods/internal_kd.md``.
 """
 import logging
 import math
@@ -61,7 +27,8 @@ from ..models.feature_capture import DECODER_SELF, ENCODER_SELF, CaptureRequest
 from ..modules.layer_mapping import uniform_mapping, validate_mapping
 from ..modules.projection import width_projection
 from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion, in_param_dtype
-from .base import DistillationTerms, EpochSums, ranged, weight
+from .base import DistillationTerms, ranged, weight
+from .epoch_sums import EpochSums
 from .losses import masked_mean_pool, masked_row_kl
 
 logger = logging.getLogger(__name__)
@@ -131,11 +98,6 @@ class InternalKDCriterion(HiddenStateKDCriterion):
     WEIGHT_FLAGS = {"ce": "--hard-label-weight", "word_kd": "--kd-weight", "internal_kl": "--layer-weight",
                     "internal_cos": "--layer-weight"}
     SENTENCE_TERMS = ("internal_cos",)
-    PAPER = "internal-representation KD (Aguilar et al. 2020)"
-    MAIN_FLAGS = ("internal_schedule", "internal_epochs_per_layer", "internal_cos_threshold", "hard_label_weight",
-                  "internal_soft_labels_throughout")
-    FLAGS_NOTE = ("(a positive `--hard-label-weight` keeps CE on the references, "
-                  "`--internal-soft-labels-throughout` the soft labels, during the internal phase)")
 
     def __init__(self, cfg: InternalKDConfig, task):
         super().__init__(cfg, task)
@@ -303,12 +265,9 @@ class InternalKDCriterion(HiddenStateKDCriterion):
         }
 
     # ------------------------------------------------------------------- terms
-    def distillation_terms(self, batch):
-        weights = self.loss_weights()
+    def terms(self, batch):
         terms: Dict[str, Tensor] = {}
-        if weights["word_kd"] != 0:
-            terms["word_kd"] = self.word_kd_term(batch)
-        if weights["internal_kl"] == 0:
+        if self.loss_weights()["internal_kl"] == 0:
             return terms
         kl_terms, cos_terms, current_cos, current_sentences = [], [], [], 0
         for side in self.sides:

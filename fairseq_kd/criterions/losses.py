@@ -367,23 +367,6 @@ class _TopkWordLevelKD(torch.autograd.Function):
         return _kept_gradient(ctx, grad_loss), None, None, None, None, None
 
 
-def word_kd_term(batch, target_mask: Tensor, temperature: float):
-    """Word-level KD of a :class:`~.base.DistillationBatch` at ``target_mask``: from the live
-    teacher's logits, or from the cached top-k teacher when the batch carries it. Where the base
-    computes it together with CE (``batch.fused_word_kd``: the live teacher, at the batch's target
-    mask and the criterion's temperature), the placeholder :data:`~.base.PENDING_FUSED_WORD_KD`,
-    for the method to return untouched as its term: the base runs CE's pass after the method's
-    terms, and its value (whose gradient is in the step's loss) takes the placeholder's place."""
-    fused = getattr(batch, "fused_word_kd", None)
-    fused_mask = getattr(batch, "fused_kd_mask", None)
-    fused_mask = batch.target_mask if fused_mask is None else fused_mask
-    if fused is not None and target_mask is fused_mask and temperature == batch.fused_temperature:
-        return fused
-    if batch.teacher_topk is not None:
-        return topk_word_level_kd(batch.student_logits, *batch.teacher_topk, target_mask, temperature)
-    return word_level_kd(batch.student_logits, batch.teacher_logits, target_mask, temperature)
-
-
 # ----------------------------------------------------------------------------------------------
 # Hidden-state losses (PKD, CKD, ALP-KD, RAIL-KD, internal KD). States are ``(..., batch, len, dim)``
 # with any leading (layer) dimensions; ``padding_mask`` is ``(batch, len)``, True at padding.

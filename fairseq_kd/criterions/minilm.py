@@ -1,26 +1,13 @@
-"""MiniLM (Wang et al., 2020) for encoder-decoder NMT, as Align-to-Distill's baseline.
+"""MiniLM (Wang et al. 2020) for encoder-decoder NMT, as Align-to-Distill's baseline (Sec. 5.3).
 
-    fairseq-train DATA --user-dir fairseq_kd --task translation_kd --teacher-checkpoint T.pt \\
-        --criterion minilm ...
+    L = L_CE + a L_AT + v L_VR + mu L_KD        (all weights 1 by default)
 
-Only the *last* layer is distilled, which sidesteps any layer mapping (MiniLM Sec. 3):
-
-* self-attention distribution transfer (Eq. 6): ``KL(A_T^a || A_S^a)`` per head ``a`` and query;
-* value-relation transfer (Eq. 7-8): ``KL(VR_T^a || VR_S^a)`` with
-  ``VR^a = softmax(V^a V^a^T / sqrt(d_head))``; the head sizes may differ, the head counts may not.
-
-Both are averaged over heads (MiniLM's ``1 / A_h``) and summed over real query positions, the
-criterion base's per-token unit; log-probabilities come from log-softmax of the masked logits in
-float32 (never ``log`` of a probability that may have underflowed to 0). Keys a query may not
-attend to are excluded, and the value relation uses the same mask as the attention it belongs to
-(so the decoder's relation is causal, like its attention; a design choice for the decoder, where
-MiniLM, defined on a bidirectional encoder, is silent). As Align-to-Distill does for its MiniLM
-baseline (Sec. 5.3), CE and word-level KD are added:
-``L = L_CE + a L_AT + v L_VR + mu L_KD``, all weights 1 by default.
-
-``--minilm-attention-kinds self`` (default) distils the last layer's encoder and decoder
-self-attention; ``all`` adds the decoder's cross-attention (whose value relation is over the
-source positions the cross-attention's values come from).
+Only the last layer is distilled (MiniLM Sec. 3): ``L_AT`` is ``KL(A_T^a || A_S^a)`` per head and
+query (Eq. 6), ``L_VR`` the KL of the value relations ``softmax(V^a V^a^T / sqrt(d_head))``
+(Eq. 7-8); both averaged over heads, summed over real queries, keys a query may not attend to
+excluded. The head sizes may differ, the head counts may not. ``--minilm-attention-kinds self``
+distils encoder and decoder self-attention, ``all`` adds cross-attention. Deviations (the decoder's
+causal value relation, CE and word KD added): ``docs/methods/minilm.md``.
 """
 from dataclasses import dataclass, field
 from typing import Dict, Optional
@@ -33,17 +20,19 @@ from torch import Tensor
 from ..models.feature_capture import DECODER_CROSS, DECODER_SELF, ENCODER_SELF, AttentionMaps, CaptureRequest
 from .startup_checks import check_capturable, check_equal_heads
 from .base import KDCriterionBase, KDCriterionConfig, weight
-from .losses import masked_row_kl, word_kd_term
+from .losses import masked_row_kl
 
 MINILM_KINDS = {"self": (ENCODER_SELF, DECODER_SELF), "all": (ENCODER_SELF, DECODER_SELF, DECODER_CROSS)}
 
 
 @dataclass
 class MiniLMConfig(KDCriterionConfig):
-    minilm_att_weight: float = weight(1.0, help="weight of the last layer's attention KL (MiniLM Eq. 6)")
-    minilm_vr_weight: float = weight(1.0, help="weight of the last layer's value-relation KL (MiniLM Eq. 8)")
+    minilm_att_weight: float = weight(1.0, term="attention_kl",
+                                      help="weight of the last layer's attention KL (MiniLM Eq. 6)")
+    minilm_vr_weight: float = weight(1.0, term="value_relation",
+                                     help="weight of the last layer's value-relation KL (MiniLM Eq. 8)")
     minilm_kd_weight: Optional[float] = weight(
-        None, example="1",
+        None, example="1", kd_weight_alias=True,
         help="this method's name for --kd-weight, the weight mu of word-level KD added as in "
         "Align-to-Distill's baseline (default 1); when given, it replaces --kd-weight",
     )
@@ -57,11 +46,6 @@ class MiniLMConfig(KDCriterionConfig):
 @register_criterion("minilm", dataclass=MiniLMConfig)
 class MiniLMCriterion(KDCriterionBase):
     TERM_NAMES = ("attention_kl", "value_relation", "word_kd")
-    KD_WEIGHT_ALIAS = "minilm_kd_weight"
-    TERM_WEIGHT_FIELDS = {"attention_kl": "minilm_att_weight", "value_relation": "minilm_vr_weight"}
-    NEEDS_TEACHER_HEADS = True
-    PAPER = "MiniLM (Wang et al. 2020)"
-    MAIN_FLAGS = ("minilm_att_weight", "minilm_vr_weight", "minilm_kd_weight", "minilm_attention_kinds")
 
     def __init__(self, cfg: MiniLMConfig, task):
         super().__init__(cfg, task)
@@ -81,7 +65,7 @@ class MiniLMCriterion(KDCriterionBase):
     def loss_weights(self) -> Dict[str, float]:
         return dict(self.weights)
 
-    def distillation_terms(self, batch) -> Dict[str, Tensor]:
+    def terms(self, batch) -> Dict[str, Tensor]:
         terms = {}
         if self.weights["attention_kl"] != 0:
             terms["attention_kl"] = sum(
@@ -93,8 +77,6 @@ class MiniLMCriterion(KDCriterionBase):
                 last_layer_value_relation_kl(batch.student.attention[kind], batch.teacher.attention[kind], kind)
                 for kind in self.kinds
             )
-        if self.weights["word_kd"] != 0:
-            terms["word_kd"] = word_kd_term(batch, batch.target_mask, self.kd_temperature)
         return terms
 
 

@@ -1,21 +1,13 @@
 """Patient knowledge distillation, PKD (Sun et al. 2019), as the CKD paper applies it to NMT.
 
-Student layer ``j`` learns from one teacher layer ``A(j)``: PKD-skip takes every ``n/m``-th
-teacher layer (``A(j) = floor(j n / m)``), PKD-last the top ones (``A(j) = n - m + j``). As in
-Sun et al. (Sec. 3.2: the top layer's output goes to the prediction, which the KD term already
-distils), only the student's intermediate layers ``j = 1 .. m-1`` are matched by default (12 to 6:
-teacher layers 2, 4, 6, 8, 10 for PKD-skip, 7-11 for PKD-last); ``--pkd-include-top-layer`` also
-matches layer ``m`` with the teacher's top layer, as the CKD paper's NMT adaptation does. The layer
-term is the squared distance between L2-normalised states (Eq. 3 of PKD as cited by ALP-KD),
-per position::
-
     L_PKD = sum_positions sum_j || P h_S^j / ||P h_S^j|| - h_T^A(j) / ||h_T^A(j)|| ||^2
 
-where ``P`` is a learnable linear map ``d_S -> d_T``, one per side and shared by its layers like
-TinyBERT's ``W_h`` (the identity when the widths agree). PKD matched the ``[CLS]`` vector of BERT;
-for translation every real position of the distilled stack is matched, as in the CKD paper's
-NMT adaptation. Total: ``beta L_CE + eta L_KD + lambda L_PKD`` (CKD paper's weights). Unit of
-``pkd_loss``: real tokens of the distilled side(s).
+(Eq. 3 of PKD as cited by ALP-KD). PKD-skip maps student layer ``j`` to teacher layer ``A(j) =
+floor(j n / m)``, PKD-last to ``n - m + j``. As in Sun et al. (Sec. 3.2) only the intermediate
+layers ``j = 1 .. m-1`` are matched; ``--pkd-include-top-layer`` adds layer ``m`` (the CKD paper's
+adaptation). ``P`` is a learnable ``d_S -> d_T`` map per side (the identity at equal widths).
+Deviation: every real position of the distilled stack is matched, not a ``[CLS]`` vector. Total:
+``beta L_CE + eta L_KD + lambda L_PKD`` (CKD paper's weights).
 """
 from dataclasses import dataclass, field
 
@@ -51,9 +43,6 @@ class PatientKDConfig(HiddenStateKDConfig):
 class PatientKDCriterion(HiddenStateKDCriterion):
     LAYER_TERM = "pkd"
     TERM_NAMES = ("word_kd", "pkd")
-    PAPER = "Patient KD (Sun et al. 2019)"
-    MAIN_FLAGS = ("pkd_mapping", "layer_sides", "pkd_include_top_layer")
-    FLAGS_NOTE = "(default: intermediate layers only, as the paper)"
 
     def __init__(self, cfg: PatientKDConfig, task):
         super().__init__(cfg, task)

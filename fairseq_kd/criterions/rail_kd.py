@@ -1,28 +1,14 @@
 """RAIL-KD: random intermediate layer mapping (Haidar et al. 2022, arXiv:2110.08532).
 
-Every epoch, ``k`` of the teacher's intermediate layers are drawn uniformly without replacement,
-sorted, and paired in order with the student's ``k`` intermediate layers. Each layer is reduced to
-a sentence vector by the mean over the sentence's real positions (Eq. 1). Two variants:
+    L_RAIL = sum_i || P_S v_S^i / ||.|| - P_T v_T^{t_i} / ||.|| ||^2   (layer-wise, Eq. 2)
+    L      = l1 L_CE + l2 L_KD + l3 L_RAIL                              (Eq. 4, 1/3 each)
 
-* layer-wise (Eq. 2): pair ``i``'s teacher vector goes through a learnable ``d_T -> u`` map and the
-  student's through a ``d_S -> u`` map (one pair of maps per student layer ``i``, so each map always
-  sees the same student layer), both are L2-normalised, and the squared distances are summed over
-  the pairs (the paper's ``alpha_i = 1``);
-* concatenated (Eq. 3): the ``k`` vectors of each model are concatenated, mapped by ``k d_T -> u``
-  and ``k d_S -> u``, normalised, and compared once.
-
-``u = 128`` as in the paper. The term is per sentence, as Eq. 2-3 define it (``rail_loss`` is the
-mean over sentences: a ``SENTENCE_TERMS`` entry of the criterion base), so ``--layer-weight`` means
-the paper's ``lambda_3`` whatever the sentence length. Total
-``L = l1 L_CE + l2 L_KD + l3 L_RAIL`` (Eq. 4) with the paper's ``l1 = l2 = l3 = 1/3``.
-
-"Intermediate" follows the paper: teacher layers ``1..n-1`` and student layers ``1..m-1`` (BERT-12
-to DistilBERT-6: 5 of layers 1-11 into student layers 1-5), the top layers being left to the
-output-level terms. ``--rail-include-top-layers`` uses ``1..n`` and ``1..m`` instead.
-
-The draw is :func:`fairseq_kd.modules.layer_mapping.draw_layers`, a pure function of fairseq's
-``--seed``, the epoch and the side: all data-parallel workers, and a run resumed from a
-checkpoint, use the same layers in the same epoch, with no state to save.
+Every epoch ``k`` teacher intermediate layers are drawn without replacement, sorted and paired with
+the student's ``k`` intermediate layers (:func:`~fairseq_kd.modules.layer_mapping.draw_layers`, a
+function of ``--seed``, the epoch and the side: the same on every worker and after a resume).
+``v`` is a layer's mean over real positions (Eq. 1); ``P`` maps to ``u = 128``. The concatenated
+variant (Eq. 3) concatenates the ``k`` vectors and compares once. Per sentence as the paper
+defines it (a ``SENTENCE_TERMS`` entry). ``--rail-include-top-layers`` also uses the top layers.
 """
 import logging
 from dataclasses import dataclass, field
@@ -76,8 +62,6 @@ class RailKDCriterion(HiddenStateKDCriterion):
     LAYER_TERM = "rail"
     TERM_NAMES = ("word_kd", "rail")
     SENTENCE_TERMS = ("rail",)
-    PAPER = "RAIL-KD (Haidar et al. 2022)"
-    MAIN_FLAGS = ("rail_variant", "rail_projection_dim")
 
     def __init__(self, cfg: RailKDConfig, task):
         super().__init__(cfg, task)

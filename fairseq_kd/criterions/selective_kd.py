@@ -1,44 +1,15 @@
-"""Selective knowledge distillation (Wang et al., 2021, "Selective Knowledge Distillation for Neural
+"""Selective knowledge distillation (Wang et al. 2021, "Selective Knowledge Distillation for Neural
 Machine Translation", ACL-IJCNLP).
 
-Word-level KD (:func:`.losses.word_level_kd`) is applied only to the hardest fraction ``r`` (the
-"word rate", ``--word-rate``, 0.5 in Align-to-Distill) of the real target tokens, ranked by the
-student's own cross-entropy on the reference token, ``-log p_S(y_t)`` (unsmoothed, temperature 1,
-detached: the ranking steers where KD applies and receives no gradient). CE still applies to every
-token: ``loss = (1 - a) * L_CE + a * L_KD(selected tokens)`` with ``a`` = ``--kd-weight``, exactly
-as :mod:`.word_kd` weighs its terms, so ``--word-rate 1`` is word-level KD.
+    loss = (1 - a) L_CE + a L_KD(selected tokens)
 
-Selection (``--selection``):
-
-* ``batch`` (batch-level selection, BLS): the ``k = ceil(r * N)`` tokens with the highest CE among
-  the ``N`` real target tokens of the worker's batch. Ties are broken deterministically by
-  position (row-major order: earlier sentence of the batch, then earlier position, first), so
-  exactly ``k`` tokens are chosen.
-* ``global`` (global-level selection, GLS): a first-in-first-out queue holds the CE values of the
-  most recent ``--queue-size`` real target tokens seen in training (30,000 by default). At every
-  training forward pass the batch's values are appended (the oldest dropped), then the threshold
-  is the ``(1 - r)`` quantile of the queue taken as an order statistic without interpolation: the
-  ``k``-th largest value, ``k = ceil(r * |Q|)`` (``torch.kthvalue``). A token is selected when its
-  CE is ``>=`` the threshold, so values tied with the threshold are all selected and the selected
-  fraction of a batch is not fixed (that is the point of GLS: easy batches get less KD).
-
-  - Data parallel: every worker all-gathers the batch CE values of all workers (in rank order,
-    fairseq's data-parallel group) before appending them, so all workers hold the same queue and
-    apply the same threshold. Without ``torch.distributed`` (one worker) nothing is gathered.
-  - Warm-up: the current batch is appended before the threshold is taken, so while the queue is
-    not yet full the threshold is the quantile of everything seen so far; on the very first batch
-    it is the batch's own quantile, i.e. batch-level selection with tie-inclusive thresholding.
-  - Validation (criterion in eval mode) leaves the queue untouched: its threshold comes from the
-    queue with the batch appended on a copy, local to the worker.
-  - Resume: the queue is returned by :meth:`checkpoint_state`, which the ``translation_kd`` task
-    stores in the checkpoint (see ``fairseq_kd/tasks/translation_kd.py``); it is restored before
-    training continues. A changed ``--queue-size`` keeps the most recent values that fit.
-  - Dummy batches: when a data-parallel worker runs out of batches before the others, fairseq
-    feeds it a "dummy" batch whose loss it zeroes (``ignore_grad``). The task marks such batches
-    (``is_dummy_batch``); the worker still takes part in the gather, so no collective call is
-    skipped, but contributes no values to the queue.
-
-``--word-rate`` must lie in ``(0, 1]``.
+Word-level KD applies only to the hardest fraction ``r`` (``--word-rate``) of the real target
+tokens, ranked by the student's detached ``-log p_S(y_t)``; CE applies to every token, so
+``--word-rate 1`` is word-level KD. ``--selection batch`` (BLS) takes the ``ceil(r N)`` hardest tokens
+of the batch, ties broken by position; ``global`` (GLS) those whose CE reaches the ``(1 - r)``
+quantile (an order statistic, ties included) of a FIFO queue of the most recent ``--queue-size``
+values, gathered from every data-parallel worker and saved with the checkpoint. Deviations and
+details (warm-up, validation, dummy batches, resume): ``docs/methods/selective_kd.md``.
 """
 import logging
 import math
@@ -54,7 +25,7 @@ from fairseq.logging import metrics
 from torch import Tensor
 
 from .base import DistillationTerms, ranged
-from .losses import rows_per_chunk, word_kd_term
+from .losses import rows_per_chunk
 from .word_kd import WordKDConfig, WordKDCriterion
 
 logger = logging.getLogger(__name__)
@@ -166,10 +137,9 @@ class SelectiveKDCriterion(WordKDCriterion):
     """Word-level KD restricted to the hardest tokens; see the module docstring."""
 
     TERM_NAMES = ("selective_kd",)
+    KD_TERM = "selective_kd"
     WEIGHT_FLAGS = {"ce": "1 - --kd-weight", "selective_kd": "--kd-weight"}
     LOG_KEYS = ("kd_selected_tokens",)
-    PAPER = "selective KD (Wang et al. 2021)"
-    MAIN_FLAGS = ("word_rate", "selection", "queue_size")
 
     def __init__(self, cfg: SelectiveKDConfig, task):
         super().__init__(cfg, task)
@@ -195,24 +165,12 @@ class SelectiveKDCriterion(WordKDCriterion):
             queue = push_to_queue(self.queue, local_values, self.queue_size)
         return select_global_level(token_ce, target_mask, queue_threshold(queue, self.word_rate))
 
-    #: its KD term is word-level KD at the selected tokens: the base computes it in CE's pass
-    FUSED_WORD_KD_TERM = "selective_kd"
+    def kd_positions(self, batch):
+        """The selected tokens, chosen (and the queue updated) once per forward pass."""
+        return self.select(token_cross_entropy(batch.student_logits, batch.sample["target"]), batch.target_mask)
 
-    def fused_kd_mask(self, student_logits, sample, target_mask):
-        """The selected tokens, chosen (and the queue updated) once per forward pass, before the
-        base computes CE and KD in one pass."""
-        return self.select(token_cross_entropy(student_logits, sample["target"]), target_mask)
-
-    def distillation_terms(self, batch):
-        if batch.fused_kd_mask is not None:  # chosen by fused_kd_mask in this forward pass
-            selected = batch.fused_kd_mask
-        else:
-            selected = self.select(token_cross_entropy(batch.student_logits, batch.sample["target"]),
-                                   batch.target_mask)
-        return DistillationTerms(
-            {"selective_kd": word_kd_term(batch, selected, self.kd_temperature)},
-            logs={"kd_selected_tokens": selected.sum().data},
-        )
+    def terms(self, batch):
+        return DistillationTerms({}, logs={"kd_selected_tokens": batch.kd_mask.sum().data})
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:

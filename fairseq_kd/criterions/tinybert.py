@@ -1,32 +1,15 @@
-"""TinyBERT (Jiao et al., 2020) adapted to encoder-decoder NMT, as Align-to-Distill's baseline.
+"""TinyBERT (Jiao et al. 2020) for encoder-decoder NMT, as Align-to-Distill's baseline (Sec. 5.3).
 
-    fairseq-train DATA --user-dir fairseq_kd --task translation_kd --teacher-checkpoint T.pt \\
-        --criterion tinybert ...
+    L = L_CE + a L_att + h L_hidden + e L_emb + p L_pred        (all weights 1 by default)
 
-Student layer ``j`` learns from teacher layer ``g(j) = j * n / m`` on each side (the uniform
-mapping, :func:`fairseq_kd.modules.layer_mapping.uniform_mapping`; Align-to-Distill Sec. 5.3 "every
-other layer" for 6 -> 3), and the embedding output from the teacher's (``g(0) = 0``):
-
-* attention loss (TinyBERT Eq. 7): MSE between the student's and the teacher's attention *scores*
-  (pre-softmax ``Q K^T / sqrt(d_head)``) head by head, for encoder self-, decoder self- and
-  decoder cross-attention of every mapped layer pair. Entries a query may not attend to (padded
-  keys, future keys) and padded queries are excluded, which is what TinyBERT's code achieves by
-  zeroing masked scores on both sides;
-* hidden-state loss (Eq. 8): ``MSE(h_S^j W_h, h_T^{g(j)})`` with one learnable ``W_h`` per side
-  (identity when the widths agree);
-* embedding loss (Eq. 9): ``MSE(h_S^0 W_e, h_T^0)`` with its own ``W_e`` per side;
-* prediction loss (Eq. 10): word-level KD (:func:`~fairseq_kd.criterions.losses.word_level_kd`).
-
-Units, following the criterion base's convention (a sum over real tokens, divided by fairseq's
-``sample_size``): every MSE is a mean over its inner axes per real position (over heads and the
-query's attendable keys for scores, over the feature dimension for states), summed over real
-positions and over mapped layers (TinyBERT sums the layer losses). The total is
-``L_CE + a L_att + h L_hidden + e L_emb + p L_pred`` with all weights 1 by default (TinyBERT's
-layer weights are all 1; CE is kept, as in the paper's single-stage NMT baseline).
-
-Head-by-head comparison needs equal head counts per kind; a mismatch is an error at start-up that
-names ``--encoder-attention-heads`` / ``--decoder-attention-heads`` (use ``a2d_kd`` otherwise). The
-uniform mapping needs a teacher at least as deep as the student on each side.
+Student layer ``j`` learns from teacher layer ``g(j) = j n / m`` on each side (the uniform
+mapping), the embedding output from the teacher's. ``L_att`` (Eq. 7): MSE of the pre-softmax
+attention scores head by head (encoder self, decoder self and cross), over the keys a query may
+attend to; ``L_hidden`` (Eq. 8): ``MSE(h_S^j W_h, h_T^{g(j)})``; ``L_emb`` (Eq. 9): ``MSE(h_S^0
+W_e, h_T^0)``, one ``W_h`` and ``W_e`` per side (the identity at equal widths); ``L_pred`` (Eq.
+10): word-level KD. Each MSE is a mean over its inner axes per real position, summed over
+positions and layer pairs. Equal head counts per kind are required (else use ``a2d_kd``).
+Details: ``docs/methods/tinybert.md``.
 """
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
@@ -35,12 +18,13 @@ import torch
 from fairseq.criterions import register_criterion
 from torch import Tensor, nn
 
+from ..errors import InputError
 from ..models.feature_capture import ATTENTION_KINDS, DECODER_CROSS, DECODER_SELF, ENCODER_SELF, CaptureRequest
 from ..modules.layer_mapping import LayerMappingError, uniform_mapping
 from ..modules.projection import width_projection
 from .startup_checks import check_capturable, check_equal_heads
 from .base import KDCriterionBase, KDCriterionConfig, weight
-from .losses import masked_mse_sum, projected_mse_sum, sum_of_squares, word_kd_term
+from .losses import masked_mse_sum, projected_mse_sum, sum_of_squares
 
 #: the side whose layer mapping each attention kind follows
 KIND_SIDE = {ENCODER_SELF: "encoder", DECODER_SELF: "decoder", DECODER_CROSS: "decoder"}
@@ -49,11 +33,14 @@ SIDES = ("encoder", "decoder")
 
 @dataclass
 class TinyBERTConfig(KDCriterionConfig):
-    tinybert_att_weight: float = weight(1.0, help="weight of the attention-score MSE (TinyBERT Eq. 7)")
-    tinybert_hidden_weight: float = weight(1.0, help="weight of the hidden-state MSE through W_h (Eq. 8)")
-    tinybert_emb_weight: float = weight(1.0, help="weight of the embedding-output MSE through W_e (Eq. 9)")
+    tinybert_att_weight: float = weight(1.0, term="att_score",
+                                        help="weight of the attention-score MSE (TinyBERT Eq. 7)")
+    tinybert_hidden_weight: float = weight(1.0, term="hidden",
+                                           help="weight of the hidden-state MSE through W_h (Eq. 8)")
+    tinybert_emb_weight: float = weight(1.0, term="embedding",
+                                        help="weight of the embedding-output MSE through W_e (Eq. 9)")
     tinybert_pred_weight: Optional[float] = weight(
-        None, example="1",
+        None, example="1", kd_weight_alias=True,
         help="this method's name for --kd-weight, the weight of the prediction loss, word-level KD "
         "(Eq. 10; default 1); when given, it replaces --kd-weight",
     )
@@ -62,12 +49,6 @@ class TinyBERTConfig(KDCriterionConfig):
 @register_criterion("tinybert", dataclass=TinyBERTConfig)
 class TinyBERTCriterion(KDCriterionBase):
     TERM_NAMES = ("att_score", "hidden", "embedding", "word_kd")
-    KD_WEIGHT_ALIAS = "tinybert_pred_weight"
-    TERM_WEIGHT_FIELDS = {"att_score": "tinybert_att_weight", "hidden": "tinybert_hidden_weight",
-                          "embedding": "tinybert_emb_weight"}
-    NEEDS_TEACHER_HEADS = True
-    PAPER = "TinyBERT (Jiao et al. 2020)"
-    MAIN_FLAGS = ("tinybert_att_weight", "tinybert_hidden_weight", "tinybert_emb_weight", "tinybert_pred_weight")
 
     def __init__(self, cfg: TinyBERTConfig, task):
         super().__init__(cfg, task)
@@ -81,7 +62,7 @@ class TinyBERTCriterion(KDCriterionBase):
             try:
                 self.mapping[side] = tuple(g for (g,) in uniform_mapping(teacher.layers(side), student.layers(side)))
             except LayerMappingError as err:
-                raise ValueError(
+                raise InputError(
                     f"criterion 'tinybert' maps student {side} layer j to teacher layer j*n/m: {err}; "
                     f"use a student with --{side}-layers <= {teacher.layers(side)}"
                 ) from err
@@ -111,7 +92,7 @@ class TinyBERTCriterion(KDCriterionBase):
     def loss_weights(self) -> Dict[str, float]:
         return dict(self.weights)
 
-    def distillation_terms(self, batch) -> Dict[str, Tensor]:
+    def terms(self, batch) -> Dict[str, Tensor]:
         terms = {}
         if self.weights["att_score"] != 0:
             student, teacher = batch.student.attention, batch.teacher.attention
@@ -138,8 +119,6 @@ class TinyBERTCriterion(KDCriterionBase):
                 )
                 for side in SIDES
             )
-        if self.weights["word_kd"] != 0:
-            terms["word_kd"] = word_kd_term(batch, batch.target_mask, self.kd_temperature)
         return terms
 
 

@@ -1,7 +1,8 @@
-"""Word-level knowledge distillation (Hinton et al., 2015; Kim & Rush, 2016, "word-level KD").
+"""Word-level knowledge distillation (Hinton et al. 2015, arXiv:1503.02531; Kim & Rush 2016, Sec. 3.1).
 
-``loss = (1 - a) * L_CE + a * L_KD`` with ``L_KD = tau^2 * sum_t KL(p_T^tau || p_S^tau)`` over real
-target positions (Hinton et al. 2015, arXiv:1503.02531; Kim & Rush 2016, Sec. 3.1). The CKD paper uses a = 0.1; the
+    loss = (1 - a) L_CE + a L_KD,   L_KD = tau^2 sum_t KL(p_T^tau || p_S^tau)
+
+over real target positions; the base computes ``L_KD``. The CKD paper uses a = 0.1; the
 Align-to-Distill code uses 0.5, our default.
 """
 from dataclasses import dataclass
@@ -9,7 +10,6 @@ from dataclasses import dataclass
 from fairseq.criterions import register_criterion
 
 from .base import KDCriterionBase, KDCriterionConfig, ranged
-from .losses import word_kd_term
 
 
 @dataclass
@@ -24,12 +24,6 @@ class WordKDConfig(KDCriterionConfig):
 class WordKDCriterion(KDCriterionBase):
     TERM_NAMES = ("word_kd",)
     WEIGHT_FLAGS = {"ce": "1 - --kd-weight", "word_kd": "--kd-weight"}
-    SUPPORTS_TEACHER_CACHE = True
-    PAPER = "word-level KD (Hinton et al. 2015)"
-    MAIN_FLAGS = ("kd_weight", "kd_temperature")
 
     def loss_weights(self):
         return {"ce": 1.0 - self.kd_weight, "word_kd": self.kd_weight}
-
-    def distillation_terms(self, batch):
-        return {"word_kd": word_kd_term(batch, batch.target_mask, self.kd_temperature)}

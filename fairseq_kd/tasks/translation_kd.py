@@ -239,10 +239,10 @@ def load_teacher(path: str, task) -> FrozenTeacher:
 
 def reads_output_only(criterion_name: str) -> bool:
     """Whether the criterion needs only the teacher's output distribution: the methods a top-k
-    cache can serve (``SUPPORTS_TEACHER_CACHE``: word_kd, selective_kd)."""
+    cache can serve (``KDCriterionBase.reads_output_only``: word_kd, selective_kd)."""
     from fairseq.criterions import CRITERION_REGISTRY
 
-    return bool(getattr(CRITERION_REGISTRY.get(criterion_name), "SUPPORTS_TEACHER_CACHE", False))
+    return bool(getattr(CRITERION_REGISTRY.get(criterion_name), "reads_output_only", lambda: False)())
 
 
 # --------------------------------------------------------------------------- precision and device

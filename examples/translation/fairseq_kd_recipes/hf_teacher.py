@@ -25,7 +25,7 @@ from types import SimpleNamespace
 from typing import Mapping, Optional, Sequence
 
 from .execute import RecipeError
-from .methods import Method
+from .methods import Method, needs_teacher_heads
 
 #: the file that makes a folder a Hugging Face model folder (save_pretrained writes it)
 CONFIG_FILE = "config.json"
@@ -155,13 +155,13 @@ def method_problems(teacher: HuggingFaceTeacher, methods: Sequence[Method],
         if not (method.uses_teacher or method.teacher_cache):
             continue  # no_kd, seq_kd: the teacher is not queried while the student trains
         criterion = CRITERION_REGISTRY[method.criterion]
-        if getattr(criterion, "SUPPORTS_TEACHER_CACHE", False):
+        if getattr(criterion, "reads_output_only", lambda: False)():
             continue  # output distribution only
         if teacher.model_type not in TESTED_MODEL_TYPES:
             problems.append(f"{method.name} reads the teacher's attention maps or hidden states, which the adapter "
                             f"reads from {', '.join(TESTED_MODEL_TYPES)} models only (this one is "
                             f"{teacher.model_type})")
-        elif getattr(criterion, "NEEDS_TEACHER_HEADS", False):
+        elif needs_teacher_heads(method.criterion):
             student = architecture_heads(student_flags[method.student])
             if student != (teacher.encoder_heads, teacher.decoder_heads):
                 problems.append(f"{method.name} compares attention head by head, but its student has {student[0]}+"

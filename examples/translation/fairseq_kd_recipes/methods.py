@@ -1,11 +1,12 @@
 """The one table of distillation methods: what the recipes train, what the benchmark measures, and
 the README's table of criterions and their flags, all derived from here.
 
-Adding a method is one criterion file in ``fairseq_kd/criterions/`` (its class names its paper and
-main flags, its config dataclass their choices, defaults and ranges), its test file, and one row of
-:class:`Method` here (more for more variants: trained by the recipes and/or measured by
-``fairseq_kd_recipes.benchmark``). The README's table of criterions and flags is derived from the
-registered criterions (:func:`criteria`; ``python -m fairseq_kd_recipes.methods`` prints it).
+Adding a method is one criterion file in ``fairseq_kd/criterions/`` (its config dataclass gives
+the flags' choices, defaults and ranges), its test file, one row of :data:`CRITERIA` here (its paper,
+main flags, notes, head requirement) and one of :class:`Method` (more for more variants: trained by
+the recipes and/or measured by ``fairseq_kd_recipes.benchmark``). The README's table of criterions
+and flags is derived from those rows and the registered configs (:func:`criteria`; ``python -m
+fairseq_kd_recipes.methods`` prints it).
 ``tests/test_recipe.py`` checks that the table, the methods and the README agree and that every
 listed flag value parses with fairseq-train's parser for its criterion.
 
@@ -184,6 +185,56 @@ TEACHER = "teacher"
 
 
 @dataclass(frozen=True)
+class CriterionRow:
+    """What a registered distillation criterion is, for people: its paper, the config fields shown
+    as its main flags (their choices, default and ``example`` come from the config dataclass), what
+    the flags alone do not say (markdown), and whether the student needs the teacher's head count
+    for every attention kind it distils (methods that compare attention head by head)."""
+
+    paper: str
+    main_flags: tuple[str, ...]
+    note: str = ""
+    needs_teacher_heads: bool = False
+
+
+#: one row per registered distillation criterion (``tests/test_recipe.py`` checks that every
+#: registered one has its row), in no particular order: :func:`criteria` orders them
+CRITERIA: Mapping[str, CriterionRow] = {
+    "word_kd": CriterionRow("word-level KD (Hinton et al. 2015)", ("kd_weight", "kd_temperature")),
+    "selective_kd": CriterionRow("selective KD (Wang et al. 2021)", ("word_rate", "selection", "queue_size")),
+    "pkd": CriterionRow("Patient KD (Sun et al. 2019)", ("pkd_mapping", "layer_sides", "pkd_include_top_layer"),
+                        "(default: intermediate layers only, as the paper)"),
+    "ckd": CriterionRow("combinatorial KD (Wu et al. 2020)", ("ckd_mapping", "ckd_layer_map", "ckd_map_side"),
+                        "(default: the student's states mapped to the teacher's; the paper's teacher-side fusion "
+                        "admits a collapsed student, see `docs/results/README.md`)"),
+    "alp_kd": CriterionRow("ALP-KD (Passban et al. 2021)", ("alp_buckets", "alp_bucket_map")),
+    "rail_kd": CriterionRow("RAIL-KD (Haidar et al. 2022)", ("rail_variant", "rail_projection_dim")),
+    "internal_kd": CriterionRow(
+        "internal-representation KD (Aguilar et al. 2020)",
+        ("internal_schedule", "internal_epochs_per_layer", "internal_cos_threshold", "hard_label_weight",
+         "internal_soft_labels_throughout"),
+        "(a positive `--hard-label-weight` keeps CE on the references, "
+        "`--internal-soft-labels-throughout` the soft labels, during the internal phase)"),
+    "tinybert": CriterionRow(
+        "TinyBERT (Jiao et al. 2020)",
+        ("tinybert_att_weight", "tinybert_hidden_weight", "tinybert_emb_weight", "tinybert_pred_weight"),
+        needs_teacher_heads=True),
+    "minilm": CriterionRow("MiniLM (Wang et al. 2020)",
+                           ("minilm_att_weight", "minilm_vr_weight", "minilm_kd_weight", "minilm_attention_kinds"),
+                           needs_teacher_heads=True),
+    "a2d_kd": CriterionRow("Align-to-Distill (Jin et al. 2024)",
+                           ("a2d_preset", "a2d_lambda_decay", "a2d_granularity", "a2d_attention_kinds",
+                            "a2d_normalization", "a2d_map_reduction", "a2d_attention_epochs")),
+}
+
+
+def needs_teacher_heads(criterion: str) -> bool:
+    """Whether the criterion compares attention head by head (False for one without a row)."""
+    row = CRITERIA.get(criterion)
+    return bool(row and row.needs_teacher_heads)
+
+
+@dataclass(frozen=True)
 class Criterion:
     """One registered criterion as the README's table of flags shows it: the method's paper and its
     main flags, each a flag with the values it takes (the first is the default where the criterion
@@ -219,8 +270,8 @@ def _shown_values(config_field) -> tuple[str, ...]:
 
 def criteria() -> tuple[Criterion, ...]:
     """Every registered distillation criterion (each a class on ``KDCriterionBase``), in the order
-    of the first method that trains it, as its class (``PAPER``, ``MAIN_FLAGS``, ``FLAGS_NOTE``) and
-    its config dataclass (choices, defaults, examples) describe it."""
+    of the first method that trains it, as its row of :data:`CRITERIA` and its config dataclass
+    (choices, defaults, examples) describe it."""
     import dataclasses
 
     import fairseq_kd.criterions  # noqa: F401 - registers every criterion
@@ -229,13 +280,16 @@ def criteria() -> tuple[Criterion, ...]:
 
     registered = [name for name, cls in CRITERION_REGISTRY.items()
                   if isinstance(cls, type) and issubclass(cls, KDCriterionBase)]
+    missing = sorted(set(registered) - set(CRITERIA))
+    if missing:
+        raise RuntimeError(f"criterions without a row in fairseq_kd_recipes.methods.CRITERIA: {', '.join(missing)}")
     first_use = {method.criterion: index for index, method in reversed(list(enumerate(_METHOD_LIST)))}
     rows = []
     for name in sorted(registered, key=lambda name: (first_use.get(name, len(_METHOD_LIST)), name)):
-        cls = CRITERION_REGISTRY[name]
+        row = CRITERIA[name]
         fields = {f.name: f for f in dataclasses.fields(CRITERION_DATACLASS_REGISTRY[name])}
-        flags = tuple(("--" + flag.replace("_", "-"), *_shown_values(fields[flag])) for flag in cls.MAIN_FLAGS)
-        rows.append(Criterion(name, cls.PAPER, flags, cls.FLAGS_NOTE))
+        flags = tuple(("--" + flag.replace("_", "-"), *_shown_values(fields[flag])) for flag in row.main_flags)
+        rows.append(Criterion(name, row.paper, flags, row.note))
     return tuple(rows)
 
 
