@@ -601,7 +601,7 @@ def test_a2d_fairseq_train_with_more_student_heads_resume_and_export(tiny_data_b
     with pytest.raises(ValueError, match="--criterion a2d_kd"):
         figure_weights_from_checkpoint("alignment", tiny_teacher)  # a checkpoint without criterion parameters
 
-    from fairseq_kd.models.export import export_student
+    from fairseq_kd.deploy.export_fairseq import export_student
 
     export_student(str(tmp_path / "resumed" / "checkpoint_last.pt"), str(tmp_path / "student.pt"))
     shipped = safe_load(tmp_path / "student.pt")

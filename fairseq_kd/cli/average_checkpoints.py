@@ -17,13 +17,13 @@ with ``--overwrite``.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 from pathlib import Path
 from typing import List, Optional
 
 from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
+from fairseq_kd.errors import FOLDER, OUTPUT_FILE, FileAccessError, InputError, message_of, require_path
 
 PATTERNS = {
     "epoch": re.compile(r"^checkpoint(\d+)\.pt$"),
@@ -31,7 +31,7 @@ PATTERNS = {
 }
 
 
-class AverageError(ValueError):
+class AverageError(InputError):
     """Bad input; the message names the flag or file and what to do."""
 
 
@@ -39,8 +39,7 @@ def last_checkpoints(save_dir: Path, kind: str, count: int) -> List[Path]:
     """The ``count`` checkpoints of ``kind`` with the highest numbers, oldest first."""
     if count < 1:
         raise AverageError(f"--last must be at least 1, got {count}")
-    if not save_dir.is_dir():
-        raise AverageError(f"checkpoint folder {str(save_dir)!r} does not exist or is not a folder")
+    require_path(save_dir, "checkpoint folder", FOLDER)
     numbered = sorted((int(match.group(1)), path) for path in save_dir.iterdir()
                       if (match := PATTERNS[kind].match(path.name)))
     if len(numbered) < count:
@@ -91,12 +90,16 @@ def average_checkpoints(paths: List[Path]) -> dict:
 
 
 def write_atomically(state: dict, output: Path) -> None:
+    """``output`` written whole (a temporary file of this process renamed over it), or not at all."""
     import torch
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    temporary = output.with_name(output.name + ".tmp")
-    torch.save(state, temporary)
-    os.replace(temporary, output)
+    from fairseq_kd.teacher_pass.common import replace_atomically
+
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        replace_atomically(output, lambda handle: torch.save(state, handle))
+    except OSError as error:  # --output cannot be written
+        raise FileAccessError(message_of(error)) from None
 
 
 @exits_on_user_error("fairseq-kd-average")
@@ -111,6 +114,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     add_overwrite_flag(parser, "an existing --output")
     args = parser.parse_args(argv)
     try:
+        require_path(args.output, "--output", OUTPUT_FILE)
         if args.output.exists() and not args.overwrite:
             raise AverageError(f"--output {str(args.output)!r} already exists; choose another path or pass --overwrite")
         paths = last_checkpoints(args.save_dir, args.kind, args.last)
@@ -125,7 +129,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
             state = average_checkpoints(paths)
         except UnsafeCheckpointError as error:
             raise AverageError(str(error)) from None
-    except AverageError as error:
+    except InputError as error:
         parser.error(str(error))
     write_atomically(state, args.output)
     print(f"averaged {len(paths)} checkpoints ({', '.join(path.name for path in paths)}) into {args.output}")

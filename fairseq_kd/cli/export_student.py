@@ -39,11 +39,10 @@ def cli_main(argv=None):
                         help="CTranslate2 weight type (--format ctranslate2 only; default: int8)")
     parser.add_argument("--int8-weight-bits", type=int, choices=INT8_WEIGHT_BITS, default=None,
                         help="--quantization int8*: bits of each weight (one scale per output row). "
-                             f"{DEFAULT_INT8_WEIGHT_BITS} (the default, codes within +-63): the integer products "
-                             "are exact on every x86 CPU; on CPUs without VNNI (AVX2 only) MKL's and oneDNN's "
-                             "int8 kernels add pairs of products in 16 bits, which 8-bit weights can overflow "
-                             "(the Multi30k d 64 student lost 0.91 BLEU so; docs/results/deploy_cpu.md). 8: "
-                             "CTranslate2's own rounding (+-127), for CPUs with AVX-512 VNNI or AVX-VNNI and GPUs")
+                             f"{DEFAULT_INT8_WEIGHT_BITS} (the default): exact integer products on every x86 CPU, "
+                             "also those without VNNI, whose int8 kernels can overflow with 8-bit weights "
+                             "(docs/design/int8_weights.md); 8: CTranslate2's own rounding, for CPUs with VNNI "
+                             "and for GPUs")
     parser.add_argument("--data", default=None, metavar="DIR",
                         help="--format ctranslate2 or hf: the binarised data folder holding the model's "
                              "dictionaries (default: the folder the checkpoint records)")
@@ -65,7 +64,7 @@ def cli_main(argv=None):
 
     fairseq_kd.register()
     from fairseq_kd.checkpoints import UnsafeCheckpointError
-    from fairseq_kd.models.export import ExportError, export_student
+    from fairseq_kd.deploy.export_fairseq import ExportError, export_student
 
     try:
         if args.format == "hf":

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Iterator, List, Optional, Sequence
 
 from fairseq_kd.cli.user_errors import exits_on_user_error
-from fairseq_kd.errors import FILE, FOLDER, require_path
+from fairseq_kd.errors import (FILE, FOLDER, OUTPUT_FOLDER, FileAccessError, InputError, message_of, require_path,
+                               undecodable_text_message)
 
 PROG = "fairseq-kd-hf-data"
 #: fairseq's ``</s>`` and its first ordinary symbol (fairseq.data.Dictionary: ``<s> <pad> </s> <unk>``)
@@ -76,7 +77,7 @@ def set_languages(tokenizer, args) -> None:
     multilingual = hasattr(tokenizer, "src_lang") and hasattr(tokenizer, "tgt_lang")
     if not multilingual:
         if args.teacher_source_lang or args.teacher_target_lang:
-            raise ValueError(f"--teacher-source-lang/--teacher-target-lang: the tokenizer of --teacher "
+            raise InputError(f"--teacher-source-lang/--teacher-target-lang: the tokenizer of --teacher "
                              f"{args.teacher!r} takes no language codes; drop them")
         return
     for flag, attribute, code in (("--teacher-source-lang", "src_lang", args.teacher_source_lang or args.source_lang),
@@ -86,10 +87,10 @@ def set_languages(tokenizer, args) -> None:
             tag_id = tokenizer.convert_tokens_to_ids(tokenizer.get_lang_token(code)) if hasattr(
                 tokenizer, "get_lang_token") else tokenizer.convert_tokens_to_ids(code)
         except (KeyError, ValueError) as err:
-            raise ValueError(f"{flag} {code!r}: the teacher's tokenizer does not know this language code "
+            raise InputError(f"{flag} {code!r}: the teacher's tokenizer does not know this language code "
                              f"({err}); pass its code (M2M100: de, NLLB: deu_Latn)") from None
         if tag_id is None or tag_id == tokenizer.unk_token_id:
-            raise ValueError(f"{flag} {code!r}: the teacher's tokenizer does not know this language code; "
+            raise InputError(f"{flag} {code!r}: the teacher's tokenizer does not know this language code; "
                              "pass its code (M2M100: de, NLLB: deu_Latn)")
 
 
@@ -102,7 +103,7 @@ def encode_chunk(tokenizer, vocabulary, lines: List[str], target: bool) -> List[
     rows = []
     for hf_ids in encoded["input_ids"]:
         if not hf_ids or hf_ids[-1] != eos:
-            raise ValueError(f"the teacher's tokenizer does not end sentences with its {tokenizer.eos_token!r} "
+            raise InputError(f"the teacher's tokenizer does not end sentences with its {tokenizer.eos_token!r} "
                              "(fairseq appends one to every sentence), so it is not supported")
         rows.append(vocabulary.to_fairseq(hf_ids[:-1]))
     return rows
@@ -135,12 +136,15 @@ def binarise_split(tokenizer, vocabulary, dictionary, text_prefix: str, output_p
     builder = indexed_dataset.make_builder(indexed_dataset.data_file_path(prefix), impl="mmap",
                                            vocab_size=len(dictionary))
     sentences = 0
-    for chunk in read_lines(source):
-        for row in encode_chunk(tokenizer, vocabulary, chunk, target):
-            builder.add_item(torch.IntTensor(row + [dictionary.eos()]))
-            if counts is not None:
-                counts.update(vocabulary.fairseq_symbols[i] for i in row)
-            sentences += 1
+    try:
+        for chunk in read_lines(source):
+            for row in encode_chunk(tokenizer, vocabulary, chunk, target):
+                builder.add_item(torch.IntTensor(row + [dictionary.eos()]))
+                if counts is not None:
+                    counts.update(vocabulary.fairseq_symbols[i] for i in row)
+                sentences += 1
+    except UnicodeDecodeError as err:
+        raise InputError(undecodable_text_message(err, source)) from None
     builder.finalize(indexed_dataset.index_file_path(prefix))
     return sentences
 
@@ -163,13 +167,14 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
 
     teacher = require_path(args.teacher, "--teacher", FOLDER, "give the teacher's save_pretrained folder")
     if args.source_lang == args.target_lang:
-        raise ValueError("-s and -t must differ (fairseq names the files by language)")
+        raise InputError("-s and -t must differ (fairseq names the files by language)")
     for split, pref in (("train", args.trainpref), ("valid", args.validpref), ("test", args.testpref)):
         for lang in (args.source_lang, args.target_lang) if pref else ():
             require_path(f"{pref}.{lang}", f"--{split}pref", FILE, f"--{split}pref PREFIX reads PREFIX.{lang}")
+    require_path(args.destdir, "--destdir", OUTPUT_FOLDER)
     existing = [str(f) for f in output_files(args) if f.exists()]
     if existing and not args.overwrite:
-        raise ValueError(f"--destdir {args.destdir!r} already holds {existing[0]}"
+        raise InputError(f"--destdir {args.destdir!r} already holds {existing[0]}"
                          f"{f' and {len(existing) - 1} more' if len(existing) > 1 else ''}; pass --overwrite "
                          "to replace them, or another --destdir")
     try:  # the teacher loader's refusals name training's flag; here the folder is --teacher
@@ -177,8 +182,16 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
         tokenizer = load_tokenizer(teacher)
         source_vocabulary, target_vocabulary = vocabulary_maps(teacher, tokenizer, config)
     except TeacherCheckpointError as err:
-        raise ValueError(str(err).replace("--teacher-checkpoint", "--teacher", 1)) from None
+        raise InputError(str(err).replace("--teacher-checkpoint", "--teacher", 1)) from None
     set_languages(tokenizer, args)
+    try:
+        write_data(args, teacher, tokenizer, source_vocabulary, target_vocabulary)
+    except OSError as err:  # --destdir's files cannot be written
+        raise FileAccessError(message_of(err)) from None
+
+
+def write_data(args, teacher, tokenizer, source_vocabulary, target_vocabulary) -> None:
+    """Binarise every split given into --destdir and write the dictionaries."""
     dest = Path(args.destdir)
     dest.mkdir(parents=True, exist_ok=True)
     pair = f"{args.source_lang}-{args.target_lang}"
@@ -191,7 +204,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
                                 lang, target, counts[lang] if split == "train" else None, f"--{split}pref")
                  for lang, target, vocabulary in sides]
         if sizes[0] != sizes[1]:
-            raise ValueError(f"{pref}.{args.source_lang} has {sizes[0]} lines but {pref}.{args.target_lang} "
+            raise InputError(f"{pref}.{args.source_lang} has {sizes[0]} lines but {pref}.{args.target_lang} "
                              f"has {sizes[1]}; parallel files need one sentence per line on both sides")
         print(f"{PROG}: {split}: {sizes[0]} sentence pairs")
     for lang, _, vocabulary in sides:

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 from fairseq_kd.data import synthetic
 from fairseq_kd.cli.user_errors import exits_on_user_error
+from fairseq_kd.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +52,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
             args.output_dir, seed=args.seed, train_size=args.train_size, valid_size=args.valid_size,
             test_size=args.test_size, source_lang=args.source_lang, target_lang=args.target_lang,
             force=args.force)
-    except (ValueError, FileExistsError, NotADirectoryError) as error:
+    except UserError as error:  # write_corpus's refusals (data.synthetic)
         parser.error(str(error))
     if outcome == "reused":
         print(f"{args.output_dir} already holds this corpus ({synthetic.MANIFEST_NAME} matches the "

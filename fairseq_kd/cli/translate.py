@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Optional, Sequence
 
 from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
+from fairseq_kd.errors import FOLDER, OUTPUT_FOLDER, FileAccessError, InputError, message_of, require_path
 
 logger = logging.getLogger("fairseq_kd.cli.translate")
 
@@ -87,24 +87,18 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
 def _output_path(args) -> Optional[Path]:
     if args.results_path is None:
         return None
-    folder = Path(args.results_path)
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"--results-path {args.results_path!r} is a file; give a folder (the output is "
-                         f"FOLDER/generate-{args.gen_subset}.txt)")
+    folder = require_path(args.results_path, "--results-path", OUTPUT_FOLDER,
+                          f"give a folder (the output is FOLDER/generate-{args.gen_subset}.txt)")
     path = folder / f"generate-{args.gen_subset}.txt"
     if path.exists() and not args.overwrite:
-        raise ValueError(f"--results-path: {path} already exists; choose another folder or pass --overwrite")
+        raise InputError(f"--results-path: {path} already exists; choose another folder or pass --overwrite")
     return path
 
 
 def translate(args) -> dict:
     """Decode ``args.gen_subset`` of ``args.data`` with ``args.model``; returns the timing summary."""
     _check_settings(args)
-    data = Path(args.data)
-    if data.is_file():
-        raise ValueError(f"DATA {args.data!r} is a file; give the binarised data folder (fairseq-preprocess --destdir)")
-    if not data.is_dir():
-        raise ValueError(f"DATA {args.data!r}: no such folder (a fairseq-preprocess --destdir is expected)")
+    data = require_path(args.data, "DATA", FOLDER, "give the binarised data folder (fairseq-preprocess --destdir)")
     output_path = _output_path(args)
 
     import fairseq_kd
@@ -158,10 +152,13 @@ def translate(args) -> dict:
     if output_path is None:
         sys.stdout.write(text)
     else:
-        output_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = output_path.with_name(output_path.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, output_path)
+        from fairseq_kd.teacher_pass.common import replace_atomically
+
+        try:
+            output_path.parent.mkdir(parents=True, exist_ok=True)
+            replace_atomically(output_path, lambda handle: handle.write(text.encode("utf-8")))
+        except OSError as err:  # --results-path cannot be written
+            raise FileAccessError(message_of(err)) from None
         print(f"Translated {sentences:,} sentences ({tokens:,} tokens) in {seconds:.1f}s ({rate:.2f} sentences/s, "
               f"{token_rate:.2f} tokens/s): {output_path}", file=sys.stderr)
     return {"sentences": sentences, "tokens": tokens, "seconds": seconds}
@@ -170,11 +167,11 @@ def translate(args) -> dict:
 def _check_settings(args) -> None:
     """The decoding and batching settings, checked before anything is read."""
     if args.beam < 1:
-        raise ValueError(f"--beam must be >= 1, got {args.beam}")
+        raise InputError(f"--beam must be >= 1, got {args.beam}")
     if (args.batch_size is not None and args.batch_size < 1) or (args.max_tokens is not None and args.max_tokens < 1):
-        raise ValueError("--batch-size and --max-tokens must be positive")
+        raise InputError("--batch-size and --max-tokens must be positive")
     if args.max_len_b < 1 or args.max_len_a < 0 or args.min_len < 0:
-        raise ValueError("--max-len-b must be >= 1, --max-len-a and --min-len >= 0")
+        raise InputError("--max-len-b must be >= 1, --max-len-a and --min-len >= 0")
 
 
 def _check_hugging_face_settings(args) -> None:
@@ -182,14 +179,14 @@ def _check_hugging_face_settings(args) -> None:
     import torch
 
     if args.compute_type not in ("default", "float32", "float16"):
-        raise ValueError(f"--compute-type {args.compute_type}: a Hugging Face --model decodes in float32 or "
+        raise InputError(f"--compute-type {args.compute_type}: a Hugging Face --model decodes in float32 or "
                          "float16 (CUDA only)")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no CUDA device here; use --device cpu")
+        raise InputError("--device cuda: torch sees no CUDA device here; use --device cpu")
     if args.compute_type == "float16" and args.device != "cuda":
-        raise ValueError("--compute-type float16 needs --device cuda for a Hugging Face --model")
+        raise InputError("--compute-type float16 needs --device cuda for a Hugging Face --model")
 
 
 def _hugging_face_engine(args, task, dataset):
@@ -225,12 +222,12 @@ def _translation_task(args, data: Path):
     if src is None or tgt is None:
         src, tgt = data_utils.infer_language_pair(str(data))
         if src is None or tgt is None:
-            raise ValueError(f"DATA {data}: cannot infer the language pair; pass --source-lang and --target-lang")
+            raise InputError(f"DATA {data}: cannot infer the language pair; pass --source-lang and --target-lang")
     for lang in (src, tgt):
         if not (data / f"dict.{lang}.txt").is_file():
-            raise ValueError(f"DATA {data}: no dict.{lang}.txt")
+            raise InputError(f"DATA {data}: no dict.{lang}.txt")
     if not any(data.glob(f"{args.gen_subset}.*-*.{src}.idx")):
-        raise ValueError(f"--gen-subset {args.gen_subset}: no binarised {args.gen_subset} split in {data}")
+        raise InputError(f"--gen-subset {args.gen_subset}: no binarised {args.gen_subset} split in {data}")
     return TranslationTask.setup_task(TranslationConfig(
         data=str(data), source_lang=src, target_lang=tgt, dataset_impl=None, required_seq_len_multiple=1))
 
@@ -246,7 +243,7 @@ def _batches(dataset, args):
     if max_tokens is not None and len(dataset):
         longest = int(dataset.num_tokens_vec(ordered).max())
         if longest > max_tokens:
-            raise ValueError(f"--max-tokens {max_tokens} is smaller than the longest sentence ({longest} tokens)")
+            raise InputError(f"--max-tokens {max_tokens} is smaller than the longest sentence ({longest} tokens)")
     return dataset.batch_by_size(ordered, max_tokens=max_tokens, max_sentences=args.batch_size,
                                  required_batch_size_multiple=1)
 

@@ -7,11 +7,13 @@ data with it, token ids in and token ids out, for ``fairseq-kd-translate``, sequ
 ``deploy`` extra (``pip install 'fairseq-kd[deploy]'``) and is imported only here.
 """
 
+from ..errors import MissingDependencyError
+
 CTRANSLATE2_FIX = ("install CTranslate2 into this environment: pip install 'fairseq-kd[deploy]' "
                    "(or pip install 'ctranslate2>=4.4,<5'; scripts/setup_env.sh does it in .venv)")
 
 
-class CTranslate2MissingError(ImportError):
+class CTranslate2MissingError(MissingDependencyError):
     """CTranslate2 is not installed."""
 
 

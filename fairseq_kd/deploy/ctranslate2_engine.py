@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from ..errors import InputError
 from . import import_ctranslate2
 from .ctranslate2_folder import (DamagedFolderError, check_ctranslate2_folder, looks_like_ctranslate2_folder,
                                  reexport_advice)
@@ -41,7 +42,7 @@ COMPUTE_TYPES = ("default", "auto", "int8", "int8_float32", "int8_float16", "int
                  "float16", "bfloat16", "float32")
 
 
-class CTranslate2ModelError(ValueError):
+class CTranslate2ModelError(InputError):
     """The CTranslate2 model folder cannot decode this data."""
 
 

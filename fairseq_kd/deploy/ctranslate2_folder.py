@@ -16,6 +16,7 @@ import struct
 from pathlib import Path
 from typing import Optional
 
+from ..errors import InputError
 from .model_folder import FILES_KEY, read_export_record, recorded_file_problem
 
 MODEL_FILE, CONFIG_FILE = "model.bin", "config.json"
@@ -29,7 +30,7 @@ CONFIG_STRINGS = ("unk_token", "bos_token", "eos_token", "decoder_start_token")
 VOCABULARY_NAMES = ("source_vocabulary", "target_vocabulary", "shared_vocabulary")
 
 
-class DamagedFolderError(ValueError):
+class DamagedFolderError(InputError):
     """A file of a CTranslate2 model folder is missing or damaged (the message names it)."""
 
 

@@ -39,6 +39,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..errors import InputError
 from . import import_ctranslate2
 from .model_folder import FILES_KEY, ExportFolder, file_inventory
 
@@ -59,7 +60,7 @@ _ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "gelu_fast": "GELUTanh", "gelu_a
                 "swish": "SWISH"}
 
 
-class CTranslate2ExportError(ValueError):
+class CTranslate2ExportError(InputError):
     """The checkpoint, the data or the output folder cannot give a CTranslate2 model."""
 
 
@@ -322,7 +323,7 @@ def export_ctranslate2(checkpoint: str, output: str, quantization: str = "int8",
 
     ``int8_weight_bits`` (int8 quantisations only; default 7): see :func:`round_int8_weights`."""
     from ..fingerprint import dictionary_sha256, fingerprint
-    from ..models.export import count_parameters
+    from .export_fairseq import count_parameters
 
     if quantization not in QUANTIZATIONS:
         raise CTranslate2ExportError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")

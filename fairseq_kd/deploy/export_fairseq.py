@@ -11,6 +11,7 @@ with the student's sizes written out explicitly, minus everything that only serv
   without ``--user-dir``).
 """
 import argparse
+import contextlib
 import hashlib
 import os
 from pathlib import Path
@@ -19,8 +20,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ..checkpoints import safe_load
-from ..errors import OUTPUT_FILE, path_problem
-from .from_checkpoint import NoModelError, checkpoint_file_problem, read_model_checkpoint
+from ..errors import OUTPUT_FILE, FileAccessError, InputError, message_of, path_problem
+from ..models.from_checkpoint import NoModelError, checkpoint_file_problem, read_model_checkpoint
+from .model_folder import _missing_folders
 
 # Config groups a stock fairseq loader reads; the rest of the training config is dropped.
 _KEPT_GROUPS = ("common", "common_eval", "distributed_training", "dataset", "optimization",
@@ -30,7 +32,7 @@ _KEPT_GROUPS = ("common", "common_eval", "distributed_training", "dataset", "opt
 _HUB_GROUPS = ("tokenizer", "bpe", "scoring")
 
 
-class ExportError(ValueError):
+class ExportError(InputError):
     """The input is not a student checkpoint that can be exported."""
 
 
@@ -96,7 +98,10 @@ def export_student(checkpoint: str, output: str, overwrite: bool = False) -> dic
         "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": 0}},
         "last_optimizer_state": None,
     }
-    _save_loadable(exported, output)
+    try:
+        _save_loadable(exported, output)
+    except OSError as err:  # the output's folder or file cannot be written
+        raise FileAccessError(message_of(err)) from None
     parameters = count_parameters(weights)
     return {
         "output": output,
@@ -113,6 +118,9 @@ def _output_path(checkpoint: str, output: str, overwrite: bool) -> str:
     never an existing file without ``overwrite``."""
     if os.path.isdir(output) or output.endswith(("/", os.sep)):
         output = os.path.join(output, os.path.basename(checkpoint))
+    if os.path.islink(output):
+        raise ExportError(f"output {output!r} is a symbolic link (to {os.readlink(output)!r}); give a real file "
+                          "path: the export neither writes through a link nor replaces it")
     if os.path.isdir(output):
         raise ExportError(f"output {output!r} is a folder; give a file path for the exported checkpoint")
     problem = path_problem(output, OUTPUT_FILE)
@@ -124,6 +132,8 @@ def _output_path(checkpoint: str, output: str, overwrite: bool) -> str:
                           "(the export never replaces its input)")
     if os.path.exists(output) and not overwrite:
         raise ExportError(f"output {output!r} already exists; choose another path or pass --overwrite")
+    if os.path.exists(output) and not os.path.isfile(output):
+        raise ExportError(f"output {output!r} is not a regular file; --overwrite replaces only a file")
     return output
 
 
@@ -169,9 +179,21 @@ def _stock_config(cfg, model_cfg: dict) -> dict:
 
 
 def _save_loadable(exported: dict, output: str) -> None:
-    """Write ``exported`` to ``output`` through a temporary file that must load safely first."""
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
-    tmp = f"{output}.tmp"
-    torch.save(exported, tmp)
-    safe_load(tmp)  # refuse to leave behind anything stock fairseq could not load safely
-    os.replace(tmp, output)
+    """Write ``exported`` to ``output`` through a temporary file of this process that must load
+    safely first; a failure leaves nothing behind (nor the folders made for ``output``)."""
+    from ..teacher_pass.common import replace_atomically
+
+    def write(handle) -> None:
+        torch.save(exported, handle)
+        handle.flush()
+        safe_load(handle.name)  # refuse to leave behind anything stock fairseq could not load safely
+
+    made = _missing_folders(Path(output).parent)
+    try:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        replace_atomically(Path(output), write)
+    except BaseException:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if still empty
+        raise

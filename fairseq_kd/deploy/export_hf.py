@@ -304,7 +304,7 @@ def export_hf(checkpoint: str, output: str, data: Optional[str] = None, spm_mode
               overwrite: bool = False) -> dict:
     """Write the Hugging Face folder ``output`` from ``checkpoint``; return a summary."""
     from ..fingerprint import dictionary_sha256, fingerprint
-    from ..models.export import count_parameters
+    from .export_fairseq import count_parameters
 
     transformers = _import_transformers()  # before any work: a missing extra is one line naming the fix
     transformers.utils.logging.disable_progress_bar()  # its weight-loading bars are no progress of ours

@@ -38,12 +38,13 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ..errors import InputError
 from .ctranslate2_engine import DecodingSettings, Hypothesis, fairseq_length_limit
 
 logger = logging.getLogger(__name__)
 
 
-class HuggingFaceDecodingError(ValueError):
+class HuggingFaceDecodingError(InputError):
     """The Hugging Face teacher cannot decode this data."""
 
 

@@ -58,19 +58,24 @@ def recorded_file_problem(folder: Path, name: str, entry) -> Optional[str]:
 
 
 def read_export_record(folder: Path, record_name: str) -> dict:
-    """The export record of ``folder`` as a dict; ValueError naming the file when it is not one."""
+    """The export record of ``folder`` as a dict; InputError naming the file when it is not one."""
+    from ..errors import FileAccessError, InputError, message_of
+
     path = Path(folder) / record_name
     if not path.is_file():
-        raise ValueError(f"{str(path)!r} is not a file")
-    raw = path.read_bytes()
+        raise InputError(f"{str(path)!r} is not a file")
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise FileAccessError(message_of(err)) from None
     try:
         record = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
-        raise ValueError(f"{str(path)!r} is not UTF-8 text (damaged)") from None
+        raise InputError(f"{str(path)!r} is not UTF-8 text (damaged)") from None
     except ValueError as err:
-        raise ValueError(f"{str(path)!r} is not valid JSON ({err if raw.strip() else 'empty'})") from None
+        raise InputError(f"{str(path)!r} is not valid JSON ({err if raw.strip() else 'empty'})") from None
     if not isinstance(record, dict):
-        raise ValueError(f"{str(path)!r} holds a JSON {type(record).__name__}, not an export record")
+        raise InputError(f"{str(path)!r} holds a JSON {type(record).__name__}, not an export record")
     return record
 
 

@@ -11,7 +11,7 @@ each ``--quantizations`` weight type.
 
 How each number is obtained:
 
-* **Models.** Every checkpoint is exported first (``fairseq_kd.models.export.export_student``: a
+* **Models.** Every checkpoint is exported first (``fairseq_kd.deploy.export_fairseq.export_student``: a
   plain fairseq ``transformer`` checkpoint that stock fairseq loads; and
   ``fairseq_kd.deploy.export_ctranslate2.export_ctranslate2`` per quantisation). *size MB* is the
   exported ``.pt`` file, or the whole CTranslate2 model folder, in MB (10^6 bytes).
@@ -517,7 +517,7 @@ def split_size(args) -> int:
 
 def export_models(rows: List[Row], args, log) -> None:
     """Export every row's model into WORKDIR/exports (reusing earlier exports of the same file)."""
-    from fairseq_kd.models.export import export_student
+    from fairseq_kd.deploy.export_fairseq import export_student
 
     exports = args.workdir / "exports"
     digests: Dict[Path, str] = {}
