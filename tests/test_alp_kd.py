@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from conftest import build_tiny_student, run_module, train_student
+from conftest import build_tiny_student, criterion_factory, run_module, train_student
 from fairseq_kd.criterions.alp_kd import ALPKDCriterion
 from fairseq_kd.figures.alp_weights import layer_weights_from_checkpoint
 from fairseq_kd.models.feature_capture import CaptureRequest
@@ -32,6 +32,7 @@ def assert_same_weights(actual, expected):
         torch.testing.assert_close(torch.tensor(actual[side]), torch.tensor(expected[side]))
 
 
+@criterion_factory("alp_kd")
 def make_alp(task, **overrides):
     args = dict(COMMON, kd_weight=0.1, layer_weight=0.7, layer_sides="both", alp_buckets="all", alp_bucket_map=None)
     args.update(overrides)

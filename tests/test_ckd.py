@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from conftest import build_tiny_student, run_module, train_student
+from conftest import build_tiny_student, criterion_factory, run_module, train_student
 from fairseq_kd.criterions.ckd import CombinatorialKDCriterion
 from fairseq_kd.models.feature_capture import CaptureRequest
 from fairseq_kd.modules.layer_mapping import LayerMappingError
@@ -31,6 +31,7 @@ TINY_MAPPINGS = {
 }
 
 
+@criterion_factory("ckd")
 def make_ckd(task, **overrides):
     args = dict(COMMON, kd_weight=0.1, layer_weight=0.7, layer_sides="both", ckd_mapping="rc", ckd_layer_map=None,
                 ckd_map_side="teacher")

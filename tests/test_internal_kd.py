@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from conftest import build_tiny_student, make_batch, train_student
+from conftest import build_tiny_student, criterion_factory, make_batch, train_student
 from fairseq_kd.criterions.internal_kd import InternalKDCriterion, schedule_stage
 from fairseq_kd.models.feature_capture import DECODER_SELF, ENCODER_SELF
 from fairseq_kd.modules.layer_mapping import LayerMappingError
@@ -28,6 +28,7 @@ KINDS = {"encoder": ENCODER_SELF, "decoder": DECODER_SELF}
 PAIRS = ((1, 1), (2, 3))  # 3 teacher layers, 2 student layers: student j <- teacher floor(3j/2)
 
 
+@criterion_factory("internal_kd")
 def make_internal(task, **overrides):
     args = dict(COMMON, kd_weight=1.0, layer_weight=1.0, layer_sides="both", hard_label_weight=0.0,
                 internal_schedule="all", internal_epochs_per_layer=5, internal_cos_threshold=0.05,

@@ -3,7 +3,7 @@ mapping errors, and a real fairseq-train run with save/restore of the width proj
 import pytest
 import torch
 
-from conftest import build_tiny_student, train_student
+from conftest import build_tiny_student, criterion_factory, train_student
 from fairseq_kd.criterions.pkd import PatientKDCriterion
 from fairseq_kd.models.feature_capture import CaptureRequest
 from fairseq_kd.modules.layer_mapping import LayerMappingError
@@ -26,6 +26,7 @@ def expected_layers(mapping, include_top):
     return layers if include_top else layers[:-1]
 
 
+@criterion_factory("pkd")
 def make_pkd(task, **overrides):
     args = dict(COMMON, kd_weight=0.1, layer_weight=0.7, layer_sides="both", pkd_mapping="skip")
     args.update(overrides)

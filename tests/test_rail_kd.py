@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from conftest import build_tiny_student, train_student
+from conftest import build_tiny_student, criterion_factory, train_student
 from fairseq_kd.criterions.rail_kd import RailKDCriterion
 from fairseq_kd.models.feature_capture import CaptureRequest
 from fairseq_kd.modules.layer_mapping import LayerMappingError, draw_layers
@@ -25,6 +25,7 @@ from hidden_kd_support import (
 MULTI_RANK_RUNS = {"rail_kd": []}
 
 
+@criterion_factory("rail_kd")
 def make_rail(task, **overrides):
     args = dict(COMMON, kd_weight=1 / 3, layer_weight=1 / 3, layer_sides="both", rail_variant="layerwise",
                 rail_projection_dim=8, rail_include_top_layers=False, seed=1)

@@ -276,6 +276,7 @@ def _as_format_1(output: Path, data: Path, teacher: Path) -> dict:
 
 def test_a_format_1_manifest_is_refused_in_one_line_saying_to_decode_anew(tiny_data_bin, tiny_teacher,
                                                                           straight_run, tmp_path):
+    """A record of an older format is one that fails today's check: other settings, named."""
     straight, _ = straight_run
     for name, source in (("done", straight), ("partial", None)):
         output = tmp_path / name
@@ -285,10 +286,36 @@ def test_a_format_1_manifest_is_refused_in_one_line_saying_to_decode_anew(tiny_d
             seqkd.run(config(tiny_data_bin, tiny_teacher, output, max_shards=1), log=quiet)
         _as_format_1(output, tiny_data_bin, tiny_teacher)
         before = {path.name: path.stat().st_mtime_ns for path in output.iterdir()}
-        with pytest.raises(seqkd.SeqKDError, match=r"older or unknown format \(no format.*pass --force") as refused:
+        with pytest.raises(seqkd.SeqKDError, match=r"made with other settings \(differing: .*pass --force") as refused:
             seqkd.run(config(tiny_data_bin, tiny_teacher, output), log=quiet)
         assert "\n" not in str(refused.value)
         assert {path.name: path.stat().st_mtime_ns for path in output.iterdir()} == before
+
+
+def test_a_finished_output_changed_on_disk_is_refused_naming_the_file(tiny_data_bin, tiny_teacher, straight_run,
+                                                                     tmp_path):
+    """A re-run checks the finished output against the digests its record holds (files whose
+    modification time changed are hashed), not only their sizes: an edited file of the same size
+    is refused in one line naming it, and nothing is written."""
+    output = tmp_path / "done"
+    shutil.copytree(straight_run[0], output)
+    target = output / "train.src-tgt.tgt.bin"
+    edited = bytearray(target.read_bytes())
+    edited[len(edited) // 2] ^= 1
+    target.write_bytes(bytes(edited))
+    before = {path.name: path.stat().st_mtime_ns for path in output.iterdir()}
+    with pytest.raises(seqkd.SeqKDError) as refused:
+        seqkd.run(config(tiny_data_bin, tiny_teacher, output), log=quiet)
+    message = str(refused.value)
+    assert message == (f"--output {output}: {seqkd.MANIFEST_NAME} says complete but train.src-tgt.tgt.bin is not "
+                       "the file it records (its SHA-256 differs): changed on disk; pass --force to decode anew")
+    assert {path.name: path.stat().st_mtime_ns for path in output.iterdir()} == before
+    target.write_bytes(bytes(edited[:-1]))  # truncated
+    with pytest.raises(seqkd.SeqKDError, match=r"train.src-tgt.tgt.bin is \d+ bytes where it records \d+"):
+        seqkd.run(config(tiny_data_bin, tiny_teacher, output), log=quiet)
+    target.unlink()
+    with pytest.raises(seqkd.SeqKDError, match=r"train.src-tgt.tgt.bin is missing; pass --force"):
+        seqkd.run(config(tiny_data_bin, tiny_teacher, output), log=quiet)
 
 
 def test_a_rerun_reads_only_the_inputs_whose_size_or_time_changed(tiny_data_bin, tiny_teacher, straight_run,

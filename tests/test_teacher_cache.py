@@ -377,8 +377,10 @@ DAMAGED = {
     "no array records": (_edit_manifest(lambda m: m["arrays"].pop("offsets.npy")),
                          r"cache.json lacks the record of offsets.npy"),
     "bad JSON": (_write_bytes("cache.json", lambda path: path.read_bytes()[:-30]), r"cache.json is not valid JSON"),
-    "a cache of format 2": (_edit_manifest(lambda m: m.update(format="fairseq-kd-teacher-cache/2")),
-                            r"cache.json is of an older or unknown format \(fairseq-kd-teacher-cache/2"),
+    # a record of an older format is one that fails today's checks: format 2 lacked these settings
+    "a cache of format 2": (_edit_manifest(lambda m: [m.update(format="fairseq-kd-teacher-cache/2")]
+                                           + [m.pop(key) for key in ("max_tokens", "shard_size", "fp16", "device")]),
+                            r"cache.json lacks the keys 'max_tokens', 'shard_size', 'fp16', 'device'"),
 }
 
 
@@ -400,9 +402,10 @@ def test_a_damaged_cache_is_refused_by_name_at_start_up(tiny_data_bin, sound_cac
 
 def test_the_checks_read_large_arrays_in_chunks(tiny_data_bin, sound_cache, tmp_path, monkeypatch):
     """A bad value past the first chunk is found, and named by its row in the whole array."""
+    from fairseq_kd.data import teacher_cache_reader
     from fairseq_kd.teacher_pass import teacher_cache
 
-    monkeypatch.setattr(teacher_cache, "CHECK_ROWS", 100)
+    monkeypatch.setattr(teacher_cache_reader, "CHECK_ROWS", 100)
     folder = tmp_path / "cache"
     shutil.copytree(sound_cache, folder)
     _edit_array("topk_logprobs.npy", lambda a: _set(a, (2345, 1), np.inf))(folder)
@@ -430,14 +433,15 @@ def _format_1_parameters(parameters, data, teacher):
             "teacher_sha256": hashlib.sha256(teacher.read_bytes()).hexdigest()}
 
 
-def test_a_format_1_cache_is_refused_in_one_line_saying_to_build_anew(tiny_data_bin, tiny_teacher, tmp_path):
+def test_a_format_1_cache_fails_the_checks_in_one_line(tiny_data_bin, tiny_teacher, tmp_path):
+    """A record of an older format is one that fails today's checks, by training and by the build."""
     from fairseq_kd.teacher_pass.teacher_cache import CacheConfig, TeacherCache, TeacherCacheError, build_cache
 
     def config(output):
         return CacheConfig(data=tiny_data_bin, teacher_checkpoint=tiny_teacher, output=output, k=2, shard_size=100,
                            cpu=True)
 
-    refusal = r"older or unknown format \(fairseq-kd-teacher-cache/1.*re-run fairseq-kd-teacher-cache"
+    refusal = r"cache.json lacks the keys 'inputs', 'arrays'"
     # a finished cache
     cache = tmp_path / "cache"
     build_cache(config(cache), log=lambda _: None)
@@ -461,8 +465,10 @@ def test_a_format_1_cache_is_refused_in_one_line_saying_to_build_anew(tiny_data_
     (cut / "progress.json").write_text(json.dumps(
         {"parameters": _format_1_parameters(progress["parameters"], tiny_data_bin, tiny_teacher),
          "done_shards": [0, 1]}, indent=2, sort_keys=True) + "\n")
-    with pytest.raises(TeacherCacheError, match=refusal):
+    with pytest.raises(TeacherCacheError, match=r"holds an interrupted cache made with other settings or inputs: .*"
+                       r"the format fairseq-kd-teacher-cache/4 here, fairseq-kd-teacher-cache/1 in the record") as refused:
         build_cache(config(cut), log=lambda _: None)
+    assert "\n" not in str(refused.value)
     assert not (cut / "cache.json").exists()
 
 
@@ -624,3 +630,31 @@ def test_a2d_reads_a_cache_only_after_its_attention_epochs_and_with_the_teacher(
     assert "--a2d-attention-epochs must be >= 1" in refused("--a2d-attention-epochs", "0",
                                                             "--teacher-checkpoint", tiny_teacher)
     assert not (tmp_path / "save").exists() or not any((tmp_path / "save").iterdir())
+
+
+def test_training_reads_a_cache_without_importing_the_offline_pass():
+    """The reader (TeacherCache) lives outside teacher_pass: the plugin and the reader load none of it."""
+    code = ("import sys, fairseq_kd; fairseq_kd.register(); from fairseq_kd.data.teacher_cache_reader import "
+            "TeacherCache; loaded = [m for m in sys.modules if m.startswith('fairseq_kd.teacher_pass')]; "
+            "print(loaded); sys.exit(1 if loaded else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=QUIET_ENV, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+
+
+def test_the_systems_refusal_to_read_the_cache_is_one_line_naming_the_flag(tiny_data_bin, sound_cache, monkeypatch):
+    """An OS error reading a cache's file (permissions, a disk error) is a user error naming
+    --teacher-cache and the file, not a traceback."""
+    import errno
+
+    from fairseq_kd.data import teacher_cache_reader
+    from fairseq_kd.errors import FileAccessError
+
+    unreadable = sound_cache / "topk_ids.npy"
+
+    def refused(path, *_args):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(unreadable))
+
+    monkeypatch.setattr(teacher_cache_reader, "fingerprint", refused)
+    with pytest.raises(FileAccessError) as error:
+        teacher_cache_reader.TeacherCache.open(str(sound_cache), _task(tiny_data_bin))
+    assert str(error.value) == f"--teacher-cache {sound_cache}: {unreadable}: {os.strerror(errno.EACCES)}"

@@ -52,10 +52,12 @@ def one_process(tiny_data_bin, tiny_teacher, tmp_path_factory):
 
 
 def comparable(path):
-    """A file's bytes; a manifest's content less what names the folder or the arrays' times."""
+    """A file's bytes; a manifest's content less what names the folder or the files' times."""
     if path.name == seqkd.MANIFEST_NAME:
         manifest = json.loads(path.read_text())
         del manifest["decoding"]["output"]
+        for record in manifest["files"]["files"].values():
+            del record["mtime_ns"]
         return manifest
     if path.name == teacher_cache.MANIFEST:
         manifest = json.loads(path.read_text())
@@ -497,6 +499,56 @@ def test_job_array_workers_that_disagree_on_num_shards_are_refused_so_that_someo
     # the array's own worker 1 finishes and merges
     run(make_config(tiny_data_bin, tiny_teacher, output, num_shards=2, shard_id=1), log=quiet)
     assert_same_output(output, one_process[(SEQKD if name == "seqkd" else CACHE)[0]])
+
+
+@pytest.mark.parametrize("name", sorted(PASSES))
+def test_a_duplicated_shard_id_of_a_job_array_is_refused_by_name_while_its_twin_runs(
+        tiny_data_bin, tiny_teacher, half_done, tmp_path, no_launcher, name):
+    """Two workers given the same --shard-id (a duplicated array index) would both do the same
+    shards while another index's shards get no worker, and both exit 0 with no output: the index is
+    claimed while a worker runs, and its twin is refused in one line naming --shard-id and the
+    holder, before any work. A later run of that index (a re-run after a kill) takes it."""
+    run, make_config, error, work, _ = PASSES[name]
+    output = tmp_path / name
+    shutil.copytree(half_done / name, output)  # worker 0 of 2 is done; worker 1 is running:
+    claim = output / work / "worker000001.lock"
+    with common.held_lock(claim) as holder:
+        assert holder is None
+        before = snapshot(output)
+        with pytest.raises(error) as refused:
+            run(make_config(tiny_data_bin, tiny_teacher, output, num_shards=2, shard_id=1), log=quiet)
+        message = str(refused.value)
+        assert message.startswith(f"--shard-id 1: another worker of this job array runs with the same index (pid "
+                                  f"{os.getpid()} on {socket.gethostname()}") and "\n" not in message, message
+        assert f"give each worker its own --shard-id 0..1 (if no worker of the array is running, delete {claim}" in message
+        assert snapshot(output) == before
+    # the twin has ended: the index is free again, and its run finishes and merges
+    run(make_config(tiny_data_bin, tiny_teacher, output, num_shards=2, shard_id=1), log=quiet)
+    assert not (output / work).exists()
+
+
+@pytest.mark.parametrize("name", sorted(PASSES))
+def test_the_systems_refusal_to_write_the_output_is_one_line_naming_the_flag(
+        tiny_data_bin, tiny_teacher, tmp_path, monkeypatch, no_launcher, name):
+    """A full disk, or a file of --output the system refuses to write, is a user error naming
+    --output (one line, no traceback under the commands), not a programming error."""
+    import errno
+
+    from fairseq_kd.errors import UserError
+
+    run, make_config, _, work, _ = PASSES[name]
+    output = tmp_path / name
+    refusals = {"a full disk": (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), os.strerror(errno.ENOSPC)),
+                "a refused file": (PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(output / work / "x")),
+                                   f"{output / work / 'x'}: {os.strerror(errno.EACCES)}")}
+    for error, words in refusals.values():
+        def refused_write(*_args, error=error):
+            raise error
+
+        monkeypatch.setattr(common, "write_json", refused_write)  # the first shard's record
+        with pytest.raises(UserError) as refused:
+            run(make_config(tiny_data_bin, tiny_teacher, output), log=quiet)
+        assert str(refused.value) == f"--output {output}: {words}"
 
 
 @pytest.mark.parametrize("hard_links", [True, False], ids=["hard links", "no hard links"])

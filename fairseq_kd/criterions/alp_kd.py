@@ -21,7 +21,7 @@ from ..modules.layer_mapping import ALP_BUCKETS, resolve_mapping
 from ..modules.projection import width_projection
 from .epoch_sums import EpochSums
 from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion
-from .losses import _keep_gradients, _kept_gradients, _wants_gradient, rows_per_chunk
+from .chunked import _keep_gradients, _kept_gradients, _wants_gradient, rows_per_chunk
 
 ALP_BUCKET_CHOICES = ChoiceEnum(list(ALP_BUCKETS))
 
@@ -120,7 +120,7 @@ def alp_layer_mse(student_states: Tensor, weight: Optional[Tensor], bias: Option
     positions ``(m, n)``, float64, no gradient; their number).
 
     Every quantity of Eq. 5 is per position, so the term is computed in chunks of positions with
-    its gradient formed in the forward pass (as :mod:`.losses` does for the vocabulary terms):
+    its gradient formed in the forward pass (as :mod:`.chunked` does for the vocabulary terms):
     nothing ``d_T`` wide of all positions is kept for the backward pass, where autograd through the
     two einsums kept the projected student, the combination, their difference and permuted copies
     of the teacher's states.

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..errors import InputError
 from ..models.feature_capture import CapturedFeatures, CaptureRequest, FeatureCapture
-from .losses import label_smoothed_ce_and_word_kd, label_smoothed_cross_entropy, topk_word_level_kd, word_level_kd
+from .chunked import label_smoothed_ce_and_word_kd, label_smoothed_cross_entropy, topk_word_level_kd, word_level_kd
 
 #: the logging-output key counting the steps whose scheduled weights were logged (each worker's
 #: micro-batch adds 1), by which their sum is divided back into the step's value
@@ -487,7 +487,7 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
     def cross_entropy(self, model, net_output, sample, target_mask: Tensor, distilling: bool = True
                       ) -> Tuple[Tensor, Tensor]:
         """fairseq's label-smoothed CE and nll, reduced: in chunks of positions
-        (:func:`.losses.label_smoothed_cross_entropy`, the same values without fairseq's
+        (:func:`.chunked.label_smoothed_cross_entropy`, the same values without fairseq's
         full-vocabulary copies); fairseq's own ``compute_loss`` without distillation (exactly
         fairseq's criterion, its reduction order too) and for a decoder whose output is not plain
         logits (adaptive softmax)."""

@@ -25,7 +25,7 @@ from fairseq.logging import metrics
 from torch import Tensor
 
 from .base import DistillationTerms, ranged
-from .losses import rows_per_chunk
+from .chunked import rows_per_chunk
 from .word_kd import WordKDConfig, WordKDCriterion
 
 logger = logging.getLogger(__name__)

@@ -6,6 +6,7 @@ flag to change, never with a shape error in the middle of training.
 """
 from typing import Sequence
 
+from ..errors import InputError
 from ..models.feature_capture import (
     DECODER_CROSS,
     DECODER_SELF,
@@ -32,7 +33,7 @@ def check_capturable(teacher, request: CaptureRequest, criterion_name: str) -> N
         with FeatureCapture(teacher.model, request):
             pass
     except NotATransformerError as err:
-        raise ValueError(
+        raise InputError(
             f"criterion {criterion_name!r}: the attention maps of --teacher-checkpoint "
             f"{teacher.path!r} cannot be captured: {err}"
         ) from err
@@ -50,7 +51,7 @@ def check_equal_heads(teacher: TransformerShape, student: TransformerShape, kind
                 f"{teacher_heads} ({HEADS_FLAG[kind]})"
             )
     if problems:
-        raise ValueError(
+        raise InputError(
             f"criterion {criterion_name!r} compares attention head by head, so the student needs the "
             f"teacher's head counts: {'; '.join(problems)}. Set {HEADS_FLAG[ENCODER_SELF]} / "
             f"{HEADS_FLAG[DECODER_SELF]} to the teacher's, or use --criterion a2d_kd, which aligns "

@@ -1,44 +1,25 @@
-"""One pass of the frozen teacher over a binarised split, the part every offline teacher job shares
-(sequence-level KD, :mod:`.seqkd`, with its fairseq and CTranslate2 engines; the top-k cache,
-:mod:`.teacher_cache`):
+"""What every offline pass of the frozen teacher over a binarised split shares (sequence-level KD,
+:mod:`.seqkd`; the top-k cache, :mod:`.teacher_cache`):
 
-* set-up: the language pair (given, or inferred as fairseq does), the split's files, fairseq's
-  translation task over the data with the split loaded, the :class:`FrozenTeacher` checked against
-  its dictionaries, the device and the precision;
-* shards: the split cut into shards of consecutive sentence ids, each batched as fairseq-generate
-  batches (sorted by length, ``batch_by_size``) independently of the other shards, so a resumed
-  pass batches as an uninterrupted one;
-* the resumable record: a job's record (its manifest) holds every setting that changes its bytes
-  and its inputs' fingerprints (:mod:`fairseq_kd.fingerprint`); two records describe the same
-  output when their :func:`identity` is equal; the first worker creates it (:func:`create_record`),
-  the others are refused by name when theirs differs (:func:`identity_differences`); a record of
-  an older format is refused in one line (:func:`refuse_older_format`); each shard has a record
-  beside it, written before the shard, with its SHA-256 and the pass's identity, checked when a
-  run skips the shard as done and when the shards are merged (:func:`shard_problem`);
-* progress: per-sentence progress bar on a terminal, shard lines above it (:func:`shard_progress`);
-* workers: a pass split over several processes writing into one output folder, the fairseq way
-  (:func:`workers_for`): a job array's ``--num-shards N --shard-id I``, or the ranks of ``torchrun``
-  (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) or of ``srun`` (``SLURM_PROCID``,
-  ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``). Worker ``I`` of ``N`` processes the shards ``i``
-  with ``i % N == I``; every shard is batched alone, so the output is the one process's, byte for
-  byte. The shards are merged into the final output once, when every shard exists
-  (:func:`merge_when_complete`): by rank 0 after a barrier (torch.distributed, gloo), or in a job
-  array by the worker that writes the last shard, under an exclusive lock file
-  (:func:`merge_lock`); the others say in one line what remains or who merges. A job array's
-  workers must agree on ``--num-shards`` (:func:`agree_on_num_shards`). Files that
-  several workers may write at once are written through temporary files of their own
-  (:func:`replace_atomically`; records through :func:`fairseq_kd.fingerprint.write_json`).
+* set-up: the language pair, the split's files, fairseq's translation task, the teacher, the device;
+* shards of consecutive sentence ids, each batched alone as fairseq-generate batches, so a resumed
+  or split pass writes one process's bytes; each shard written after its record (SHA-256 and the
+  pass's identity) and checked against it when skipped as done or merged (:func:`shard_problem`);
+* the pass's record: created once by the first worker (:func:`create_record`), every setting that
+  changes the bytes in its :func:`identity`; a worker whose settings differ is refused by name;
+* workers (:func:`workers_for`): a job array's ``--num-shards N --shard-id I`` (each index claimed
+  while it runs, :func:`job_array_worker`), or torchrun's and srun's ranks; worker ``I`` does the
+  shards ``i % N == I`` and one worker merges (:func:`merge_when_complete`, :func:`merge_lock`).
 
-Building a model from a checkpoint needs the plugin's architectures registered: importing
-:mod:`fairseq_kd.models` (here, through :mod:`fairseq_kd.models.teacher`) does it.
+Why it is built so: ``docs/design/teacher_passes.md``.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import io
-import itertools
 import json
 import os
 import socket
@@ -50,6 +31,8 @@ from typing import BinaryIO, Callable, Iterable, Iterator, List, Mapping, Option
 import numpy as np
 import torch
 
+from ..data.binarised import split_files  # noqa: F401  (the passes' set-up)
+from ..errors import FileAccessError, UserError, message_of
 from ..fingerprint import bytes_sha256, content, file_sha256, read_json, write_json
 from ..progress import print_above_bars, progress_bar
 
@@ -74,24 +57,6 @@ def infer_languages(data: Path, source_lang: Optional[str], target_lang: Optiona
     return src, tgt
 
 
-def split_files(data: Path, split: str, src: str, tgt: str) -> List[Path]:
-    """Binary files of ``split`` and its fairseq continuation parts ``split1``, ``split2``, ...
-    (either language-pair naming), in the order fairseq's translation task concatenates them."""
-    data = Path(data)
-    files: List[Path] = []
-    for k in itertools.count():
-        name = split + (str(k) if k > 0 else "")
-        found = False
-        for pair in (f"{src}-{tgt}", f"{tgt}-{src}"):
-            stem = data / f"{name}.{pair}"
-            if (data / f"{stem.name}.{src}.idx").is_file():
-                files += sorted(p for p in data.glob(f"{stem.name}.*") if p.suffix in (".bin", ".idx"))
-                found = True
-                break
-        if not found:
-            return files
-
-
 def translation_task(data: Path, src: str, tgt: str, split: str):
     """fairseq's translation task over the binarised folder ``data`` (dictionaries loaded; the
     split read by :func:`load_split`)."""
@@ -109,18 +74,12 @@ def load_split(task, split: str):
 
 
 def load_teacher(task, checkpoint, teacher_data: Optional[str], sha256: Optional[str]):
-    """The frozen teacher of ``checkpoint`` for ``task``'s dictionaries (checked symbol for symbol,
-    see :func:`fairseq_kd.models.teacher.check_dictionaries`); ``sha256``: the checkpoint's digest
-    when the caller has just fingerprinted it. A Hugging Face ``save_pretrained`` folder is read
-    through :mod:`fairseq_kd.models.hf_teacher` (whose model returns logits over the task's
-    dictionary, as a fairseq teacher's does)."""
-    from ..models.teacher import FrozenTeacher, is_hugging_face_folder  # registers the architectures
+    """The frozen teacher of ``checkpoint`` for ``task``'s dictionaries, through training's loader
+    (:func:`fairseq_kd.models.teachers.load_teacher`: a fairseq checkpoint or a Hugging Face
+    folder); ``sha256``: the checkpoint's digest when the caller has just fingerprinted it."""
+    from ..models.teachers import load_teacher as load  # registers the architectures
 
-    if is_hugging_face_folder(str(checkpoint)):
-        from ..models.hf_teacher import HuggingFaceTeacher
-
-        return HuggingFaceTeacher.load(str(checkpoint), task, teacher_data=teacher_data, sha256=sha256)
-    return FrozenTeacher.load(str(checkpoint), task, teacher_data=teacher_data, sha256=sha256)
+    return load(str(checkpoint), task, teacher_data=teacher_data, sha256=sha256)
 
 
 def teacher_fingerprint(path: Path, recorded: Optional[dict] = None) -> Optional[dict]:
@@ -301,13 +260,6 @@ def _settled_record(path: Path, attempts: int = 50) -> dict:
     return {}
 
 
-def refuse_older_format(found, current, what: str, rerun: str, error: Type[Exception]) -> None:
-    """Refuse, in one line, a record ``what`` whose ``format`` ``found`` is not ``current``."""
-    if found != current:
-        raise error(f"{what} is of an older or unknown format ({found or 'no format'}; this version writes "
-                    f"{current}); {rerun}")
-
-
 # ----------------------------------------------------------------------------- files several workers write
 def replace_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Write ``path`` through a temporary file of this process (``write(handle)``), renamed over it
@@ -328,6 +280,35 @@ def replace_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
 def is_temporary(path: Path) -> bool:
     """Whether ``path`` is a temporary file of :func:`replace_atomically` (left by a killed worker)."""
     return path.name.startswith(".") and path.name.endswith(".tmp")
+
+
+@contextlib.contextmanager
+def user_folders(folders: Mapping[str, Path]) -> Iterator[None]:
+    """The system's refusal to read or write a file inside one of ``folders`` (``{"--output":
+    folder}``), or a full disk, as a :class:`~fairseq_kd.errors.FileAccessError` naming the flag
+    and folder; any other OSError keeps its traceback."""
+    try:
+        yield
+    except UserError:
+        raise
+    except OSError as error:
+        flag = _flag_of(error, folders)
+        if flag is None:
+            raise
+        words = message_of(error) if error.filename is not None else (error.strerror or str(error))
+        raise FileAccessError(f"{flag} {folders[flag]}: {words}") from error
+
+
+def _flag_of(error: OSError, folders: Mapping[str, Path]) -> Optional[str]:
+    """The flag of the folder ``error``'s file lies in; the output's for a full disk or quota."""
+    if error.filename is None:
+        return next(iter(folders)) if error.errno in (errno.ENOSPC, errno.EDQUOT) else None
+    path = Path(os.path.abspath(os.fsdecode(error.filename)))
+    for flag, folder in folders.items():
+        folder = Path(os.path.abspath(folder))
+        if path == folder or folder in path.parents:
+            return flag
+    return None
 
 
 # ----------------------------------------------------------------------------- shards and their records
@@ -543,12 +524,16 @@ def wait_for_ranks(workers: Workers) -> None:
 JOB_ARRAY_RECORD = "job_array.json"
 
 
-def agree_on_num_shards(folder: Path, workers: Workers, error: Type[Exception]) -> None:
-    """A job array's worker records its ``--num-shards`` in ``folder`` (the pass's work folder,
-    removed by the merge) or is refused, before any work, when the array's record holds another:
-    with two counts some shards belong to no worker, and every worker would exit 0 while none
-    merges. One process (no ``--num-shards``) and torchrun's or srun's ranks are not concerned."""
+@contextlib.contextmanager
+def job_array_worker(folder: Path, workers: Workers, error: Type[Exception]) -> Iterator[None]:
+    """For the block, this job-array worker's place in ``folder`` (the pass's work folder, removed
+    by the merge), checked before any work: its ``--num-shards`` recorded, or refused when the
+    array's record holds another (some shards would belong to no worker, and every worker would
+    exit 0 while none merges); its ``--shard-id`` claimed, or refused while another running worker
+    holds it (a duplicated array index: some other index has no worker). One process and
+    torchrun's or srun's ranks are not concerned."""
     if workers.launcher != JOB_ARRAY:
+        yield
         return
     path = Path(folder) / JOB_ARRAY_RECORD
     found = create_record(path, {"num_shards": workers.count})
@@ -557,6 +542,13 @@ def agree_on_num_shards(folder: Path, workers: Workers, error: Type[Exception]) 
                     f"{path}: give every worker of the array the same --num-shards (a run without --num-shards "
                     f"finishes the rest alone; once no worker of that array runs, deleting {path} lets another "
                     "split start)")
+    claim = Path(folder) / f"worker{workers.index:06d}.lock"
+    with held_lock(claim) as holder:
+        if holder is not None:
+            raise error(f"--shard-id {workers.index}: another worker of this job array runs with the same index "
+                        f"({holder}: {claim}); give each worker its own --shard-id 0..{workers.count - 1} (if no "
+                        f"worker of the array is running, delete {claim} and re-run)")
+        yield
 
 
 # ----------------------------------------------------------------------------- merging once
@@ -597,13 +589,23 @@ def merge_when_complete(folder: Path, workers: Workers, total: int, missing: Cal
 
 @contextlib.contextmanager
 def merge_lock(folder: Path) -> Iterator[Optional[str]]:
-    """Hold ``folder``'s merge lock for the block (yields None), or yield who holds it (a line).
+    """Hold ``folder``'s merge lock for the block (yields None), or yield who holds it and what to
+    do, in words (:func:`held_lock`)."""
+    path = Path(folder) / MERGE_LOCK
+    with held_lock(path) as holder:
+        yield None if holder is None else (f"another worker merges ({holder}: {path}); if no worker is running, "
+                                           f"delete {path} and re-run")
+
+
+@contextlib.contextmanager
+def held_lock(path: Path) -> Iterator[Optional[str]]:
+    """Hold the lock file ``path`` for the block (yields None), or yield who holds it (a phrase).
 
     The lock is a file created with ``O_EXCL`` (atomic on local and network filesystems), holding
-    its holder's host and pid, and ``flock``-ed while held. A lock left by a killed merge is taken
+    its holder's host and pid, and ``flock``-ed while held. A lock left by a killed process is taken
     over when its holder ran on this host and is gone (its ``flock`` released, or, where the
     filesystem has none, its pid dead); one of another host is reported, with what to do."""
-    path = Path(folder) / MERGE_LOCK
+    path = Path(path)
     handle = _take_lock(path)
     if handle is None:
         yield _lock_holder(path)
@@ -690,6 +692,5 @@ def _alive(pid) -> bool:
 
 def _lock_holder(path: Path) -> str:
     holder = _read_lock(path)
-    who = (f"pid {holder.get('pid')} on {holder.get('host')}, since {holder.get('since')}" if holder
-           else "a worker that is starting")
-    return f"another worker merges ({who}: {path}); if no worker is running, delete {path} and re-run"
+    return (f"pid {holder.get('pid')} on {holder.get('host')}, since {holder.get('since')}" if holder
+            else "a worker that is starting")

@@ -1,85 +1,15 @@
 """Sequence-level knowledge distillation data (Kim & Rush, 2016, "Sequence-Level Knowledge
-Distillation", EMNLP, arXiv:1606.07947): the teacher beam-decodes every training source sentence and the student
-is trained on (source, teacher hypothesis) pairs with any criterion.
+Distillation", EMNLP, arXiv:1606.07947): the teacher beam-decodes every training source sentence
+and the student is trained on (source, teacher hypothesis) pairs with any criterion.
 
-:func:`run` reads a fairseq-binarised split (``--data``, normally ``train``), decodes it with
-fairseq's ``SequenceGenerator`` (built by the translation task's ``build_generator``, beam 5 by
-default, the best hypothesis kept), and writes a new binarised folder that ``fairseq-train``
-accepts as it is:
-
-* ``<split>.<src>-<tgt>.<src>.{bin,idx}``: the original source token ids, unchanged;
-* ``<split>.<src>-<tgt>.<tgt>.{bin,idx}``: the teacher's hypotheses (token ids straight from the
-  generator, ending in ``</s>`` like fairseq-preprocess output; no detokenisation or
-  re-tokenisation), sentence ``i`` for source sentence ``i``;
-* the other splits' binaries (valid, test, ...) and ``dict.<lang>.txt`` copied from ``--data``;
-* ``seqkd.json``, the manifest: what was decoded, from what, with which teacher and settings.
-
-Decoding is resumable. The split is cut into shards of ``shard_size`` consecutive sentence ids;
-each finished shard is written to ``<output>/seqkd_work/`` atomically (temporary file, then
-rename), after its record (``shardNNNNNN.json``: its SHA-256 and the pass's identity), and skipped
-by a re-run with the same parameters, so an interrupted run continues where it stopped and never
-decodes a sentence twice. A shard skipped as done and every shard merged is hashed and compared
-with its record first: a changed, truncated or foreign one is deleted and refused by name. Within a
-shard, sentences are batched like ``fairseq-generate`` does (sorted by length, ``batch_by_size``).
-Once every shard exists the binaries are written (again via temporary names), the manifest is
-marked complete and the shards are deleted; a re-run with the same parameters is then a no-op.
-
-Workers (``num_shards``/``shard_id`` of a job array, or the ranks of torchrun or srun:
-:mod:`fairseq_kd.teacher_pass.common`) share the pass in one output folder: each decodes its
-shards (shard ``i`` is worker ``i % N``'s), and the binaries are written once, by rank 0 after a
-barrier or by the array's worker that writes the last shard (under ``seqkd_work/merge.lock``).
-Shards are batched alone, so the output is one process's byte for byte. Each worker of the
-``ctranslate2`` engine converts its own teacher (``ctranslate2_teacher_worker<I>``). ``force``
-needs one process (each worker would delete the others' shards). The first worker writes the
-manifest; one whose settings differ is refused by name, as is a job array's worker whose
-``--num-shards`` differs from the array's record.
-
-What identifies the output (a re-run with other values is refused unless ``force``): the source
-data (split, languages, and the content of the split's binaries and of the dictionaries), the
-teacher checkpoint's content, and every setting that changes the hypotheses' bytes: beam, length
-limits, length penalty, fp16, shard size, max tokens and batch size (fairseq's length limit comes
-from the longest padded source of a batch, ``max_len_a * src_len + max_len_b``, and padding changes
-the rounding), the device (CPU or CUDA) and the engine's settings below; contents, not paths, so
-moved folders still resume (the paths are recorded in the manifest too). The inputs are recorded
-as fingerprints (:mod:`fairseq_kd.fingerprint`: size, modification time, SHA-256), so a re-run
-re-reads only files whose size or time changed, never an unchanged teacher checkpoint.
-
-``seqkd.json`` (format 3): ``format``, ``parameters`` (the settings above), ``inputs``
-(``split_files``, ``dictionaries``: fingerprints of those files; ``teacher``: the checkpoint's),
-then ``status``, counts, paths and, once complete, the output files' sizes. A manifest of another
-format (format 1 had none; format 2 lacked the batching and the device, and the shards' records) is
-refused in one line: decode anew with ``--force`` or into another folder. Set-up, shards and the
-record's identity are the teacher pass's (:mod:`fairseq_kd.teacher_pass.common`), shared with the
-teacher cache.
-
-Engines (``engine``). ``fairseq`` (the default) decodes with fairseq's ``SequenceGenerator`` as
-above. ``ctranslate2`` converts the teacher once per run into a CTranslate2 model folder,
-``<output>/seqkd_work/ctranslate2_teacher/`` (:func:`fairseq_kd.deploy.export_ctranslate2`, weights
-``ct2_quantization``; a resumed run reuses it when its record names the same checkpoint SHA-256 and
-quantisation, and converts anew otherwise), and decodes the same fairseq batches with it
-(:class:`fairseq_kd.deploy.ctranslate2_engine.CTranslate2Engine`: same beam, length penalty and
-per-batch length limit, ``threads`` parallel one-thread workers on the CPU, CUDA when available and not ``cpu``). Shards,
-binaries and manifest are the same. In float32 its hypotheses are fairseq's token for token with
-beam 1; with a larger beam most sentences agree, the rest differ on near-ties and on hypotheses cut
-by the length limit (fairseq lets a forced ``</s>`` at the limit compete in the beam; CTranslate2
-stops). The engine and, for ``ctranslate2``, the quantisation and the batch split of ``threads``
-(``ct2_batch_parts``, recorded when ``threads`` > 1 on the CPU) are part of the identity; a manifest
-written before engines existed has none and counts as ``fairseq``. ``fp16`` is for fairseq and
-transformers: use ``ct2_quantization`` ``float16`` or ``int8_float16`` on CUDA. The complete
-manifest's ``decoding`` section records the engine, the quantisation and CTranslate2's (or
-transformers') version. CTranslate2 is the ``deploy`` extra; without it ``--engine ctranslate2`` is
-refused before decoding, naming the fix. ``transformers`` decodes with a Hugging Face teacher folder
-(``save_pretrained``; data binarised in its vocabulary by ``fairseq-kd-hf-data``) through its own
-``generate`` under the same rules (:mod:`fairseq_kd.deploy.hf_engine`; a multilingual teacher starts
-every hypothesis with the target-language tag of the split's targets); its content is the folder's
-digest (:func:`fairseq_kd.teacher_pass.common.teacher_fingerprint`). ``engine`` ``auto`` (the default)
-is ``transformers`` for a folder and ``fairseq`` for a checkpoint file; the manifest records the
-engine it chose.
-
-Every check (flags, data folder and split, dictionaries, output folder, teacher checkpoint and its
-dictionaries, source lengths, CTranslate2's presence) happens before decoding starts; the
-CTranslate2 conversion's own refusals (a teacher it cannot express) leave a fresh output folder as
-it was.
+:func:`run` decodes a binarised split (fairseq's ``SequenceGenerator``, CTranslate2, or a Hugging
+Face teacher's ``generate``: ``engine``) and writes a binarised folder ``fairseq-train`` reads as
+it is: the source ids unchanged, the best hypotheses as targets (ids straight from the decoder,
+ending in ``</s>``), the other splits and dictionaries copied, and ``seqkd.json``, the record of
+what was decoded from what (every setting that changes the hypotheses' bytes, the inputs'
+fingerprints) and, once complete, of the output files' fingerprints, checked by a re-run.
+Resumable and splittable over workers in shards (:mod:`.common`); every check happens before
+decoding. Details and the engines' differences: ``docs/design/teacher_passes.md``.
 """
 from __future__ import annotations
 
@@ -98,27 +28,24 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..deploy.export_ctranslate2 import QUANTIZATIONS
-from ..errors import FOLDER, OUTPUT_FOLDER, PathError, require_path
-from ..fingerprint import fingerprint_files, record_sha256, write_json
+from ..errors import FOLDER, OUTPUT_FOLDER, InputError, PathError, require_path
+from ..fingerprint import fingerprint, fingerprint_files, record_sha256, write_json
 from ..models.teacher import is_hugging_face_folder, teacher_file_problem
-from .common import (JOB_ARRAY, MERGED, MERGED_BEFORE, SHARDS_REMAIN, Workers, agree_on_num_shards, check_max_tokens,
-                     create_record, device_kind, identity, identity_differences, infer_languages, is_temporary,
+from .common import (JOB_ARRAY, MERGED, MERGED_BEFORE, SHARDS_REMAIN, Workers, check_max_tokens, create_record,
+                     device_kind, identity, identity_differences, infer_languages, is_temporary, job_array_worker,
                      length_ordered_indices, load_split, load_teacher, merge_lock, merge_when_complete,
-                     num_shards_field, on_device, pick_device, rank_group, read_record, refuse_older_format,
-                     refuse_shard, shard_batches, shard_id_field, shard_problem, shard_progress, shard_range,
-                     split_files, teacher_fingerprint, translation_task, wait_for_ranks, workers_for, write_shard)
+                     num_shards_field, on_device, pick_device, rank_group, read_record, refuse_shard, shard_batches,
+                     shard_id_field, shard_problem, shard_progress, shard_range, split_files, teacher_fingerprint,
+                     translation_task, user_folders, wait_for_ranks, workers_for, write_shard)
 
 MANIFEST_NAME = "seqkd.json"
 WORK_DIR_NAME = "seqkd_work"
-FORMAT_VERSION = 3  # seqkd.json's "format"
+FORMAT_VERSION = 4  # seqkd.json's "format"
 #: decoding engines (``--engine``); ``auto`` is ``transformers`` for a Hugging Face folder, ``fairseq`` otherwise
 ENGINES = ("fairseq", "ctranslate2", "transformers")
 AUTO_ENGINE = "auto"
 #: the CTranslate2 teacher's folder inside the work folder
 CT2_TEACHER_DIR = "ctranslate2_teacher"
-#: identity parameters a manifest may lack because it was written before they existed, and the value
-#: such a manifest was made with
-PARAMETER_DEFAULTS = {"engine": "fairseq"}
 #: how a refusal names each parameter and input of the identity
 LABELS = {"split": "--split", "source_lang": "--source-lang", "target_lang": "--target-lang", "beam": "--beam",
           "max_len_a": "--max-len-a", "max_len_b": "--max-len-b", "lenpen": "--lenpen", "fp16": "--fp16",
@@ -129,7 +56,7 @@ LABELS = {"split": "--split", "source_lang": "--source-lang", "target_lang": "--
 INPUTS = ("split_files", "dictionaries", "teacher")
 
 
-class SeqKDError(ValueError):
+class SeqKDError(InputError):
     """Bad input for sequence-level KD decoding, detected before any decoding."""
 
 
@@ -257,7 +184,7 @@ class _Plan:
 
     @property
     def record(self) -> dict:
-        """What the manifest says the output is made of (format 2)."""
+        """What the manifest says the output is made of."""
         return {"format": FORMAT_VERSION, "parameters": self.parameters, "inputs": self.inputs}
 
     @property
@@ -400,22 +327,16 @@ def _check_teacher_for_engine(config: SeqKDConfig) -> None:
 
 
 def _identity(record: dict) -> dict:
-    """The settings and the inputs' contents of a record; a parameter the record predates counts
-    with its :data:`PARAMETER_DEFAULTS` value."""
-    return identity({**PARAMETER_DEFAULTS, **record.get("parameters", {})}, record.get("inputs", {}))
+    """The settings and the inputs' contents of a record."""
+    return identity(record.get("parameters", {}), record.get("inputs", {}))
 
 
 def _check_output_folder(plan_: _Plan, manifest: Optional[dict]) -> Optional[dict]:
-    """The manifest to resume from (None: start afresh); refuses a folder holding other data or
-    a manifest of another format."""
+    """The manifest to resume from (None: start afresh); refuses a folder holding other data."""
     output = plan_.output
     # a worker starting at the same time may be creating the manifest (its temporary file)
     if not output.exists() or all(is_temporary(path) for path in output.iterdir()):
         return None
-    manifest_path = output / MANIFEST_NAME
-    if manifest is not None and not plan_.config.force:
-        refuse_older_format(manifest.get("format"), FORMAT_VERSION, f"--output {output}: {MANIFEST_NAME}",
-                            "decode anew: pass --force, or choose another folder", SeqKDError)
     if manifest is None:
         old = new = {}
     else:
@@ -663,11 +584,30 @@ def _copy_other_splits(plan_: _Plan) -> List[str]:
     return copied
 
 
-def _complete_output_ok(plan_: _Plan) -> bool:
-    files = (plan_.manifest or {}).get("files", {})
-    return bool(files) and all(
-        (plan_.output / name).is_file() and (plan_.output / name).stat().st_size == size
-        for name, size in files.items())
+def _checked_output_files(plan_: _Plan) -> dict:
+    """The output files' fingerprints now, once each is the file the merge wrote: of its recorded
+    size, and of its recorded SHA-256 (hashed again only when its modification time changed, the
+    fingerprints' rule); else a one-line refusal naming the file."""
+    recorded = plan_.manifest.get("files")
+    entries = recorded.get("files") if isinstance(recorded, dict) else None
+    what = f"--output {plan_.output}: {MANIFEST_NAME} says complete but"
+    if not isinstance(entries, dict) or not entries or not all(
+            isinstance(entry, dict) and "sha256" in entry and "size" in entry for entry in entries.values()):
+        raise SeqKDError(f"{what} records no digests of its files; pass --force to decode anew")
+    now = {}
+    for name, entry in sorted(entries.items()):
+        path = plan_.output / name
+        if not path.is_file():
+            problem = "is missing"
+        elif path.stat().st_size != entry["size"]:
+            problem = f"is {path.stat().st_size} bytes where it records {entry['size']}"
+        else:
+            now[name] = fingerprint(path, entry)
+            if now[name]["sha256"] == entry["sha256"]:
+                continue
+            problem = "is not the file it records (its SHA-256 differs): changed on disk"
+        raise SeqKDError(f"{what} {name} {problem}; pass --force to decode anew")
+    return {**recorded, "files": now}
 
 
 def _is_complete(plan_: _Plan) -> bool:
@@ -712,23 +652,25 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
                          f"work; clear --output {config.output} first, or run one process with --force")
     log = workers.log(log)
     plan_ = plan(config)
-    if plan_.manifest is not None and plan_.manifest.get("status") == "complete":
-        return _confirm_complete(plan_, log)
-    task, dataset, model, device = _load(plan_, workers)  # teacher and length checks: still before any work
-    sentences, shard_count = len(dataset), math.ceil(len(dataset) / config.shard_size)
-    output_existed = plan_.output.exists()
-    manifest = _start_manifest(plan_, workers, sentences, shard_count)
-    pending = _own_pending_shards(plan_, workers, sentences, shard_count)
-    ct2_model = _prepare_ctranslate2(plan_, workers, output_existed) if plan_.config.engine == "ctranslate2" else None
-    decode = make_decoder(plan_, task, dataset, model, device, ct2_model)
-    del model  # the CTranslate2 engine holds its own copy of the teacher; fairseq's decoder keeps its own
-    with rank_group(workers):
-        decoded_now, seconds, left = _decode_own_shards(plan_, dataset, decode, workers, device, pending, log)
-        wait_for_ranks(workers)
-        outcome = None if left else merge_when_complete(
-            plan_.work, workers, shard_count, missing=lambda: _missing_shards(plan_, shard_count),
-            merged=lambda: _is_complete(plan_), merge=lambda: _merge(plan_, dataset, task, manifest, device),
-            log=log)
+    with user_folders({"--output": plan_.output, "--data": plan_.data}):
+        if plan_.manifest is not None and plan_.manifest.get("status") == "complete":
+            return _confirm_complete(plan_, log)
+        task, dataset, model, device = _load(plan_, workers)  # teacher and length checks: still before any work
+        sentences, shard_count = len(dataset), math.ceil(len(dataset) / config.shard_size)
+        output_existed = plan_.output.exists()
+        manifest = _start_manifest(plan_, workers, sentences, shard_count)
+        with job_array_worker(plan_.work, workers, SeqKDError), rank_group(workers):
+            pending = _own_pending_shards(plan_, workers, sentences, shard_count)
+            ct2_model = (_prepare_ctranslate2(plan_, workers, output_existed) if plan_.config.engine == "ctranslate2"
+                         else None)
+            decode = make_decoder(plan_, task, dataset, model, device, ct2_model)
+            del model  # the CTranslate2 engine holds its own copy of the teacher; fairseq's decoder keeps its own
+            decoded_now, seconds, left = _decode_own_shards(plan_, dataset, decode, workers, device, pending, log)
+            wait_for_ranks(workers)
+            outcome = None if left else merge_when_complete(
+                plan_.work, workers, shard_count, missing=lambda: _missing_shards(plan_, shard_count),
+                merged=lambda: _is_complete(plan_), merge=lambda: _merge(plan_, dataset, task, manifest, device),
+                log=log)
     if outcome in (MERGED, MERGED_BEFORE):
         status, done = "complete", shard_count
     else:
@@ -739,12 +681,11 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
 
 
 def _confirm_complete(plan_: _Plan, log: Callable[[str], None]) -> SeqKDResult:
-    """A re-run on a complete output: check its files, record the inputs' fingerprints as they
-    are now, tidy the work folder a merge killed after completing left."""
-    if not _complete_output_ok(plan_):
-        raise SeqKDError(f"--output {plan_.output}: {MANIFEST_NAME} says complete but output files are "
-                         "missing or changed; pass --force to decode anew")
-    refreshed = {**plan_.manifest, **plan_.record}
+    """A re-run on a complete output: check its files against their recorded digests, record the
+    inputs' and the files' fingerprints as they are now, tidy the work folder a merge killed after
+    completing left."""
+    files = _checked_output_files(plan_)
+    refreshed = {**plan_.manifest, **plan_.record, "files": files}
     if refreshed != plan_.manifest:
         write_json(plan_.output / MANIFEST_NAME, refreshed)
     if plan_.work.exists():
@@ -761,7 +702,7 @@ def _start_manifest(plan_: _Plan, workers: Workers, sentences: int, shard_count:
     """The manifest of a decoding in progress, then the work folder, written first (a run killed
     while converting resumes) unless the same is there (several workers start alike): the first
     of several workers starting at once writes the manifest, the others are refused by name
-    when their settings differ from it, or, in a job array, their ``--num-shards``."""
+    when their settings differ from it."""
     manifest = {**plan_.record, "status": "decoding", "sentences": sentences, "shards": shard_count,
                 "data": str(plan_.data), "teacher_checkpoint": str(Path(plan_.config.teacher_checkpoint).resolve())}
     if plan_.manifest is None and plan_.config.force:
@@ -769,15 +710,11 @@ def _start_manifest(plan_: _Plan, workers: Workers, sentences: int, shard_count:
         write_json(plan_.output / MANIFEST_NAME, manifest)
     elif plan_.manifest is None:
         found = create_record(plan_.output / MANIFEST_NAME, manifest)
-        if found is not None:  # another worker wrote it first
-            refuse_older_format(found.get("format"), FORMAT_VERSION, f"--output {plan_.output}: {MANIFEST_NAME}",
-                                "decode anew: pass --force, or choose another folder", SeqKDError)
-            if _identity(found) != _identity(plan_.record):
-                _refuse_other_settings(plan_, found)
+        if found is not None and _identity(found) != _identity(plan_.record):  # another worker wrote it first
+            _refuse_other_settings(plan_, found)
     elif manifest != plan_.manifest:
         write_json(plan_.output / MANIFEST_NAME, manifest)
     plan_.work.mkdir(parents=True, exist_ok=True)
-    agree_on_num_shards(plan_.work, workers, SeqKDError)
     return manifest
 
 
@@ -848,7 +785,7 @@ def _merge(plan_: _Plan, dataset, task, manifest: dict, device) -> None:
             decoding["transformers_version"] = transformers.__version__
         decoding = {k: v for k, v in decoding.items() if k not in ("ct2_quantization", "threads")}
     complete = {**manifest, "status": "complete", **stats, "copied": copied, "device": str(device),
-                "files": {name: (plan_.output / name).stat().st_size for name in written + copied},
+                "files": fingerprint_files([plan_.output / name for name in written + copied]),
                 "decoding": decoding}
     write_json(plan_.output / MANIFEST_NAME, complete)
     shutil.rmtree(plan_.work)

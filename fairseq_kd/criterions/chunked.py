@@ -1,0 +1,365 @@
+"""The vocabulary-sized losses the criterion base computes (label-smoothed CE; word-level KD from
+the live teacher or its cached top-k; CE and word KD in one pass), in chunks of positions with the
+gradient formed in the forward pass; and the chunk sizes and gradient buffers other chunked losses
+(:func:`.losses.projected_mse_sum`, ALP-KD's) share. Every loss returns an unnormalised sum over
+the positions it is given, in float32 whatever the logits' dtype.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+#: positions x vocabulary entries per chunk of the vocabulary-sized losses on the CPU: a chunk's
+#: float32 temporaries are at most 4 MiB each, so a loss adds its one (positions, vocabulary)
+#: gradient buffer and a few chunks to a step, not batch-sized copies of the distributions
+#: (docs/results/benchmark_cpu_vocab.md). On CUDA the budget follows the free memory
+#: (:func:`cuda_chunk_elements`).
+CHUNK_ELEMENTS = {"cpu": 2**20}
+#: and never fewer chunks than this (a batch smaller than the budget still holds a fraction of a
+#: (positions, vocabulary) tensor per temporary at a time)
+MIN_CHUNKS = 8
+#: float32 temporaries of a chunk's shape that a vocabulary loss holds at once (the student's
+#: log-probabilities, the gradient chunk, the teacher's probabilities, the tempered ones)
+CHUNK_TEMPORARIES = 4
+#: the share of the GPU's free memory that one loss's chunk temporaries may take together
+CUDA_CHUNK_MEMORY_SHARE = 1 / 16
+#: CUDA chunks of at most 2**24 entries (64 MiB per float32 temporary): each chunk costs about a
+#: dozen kernel launches of a few microseconds, which a 64 MiB pass (about 20 us at 3 TB/s) already
+#: outweighs; at least 2**16, below which the launches dominate
+CUDA_CHUNK_ELEMENTS_RANGE = (2**16, 2**24)
+
+
+def cuda_chunk_elements(free_bytes: int) -> int:
+    """Entries per chunk on a GPU with ``free_bytes`` free: the most whose
+    :data:`CHUNK_TEMPORARIES` float32 temporaries fit in :data:`CUDA_CHUNK_MEMORY_SHARE` of it, within
+    :data:`CUDA_CHUNK_ELEMENTS_RANGE`."""
+    low, high = CUDA_CHUNK_ELEMENTS_RANGE
+    fitting = int(free_bytes * CUDA_CHUNK_MEMORY_SHARE) // (4 * CHUNK_TEMPORARIES)
+    return max(low, min(high, fitting))
+
+
+def cuda_free_bytes() -> int:
+    """Free memory of the current GPU: the driver's free bytes plus what torch's caching allocator
+    holds unused (it hands that out first)."""
+    free, _ = torch.cuda.mem_get_info()
+    return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+
+def rows_per_chunk(vocab: int, rows: Optional[int] = None, positions: int = 0, device: str = "cpu",
+                   free_bytes: Optional[int] = None) -> int:
+    """Positions per chunk: ``rows`` if given (tests), else what ``device``'s type allows
+    (:data:`CHUNK_ELEMENTS`; CUDA: :func:`cuda_chunk_elements` of ``free_bytes``, by default the
+    current GPU's), and at most a :data:`MIN_CHUNKS`-th of the ``positions``."""
+    if rows is not None:
+        if rows < 1:
+            raise ValueError(f"rows per chunk must be at least 1, got {rows}")
+        return rows
+    if device == "cuda":
+        elements = cuda_chunk_elements(cuda_free_bytes() if free_bytes is None else free_bytes)
+    else:
+        elements = CHUNK_ELEMENTS.get(device, CHUNK_ELEMENTS["cpu"])
+    budget = elements // vocab
+    return max(1, min(budget, -(-positions // MIN_CHUNKS)) if positions else budget)
+
+
+def _chunk_rows(logits: Tensor, rows: Optional[int]) -> int:
+    return rows_per_chunk(logits.size(-1), rows, logits.numel() // logits.size(-1), logits.device.type)
+
+
+def _keep_gradient(ctx, gradient: Optional[Tensor], logits: Tensor) -> None:
+    """Save the float32 gradient a vocabulary loss formed in its forward pass (None: none asked)."""
+    if gradient is not None:
+        ctx.save_for_backward(gradient)
+        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+
+
+def _kept_gradient(ctx, grad_output: Tensor) -> Tensor:
+    """That gradient times the upstream one, in the logits' shape and dtype: in place, since the
+    buffer is the function's own and the backward pass runs once."""
+    (gradient,) = ctx.saved_tensors
+    return gradient.mul_(grad_output).view(ctx.logits_shape).to(ctx.logits_dtype)
+
+
+def _wants_gradient(*tensors: Optional[Tensor]) -> bool:
+    """Whether a function that forms its gradients in its forward pass must form them: autograd is
+    on and one of ``tensors`` requires a gradient. (Under ``no_grad`` a parameter still requires
+    one, and ``Function.apply``'s ``needs_input_grad`` says True for it.)"""
+    return torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in tensors)
+
+
+def _keep_gradients(ctx, gradients, inputs) -> None:
+    """Save the float32 gradients (None where an input takes none) for the backward pass, with the
+    dtypes of the ``inputs`` they belong to."""
+    ctx.save_for_backward(*gradients)
+    ctx.dtypes = tuple(None if tensor is None else tensor.dtype for tensor in inputs)
+
+
+def _kept_gradients(ctx, grad_output: Tensor) -> tuple:
+    """Those gradients times the upstream one, in their inputs' dtypes: in place, as
+    :func:`_kept_gradient`."""
+    return tuple(None if gradient is None else gradient.mul_(grad_output).to(dtype)
+                 for gradient, dtype in zip(ctx.saved_tensors, ctx.dtypes))
+
+
+def label_smoothed_cross_entropy(
+    logits: Tensor, target: Tensor, target_mask: Tensor, epsilon: float, rows: Optional[int] = None
+) -> Tuple[Tensor, Tensor]:
+    """fairseq's label-smoothed cross-entropy (``label_smoothed_nll_loss``, Szegedy et al., 2016,
+    as fairseq writes it): ``sum_t (1 - eps - eps_i) nll_t + eps_i smooth_t`` with ``nll_t = -log
+    p(y_t)``, ``smooth_t = -sum_v log p(v)`` and ``eps_i = eps / (V - 1)``; returns (that sum, the
+    sum of ``nll_t``), both over the positions where ``target_mask`` is True (fairseq: target !=
+    padding, past the ignored prefix).
+
+    Computed in chunks of positions (:data:`CHUNK_ELEMENTS`, :data:`MIN_CHUNKS`), in float32 whatever
+    the logits' dtype, with the gradient formed in the forward pass:
+    ``p - eps_i - (1 - eps - eps_i) onehot(y)`` (the coefficient of ``p`` is
+    ``1 - eps + eps_i (V - 1) = 1``). What it keeps for the backward pass is
+    that one float32 ``(positions, V)`` tensor, which is what fairseq's path keeps (its
+    log-probabilities), without fairseq's second and third such tensors in the backward pass (the
+    gradient of the log-probabilities, then of the logits). logits: ``(..., V)``; target and
+    target_mask: the leading shape.
+    """
+    return _LabelSmoothedCE.apply(logits, target, target_mask, float(epsilon), _chunk_rows(logits, rows))
+
+
+class _LabelSmoothedCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, target_mask, epsilon, rows):
+        vocab = logits.size(-1)
+        flat = logits.reshape(-1, vocab)
+        targets = target.reshape(-1, 1)
+        keep = target_mask.reshape(-1)
+        eps_i = epsilon / (vocab - 1)
+        gradient = (torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
+                    if ctx.needs_input_grad[0] else None)
+        nll_sum = torch.zeros((), dtype=torch.float32, device=flat.device)
+        smooth_sum = torch.zeros((), dtype=torch.float32, device=flat.device)
+        for start in range(0, flat.size(0), rows):
+            here, index = keep[start:start + rows], targets[start:start + rows]
+            log_probs = F.log_softmax(flat[start:start + rows].float(), dim=-1)
+            # torch.where, not a product with the mask: a padded position's row is never summed
+            nll_sum -= torch.where(here, log_probs.gather(-1, index).squeeze(-1), 0.0).sum()
+            smooth_sum -= torch.where(here, log_probs.sum(-1), 0.0).sum()
+            if gradient is not None:
+                chunk = gradient[start:start + rows]
+                torch.exp(log_probs, out=chunk)
+                chunk.sub_(eps_i)
+                chunk.scatter_add_(-1, index, chunk.new_full(index.shape, -(1.0 - epsilon - eps_i)))
+                chunk.masked_fill_(~here.unsqueeze(-1), 0.0)
+        loss = (1.0 - epsilon - eps_i) * nll_sum + eps_i * smooth_sum
+        ctx.mark_non_differentiable(nll_sum)
+        _keep_gradient(ctx, gradient, logits)
+        return loss, nll_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_nll):
+        return _kept_gradient(ctx, grad_loss), None, None, None, None
+
+
+def label_smoothed_ce_and_word_kd(
+    logits: Tensor, teacher_logits: Tensor, target: Tensor, target_mask: Tensor, epsilon: float,
+    temperature: float, ce_weight: float, kd_weight: float, rows: Optional[int] = None,
+    kd_mask: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``ce_weight * CE + kd_weight * KD`` in one pass over the student's logits: CE is
+    :func:`label_smoothed_cross_entropy` at ``target_mask``, KD :func:`word_level_kd` at ``kd_mask``
+    (positions within ``target_mask``: selective KD's chosen tokens; default ``target_mask``); returns
+    (that weighted sum, CE, nll, KD). Only the weighted sum carries a gradient; the other three are
+    its parts' values, for the logs.
+
+    One log-softmax of the student per chunk serves both losses (at ``tau = 1``), and the two
+    gradients are summed into one float32 ``(positions, V)`` buffer in the forward pass, which
+    knows the weights: the step keeps one vocabulary-sized tensor for the backward pass where CE
+    and KD computed apart keep two.
+    """
+    rows = _chunk_rows(logits, rows)
+    kd_mask = None if kd_mask is None or kd_mask is target_mask else kd_mask & target_mask
+    return _CEAndWordKD.apply(logits, teacher_logits, target, target_mask, float(epsilon), float(temperature),
+                              float(ce_weight), float(kd_weight), rows, kd_mask)
+
+
+class _CEAndWordKD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, teacher_logits, target, target_mask, epsilon, temperature, ce_weight, kd_weight,
+                rows, kd_mask):
+        vocab = logits.size(-1)
+        student, teacher = logits.reshape(-1, vocab), teacher_logits.reshape(-1, vocab)
+        targets, keep = target.reshape(-1, 1), target_mask.reshape(-1)
+        # KD at a subset of the CE positions (kd_mask): each row's KD weight is kd_weight or 0; with
+        # none, the scalar path below, whose rounding the suite's expected numbers record
+        kd_rows = None if kd_mask is None else kd_mask.reshape(-1)
+        eps_i = epsilon / (vocab - 1)
+        gradient = (torch.empty(student.shape, dtype=torch.float32, device=student.device)
+                    if ctx.needs_input_grad[0] else None)
+        nll_sum, smooth_sum, kd_sum = (torch.zeros((), dtype=torch.float32, device=student.device) for _ in range(3))
+        for start in range(0, student.size(0), rows):
+            here, index = keep[start:start + rows], targets[start:start + rows]
+            student_chunk = student[start:start + rows].float()
+            log_probs = F.log_softmax(student_chunk, dim=-1)
+            nll_sum -= torch.where(here, log_probs.gather(-1, index).squeeze(-1), 0.0).sum()
+            smooth_sum -= torch.where(here, log_probs.sum(-1), 0.0).sum()
+            student_lp = log_probs if temperature == 1.0 else F.log_softmax(student_chunk / temperature, dim=-1)
+            teacher_lp = _log_softmax_at(teacher[start:start + rows], temperature)
+            teacher_p = teacher_lp.exp()
+            kd_here = here if kd_rows is None else kd_rows[start:start + rows]
+            kd_sum += torch.where(kd_here, teacher_lp.sub_(student_lp).mul_(teacher_p).sum(-1), 0.0).sum()
+            if gradient is not None and kd_rows is not None:
+                # ce_weight (p - eps_i - (1 - eps - eps_i) onehot) + w_t tau (p_tau - p_T), w_t = kd_weight
+                # at the KD positions and 0 elsewhere
+                row_kd_weight = (kd_here.to(torch.float32) * kd_weight).unsqueeze(-1)
+                chunk = gradient[start:start + rows]
+                torch.exp(log_probs, out=chunk)
+                p_tau = chunk.clone() if temperature == 1.0 else student_lp.exp_()
+                chunk.mul_(ce_weight).addcmul_(p_tau, row_kd_weight, value=temperature)
+                chunk.addcmul_(teacher_p, row_kd_weight, value=-temperature).sub_(ce_weight * eps_i)
+                chunk.scatter_add_(-1, index, chunk.new_full(index.shape, -ce_weight * (1.0 - epsilon - eps_i)))
+                chunk.masked_fill_(~here.unsqueeze(-1), 0.0)
+            elif gradient is not None:
+                # ce_weight (p - eps_i - (1 - eps - eps_i) onehot) + kd_weight tau (p_tau - p_T)
+                chunk = gradient[start:start + rows]
+                torch.exp(log_probs, out=chunk)
+                if temperature == 1.0:
+                    chunk.mul_(ce_weight + kd_weight)
+                else:
+                    chunk.mul_(ce_weight).add_(student_lp.exp_(), alpha=kd_weight * temperature)
+                chunk.add_(teacher_p, alpha=-kd_weight * temperature).sub_(ce_weight * eps_i)
+                chunk.scatter_add_(-1, index, chunk.new_full(index.shape, -ce_weight * (1.0 - epsilon - eps_i)))
+                chunk.masked_fill_(~here.unsqueeze(-1), 0.0)
+        ce = (1.0 - epsilon - eps_i) * nll_sum + eps_i * smooth_sum
+        kd = (temperature**2) * kd_sum
+        combined = ce_weight * ce + kd_weight * kd
+        ctx.mark_non_differentiable(ce, nll_sum, kd)
+        _keep_gradient(ctx, gradient, logits)
+        return combined, ce, nll_sum, kd
+
+    @staticmethod
+    def backward(ctx, grad_combined, _grad_ce, _grad_nll, _grad_kd):
+        return (_kept_gradient(ctx, grad_combined),) + (None,) * 9
+
+
+def word_level_kd(
+    student_logits: Tensor, teacher_logits: Tensor, target_mask: Tensor, temperature: float = 1.0,
+    rows: Optional[int] = None,
+) -> Tensor:
+    """Word-level KD (Hinton et al., 2015): ``tau^2 * sum_t KL(p_T^tau(.|t) || p_S^tau(.|t))``.
+
+    student_logits, teacher_logits: ``(batch, tgt_len, vocab)``; target_mask: ``(batch, tgt_len)``,
+    True at real target tokens. The ``tau^2`` factor keeps gradient magnitudes comparable across
+    temperatures (Hinton et al., Sec. 2). Computed in float32 whatever the model dtype, in chunks
+    of positions (:data:`CHUNK_ELEMENTS`; ``rows`` overrides, for tests).
+    """
+    if teacher_logits.requires_grad:
+        # a teacher trained jointly (self-distillation) needs the gradient on its side too, which
+        # the fused function below does not form
+        student_lp = _log_softmax_at(student_logits, temperature)
+        teacher_lp = _log_softmax_at(teacher_logits, temperature)
+        per_position = F.kl_div(student_lp, teacher_lp, reduction="none", log_target=True).sum(-1)
+        return (temperature**2) * per_position.masked_select(target_mask).sum()
+    return _WordLevelKD.apply(student_logits, teacher_logits, target_mask, float(temperature),
+                              _chunk_rows(student_logits, rows))
+
+
+class _WordLevelKD(torch.autograd.Function):
+    """:func:`word_level_kd` in chunks of positions, with its gradient formed in the forward pass.
+
+    The gradient with respect to the student's logits is ``tau (p_S^tau - p_T^tau)`` at the masked
+    positions, so the forward pass, which has both distributions at hand, writes that into one
+    float32 ``(positions, vocab)`` buffer kept for the backward pass; the distributions themselves
+    exist one chunk at a time. Autograd through ``log_softmax`` and ``kl_div`` would keep the
+    student's and the teacher's log-probabilities whole, plus their elementwise KL.
+    """
+
+    @staticmethod
+    def forward(ctx, student_logits, teacher_logits, target_mask, temperature, rows):
+        vocab = student_logits.size(-1)
+        student, teacher = student_logits.reshape(-1, vocab), teacher_logits.reshape(-1, vocab)
+        keep = target_mask.reshape(-1)
+        gradient = (torch.empty(student.shape, dtype=torch.float32, device=student.device)
+                    if ctx.needs_input_grad[0] else None)
+        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        for start in range(0, student.size(0), rows):
+            here = keep[start:start + rows]
+            student_lp = _log_softmax_at(student[start:start + rows], temperature)
+            teacher_lp = _log_softmax_at(teacher[start:start + rows], temperature)
+            teacher_p = teacher_lp.exp()
+            # in place from here on: the chunk's tensors are this function's own
+            per_position = teacher_lp.sub_(student_lp).mul_(teacher_p).sum(-1)
+            total += torch.where(here, per_position, 0.0).sum()
+            if gradient is not None:
+                chunk = gradient[start:start + rows]
+                torch.exp(student_lp, out=chunk)
+                chunk.sub_(teacher_p).mul_(temperature).masked_fill_(~here.unsqueeze(-1), 0.0)
+        _keep_gradient(ctx, gradient, student_logits)
+        return (temperature**2) * total
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        return _kept_gradient(ctx, grad_loss), None, None, None, None
+
+
+def _log_softmax_at(logits: Tensor, temperature: float) -> Tensor:
+    """``log_softmax(logits / tau)`` in float32, without a scaled copy when ``tau = 1``."""
+    logits = logits.float()
+    return F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+
+
+def topk_word_level_kd(
+    student_logits: Tensor, teacher_topk_logprobs: Tensor, teacher_topk_ids: Tensor, target_mask: Tensor,
+    temperature: float = 1.0, rows: Optional[int] = None,
+) -> Tensor:
+    """Word-level KD from a cached teacher (:mod:`fairseq_kd.teacher_pass.teacher_cache`):
+    ``tau^2 * sum_t sum_i q_i (log q_i - log p_S^tau(id_i | t))``, where ``q`` is the softmax of the
+    teacher's ``k`` stored log-probabilities divided by ``tau`` (the teacher renormalised to its top
+    k) and ``p_S^tau`` the student's full-vocabulary distribution at ``tau``, read at the teacher's
+    ``k`` token ids. When the teacher's mass lies within its top k this is :func:`word_level_kd`.
+
+    teacher_topk_logprobs, teacher_topk_ids: ``(batch, tgt_len, k)``; the rest as
+    :func:`word_level_kd`. Computed in float32, in chunks of positions (``rows`` overrides, for
+    tests): the student's full-vocabulary log-probabilities exist one chunk at a time.
+    """
+    if teacher_topk_logprobs.requires_grad:  # stored values never do; a caller's own teacher might
+        student_lp = _log_softmax_at(student_logits, temperature).gather(-1, teacher_topk_ids)
+        teacher_lp = _log_softmax_at(teacher_topk_logprobs, temperature)
+        per_position = (teacher_lp.exp() * (teacher_lp - student_lp)).sum(-1)
+        return (temperature**2) * per_position.masked_select(target_mask).sum()
+    return _TopkWordLevelKD.apply(student_logits, teacher_topk_logprobs, teacher_topk_ids, target_mask,
+                                  float(temperature), _chunk_rows(student_logits, rows))
+
+
+class _TopkWordLevelKD(torch.autograd.Function):
+    """:func:`topk_word_level_kd` in chunks of positions, its gradient formed in the forward pass:
+    with ``q`` summing to 1 over the teacher's ``k`` tokens, the gradient with respect to the
+    student's logits is ``tau (p_S^tau - q scattered at the k ids)`` at the masked positions,
+    written into one float32 ``(positions, vocab)`` buffer (as :class:`_WordLevelKD` does)."""
+
+    @staticmethod
+    def forward(ctx, student_logits, teacher_topk_logprobs, teacher_topk_ids, target_mask, temperature, rows):
+        vocab, k = student_logits.size(-1), teacher_topk_ids.size(-1)
+        student = student_logits.reshape(-1, vocab)
+        teacher, ids = teacher_topk_logprobs.reshape(-1, k), teacher_topk_ids.reshape(-1, k)
+        keep = target_mask.reshape(-1)
+        gradient = (torch.empty(student.shape, dtype=torch.float32, device=student.device)
+                    if ctx.needs_input_grad[0] else None)
+        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        for start in range(0, student.size(0), rows):
+            here, chunk_ids = keep[start:start + rows], ids[start:start + rows]
+            student_lp = _log_softmax_at(student[start:start + rows], temperature)
+            teacher_lp = _log_softmax_at(teacher[start:start + rows], temperature)
+            teacher_p = teacher_lp.exp()
+            per_position = (teacher_p * (teacher_lp - student_lp.gather(-1, chunk_ids))).sum(-1)
+            total += torch.where(here, per_position, 0.0).sum()
+            if gradient is not None:
+                chunk = gradient[start:start + rows]
+                torch.exp(student_lp, out=chunk)
+                chunk.scatter_add_(-1, chunk_ids, -teacher_p)
+                chunk.mul_(temperature).masked_fill_(~here.unsqueeze(-1), 0.0)
+        _keep_gradient(ctx, gradient, student_logits)
+        return (temperature**2) * total
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        return _kept_gradient(ctx, grad_loss), None, None, None, None, None
