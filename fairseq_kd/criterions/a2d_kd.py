@@ -25,7 +25,8 @@ from ..errors import InputError
 from ..models.feature_capture import DECODER_CROSS, DECODER_SELF, ENCODER_SELF, AttentionMaps, CaptureRequest
 from ..modules.attention_alignment import AttentionAlignment
 from .startup_checks import check_capturable
-from .base import KDCriterionBase, KDCriterionConfig, ranged, weight
+from .base import KDCriterionBase
+from .config import KDCriterionConfig, ranged, weight
 from .losses import masked_row_kl
 
 #: ``--a2d-attention-kinds`` -> weight of each kind's loss inside L_att (Eq. 11, Table 4).

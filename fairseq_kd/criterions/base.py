@@ -19,145 +19,18 @@ from typing import Dict, Optional, Tuple
 
 import torch
 from fairseq import utils
-from fairseq.criterions.label_smoothed_cross_entropy import (
-    LabelSmoothedCrossEntropyCriterion,
-    LabelSmoothedCrossEntropyCriterionConfig,
-)
+from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 from fairseq.logging import metrics
 from torch import Tensor
 
 from ..errors import InputError
 from ..models.feature_capture import CapturedFeatures, CaptureRequest, FeatureCapture
+from .config import KDCriterionConfig, check_numeric_options, option_flag, option_ranges  # noqa: F401 - used here, or from here
 from .chunked import label_smoothed_ce_and_word_kd, label_smoothed_cross_entropy, topk_word_level_kd, word_level_kd
 
 #: the logging-output key counting the steps whose scheduled weights were logged (each worker's
 #: micro-batch adds 1), by which their sum is divided back into the step's value
 SCHEDULED_WEIGHT_STEPS = "scheduled_weight_steps"
-
-
-# --------------------------------------------------------------- option ranges
-# Every number of a criterion's config declares its range once, in its dataclass field
-# (``ranged`` / ``weight``); :func:`check_numeric_options` checks them all, once: the task calls it
-# before building any criterion (fairseq's own included) and the base class when a criterion is
-# built. A number without a declared range must only be finite.
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values an option takes: ``low`` .. ``high`` (None = unbounded), each end open or not,
-    and what the number is (said in the refusal)."""
-
-    low: float
-    high: Optional[float] = None
-    low_open: bool = False
-    high_open: bool = False
-    meaning: str = ""
-
-    def text(self) -> str:
-        """``>= 0``, ``> 0`` or ``in [0, 1)``: what follows "must be" in a message."""
-        if self.high is None:
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
-        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
-
-    def __contains__(self, value) -> bool:
-        above_low = value > self.low if self.low_open else value >= self.low
-        below_high = self.high is None or (value < self.high if self.high_open else value <= self.high)
-        return above_low and below_high
-
-
-def ranged(default, low, high=None, *, help: str, meaning: str, low_open=False, high_open=False, **metadata):
-    """A config field whose value must lie in a :class:`Range` (checked by the base)."""
-    return field(default=default, metadata={"help": help, "range": Range(low, high, low_open, high_open, meaning),
-                                            **metadata})
-
-
-def weight(default, *, help: str, **metadata):
-    """A config field holding a loss weight: >= 0, 0 switching its term off. Its metadata may say
-    which term it weighs in an additive objective (``term="hidden"``, read by
-    :meth:`KDCriterionBase.additive_weights`), or that it is the paper's name for ``--kd-weight``
-    (``kd_weight_alias=True``: when given, it replaces it)."""
-    return ranged(default, 0.0, help=help, meaning="a loss weight (0 switches the term off)", **metadata)
-
-
-@dataclass
-class KDCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
-    label_smoothing: float = ranged(
-        0.1, 0.0, 1.0, high_open=True, meaning="the share of probability mass spread over the vocabulary",
-        help="epsilon for label smoothing of the CE term (0.1 in all papers implemented)",
-    )
-    kd_weight: float = weight(
-        1.0, help="weight of the word-level KD term in every criterion; the CE weight follows "
-        "from the method's objective (see criterions/base.py); 0 switches KD off",
-    )
-    kd_temperature: float = ranged(
-        1.0, 0.0, low_open=True, meaning="a softmax temperature",
-        help="softmax temperature tau of teacher and student in word-level KD (> 0; the term is scaled by tau^2)",
-    )
-    ignore_prefix_size: int = ranged(0, 0, meaning="a number of tokens", help="Ignore first N tokens")
-
-
-def declared_ranges(config_class) -> Dict[str, Range]:
-    """The :class:`Range` of every field of ``config_class`` that declares one."""
-    import dataclasses
-
-    return {f.name: f.metadata["range"] for f in dataclasses.fields(config_class) if "range" in f.metadata}
-
-
-def option_ranges(criterion_name: str = "", config_class=None) -> Dict[str, Range]:
-    """The ranges of a criterion's options: those its config declares, over those of
-    :class:`KDCriterionConfig` (which also covers the fields it shares with fairseq's own
-    label-smoothed CE). Without a criterion, every registered KD config's, the base's first."""
-    from fairseq.criterions import CRITERION_DATACLASS_REGISTRY
-
-    ranges = declared_ranges(KDCriterionConfig)
-    config_class = config_class or CRITERION_DATACLASS_REGISTRY.get(criterion_name)
-    if config_class is not None:
-        ranges.update(declared_ranges(config_class))
-    elif not criterion_name:
-        for registered in CRITERION_DATACLASS_REGISTRY.values():
-            if isinstance(registered, type) and issubclass(registered, KDCriterionConfig):
-                for name, rule in declared_ranges(registered).items():
-                    ranges.setdefault(name, rule)
-    return ranges
-
-
-def option_flag(name: str, criterion_name: str = "") -> str:
-    """``--name-with-dashes``, saying so when the option is the criterion's paper name for --kd-weight."""
-    from fairseq.criterions import CRITERION_REGISTRY
-
-    flag = "--" + name.replace("_", "-")
-    criterion = CRITERION_REGISTRY.get(criterion_name)
-    if isinstance(criterion, type) and issubclass(criterion, KDCriterionBase) and criterion.kd_weight_alias() == name:
-        flag += " (alias of --kd-weight)"
-    return flag
-
-
-def check_numeric_options(cfg, criterion_name: str = "") -> None:
-    """Raise :class:`~fairseq_kd.errors.InputError` (a ValueError) naming the flag if a numeric option of a criterion config is NaN,
-    infinite, or outside its declared range (see :func:`option_ranges`). ``None`` (unset optional
-    values) passes."""
-    import dataclasses
-
-    if dataclasses.is_dataclass(cfg):
-        keys, config_class = [f.name for f in dataclasses.fields(cfg)], type(cfg)
-    else:
-        keys, config_class = list(cfg.keys()), None
-    ranges = option_ranges(criterion_name, config_class)
-    for name in keys:
-        try:
-            value = getattr(cfg, name) if config_class else cfg[name]
-        except Exception:  # noqa: BLE001 - an unresolvable interpolation is not a number to check
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        flag = option_flag(name, criterion_name)
-        where = f" (criterion {criterion_name})" if criterion_name else ""
-        rule = ranges.get(name)
-        if not math.isfinite(value):
-            expected = f" {rule.text()}" if rule else ""
-            raise InputError(f"{flag} must be a finite number{expected}{where}, got {value}")
-        if rule is not None and value not in rule:
-            raise InputError(f"{flag} must be {rule.text()} ({rule.meaning}){where}, got {value}")
 
 
 @dataclass

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from ..models.feature_capture import CaptureRequest
 from ..errors import InputError
-from .base import DistillationBatch, KDCriterionBase, KDCriterionConfig, weight
+from .base import DistillationBatch, KDCriterionBase
+from .config import KDCriterionConfig, weight
 
 LAYER_SIDES = ChoiceEnum(["encoder", "decoder", "both"])
 SIDES_OF = {"encoder": ("encoder",), "decoder": ("decoder",), "both": ("encoder", "decoder")}

@@ -19,7 +19,8 @@ from torch import Tensor
 
 from ..models.feature_capture import DECODER_CROSS, DECODER_SELF, ENCODER_SELF, AttentionMaps, CaptureRequest
 from .startup_checks import check_capturable, check_equal_heads
-from .base import KDCriterionBase, KDCriterionConfig, weight
+from .base import KDCriterionBase
+from .config import KDCriterionConfig, weight
 from .losses import masked_row_kl
 
 MINILM_KINDS = {"self": (ENCODER_SELF, DECODER_SELF), "all": (ENCODER_SELF, DECODER_SELF, DECODER_CROSS)}

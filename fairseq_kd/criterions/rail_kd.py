@@ -22,7 +22,7 @@ from torch import nn
 
 from ..modules.layer_mapping import LayerMappingError, draw_layers
 from ..modules.projection import StackedLinear
-from .base import ranged, weight
+from .config import ranged, weight
 from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion, in_param_dtype
 from .losses import masked_mean_pool, normalized_squared_distance
 

@@ -23,7 +23,8 @@ from ..models.feature_capture import ATTENTION_KINDS, DECODER_CROSS, DECODER_SEL
 from ..modules.layer_mapping import LayerMappingError, uniform_mapping
 from ..modules.projection import width_projection
 from .startup_checks import check_capturable, check_equal_heads
-from .base import KDCriterionBase, KDCriterionConfig, weight
+from .base import KDCriterionBase
+from .config import KDCriterionConfig, weight
 from .losses import masked_mse_sum, projected_mse_sum, sum_of_squares
 
 #: the side whose layer mapping each attention kind follows

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from fairseq.criterions import register_criterion
 
-from .base import KDCriterionBase, KDCriterionConfig, ranged
+from .base import KDCriterionBase
+from .config import KDCriterionConfig, ranged
 
 
 @dataclass
