@@ -10,8 +10,6 @@ corpus generator) loads neither torch nor fairseq.
 import itertools
 import sys
 
-from .errors import MissingDependencyError
-
 __version__ = "0.1.0"
 
 #: oldest fairseq whose Transformer, task and criterion interfaces the plugin is written against
@@ -24,7 +22,7 @@ FAIRSEQ_FIX = (
     "replace torch), or run scripts/setup_env.sh, which does this in .venv")
 
 
-class FairseqMissingError(MissingDependencyError):
+class FairseqMissingError(ImportError):
     """fairseq is not installed, or is older than :data:`MIN_FAIRSEQ_VERSION`."""
 
 
@@ -56,11 +54,11 @@ def check_fairseq() -> str:
 
 
 def register() -> None:
-    """Register the task, architectures and criterions with fairseq and install what the plugin
-    does to fairseq's checkpoint loading (:func:`fairseq_kd.checkpoints.install`) and to its half
-    precision (:func:`fairseq_kd.half_precision.install`: ``--bf16`` no longer implies ``--tpu``;
-    checkpoints keep the float32 master weights). Safe to call more than once. Raises
-    :class:`FairseqMissingError` (a MissingDependencyError naming the fix) when fairseq is missing or older
+    """Register the task, architectures and criterions with fairseq and install every change the
+    plugin makes to fairseq (:func:`fairseq_kd.fairseq_patches.install`: safe checkpoint loading,
+    the resume checks, bf16 without ``--tpu``, fp16/bf16 master weights in checkpoints). Safe to
+    call more than once. Raises
+    :class:`FairseqMissingError` (an ImportError naming the fix) when fairseq is missing or older
     than 0.12.
 
     Only entry points call it (``--user-dir fairseq_kd`` through the import below, the plugin's
@@ -68,10 +66,9 @@ def register() -> None:
     builds a model from a checkpoint imports :mod:`fairseq_kd.models` (which registers the
     architectures), and reading a checkpoint installs safe loading itself."""
     check_fairseq()
-    from . import checkpoints, half_precision
+    from . import fairseq_patches
 
-    checkpoints.install()
-    half_precision.install()
+    fairseq_patches.install()
     from . import criterions, models, tasks  # noqa: F401  (registration side effects)
 
 

@@ -1,18 +1,15 @@
 """What the plugin changes in fairseq's half precision, installed by :func:`install` (made by
-:func:`fairseq_kd.register`, so by ``--user-dir fairseq_kd``). Two parts:
+:func:`fairseq_kd.fairseq_patches.install`):
 
-1. **--bf16 without --tpu.** fairseq 0.12's ``options.parse_args_and_arch`` (the command line of
-   fairseq-train, -generate, -interactive, -validate, -eval-lm) sets ``tpu`` whenever ``bf16`` is
-   set, and the Trainer then fails asking torch-xla for a TPU. Wrapped, ``tpu`` is what the command
-   line says, so ``--bf16`` trains on CUDA, or on the CPU with ``--cpu``, through fairseq's own bf16
-   path (model and criterion in bfloat16, float32 master weights, no loss scale). The commands
-   import the plugin while building their parser, before they parse. fairseq-hydra-train needs
-   nothing: its ``common.tpu`` does not follow ``common.bf16``.
+1. **--bf16 without --tpu.** fairseq 0.12's ``options.parse_args_and_arch`` sets ``tpu`` whenever
+   ``bf16`` is set, and the Trainer then asks torch-xla for a TPU. Wrapped, ``tpu`` is what the
+   command line says, so ``--bf16`` trains on CUDA, or on the CPU with ``--cpu``, through fairseq's
+   own bf16 path (float32 master weights, no loss scale).
 2. **Master weights in the checkpoint.** ``FP16Optimizer`` (``--fp16``, ``--bf16``) updates float32
-   master copies, but fairseq saves only the model's half-precision weights, so a resume continued
-   from the masters rounded to half precision, not as the uninterrupted run. Its state dict now
-   carries the masters (``MASTERS_KEY``) and loading restores them; a checkpoint without them
-   loads as before. The checkpoint grows by 4 bytes a parameter.
+   masters but fairseq saves only the half-precision weights, so a resume continued from rounded
+   masters. Its state dict now carries them (``MASTERS_KEY``, 4 bytes a parameter) and loading
+   restores them, so a resume continues as the uninterrupted run; a checkpoint without them loads
+   as before.
 """
 import argparse
 import functools

@@ -114,7 +114,7 @@ def test_fairseq_loader_passes_weights_only_explicitly_once_the_plugin_is_import
     code = (
         "import fairseq_kd; fairseq_kd.register()\n"
         "from fairseq import checkpoint_utils\n"
-        "from fairseq_kd.checkpoints import UnsafeCheckpointError, fairseq_loader_is_safe\n"
+        "from fairseq_kd.checkpoints.safe_loading import UnsafeCheckpointError, fairseq_loader_is_safe\n"
         "assert fairseq_loader_is_safe()\n"
         f"try:\n    checkpoint_utils.load_checkpoint_to_cpu({str(evil)!r})\n"
         "except UnsafeCheckpointError as err:\n    import sys; print(err, file=sys.stderr); sys.exit(3)\n"
@@ -223,9 +223,9 @@ def test_the_allow_list_survives_torchs_safe_globals_context(tiny_teacher):
     load afterwards (in the same process) still reads fairseq's Namespace."""
     import argparse
 
-    from fairseq_kd.checkpoints import install_checkpoint_allow_list, safe_load
+    from fairseq_kd.checkpoints.safe_loading import install, safe_load
 
-    install_checkpoint_allow_list()
+    install()
     with torch.serialization.safe_globals([argparse.Namespace]):
         pass
     assert "model" in safe_load(tiny_teacher)
