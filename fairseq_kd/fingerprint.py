@@ -1,22 +1,15 @@
 """The one place where the plugin hashes: SHA-256 of files (:func:`file_sha256`, and the
 fingerprints below), of bytes and records (a teacher pass's shards and identity:
-:func:`bytes_sha256`, :func:`record_sha256`) and of fairseq dictionaries (:func:`dictionary_sha256`).
-
-The fingerprint scheme of every resumable record: ``seqkd.json``
-(:mod:`fairseq_kd.teacher_pass.seqkd`), the teacher cache's ``cache.json`` and ``progress.json``
-(:mod:`fairseq_kd.teacher_pass.teacher_cache`) and the synthetic corpus's ``corpus.json``
-(:mod:`fairseq_kd.data.synthetic`); the recipes' preparation stamps, the record of a training run
-(``recipe_train.json``) and the downloads' digest cache. A teacher checkpoint's SHA-256 (what binds
-a student's run to its teacher) and the dictionary hashes of the run's binding
-(:mod:`fairseq_kd.checkpoints`) are taken here too. Imports neither torch nor fairseq.
+:func:`bytes_sha256`, :func:`record_sha256`) and of fairseq dictionaries (:func:`dictionary_sha256`),
+for every resumable record (the teacher passes', the synthetic corpus's, the recipes' stamps) and
+the teacher binding of a run. Imports neither torch nor fairseq.
 
 A file's fingerprint is its size, modification time and sha256 (and md5 where a download manifest
-pins one); a folder's is its files' fingerprints, and so is that of a list of files (a binarised
-split, a corpus's files: :func:`fingerprint_files`). Two fingerprints describe the same content
-when their :func:`content` is equal, whatever the modification times. A recorded fingerprint is
-passed back as ``previous``: its checksums are reused while size and modification time agree, so
-checking a finished pipeline, or resuming from a large teacher checkpoint, does not re-read
-gigabyte-sized files.
+pins one); a folder's is its files' fingerprints, and so is that of a list of files
+(:func:`fingerprint_files`). Two fingerprints describe the same content when their :func:`content`
+is equal, whatever the modification times. A recorded fingerprint passed back as ``previous`` has
+its checksums reused while size and modification time agree, so checking a finished pipeline does
+not re-read gigabyte-sized files.
 """
 from __future__ import annotations
 

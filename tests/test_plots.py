@@ -336,7 +336,9 @@ def test_cli_alp_from_checkpoint_divides_the_saved_sums_by_the_positions(tmp_pat
                                                      "decoder": [[0.2, 0.3, 0.5], [0.1, 0.1, 0.8]]}
 
 
-def test_cli_alp_refuses_the_state_of_an_older_format_in_one_line(tmp_path, capsys):
+def test_cli_alp_refuses_a_state_of_another_layout_in_one_line(tmp_path, capsys):
+    """A criterion state of another layout (here an older one's alpha_sum) is a checkpoint without
+    ALP-KD's current state: refused as such (issue 42 removed the older-format refusals)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("fairseq")
     checkpoint = save_training_checkpoint(
@@ -346,7 +348,7 @@ def test_cli_alp_refuses_the_state_of_an_older_format_in_one_line(tmp_path, caps
     with pytest.raises(SystemExit) as raised:
         run_plot("alp", "--checkpoint", checkpoint, "--output", tmp_path / "alp.png")
     assert raised.value.code == 2
-    assert "older fairseq-kd format" in capsys.readouterr().err and not (tmp_path / "alp.png").exists()
+    assert "--criterion alp_kd" in capsys.readouterr().err and not (tmp_path / "alp.png").exists()
 
 
 def test_cli_checkpoint_errors_name_the_flag_and_write_nothing(tmp_path, capsys):

@@ -18,6 +18,7 @@ import sys
 
 from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
+from fairseq_kd.errors import FileAccessError, message_of
 
 FORMATS = ("fairseq", "ctranslate2", "hf")
 
@@ -41,7 +42,7 @@ def cli_main(argv=None):
                         help="--quantization int8*: bits of each weight (one scale per output row). "
                              f"{DEFAULT_INT8_WEIGHT_BITS} (the default): exact integer products on every x86 CPU, "
                              "also those without VNNI, whose int8 kernels can overflow with 8-bit weights "
-                             "(docs/design/int8_weights.md); 8: CTranslate2's own rounding, for CPUs with VNNI "
+                             "(docs/design/deploy.md); 8: CTranslate2's own rounding, for CPUs with VNNI "
                              "and for GPUs")
     parser.add_argument("--data", default=None, metavar="DIR",
                         help="--format ctranslate2 or hf: the binarised data folder holding the model's "
@@ -83,6 +84,10 @@ def cli_main(argv=None):
             summary = export_student(args.checkpoint, args.output, overwrite=args.overwrite)
     except (ExportError, UnsafeCheckpointError) as err:
         parser.error(str(err))
+    except FileAccessError:
+        raise
+    except OSError as err:  # CHECKPOINT, --data or OUTPUT cannot be read or written
+        raise FileAccessError(message_of(err)) from None
     json.dump(summary, sys.stdout, indent=2)
     print()
 

@@ -1,23 +1,15 @@
 """Command-line flags: the one place that turns a dataclass of settings into argparse flags, and
 the one command that lists the plugin's fairseq-train flags.
 
-:func:`add_config_flags` makes a command's flags from its config dataclass, so that each setting's
-name, default and help are written once, beside the code that uses it:
-``add_config_flags(parser, SeqKDConfig)`` adds ``--field-name`` for every field: its help from
-``field(metadata={"help": ...})`` (fairseq's convention; ``"metavar"`` too), its default from the
-field (a field without one is a required flag), ``store_true`` for a ``bool`` that defaults to
-False, and the type of ``Optional[T]`` fields as ``T``. Then ``Config(**vars(parser.parse_args()))``.
-Not fairseq's ``gen_parser_from_dataclass``: it turns a field named ``data`` into a positional
-argument (fairseq-train's ``DATA``), which would change these commands' ``--data`` flag, and it
-needs a ``FairseqDataclass``, whose import loads fairseq even for fairseq-free commands.
-
+:func:`add_config_flags` makes a command's flags from its config dataclass (``--field-name`` for
+every field: help and metavar from ``field(metadata=...)``, the field's default, ``store_true`` for
+a ``bool`` defaulting to False, ``Optional[T]`` as ``T``); then ``Config(**vars(args))``.
 :func:`cli_main` lists the flags of the ``translation_kd`` task and of a distillation criterion,
-with their help. ``fairseq-train --help`` cannot: fairseq prints its help before it adds the flags
-of the chosen task, criterion and architecture (``fairseq.options.parse_args_and_arch`` parses
-once with ``--help`` still active), so ``fairseq-train --help --user-dir fairseq_kd --criterion
-NAME`` lists only the generic flags. This prints what it leaves out:
+which ``fairseq-train --help`` cannot (it prints its help before adding them)::
 
     python -m fairseq_kd.cli.flags --criterion a2d_kd
+
+Why not fairseq's own helpers: ``docs/design/commands.md``.
 """
 from __future__ import annotations
 

@@ -5,19 +5,12 @@ Usage::
     fairseq-kd-hf-data --teacher opus-mt-de-en/ -s de -t en \\
         --trainpref raw/train --validpref raw/valid --testpref raw/test --destdir data-bin/de-en.hf
 
-Each line is tokenised by the teacher's own tokenizer (``AutoTokenizer``, offline): the source as
-``tokenizer(line)``, the target as ``tokenizer(text_target=line)``, so language tags land where the
-teacher's own training put them (M2M100/NLLB: the source language tag first in every source
-sentence, the target language tag first in every target sentence; Marian: none). The tokenizer's
-closing ``</s>`` is dropped because fairseq appends its own, which maps to it. The ids are mapped to
-fairseq indices by :class:`fairseq_kd.models.hf_vocabulary.VocabularyMap`, one per side, and
-written with fairseq's own indexed-dataset builder (``mmap``), as ``fairseq-preprocess`` writes
-them, with ``dict.SRC.txt`` / ``dict.TGT.txt`` holding exactly the teacher's vocabulary of that side
-(counts from that side's training text): the same symbols on both sides for a tokenizer with one
-vocabulary; for a Marian teacher with separate vocabularies, ``dict.SRC.txt`` is its source
-vocabulary (``vocab.json``) and ``dict.TGT.txt`` its target vocabulary (``target_vocab.json``), each
-side's ids mapped by its own map. ``fairseq-train --task translation_kd --teacher-checkpoint DIR``
-then checks each dictionary symbol for symbol against its side.
+Each line is tokenised by the teacher's own tokenizer (offline; the target with ``text_target``,
+so language tags land where the teacher's training put them), its closing ``</s>`` dropped (fairseq
+appends its own), mapped to fairseq indices (:class:`fairseq_kd.models.hf_vocabulary.VocabularyMap`,
+one per side) and written with fairseq's indexed-dataset builder; ``dict.SRC.txt`` /
+``dict.TGT.txt`` hold exactly the teacher's vocabulary of that side. ``fairseq-train --task
+translation_kd --teacher-checkpoint DIR`` then checks each dictionary symbol for symbol.
 """
 from __future__ import annotations
 

@@ -9,19 +9,11 @@ Subcommands::
     fairseq-kd-plot curves --log checkpoints/word_kd/train.log --output figs/word_kd_curves.png
     fairseq-kd-plot compare --log no_kd=no_kd/train.log --log word_kd=word_kd/train.log --output figs/nll.png
 
-``alignment`` and ``alp`` read their weights from a fairseq-train checkpoint (``--checkpoint``,
-loaded with ``weights_only=True``; ``--weights-output`` also writes them as JSON) or from such a
-JSON file (``--input``). ``alignment``: Align-to-Distill's Attention Alignment Modules (Jin et al.
-2024, "Align-to-Distill", arXiv:2403.01479, Eq. 9 and Figure 2), stored in the checkpoint's
-``criterion`` entry by ``--criterion a2d_kd``; JSON ``{"encoder_self": {"weights": [[...]],
-"student_layers": m, "student_heads": hs, "teacher_layers": n, "teacher_heads": ht}, ...}`` (rows =
-student maps). ``alp``: ALP-KD's mean attention of each student layer over teacher layers (Passban
-et al. 2021, "ALP-KD", arXiv:2012.14022, Eq. 5-6) over the positions trained on in the
-checkpoint's last epoch, stored by ``--criterion alp_kd``; JSON ``{"encoder": [[...]], "decoder":
-[[...]]}``. ``curves``: every ``*loss`` statistic of a fairseq-train log (``--log-format json`` or
-``simple``) against the update number. ``compare``: one statistic of several runs on one axis.
-Each figure is titled with the run or runs it shows, a file as ``RUN/NAME`` (``--title``
-replaces it); curves say their unit (fairseq logs losses per target token in base 2: nll in bits).
+``alignment`` (Align-to-Distill's alignment weights, Jin et al. 2024, Figure 2) and ``alp`` (ALP-KD's
+layer weights, Passban et al. 2021) read a fairseq-train checkpoint of that criterion
+(``--checkpoint``, loaded with ``weights_only=True``) or its JSON (``--input``, as
+``--weights-output`` writes it); ``curves``: every ``*loss`` statistic of a fairseq-train log
+against the update number; ``compare``: one statistic of several runs. Formats: ``docs/design/figures.md``.
 """
 from __future__ import annotations
 

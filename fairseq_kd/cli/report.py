@@ -6,14 +6,11 @@ Example::
 
     fairseq-kd-report --system teacher=scores/teacher.json --system no_kd=scores/no_kd.json \\
         --system word_kd=gen/word_kd.txt --detok-moses en --baseline no_kd \\
-        --params teacher=31500000 --speed teacher=41.2 --sidecar sizes.json \\
-        --out-prefix results/iwslt14_3layer
+        --params teacher=31500000 --speed teacher=41.2 --sidecar sizes.json --out-prefix results/iwslt14_3layer
 
-Each ``--system`` file is a score record (``fairseq-kd-score --output-json``) or a fairseq-generate
-output (scored here with the detokenisation flags). Intervals and p-values of all systems come from
-one call of sacreBLEU's paired tests (``sacrebleu.significance``), the baseline first: they equal
-``sacrebleu REF -i BASELINE SYSTEM... --paired-bs`` / ``--paired-ar`` on the same text. The Markdown table goes to stdout and, with
-``--out-prefix P``, to ``P.md``, ``P.csv`` and ``P.json``.
+Each ``--system`` file is a score record or a fairseq-generate output (scored here). Intervals and
+p-values come from one call of sacreBLEU's paired tests, the baseline first. The Markdown table goes
+to stdout and, with ``--out-prefix P``, to ``P.md``, ``P.csv`` and ``P.json``.
 """
 from __future__ import annotations
 

@@ -3,15 +3,9 @@ sacreBLEU's paired tests (bootstrap and approximate randomisation) against a bas
 
 Examples::
 
-    # fairseq-generate output of an IWSLT'14 model (BPE + Moses, generated with --remove-bpe)
     fairseq-kd-score --generate-output gen.txt --detok-moses en --system word_kd \\
-        --baseline no_kd=scores/no_kd.json --output-json scores/word_kd.json \\
-        --output-md scores/table.md
-
-    # plain files
+        --baseline no_kd=scores/no_kd.json --output-json scores/word_kd.json --output-md scores/table.md
     fairseq-kd-score --hyp hyp.bpe.txt --ref test.bpe.en --remove-bpe subword_nmt
-
-    # a model trained on data in a Hugging Face teacher's vocabulary (fairseq-kd-hf-data --teacher DIR)
     fairseq-kd-score --generate-output gen.txt --detok-hf opus-mt-de-en/ --ref raw/test.en --ref-is-plain
 
 The JSON score record (format in ``fairseq_kd.scoring.report``) keeps the scored, detokenised text,

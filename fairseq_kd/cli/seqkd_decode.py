@@ -7,28 +7,12 @@ Usage::
         [--engine ctranslate2 [--ct2-quantization float32] [--threads 0]]
     fairseq-kd-seqkd --data data-bin/de-en.opus --teacher-checkpoint opus-mt-de-en/ --output data-bin/de-en.opus.seqkd
 
-(or ``python -m fairseq_kd.cli.seqkd_decode``). The output folder is a binarised dataset for
-``fairseq-train`` (any criterion): the teacher's beam-search outputs as training targets, the
-original valid/test splits and dictionaries. An interrupted run resumes from its finished shards
-when re-run with the same flags; a finished one is a no-op.
-
-Several workers share the pass the fairseq way, all writing into the same ``--output`` (on a shared
-filesystem): a job array's ``--num-shards N --shard-id I`` (worker I decodes the shards i with
-i % N == I; the one that writes the last shard binarises), or the ranks of ``torchrun
---nproc_per_node G -m fairseq_kd.cli.seqkd_decode ...`` or of ``srun`` (each rank on GPU
-LOCAL_RANK; rank 0 binarises after the others). The output is one process's, byte for byte.
-
-``--engine ctranslate2`` decodes with CTranslate2 instead of fairseq's ``SequenceGenerator`` (the
-``deploy`` extra): the teacher is converted once per run into ``OUTPUT/seqkd_work/`` with
-``--ct2-quantization`` weights (float32 by default, which gives fairseq's tokens with beam 1 and on
-most sentences with beam 5; float16 or int8_float16 on CUDA instead of ``--fp16``), decoded with
-``--threads`` intra-op threads, on CUDA when available and not ``--cpu``. Same batches, length
-limits, shards and output; the engine is part of what a resumed run must repeat.
-
-A Hugging Face teacher (``--teacher-checkpoint DIR``, a ``save_pretrained`` folder; the data
-binarised in its vocabulary by ``fairseq-kd-hf-data``) decodes with its own ``generate`` under the
-same rules (``--engine transformers``, what the default ``--engine auto`` chooses for a folder; the
-``hf`` extra). See ``fairseq_kd/teacher_pass/seqkd.py``.
+The output folder is a binarised dataset for ``fairseq-train``: the teacher's beam-search outputs
+as training targets, the original valid/test splits and dictionaries. A re-run with the same flags
+resumes from the finished shards; workers of a job array (``--num-shards N --shard-id I``),
+``torchrun`` or ``srun`` share one ``--output``. ``--engine ctranslate2`` and a Hugging Face
+teacher's ``--engine transformers`` decode under the same rules. See
+:mod:`fairseq_kd.teacher_pass.seqkd` and ``docs/design/commands.md``.
 """
 from __future__ import annotations
 

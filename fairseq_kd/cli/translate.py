@@ -6,19 +6,11 @@ output format.
         --batch-size 32 --threads 2 --remove-bpe --results-path gen/student-int8
     fairseq-kd-translate data-bin/de-en.hf --model opus-mt-de-en/ --gen-subset test --results-path gen/teacher
 
-``--model`` is a CTranslate2 model folder (``model.bin``) or a Hugging Face ``save_pretrained``
-folder (``config.json``) whose vocabulary the data is binarised in (``fairseq-kd-hf-data``): the
-latter decodes with the model's own ``generate`` under fairseq-generate's rules
-(:mod:`fairseq_kd.deploy.hf_engine`), so that a report scores a Hugging Face teacher beside the
-students distilled from it.
-
-The output (``RESULTS_PATH/generate-SUBSET.txt``, or standard output) has fairseq-generate's
-``S-``/``T-``/``H-``/``D-`` lines, its ``Translated N sentences ... (X sentences/s, Y tokens/s)``
-line (decoding time only, as fairseq-generate counts it) and its closing ``Generate SUBSET with
-beam=N:`` line, so ``fairseq-kd-score`` and ``fairseq-kd-report`` read it like a fairseq-generate
-file and put CTranslate2 models beside fairseq ones with paired tests. Sentences are batched as
-fairseq-generate batches them (by length, ``--batch-size``/``--max-tokens``) and decoded with its
-rules (:mod:`fairseq_kd.deploy.ctranslate2_engine`).
+``--model`` is a CTranslate2 model folder or a Hugging Face ``save_pretrained`` folder whose
+vocabulary the data is binarised in. Sentences are batched and decoded with fairseq-generate's
+rules (:mod:`fairseq_kd.deploy.ctranslate2_engine`, :mod:`fairseq_kd.deploy.hf_engine`), and the
+output (``RESULTS_PATH/generate-SUBSET.txt``, or standard output) has fairseq-generate's lines, so
+``fairseq-kd-score`` and ``fairseq-kd-report`` read it like a fairseq-generate file.
 """
 from __future__ import annotations
 

@@ -1,26 +1,12 @@
 """Decoding fairseq-binarised data with a CTranslate2 model: token ids in, token ids out.
 
-One engine serves ``fairseq-kd-translate`` (a test set, output the scorer reads), sequence-level
-KD (``fairseq-kd-seqkd --engine ctranslate2``) and the deploy benchmark. It is given fairseq's own
-batches (sentences ordered by length, ``batch_by_size``) and applies fairseq-generate's decoding
-rules, so that a CTranslate2 model decodes what ``fairseq-generate`` would:
-
-* the source is the binarised ids without the final ``</s>``, which CTranslate2 appends
-  (``add_source_eos``, set by the export); decoding starts from ``</s>``;
-* the length limit is fairseq's: ``max_len_a * S + max_len_b`` tokens before ``</s>``, where ``S``
-  is the length of the batch's longest source (with its ``</s>``), capped by the model's target
-  positions minus one (``SequenceGenerator``); CTranslate2 gets that per batch as
-  ``max_decoding_length``, and a hypothesis cut there ends with ``</s>`` as fairseq forces it;
-* at least one token before ``</s>`` (fairseq's ``--min-len 1``: ``min_decoding_length``);
-* scores normalised by length to the power ``lenpen`` (CTranslate2's ``length_penalty``).
-
-What still differs by design: CTranslate2's beam search stops when its best ``beam`` hypotheses
-have finished, while fairseq's keeps ``beam`` finalised hypotheses from the ``2 * beam`` candidates
-of each step; on ties and near-ties the two may choose differently. Greedy decoding (beam 1) in
-float32 gives fairseq's tokens; beam search agrees on most sentences (the tests bound it).
-
-The hypotheses come back as target dictionary ids ending with ``</s>``, exactly what fairseq's
-generator hands ``fairseq-generate`` and ``fairseq-kd-seqkd``.
+One engine for ``fairseq-kd-translate``, ``fairseq-kd-seqkd --engine ctranslate2`` and the deploy
+benchmark. It is given fairseq's own batches and applies fairseq-generate's rules (the source
+without its ``</s>``, which CTranslate2 appends; decoding from ``</s>``; fairseq's length limit per
+batch; ``--min-len``; ``lenpen``), so that a CTranslate2 model decodes what ``fairseq-generate``
+would; greedy decoding in float32 gives fairseq's tokens, and beam search may differ on near-ties
+(CTranslate2 stops when its best ``beam`` hypotheses have finished). The hypotheses come back as
+target dictionary ids ending with ``</s>``. Design notes: ``docs/design/deploy.md``.
 """
 from __future__ import annotations
 
@@ -110,9 +96,7 @@ class CTranslate2Engine:
         self.source_eos = source_dictionary.eos()
         self.target_eos = target_dictionary.eos()
         self.max_target_positions = self.record.get("max_target_positions")
-        # N threads on the CPU are N workers of one thread each, every batch split among them: small
-        # models gain nothing from intra-op threads (measured on the Multi30k A2D student, d 64:
-        # 2 intra-op threads 292 sentences/s, 1 thread 299, 2 workers 543; docs/results/deploy_cpu.md).
+        # N threads on the CPU are N workers of one thread each (docs/design/deploy.md)
         self.workers = threads if threads > 1 and device == "cpu" else 1
         try:
             self.translator = ctranslate2.Translator(

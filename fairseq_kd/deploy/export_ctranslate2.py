@@ -2,32 +2,13 @@
 
     fairseq-kd-export CKPT OUT --format ctranslate2 --quantization int8
 
-CTranslate2 (Klein et al., 2020, OpenNMT's inference engine) runs Transformer translation models
-with layer fusion, padding removal and int8/int16/float16 weights; it is what distillation
-pipelines that ship small students (Bergamot / mozilla-translations, OPUS-MT) deploy with.
-
-CTranslate2's own ``ct2-fairseq-converter`` unpickles the checkpoint's config as fairseq's
-``argparse.Namespace`` and so cannot read a plain export (``fairseq-kd-export``'s config is plain
-containers, loadable with ``weights_only=True``). This module does the conversion in-process
-through CTranslate2's converter API instead:
-
-1. the checkpoint is read with ``weights_only=True`` (:mod:`fairseq_kd.checkpoints`; nothing
-   is ever unpickled beyond the allow-list), its model built by fairseq with the plugin's
-   architectures registered, and the data's dictionaries checked against it;
-2. everything CTranslate2's ``TransformerSpec`` cannot express is refused in one line naming what
-   differs (:func:`unsupported_features`), before any file is written;
-3. the spec is filled by CTranslate2's own fairseq layer mapping (``set_transformer_encoder`` /
-   ``set_transformer_decoder``), with fairseq's decoding conventions: the source ends with
-   ``</s>`` (``add_source_eos``) and the decoder starts from ``</s>`` (fairseq's BOS for
-   translation);
-4. the folder is written under a temporary name and renamed, so an interrupted export leaves no
-   half-written model, and ``--overwrite`` replaces only an unchanged earlier export
-   (:mod:`.model_folder`).
-
-Beside CTranslate2's files the folder holds ``fairseq_kd_export.json`` (:data:`RECORD_NAME`): the
-source checkpoint's SHA-256, the quantisation, the languages, the SHA-256 of both dictionaries,
-which decoding (:mod:`.ctranslate2_engine`) checks against the data it is given, and the size and
-SHA-256 of every other file, which ``--overwrite`` and every reader (:mod:`.ctranslate2_folder`) check.
+In-process through CTranslate2's converter API (its ``ct2-fairseq-converter`` cannot read a plain
+export): the checkpoint is read with ``weights_only=True`` and its model built by fairseq, the
+data's dictionaries checked against it, what ``TransformerSpec`` cannot express refused in one line
+(:func:`unsupported_features`), the spec filled by CTranslate2's own fairseq layer mapping with
+fairseq's conventions (``add_source_eos``, decoding from ``</s>``), and the folder written whole
+(:mod:`.model_folder`) with its record (:data:`RECORD_NAME`: checkpoint, quantisation, languages,
+dictionaries' and files' SHA-256). Design notes: ``docs/design/deploy.md``.
 """
 from __future__ import annotations
 
@@ -41,6 +22,7 @@ import torch
 
 from ..errors import InputError
 from . import import_ctranslate2
+from .layout import LayoutChecker, check_decoder_and_widths, normformer_modules
 from .model_folder import FILES_KEY, ExportFolder, file_inventory
 
 #: CTranslate2's weight types (``ct2-*-converter --quantization``); the *_float16/bfloat16 ones
@@ -181,46 +163,30 @@ def _check_dictionaries_fit(state: dict, dictionaries: list, flag: str) -> None:
 
 def unsupported_features(loaded: LoadedTransformer) -> List[str]:
     """What this model has that CTranslate2's ``TransformerSpec`` cannot express (empty: exportable)."""
-    model = loaded.model
-    encoder, decoder = model.encoder, model.decoder
-    found = []
-    if loaded.activation_fn not in _ACTIVATIONS:
-        found.append(f"--activation-fn {loaded.activation_fn} (CTranslate2: {', '.join(_ACTIVATIONS)})")
+    encoder, decoder = loaded.model.encoder, loaded.model.decoder
+    layers = list(encoder.layers) + list(decoder.layers)
+    check = LayoutChecker()
+    check(loaded.activation_fn not in _ACTIVATIONS,
+          f"--activation-fn {loaded.activation_fn} (CTranslate2: {', '.join(_ACTIVATIONS)})")
     heads = {layer.self_attn.num_heads for layer in encoder.layers} | {
         attention.num_heads for layer in decoder.layers for attention in (layer.self_attn, layer.encoder_attn)}
-    if len(heads) > 1:
-        found.append(f"attention heads differ between layers or between encoder and decoder ({sorted(heads)}); "
-                     "CTranslate2 has one head count")
-    pre_norm = {layer.normalize_before for layer in list(encoder.layers) + list(decoder.layers)}
-    if len(pre_norm) > 1:
-        found.append("--encoder-normalize-before and --decoder-normalize-before differ")
-    elif pre_norm == {True} and (encoder.layer_norm is None or decoder.layer_norm is None):
-        found.append("a pre-norm model without a final layer norm (--no-decoder-final-norm)")
-    if (getattr(encoder, "layernorm_embedding", None) is None) != (getattr(decoder, "layernorm_embedding", None) is None):
-        found.append("--layernorm-embedding on one side only")
-    if encoder.embed_positions is None or decoder.embed_positions is None:
-        found.append("--no-token-positional-embeddings")
-    if getattr(decoder, "adaptive_softmax", None) is not None:
-        found.append("an adaptive softmax (--adaptive-softmax-cutoff)")
-    if getattr(decoder, "project_in_dim", None) is not None or getattr(decoder, "project_out_dim", None) is not None:
-        found.append("decoder input/output dimensions other than its embedding dimension")
-    if getattr(decoder, "cross_self_attention", False):
-        found.append("--cross-self-attention")
-    if encoder.embed_tokens.embedding_dim != decoder.embed_tokens.embedding_dim:
-        found.append(f"encoder width {encoder.embed_tokens.embedding_dim} differs from decoder width "
-                     f"{decoder.embed_tokens.embedding_dim}")
-    normformer = sorted({name for layer in list(encoder.layers) + list(decoder.layers)
-                         for name in ("attn_ln", "ffn_layernorm", "c_attn", "w_resid")
-                         if getattr(layer, name, None) is not None})
-    if normformer:
-        found.append(f"NormFormer layers ({', '.join(normformer)}: --scale-attn/--scale-fc/--scale-heads/"
-                     "--scale-resids)")
+    check(len(heads) > 1, f"attention heads differ between layers or between encoder and decoder ({sorted(heads)}); "
+                          "CTranslate2 has one head count")
+    pre_norm = {layer.normalize_before for layer in layers}
+    check(len(pre_norm) > 1, "--encoder-normalize-before and --decoder-normalize-before differ")
+    check(pre_norm == {True} and (encoder.layer_norm is None or decoder.layer_norm is None),
+          "a pre-norm model without a final layer norm (--no-decoder-final-norm)")
+    check((getattr(encoder, "layernorm_embedding", None) is None) != (getattr(decoder, "layernorm_embedding", None) is None),
+          "--layernorm-embedding on one side only")
+    check(encoder.embed_positions is None or decoder.embed_positions is None, "--no-token-positional-embeddings")
+    check_decoder_and_widths(check, encoder, decoder)
+    normformer = normformer_modules(layers)
+    check(normformer, f"NormFormer layers ({', '.join(normformer)}: --scale-attn/--scale-fc/--scale-heads/--scale-resids)")
     for side, dictionary in (("source", loaded.source_dictionary), ("target", loaded.target_dictionary)):
-        if len(set(dictionary.symbols)) != len(dictionary.symbols):
-            found.append(f"the {side} dictionary repeats a symbol")
-        if (dictionary.unk_word, dictionary.bos_word, dictionary.eos_word) != ("<unk>", "<s>", "</s>"):
-            found.append(f"the {side} dictionary's special symbols are not <unk>, <s>, </s>")
-    return found
+        check(len(set(dictionary.symbols)) != len(dictionary.symbols), f"the {side} dictionary repeats a symbol")
+        check((dictionary.unk_word, dictionary.bos_word, dictionary.eos_word) != ("<unk>", "<s>", "</s>"),
+              f"the {side} dictionary's special symbols are not <unk>, <s>, </s>")
+    return check.problems
 
 
 def ctranslate2_vocabulary(dictionary) -> List[str]:
@@ -269,18 +235,9 @@ def round_int8_weights(spec, quantization: str, bits: int) -> None:
     """CTranslate2's ``ModelSpec.optimize`` (alias equal variables, then quantise), with every int8
     weight rounded to ``bits`` bits: ``q = rint(w * L / max|w_row|)``, scale ``L / max|w_row|``,
     ``L = 2**(bits-1) - 1``, one scale per output row as CTranslate2's own int8 (which is L = 127).
-
-    Why 7 bits by default: CTranslate2 multiplies int8 weights by activations shifted to uint8
-    (0..255), and on x86 CPUs without VNNI (AVX2 only; AVX-512 without VNNI) MKL's and oneDNN's
-    u8*s8 kernels (``vpmaddubsw``) add each pair of adjacent products in a saturating int16, which
-    8-bit weights overflow (255 * 127 * 2 > 32767); with |q| <= 63 no pair can (255 * 63 * 2 <
-    32767), so the integer products are exact on every CPU, as oneDNN advises ("Nuances of int8
-    computations", its developer guide). Measured on the Multi30k d 64 student
-    (docs/results/deploy_cpu.md): 8-bit weights lose 0.91 BLEU on MKL's AVX2 path, 7-bit weights
-    decode the same on both paths.
-
-    This uses CTranslate2's private spec API (``_alias_variables``, ``_quantize``, ``_visit``), as
-    its converters' ``optimize`` does; the version is recorded with the export."""
+    7 bits by default: no pair of products overflows the 16-bit sums of int8 kernels on CPUs
+    without VNNI (docs/design/deploy.md). Uses CTranslate2's private spec API, as its converters'
+    ``optimize`` does; the version is recorded with the export."""
     from ctranslate2.specs.model_spec import Variable
 
     spec._alias_variables()
@@ -338,9 +295,9 @@ def export_ctranslate2(checkpoint: str, output: str, quantization: str = "int8",
     output_folder = _output_folder(checkpoint, output, overwrite)
     out = output_folder.check()
     loaded = load_transformer(checkpoint, data)
-    missing = unsupported_features(loaded)
-    if missing:
-        raise CTranslate2ExportError(f"{checkpoint!r} cannot be expressed in CTranslate2: {'; '.join(missing)}")
+    check = LayoutChecker()
+    check.problems = unsupported_features(loaded)
+    check.refuse(CTranslate2ExportError, f"{checkpoint!r} cannot be expressed in CTranslate2")
     spec = build_spec(loaded)
 
     with output_folder.staged() as staging:

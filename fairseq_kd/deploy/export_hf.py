@@ -2,39 +2,14 @@
 
     fairseq-kd-export CKPT OUT --format hf [--spm-model SPM.model]
 
-The folder is a model of the Hugging Face family whose layout is fairseq's, weight for weight:
-
-* ``MarianMTModel`` for post-norm (fairseq's default ``transformer``: ``normalize_before`` False on
-  both sides, no final layer norms). Marian computes its sinusoidal positions with another
-  frequency rule (``10000^(-2i/d)`` against fairseq's ``10000^(-i/(d/2-1))``) and from position 0,
-  so the export stores fairseq's table, shifted by fairseq's padding offset (fairseq position
-  ``padding_idx + 1 + i`` is Marian's row ``i``), in ``model.safetensors``; ``from_pretrained``
-  reads it. A folder re-saved with ``save_pretrained`` loses it (Marian leaves positions out when
-  saving): re-export instead. CTranslate2's transformers converter cannot read such a folder (its
-  Marian loader drops the vocabulary's last row, assumed to be Marian's ``<pad>``, and starts the
-  decoder from a zero embedding, where fairseq starts from ``</s>``'s): use ``--format ctranslate2``.
-* ``M2M100ForConditionalGeneration`` for pre-norm with final layer norms on both sides. M2M100
-  computes fairseq's own sinusoidal table (the same rule, offset ``padding_idx + 1`` with
-  ``padding_idx`` 1) from the tokens, so nothing is stored for positions.
-
-Both: ``scale_embedding`` as fairseq's ``--no-scale-embedding`` says, the activation by name, no
-``final_logits_bias`` (zeros), the embeddings tied as fairseq's are (``--share-all-embeddings``:
-one shared matrix and the output projection tied to it; otherwise every matrix its own copy,
-``tie_word_embeddings`` False). The vocabulary is the fairseq dictionary index for index (one
-dictionary: source and target must be the same symbols): ``<s> <pad> </s> <unk>`` at 0-3 are
-``bos/pad/eos/unk``, and the decoder starts with ``</s>`` (``decoder_start_token_id`` 2) as fairseq's
-does. The generation config is fairseq-generate's (greedy by default, ``<pad>`` never generated,
-no ``</s>`` as the first token, no forced ``</s>``).
-
-Tokenizer: where the data was SentencePiece (``--spm-model``, or the one ``*.model`` file in the
-data folder) a ``MarianTokenizer`` over that model and the dictionary (raw text in, ``</s>``
-appended, as fairseq's data); otherwise a word-level tokenizer of the dictionary that splits on
-whitespace: text must be pre-tokenised (Moses and BPE) as for fairseq.
-
-A layout neither family expresses is refused in one line naming every difference before anything
-is written; the folder is written under a temporary name, loaded back with ``from_pretrained``
-and checked against the fairseq model's logits, then renamed; its record lists every file with
-its size and SHA-256, and ``--overwrite`` replaces only such an unchanged export (:mod:`.model_folder`).
+The family whose layout is fairseq's, weight for weight: ``MarianMTModel`` for post-norm (fairseq's
+sinusoidal positions stored in ``model.safetensors``), ``M2M100ForConditionalGeneration`` for
+pre-norm with final layer norms. One vocabulary, the fairseq dictionary index for index; the
+generation config is fairseq-generate's; the tokenizer a ``MarianTokenizer`` over the data's
+SentencePiece model, else a whitespace tokenizer of the dictionary. A layout neither family
+expresses is refused in one line before anything is written; the folder is loaded back and checked
+against the fairseq model's logits before it is renamed into place (:mod:`.model_folder`). Design
+notes: ``docs/design/deploy.md``.
 """
 from __future__ import annotations
 
@@ -46,6 +21,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .export_ctranslate2 import CTranslate2ExportError, LoadedTransformer, load_transformer
+from .layout import LayoutChecker, check_decoder_and_widths, normformer_modules
 from .model_folder import FILES_KEY, ExportFolder, file_inventory
 
 RECORD_NAME = "fairseq_kd_export.json"
@@ -82,65 +58,46 @@ def family_and_differences(loaded: LoadedTransformer) -> Tuple[Optional[str], Li
     model = loaded.model
     encoder, decoder = model.encoder, model.decoder
     layers = list(encoder.layers) + list(decoder.layers)
-    found = []
+    check = LayoutChecker()
     pre_norm = {bool(layer.normalize_before) for layer in layers}
-    family = None
-    if len(pre_norm) > 1:
-        found.append("--encoder-normalize-before and --decoder-normalize-before differ (Marian: post-norm on both "
-                     "sides; M2M100: pre-norm on both sides)")
-    elif pre_norm == {True}:
-        family = "m2m_100"
-        if encoder.layer_norm is None or decoder.layer_norm is None:
-            found.append("a pre-norm model without a final layer norm (--no-decoder-final-norm); M2M100 has both")
-    else:
-        family = "marian"
-    if loaded.activation_fn not in ACTIVATIONS:
-        found.append(f"--activation-fn {loaded.activation_fn} (expressible: {', '.join(ACTIVATIONS)})")
-    if any(getattr(module, "layernorm_embedding", None) is not None for module in (encoder, decoder)):
-        found.append("--layernorm-embedding (neither Marian nor M2M100 normalises the embeddings)")
+    family = None if len(pre_norm) > 1 else "m2m_100" if pre_norm == {True} else "marian"
+    check(family is None, "--encoder-normalize-before and --decoder-normalize-before differ (Marian: post-norm on "
+                          "both sides; M2M100: pre-norm on both sides)")
+    check(family == "m2m_100" and (encoder.layer_norm is None or decoder.layer_norm is None),
+          "a pre-norm model without a final layer norm (--no-decoder-final-norm); M2M100 has both")
+    check(loaded.activation_fn not in ACTIVATIONS,
+          f"--activation-fn {loaded.activation_fn} (expressible: {', '.join(ACTIVATIONS)})")
+    check(any(getattr(module, "layernorm_embedding", None) is not None for module in (encoder, decoder)),
+          "--layernorm-embedding (neither Marian nor M2M100 normalises the embeddings)")
     for side, module in (("encoder", encoder), ("decoder", decoder)):
-        positions = module.embed_positions
-        if positions is None:
-            found.append("--no-token-positional-embeddings")
+        if module.embed_positions is None:
+            check(True, "--no-token-positional-embeddings")
             break
-        if not isinstance(positions, SinusoidalPositionalEmbedding):
-            found.append(f"learned positions (--{side}-learned-pos); both families use sinusoidal positions")
-    if getattr(decoder, "adaptive_softmax", None) is not None:
-        found.append("an adaptive softmax (--adaptive-softmax-cutoff)")
-    if getattr(decoder, "project_in_dim", None) is not None or getattr(decoder, "project_out_dim", None) is not None:
-        found.append("decoder input/output dimensions other than its embedding dimension")
-    if getattr(decoder, "cross_self_attention", False):
-        found.append("--cross-self-attention")
-    if encoder.embed_tokens.embedding_dim != decoder.embed_tokens.embedding_dim:
-        found.append(f"encoder width {encoder.embed_tokens.embedding_dim} differs from decoder width "
-                     f"{decoder.embed_tokens.embedding_dim}")
+        check(not isinstance(module.embed_positions, SinusoidalPositionalEmbedding),
+              f"learned positions (--{side}-learned-pos); both families use sinusoidal positions")
+    check_decoder_and_widths(check, encoder, decoder)
     for side, module in (("encoder", encoder), ("decoder", decoder)):
         heads = {layer.self_attn.num_heads for layer in module.layers}
         ffn = {layer.fc1.out_features for layer in module.layers}
-        if len(heads) > 1 or len(ffn) > 1:
-            found.append(f"{side} layers of different head counts or FFN widths")
-    cross_heads = {layer.encoder_attn.num_heads for layer in decoder.layers}
-    if cross_heads != {layer.self_attn.num_heads for layer in decoder.layers}:
-        found.append("decoder cross-attention heads differ from its self-attention heads")
-    normformer = sorted({name for layer in layers for name in ("attn_ln", "ffn_layernorm", "c_attn", "w_resid")
-                         if getattr(layer, name, None) is not None})
-    if normformer:
-        found.append(f"NormFormer layers ({', '.join(normformer)})")
-    if any(getattr(attention, "bias_k", None) is not None for layer in layers
-           for attention in (layer.self_attn, getattr(layer, "encoder_attn", None)) if attention is not None):
-        found.append("attention with --add-bias-kv")
+        check(len(heads) > 1 or len(ffn) > 1, f"{side} layers of different head counts or FFN widths")
+    check({layer.encoder_attn.num_heads for layer in decoder.layers} != {layer.self_attn.num_heads for layer in decoder.layers},
+          "decoder cross-attention heads differ from its self-attention heads")
+    normformer = normformer_modules(layers)
+    check(normformer, f"NormFormer layers ({', '.join(normformer)})")
+    check(any(getattr(attention, "bias_k", None) is not None for layer in layers
+              for attention in (layer.self_attn, getattr(layer, "encoder_attn", None)) if attention is not None),
+          "attention with --add-bias-kv")
     source, target = loaded.source_dictionary, loaded.target_dictionary
-    if list(source.symbols) != list(target.symbols):
-        found.append("separate source and target dictionaries (a Hugging Face folder holds one vocabulary: "
-                     "train with --joined-dictionary)")
+    check(list(source.symbols) != list(target.symbols), "separate source and target dictionaries (a Hugging Face "
+                                                        "folder holds one vocabulary: train with --joined-dictionary)")
     for side, dictionary in (("source", source), ("target", target)):
-        if (dictionary.bos(), dictionary.pad(), dictionary.eos(), dictionary.unk()) != (0, 1, 2, 3) or \
-                list(dictionary.symbols[:4]) != ["<s>", "<pad>", "</s>", "<unk>"]:
-            found.append(f"the {side} dictionary does not hold <s> <pad> </s> <unk> at 0-3")
+        check((dictionary.bos(), dictionary.pad(), dictionary.eos(), dictionary.unk()) != (0, 1, 2, 3) or
+              list(dictionary.symbols[:4]) != ["<s>", "<pad>", "</s>", "<unk>"],
+              f"the {side} dictionary does not hold <s> <pad> </s> <unk> at 0-3")
     shared_all = encoder.embed_tokens.weight is decoder.embed_tokens.weight
-    if shared_all and not decoder.share_input_output_embed:
-        found.append("shared encoder/decoder embeddings with an untied output projection")
-    return (family if not found else None), found
+    check(shared_all and not decoder.share_input_output_embed,
+          "shared encoder/decoder embeddings with an untied output projection")
+    return (family if not check.problems else None), check.problems
 
 
 def _config(transformers, family: str, loaded: LoadedTransformer):
@@ -316,10 +273,9 @@ def export_hf(checkpoint: str, output: str, data: Optional[str] = None, spm_mode
         loaded = load_transformer(checkpoint, data)
     except CTranslate2ExportError as err:
         raise HuggingFaceExportError(str(err)) from None
-    family, differences = family_and_differences(loaded)
-    if differences:
-        raise HuggingFaceExportError(f"{checkpoint!r} cannot be expressed as MarianMT or M2M100: "
-                                     f"{'; '.join(differences)}")
+    check = LayoutChecker()
+    family, check.problems = family_and_differences(loaded)
+    check.refuse(HuggingFaceExportError, f"{checkpoint!r} cannot be expressed as MarianMT or M2M100")
     spm_path = find_spm_model(loaded.data, spm_model)
     loaded.model.float()
     config = _config(transformers, family, loaded)

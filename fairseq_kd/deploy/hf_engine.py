@@ -1,35 +1,12 @@
 """Decoding fairseq-binarised data with a Hugging Face teacher's own ``generate``: ids in, ids out.
 
-The engine of a teacher given as a ``save_pretrained`` folder (:mod:`fairseq_kd.models.hf_teacher`)
-for sequence-level KD (``fairseq-kd-seqkd --teacher-checkpoint DIR``: ``--engine transformers``,
-chosen by default for a folder) and for ``fairseq-kd-translate --model DIR`` (a test set in
-fairseq-generate's format, so a report scores the teacher beside its students). The data is
-binarised in the teacher's vocabulary (``fairseq-kd-hf-data``); the adapter's fixed index maps turn
-the sources into the model's ids and the hypotheses back into the data's dictionary.
-
-The search is Hugging Face's beam search (``generate``: ``num_beams``, ``length_penalty``,
-``early_stopping=True``), given fairseq-generate's rules, as the CTranslate2 engine is
-(:mod:`.ctranslate2_engine`), so that the same flags decode alike whatever the engine:
-
-* the length limit is fairseq's: at most ``max_len_a * S + max_len_b`` tokens before ``</s>``, ``S``
-  the length of the batch's longest source (with its ``</s>``), capped by the model's positions
-  minus one; ``</s>`` is forced when a hypothesis reaches it (``forced_eos_token_id``), as
-  ``SequenceGenerator`` forces it;
-* at least ``min_len`` tokens before ``</s>`` (fairseq's ``--min-len 1``: ``min_new_tokens``);
-* ``<pad>`` is never generated (fairseq sets its log-probability to -inf), nor any row of the
-  model that has no symbol in the data's dictionary (NLLB's spare rows): such a token could not be
-  written into fairseq data;
-* scores normalised by length to the power ``lenpen`` (length counted with ``</s>``, as fairseq);
-* a multilingual teacher (M2M100, NLLB) starts every hypothesis with its target-language tag
-  (``forced_bos_token_id``), the symbol ``fairseq-kd-hf-data`` puts first in every target
-  sentence: it is read from the split's targets, so a hypothesis looks like the data it replaces.
-
-The folder's own ``generation_config.json`` is not read: its search settings (OPUS-MT Marian's
-``num_beams`` 4 and ``bad_words_ids``, a ``no_repeat_ngram_size``, ...) would make this engine
-decode otherwise than the fairseq engine with the same flags. Hugging Face's beam search stops when
-``beam`` hypotheses have finished, as CTranslate2's does; on near-ties it may choose otherwise than
-fairseq's (greedy decoding gives fairseq's tokens: the tests compare them on a fairseq teacher
-exported with ``fairseq-kd-export --format hf``).
+The engine of a ``save_pretrained`` teacher folder for ``fairseq-kd-seqkd`` (``--engine
+transformers``) and ``fairseq-kd-translate --model DIR``, on data binarised in the teacher's
+vocabulary (``fairseq-kd-hf-data``). Hugging Face's beam search is given fairseq-generate's rules
+as the CTranslate2 engine is (fairseq's length limit with ``</s>`` forced, ``--min-len``, no
+``<pad>`` nor rows without a symbol in the data's dictionary, ``lenpen``, a multilingual teacher's
+target-language tag first), so the same flags decode alike whatever the engine; the folder's own
+``generation_config.json`` is not read. Design notes: ``docs/design/deploy.md``.
 """
 from __future__ import annotations
 

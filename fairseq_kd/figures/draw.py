@@ -1,20 +1,11 @@
 """Figures for the distillation experiments, drawn with matplotlib's object-oriented API (a
-``matplotlib.figure.Figure`` rendered by the Agg canvas: no pyplot, no display, no global backend
-switch), each function returning the Figure so that callers and tests can inspect its axes.
-
-- :func:`plot_alignment_heatmaps`: the learned weights of Align-to-Distill's Attention Alignment
-  Modules (Jin et al. 2024, Eq. 9; the paper's Figure 2), student maps x teacher maps per
-  attention kind.
-- :func:`plot_alp_weights`: ALP-KD's attention of each student layer over teacher layers
-  (Passban et al. 2021, Eq. 5-6, the ``alpha_jk``).
-- :func:`plot_training_curves`: every loss term of a fairseq training log against the update
-  number (the log read by :mod:`fairseq_kd.figures.training_log`).
-- :func:`plot_run_comparison`: one statistic of several training runs on one axis.
-
-Every figure takes a ``title`` naming what it shows (the command gives the run or the checkpoint),
-every colour bar says what its colours measure, and every curve's y axis its statistic and unit
-(:func:`statistic_label`: fairseq logs its losses divided by ln 2, so log-likelihood and KL terms
-are in bits).
+``Figure`` rendered by the Agg canvas: no pyplot, no display, no global backend switch), each
+function returning the Figure so that callers and tests can inspect its axes:
+:func:`plot_alignment_heatmaps` (Align-to-Distill's alignment modules, Jin et al. 2024, Eq. 9),
+:func:`plot_alp_weights` (ALP-KD's ``alpha_jk``, Passban et al. 2021, Eq. 5-6),
+:func:`plot_training_curves` (every loss term of a fairseq log) and :func:`plot_run_comparison`
+(one statistic of several runs). Every figure is titled, every colour bar and y axis says what it
+measures and its unit (:func:`statistic_label`: fairseq logs its losses in bits).
 """
 from __future__ import annotations
 

@@ -1,23 +1,13 @@
 """Corpus BLEU, its bootstrap confidence interval and paired significance tests, all by sacreBLEU.
 
-Nothing here re-implements sacreBLEU (Post 2018) or calls its private methods:
-
-* the score and its signature are ``BLEU.corpus_score`` and ``BLEU.get_signature``;
-* the interval and both paired tests are ``sacrebleu.significance.PairedTest``, the code behind
-  ``sacrebleu --paired-bs`` (paired bootstrap resampling after Koehn 2004, as Moses'
-  ``bootstrap-hypothesis-difference-significance.pl``: absolute resampled differences centred on
-  their mean, compared with the observed difference, p with +1 smoothing) and ``--paired-ar``
-  (paired approximate randomisation, Riezler & Maxwell 2005, after MultEval). The interval is
-  sacreBLEU's ``mu +- half-width``: the mean of the bootstrap resamples and half the width of
-  their 95% percentile interval (the 1/40 order statistics), what ``sacrebleu --confidence``
-  prints and what the A2D paper reports.
-
-What sacreBLEU does not do and this module adds: the seed as an argument (sacreBLEU reads it
-from ``SACREBLEU_SEED``; :func:`sacrebleu_seed` sets that variable for one call) and one call that
-gives every system of a table its interval and both p-values against one baseline. Every system
-of one ``PairedTest`` is resampled with the same indices (sacreBLEU seeds each comparison alike),
-so the numbers equal ``sacrebleu REF -i BASELINE SYSTEM... --paired-bs`` (and ``--paired-ar``)
-run on the same text with the same seed and counts.
+Nothing here re-implements sacreBLEU (Post 2018) or calls its private methods: the score and its
+signature are ``BLEU.corpus_score`` and ``BLEU.get_signature``; the interval and both paired tests
+are ``sacrebleu.significance.PairedTest``, the code behind ``sacrebleu --paired-bs`` (Koehn 2004)
+and ``--paired-ar`` (Riezler & Maxwell 2005); the interval is sacreBLEU's ``mu +- half-width`` of
+the 95% percentile interval (``sacrebleu --confidence``). Added here: the seed as an argument
+(:func:`sacrebleu_seed`) and one call that gives every system of a table its interval and both
+p-values against one baseline, equal to ``sacrebleu REF -i BASELINE SYSTEM... --paired-bs`` (and
+``--paired-ar``) on the same text, seed and counts. Details: ``docs/design/scoring.md``.
 """
 from __future__ import annotations
 

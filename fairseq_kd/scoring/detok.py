@@ -1,19 +1,11 @@
 """Turn system output and references back into plain text before scoring, and read
 fairseq-generate output.
 
-sacreBLEU must see detokenised text (Post 2018, "A Call for Clarity in Reporting BLEU Scores"):
-it applies its own tokeniser (13a, zh, ...) so that scores are comparable across papers. The
-recipes of this project segment text in two ways, undone here in reverse order:
-
-1. subword segmentation: subword-nmt BPE (IWSLT'14: ``"inten@@ se"``) or SentencePiece
-   (``"▁inten se"``); undone by :func:`remove_bpe`, with exactly the rules of fairseq's
-   ``--post-process subword_nmt`` / ``sentencepiece`` (``fairseq.data.data_utils.post_process``);
-2. Moses tokenisation (IWSLT'14 tokenises with the Moses tokenizer before BPE); undone by
-   :func:`moses_detokenize` through sacremoses. SentencePiece recipes work on raw text and need no
-   Moses step.
-
-Data binarised in a Hugging Face model's vocabulary (``fairseq-kd-hf-data --teacher DIR``) holds
-that model's own tokens instead; :class:`HuggingFaceDetokenizer` turns them back into text with the
+sacreBLEU must see detokenised text (Post 2018). The recipes' segmentation is undone in reverse
+order: subword segmentation (subword-nmt BPE or SentencePiece) by :func:`remove_bpe`, with exactly
+the rules of fairseq's ``--post-process``; then Moses tokenisation by :func:`moses_detokenize`
+(sacremoses). Data binarised in a Hugging Face model's vocabulary (``fairseq-kd-hf-data``) holds that
+model's own tokens instead: :class:`HuggingFaceDetokenizer` turns them back into text with the
 model's tokenizer, in place of both steps.
 """
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """Score records (what ``fairseq-kd-score`` writes) and the paper-style results table
 (what ``fairseq-kd-report`` writes).
 
-A score record is a JSON object (format :data:`SCORE_FORMAT`)::
-
-    {"format": "fairseq-kd-score/2", "system": "word_kd", "bleu": 37.0, "mean": 37.01, "ci": 0.8,
-     "n_bootstrap": 1000, "seed": 12345,
-     "signature": "nrefs:1|bs:1000|seed:12345|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0",
-     "verbose": "BLEU = 37.00 68.6/45.1/31.2/21.9 (BP = 1.000 ...)", "n_sentences": 6750,
-     "settings": {"tokenize": "13a", "lowercase": false, "smooth_method": "exp", "smooth_value": null},
-     "references_sha256": "...", "inputs": {...how the text was read and detokenised...},
-     "paired": null or {"baseline": "no_kd", "difference": ..., "p_bootstrap": ..., "p_randomization": ...},
-     "partial": null, or for a score of an incomplete output (--allow-partial only)
-                {"complete": false, "n_sentences": 24, "n_expected": 30, "problems": [...]},
-     "hypotheses": ["...", ...], "references": ["...", ...]}
-
-It keeps the scored text itself (detokenised hypotheses and references, line-parallel): sacreBLEU's
-paired tests take text, so a later ``fairseq-kd-report`` runs them on exactly what was scored, and a
-reader can write the two lists to files and re-check every number with the ``sacrebleu`` command.
-``settings`` and ``references_sha256`` (SHA-256 of the references joined by newlines) are checked
-before two records are compared, and the stored BLEU is recomputed from the text when a record is
-read, so a record edited by hand fails there rather than in a table.
+A score record is a JSON object (format :data:`SCORE_FORMAT`; its fields in
+``docs/design/scoring.md``) that keeps the scored text itself (detokenised hypotheses and
+references, line-parallel): sacreBLEU's paired tests take text, so a later ``fairseq-kd-report``
+runs them on exactly what was scored, and a reader can re-check every number with the ``sacrebleu``
+command. ``settings`` and ``references_sha256`` are checked before two records are compared, and
+the stored BLEU is recomputed from the text when a record is read, so a record edited by hand fails
+there rather than in a table.
 """
 from __future__ import annotations
 

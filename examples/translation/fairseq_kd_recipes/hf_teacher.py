@@ -102,13 +102,14 @@ def read_teacher(folder: Path, source: str, target: str, source_code: Optional[s
         raise RecipeError(f"--teacher {folder}: its tokenizer cannot be loaded offline ({type(error).__name__}: "
                           f"{first_line}); save the tokenizer with save_pretrained into the same folder") from None
     from fairseq_kd.cli.hf_data import set_languages
+    from fairseq_kd.errors import InputError
 
     multilingual = hasattr(tokenizer, "src_lang") and hasattr(tokenizer, "tgt_lang")
     codes = (source_code or source, target_code or target) if multilingual else (source_code, target_code)
     try:  # the check fairseq-kd-hf-data makes, before the preparation rather than after it
         set_languages(tokenizer, SimpleNamespace(teacher=str(folder), source_lang=source, target_lang=target,
                                                  teacher_source_lang=source_code, teacher_target_lang=target_code))
-    except ValueError as error:
+    except InputError as error:
         raise RecipeError(str(error)) from None
     heads = [config.get(key) for key in ("encoder_attention_heads", "decoder_attention_heads")]
     positions = config.get("max_position_embeddings")
