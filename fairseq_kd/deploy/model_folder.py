@@ -93,7 +93,7 @@ def earlier_export_problem(folder: Path, record_name: str, record_format: str) -
         return f"is not an export of this format (its {record_name} says {record.get('format')!r})"
     files = record.get(FILES_KEY)
     if not isinstance(files, dict):
-        return f"has a {record_name} that lists no files (written by an older fairseq-kd-export)"
+        return f"has a {record_name} that lists no files"
     try:
         return _unlisted_file(folder, record_name, files)
     except OSError as err:

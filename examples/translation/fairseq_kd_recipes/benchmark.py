@@ -7,41 +7,7 @@
 than in the plugin: it is a developer tool that registers nothing with fairseq, and it measures the
 rows of the one method table (:mod:`.methods`) that the recipes train.
 
-For each configuration (teacher/student architecture pair, batch size) the benchmark makes a
-synthetic corpus, writes an (untrained) teacher checkpoint, and then, for each method of
-``METHODS``, runs fairseq's own ``Trainer.train_step`` in a fresh child process on the same
-batches: the student, the optimiser and the criterion exactly as ``fairseq-train`` builds them
-from the same flags. It reports per method
-
-* the median training step time and its ratio to ``plain`` (label-smoothed CE, no teacher) and
-  to ``limit``: the plain step followed by one teacher forward pass under ``no_grad`` on the same
-  batch, timed in the same run. No distillation step can cost less than ``limit`` (the student's
-  forward and backward plus the teacher's forward), so ``vs limit`` is what a method pays for its
-  own loss: feature capture, alignment modules, divergences and their backward;
-* the peak memory of a training step and its ratio to ``plain``: on CUDA
-  ``torch.cuda.max_memory_allocated`` over the timed steps; on CPU the peak of the tensor bytes
-  allocated during one more step (the first timed batch again) and still alive, from the torch
-  profiler's allocation events. That counts what the step allocates (activations kept for the
-  backward pass, the teacher's and the loss's transient tensors, gradients) above what lives
-  across steps (parameters, optimiser state), exactly and repeatably; the process's peak resident
-  set size, measured before, moved by tens of percent with the allocator's reuse of freed memory;
-
-and, per configuration, the student's beam-search decoding speed relative to the teacher's, with
-both forced to the same output length (``min_len = max_len``) so the comparison measures model
-cost rather than output lengths of untrained models.
-
-Methods run in interleaved rounds (every method once per round); each keeps its fastest round, and
-``spread`` (slowest round / fastest round) shows how much the machine's load moved the numbers.
-Ratios are taken within one run on one machine; absolute numbers are only comparable within a run.
-On a shared machine whose load drifts by tens of percent over minutes, the fastest rounds of
-separate runs do not resolve a 10% difference; ``--paired`` times every row against the limit in
-one process instead, their steps alternating on the same batches, and reports the median of the
-per-batch ratios with a 95% bootstrap interval (:func:`measure_paired`).
-
-Every row times the same batches: by default the first ones of fairseq's length-sorted epoch, the
-shortest sentences, where the vocabulary-sized work weighs most and the length-squared attention
-work least; ``--shuffle-seed`` times those of an epoch shuffled as fairseq-train shuffles it, a mix
-of the corpus's lengths. The report records which (``timed_batches``).
+Design notes: ``docs/design/recipes.md``.
 """
 import argparse
 import itertools

@@ -5,23 +5,7 @@ Training runs through fairseq's own distributed engine (README, "Several GPUs an
 step's command line into the one that starts them; the plan (:mod:`.plan`) builds every step
 through it, so what ``--print-commands`` prints and ``--sbatch`` writes is what the recipe runs:
 
-* ``fairseq`` (one node; the default there): fairseq-train spawns one worker per GPU itself
-  (``--distributed-world-size N``);
-* ``srun`` (several nodes; the default there): inside one SLURM allocation, one task per node
-  (``srun --nodes M --ntasks-per-node 1``); fairseq finds the nodes with ``scontrol``, spawns one
-  worker per GPU on each, and they meet on the first node at ``--distributed-port``;
-* ``torchrun``: ``torch.distributed.run`` starts one process per GPU; on several nodes the same
-  line runs on every node with that node's ``$NODE_RANK`` and the first node's ``$MASTER_ADDR``
-  (fairseq reads the environment torchrun sets and does not spawn).
-
-The teacher passes (``fairseq-kd-seqkd``, ``fairseq-kd-teacher-cache``) run data-parallel over the
-same GPUs, one process per GPU, each decoding its share (torchrun on one node, srun with one task
-per GPU on several). On SLURM they can also run as a job array of one-GPU tasks, task I of N with
-``--num-shards N --shard-id I``: the task that writes a pass's last shard merges them, and the
-step's own command, run afterwards, finds the output complete (:func:`write_sbatch` chains the jobs).
-
-:func:`shell_commands` prints a plan as shell commands; :func:`write_sbatch` writes the same
-commands as SLURM batch scripts. Neither needs a GPU on the machine that runs it.
+Design notes: ``docs/design/recipes.md``.
 """
 from __future__ import annotations
 

@@ -3,28 +3,7 @@ step runner of :mod:`.prepare.pipeline`, which stamps it with the fingerprints o
 outputs and its settings: re-running the recipe skips every finished step, and a changed input
 re-runs exactly what depends on it.
 
-Training checkpoints are never overwritten. Before fairseq-train starts, the recipe writes the
-training settings and its inputs' fingerprints (the step runner's, :mod:`fairseq_kd.fingerprint`)
-into the save folder (``recipe_train.json``); a folder that already holds checkpoints is used only
-when that record matches (same settings, inputs of the same content), which is an interrupted
-run of the same training (fairseq resumes it from ``checkpoint_last.pt``). Anything else (other
-settings, a re-prepared corpus, a retrained teacher) stops the recipe, before any step runs, with
-the folder to move away. Where a model is placed (``--fp16``, ``--cpu``, the number of GPUs and
-the ``--update-freq`` that keeps the tokens per update) is not part of the settings, so a run can
-be continued on another machine. Derived files (exports, decodings, scores, figures, the report)
-belong to the recipe's working folder and are rewritten when their inputs change.
-
-The light steps that run this project's own commands (export, score, plot, report, and the
-tokenisation of a Hugging Face teacher's data) run inside the recipe's process, which saves a Python start-up per step; their output goes to the step's
-log file all the same, the log lines of the libraries they call (fairseq's, sacreBLEU's INFO
-lines) included, which stay off the terminal. Training, decoding and preparation run as child
-processes.
-
-Progress, on a terminal only (:mod:`fairseq_kd.progress`): a child draws its own bars (downloads
-in bytes/s, tokenisation, the teacher passes) on the recipe's terminal while its output goes to
-the step's log; a training step shows a bar of its updates (rate, time left, loss) read from
-fairseq-train's statistics lines as they come (:class:`TrainingProgress`). Without a terminal,
-children write to their log directly and no bar is drawn anywhere.
+Design notes: ``docs/design/recipes.md``.
 """
 from __future__ import annotations
 

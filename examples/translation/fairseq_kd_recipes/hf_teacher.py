@@ -11,9 +11,7 @@ DIR``), and every system is scored after the teacher's tokenizer has turned its 
 text (``fairseq-kd-score --detok-hf DIR``), against the same untouched references as any recipe
 (``raw/test.LANG`` of the prepared corpus).
 
-:func:`read_teacher` checks the folder before any work (a folder that is no model folder, a
-tokenizer that does not load offline or does not know the languages) and reads what the plan needs;
-:func:`method_problems` says which methods cannot run with it.
+Design notes: ``docs/design/recipes.md``.
 """
 from __future__ import annotations
 

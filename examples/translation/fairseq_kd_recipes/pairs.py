@@ -7,19 +7,7 @@ only what its paper states differently; every override says why.
 
 What the papers leave open is chosen here and marked "our choice":
 
-* the training length where the paper gives none: ``--max-epoch 50`` on the CKD paper's IWSLT'14
-  Pt/Tr-En, Vaswani et al.'s 100K updates for WMT'14 En-De (A2D's low-resource pairs: up to 100
-  epochs with patience 10, the authors' scripts);
-* the checkpoint that is evaluated, where the paper does not say: the one with the best validation
-  ``nll_loss`` (the references' negative log-likelihood). Never fairseq's default ``loss``: with a
-  KD criterion that is the weighted total, whose terms change weight per epoch (A2D's lambda
-  decay), so epochs would be compared on different objectives. The A2D authors' scripts train up
-  to 100 epochs with patience 10 and keep the best validation BLEU (``--eval-bleu``): their
-  low-resource pairs do the same (En-Zh excepted, see there); the WMT'14 and CKD setups follow
-  Vaswani et al. instead: beam 4, length penalty 0.6, the average of the last 5 checkpoints;
-* embedding sharing: the decoder's input and output embeddings on the low-resource setup (as
-  fairseq's IWSLT'14 example), all three embeddings where the papers follow Vaswani et al. (who
-  share them); every preparation script writes one joined dictionary, which allows both.
+Design notes: ``docs/design/recipes.md``.
 """
 from __future__ import annotations
 

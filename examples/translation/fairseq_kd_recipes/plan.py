@@ -3,28 +3,7 @@
 A recipe is a list of steps, each one or more command lines of the project's entry points or of
 fairseq's own (``fairseq-train``, ``fairseq-generate``)::
 
-    prepare                  python -m fairseq_kd_recipes.prepare.scripts.<corpus> (unless --data is given)
-    hf-data                  fairseq-kd-hf-data: the prepared text in a Hugging Face teacher's vocabulary
-                             (--teacher DIR only; see :mod:`.hf_teacher`)
-    train-teacher            fairseq-train --task translation, label-smoothed CE (unless --teacher is given)
-    export-, generate-, score-, curves-teacher
-    seqkd-data               fairseq-kd-seqkd: the teacher's beam outputs (only for seq_kd)
-    train-<method>           fairseq-train --task translation_kd --criterion <method's>
-    export-<method>          the student as a stock transformer checkpoint (what ships)
-    generate-<method>        fairseq-generate on the test set, beam 5
-    score-<method>           fairseq-kd-score: BLEU with its 95% bootstrap interval (JSON)
-    curves-<method>          fairseq-kd-plot curves: every loss term from the training log
-    figure-<method>          A2D alignment heatmap / ALP-KD layer weights (when the exporter exists)
-    systems                  parameter counts (of the exported models) and decoding speeds
-    report                   fairseq-kd-report: the table, baseline no_kd, sacreBLEU's paired tests
-    report-2l                the same for the 2+2 students against no_kd_2l, when the recipe trains it
-
-``plan`` checks the request and lays out these steps without touching a file, training and the
-teacher passes started as :class:`~.cluster.Launch` says (one node or several, the launcher);
-:mod:`.execute` runs them (stamps, protected checkpoints, in-process commands), :mod:`.cluster`
-prints them or writes them as SLURM batch scripts, and :mod:`.results` collects the parameter
-counts and decoding speeds for the report. Every file the plan names comes from the installed
-packages (the preparation commands too), never from a checkout's folders.
+Design notes: ``docs/design/recipes.md``.
 """
 from __future__ import annotations
 

@@ -3,21 +3,7 @@ test set, score, report and plot.
 
 Examples::
 
-    fairseq-kd-recipe iwslt14_de_en                                  # every method, profile auto
-    fairseq-kd-recipe iwslt14_de_en --methods no_kd,word_kd,a2d_kd_4h --archives ~/corpora
-    fairseq-kd-recipe wmt14_en_de --profile gpu --gpus 8 --methods no_kd,a2d_kd_8h
-    fairseq-kd-recipe iwslt14_de_en --list-methods
-    fairseq-kd-recipe iwslt14_de_en --dry-run                        # steps, their state, commands
-    fairseq-kd-recipe iwslt14_de_en --teacher opus-mt-de-en/ --methods no_kd,word_kd   # a Hugging Face teacher
-    fairseq-kd-recipe wmt14_en_de --print-commands --gpus-per-node 8 --nodes 2    # on a login node
-    fairseq-kd-recipe wmt14_en_de --sbatch slurm/ --gpus-per-node 8 --nodes 2     # SLURM batch scripts
-
-(or ``python -m fairseq_kd_recipes.recipe``, or ``examples/translation/<pair>/run.sh``). Re-running the
-same command skips every finished step; an interrupted training resumes from its last checkpoint.
-Outputs, under ``--workdir``: ``report/results.{md,csv,json}`` (the table), ``plots/`` (training
-curves, A2D alignment and ALP-KD weights), ``models/`` (every model as a stock fairseq checkpoint),
-``generate/``, ``scores/``, ``train/<system>/`` (checkpoints, ``train.log``), ``logs/<step>.log``.
-See ``examples/translation/fairseq_kd_recipes/plan.py`` for the steps and ``examples/translation/README.md``.
+Design notes: ``docs/design/recipes.md``.
 """
 from __future__ import annotations
 

@@ -8,20 +8,7 @@ known about its content (sha256, md5, size).  :class:`Fetcher` either
 * downloads it into ``<workdir>/downloads``: into ``NAME.part``, resuming an interrupted transfer
   with an HTTP ``Range`` request, and renames it to ``NAME`` only once it is complete and verified.
 
-Verification compares every known property (size, sha256, md5).  Where a manifest pins no
-checksum, the transfer is still checked against the server's announced length, and the computed
-sha256 is printed and recorded in ``<workdir>/downloads/checksums.json`` so the user can pin it
-(``--checksums FILE``) for the next machine.  A missing or corrupt file raises
-:class:`~fairseq_kd_recipes.prepare.errors.PrepareError` naming the file and the expected checksum.
-A transfer shows a bar (bytes, bytes/s, time left) on a terminal (:mod:`fairseq_kd.progress`);
-into a log it writes a line every 10% instead.
-
-Why not a library's downloader: ``pooch`` is not a dependency (and restarts an interrupted
-transfer), and sacreBLEU's own (``sacrebleu.utils.download_file``, behind its test-set download)
-reads the whole file into memory, cannot resume a transfer, knows one address and an md5 only,
-writes straight to the final name, and ends the process with ``sys.exit(1)`` on a mismatch.
-Resuming multi-gigabyte WMT archives, mirrors, sha256 pins and errors the recipe can report are
-what this module keeps.
+Design notes: ``docs/design/recipes.md``.
 """
 from __future__ import annotations
 

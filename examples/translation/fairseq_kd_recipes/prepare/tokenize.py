@@ -11,9 +11,7 @@ so ``... in the u.s.`` or German ``... usw.`` keep their final period attached.
 :class:`PerlCompatibleMosesTokenizer` adds that rule; with it the IWSLT'14 test sets are
 reproduced line for line (see ``tests/test_prepare_iwslt.py``).
 
-:func:`keep_pair` is ``clean-corpus-n.perl``'s test: both sides between ``min_tokens`` and
-``max_tokens`` whitespace tokens, neither side more than ``ratio`` times as long as the other,
-and no token longer than ``max_word_length`` characters (the script's default, 1000).
+Design notes: ``docs/design/recipes.md``.
 """
 from __future__ import annotations
 

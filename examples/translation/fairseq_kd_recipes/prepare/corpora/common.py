@@ -10,13 +10,7 @@ Layout of a working folder (``--workdir``)::
     bpe/ or spm/        subword model and segmented splits
     stamps/             one JSON stamp per finished step
 
-Layout of ``--dest`` (what training and scoring read)::
-
-    dict.<src>.txt, dict.<tgt>.txt, {train,valid,test}.<src>-<tgt>.<lang>.{bin,idx}   (fairseq)
-    bpe.code or spm.model                          the subword model, for decoding
-    raw/{valid,test}.<lang>                        the release's text untouched: the references (sacreBLEU)
-    tok/{valid,test}.<lang>                        Moses-tokenised references (Moses recipes)
-    prepare.json                                   what was done, sizes, the sacreBLEU tokeniser
+Design notes: ``docs/design/recipes.md``.
 """
 from __future__ import annotations
 

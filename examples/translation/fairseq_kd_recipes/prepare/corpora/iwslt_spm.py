@@ -1,23 +1,6 @@
 """IWSLT (WIT3 release) corpora segmented with a joint SentencePiece model.
 
-* IWSLT'14 Portuguese-English and Turkish-English, the CKD paper's low-resource pairs (Wu et al.,
-  2020, section 4): a shared 32K SentencePiece vocabulary.  The 2014 release spells Portuguese
-  ``pt-br`` (``texts/pt-br/en/pt-br-en.tgz``, ``train.tags.pt-br-en.pt-br``,
-  ``IWSLT14.TED.dev2010.pt-br-en.pt-br.xml``); the prepared data calls it ``pt`` (``train.pt``,
-  ``--source-lang pt``), as the CKD paper and the recipe do.  The paper's Pt-En sizes (167K / 7,590 /
-  5,388) fit fairseq's IWSLT'14 split: 7,590 x 23 = 174,570 = 167K + 7,590, i.e. every 23rd
-  cleaned training pair is the validation set; as in fairseq, the test set is then the
-  concatenation of the development/test XML sets (the paper does not list them).  So the training
-  data is cleaned with fairseq's rule (``clean-corpus-n`` ratio 1.5, 1 to 175 Moses tokens; the
-  tokenisation is used for counting only) before the split, and SentencePiece works on the
-  untokenised, cased text of the same pairs.  The paper's Tr-En valid/test sizes (1,958 /
-  1,982) are not WIT3's: they are the dev/test1 sets of the Multitarget TED Talks Task (the
-  paper's footnote), so :data:`IWSLT14_TR_EN` comes from that release and is prepared by
-  :mod:`.multitarget_ted`; it is listed in :data:`CORPORA` with the WIT3 pairs.
-* IWSLT'17 English-Chinese (Align-to-Distill's low-resource En-Zh): training data from
-  ``train.tags.en-zh.*``, validation ``TED.dev2010``, test ``TED.tst2010`` to ``TED.tst2015``
-  concatenated; the encoded training pairs are filtered to 1..250 pieces per side.  BLEU is
-  computed with sacreBLEU's Chinese tokeniser (``--tokenize zh``) on the decoded output.
+Design notes: ``docs/design/recipes.md``.
 """
 from __future__ import annotations
 

@@ -5,37 +5,7 @@ The CKD paper (Wu et al., 2020, section 4) calls its Tr-En data IWSLT-2014 but g
 in a footnote: 1,958 and 1,982 are that task's dev and test1 sets (TED talks taken from WIT3 and
 split anew, the same 30 + 30 talks for every language).  So the splits are the release's own:
 
-* train = ``ted_train_en-tr.raw.{tr,en}``, empty pairs dropped, then cleaned by fairseq's rule
-  (ratio 1.5, 1 to 175 Moses tokens; Moses counts only), as the pair was cleaned before and as
-  Pt-En is (our choice: the paper says only that Tr-En "follows the same setting" as Pt-En's
-  shared 32K vocabulary);
-* valid = ``ted_dev_en-tr.raw.{tr,en}``, test = ``ted_test1_en-tr.raw.{tr,en}``, whole and
-  uncleaned; their raw text (whitespace runs collapsed, nothing else) is the reference;
-* SentencePiece (32K joint) and binarisation as for Pt-En.  The prepared data keeps the codes
-  ``tr`` and ``en``.
-
-What was verified about the release, with public GitHub code and stored web pages (not with the
-archive itself, which is not available here):
-
-* the release's README.txt (v. 0.2, 2018-05-28, in public code; v. 0.1 as stored from
-  ``t/previous_release/multitarget-ted.20180509.tgz``, where it lies at ``multitarget-ted/README.txt``):
-  one folder ``en-${lang}`` per language, Turkish (``tr``) among the 19, each with
-  ``raw/ted_{train,dev,test1}_en-${lang}.raw.{${lang},en}`` (untokenised, "extracted from WIT3
-  and sentence merged") and ``tok/`` copies (``.tok.``, and ``.tok.clean.`` for train: Joshua
-  normalisation, Moses tokenisation, lowercasing); dev 1,958 and test1 1,982 sentences;
-* the archive's name and address: Duh's own download script (kevinduh/sockeye-recipes,
-  ``egs/ted/0_download_data.sh``: ``wget .../multitarget-tedtalks/multitarget-ted.tgz``, then
-  ``tar -xzvf``; its README: about 575 MB compressed, 1.8 GB unpacked) and other public scripts
-  reading ``multitarget-ted/en-${lang}/raw/ted_{train,dev,test1}_en-${lang}.raw.*`` after
-  unpacking it (over https).
-
-Assumed: that ``en-tr`` follows the same naming (no public code reading ``en-tr`` was found; the
-README's pattern is uniform); the size of the Turkish training file (``stats.txt`` not seen, so
-the paper's 142K is not checked); that the paper used the raw text (its authors' public
-preprocessing config names a ``tr-en/tok`` folder of their own SentencePiece files and does not
-say what it started from).  No checksum or size is published: the first download records its
-sha256 (``--checksums`` pins it).  Files are found by name anywhere in the unpacked archive, and
-a missing one is reported with what the archive holds.
+Design notes: ``docs/design/recipes.md``.
 """
 from __future__ import annotations
 

@@ -1,23 +1,7 @@
 """WMT'14 English-German as in Vaswani et al. (2017): ~4.5M training pairs, newstest2013 for
 validation, newstest2014 for test, joint BPE.
 
-* training: Europarl v7, Common Crawl and News Commentary v9 (the WMT'14 parallel data of the
-  original Transformer), concatenated in that order;
-* validation: newstest2013 (3,000 pairs), from the WMT'13 test archive;
-* test: newstest2014, full version (3,003 pairs), from the WMT'14 ``test-full`` archive;
-* every split: ``normalize-punctuation.perl``, ``remove-non-printing-char.perl``,
-  ``tokenizer.perl -a`` (aggressive hyphen splitting, ``@-@``), cased, as fairseq's
-  ``prepare-wmt14en2de.sh`` does for its training data (fairseq skips the first two for its test
-  set; applying them everywhere keeps the splits consistent).  This is the models' input only:
-  ``raw/valid.*`` and ``raw/test.*`` hold the ``<seg>`` text of the official SGML files untouched
-  (whitespace collapsed, as sacreBLEU extracts ``wmt14/full``; no normalisation, no quote
-  replacement), and detokenised output is scored against them;
-* joint subword-nmt BPE learned on both languages.  Vaswani et al. report a shared vocabulary of
-  about 37,000 tokens, hence 37,000 merges by default (fairseq's script uses 40,000);
-* after BPE, ``clean-corpus-n`` (ratio 1.5, 1 to 250 tokens) on the training pairs only, as fairseq.
-
-Learning 37K merges on ~9M sentences with subword-nmt takes hours on one core; the other steps
-use ``--workers`` processes.
+Design notes: ``docs/design/recipes.md``.
 """
 from __future__ import annotations
 
