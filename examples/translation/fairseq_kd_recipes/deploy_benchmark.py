@@ -9,35 +9,7 @@
 teacher under fairseq, every ``--student`` under fairseq, and every student under CTranslate2 at
 each ``--quantizations`` weight type.
 
-How each number is obtained:
-
-* **Models.** Every checkpoint is exported first (``fairseq_kd.deploy.export_fairseq.export_student``: a
-  plain fairseq ``transformer`` checkpoint that stock fairseq loads; and
-  ``fairseq_kd.deploy.export_ctranslate2.export_ctranslate2`` per quantisation). *size MB* is the
-  exported ``.pt`` file, or the whole CTranslate2 model folder, in MB (10^6 bytes).
-* **Decoding.** One child process per (system, threads, batch size), strictly one after another so
-  that no two decodes share the CPU: stock ``fairseq-generate --cpu --batch-size B
-  --required-batch-size-multiple 1 --num-workers 0`` on the exported checkpoint, and
-  ``fairseq-kd-translate --threads T`` (which batches exactly as fairseq-generate does) on the
-  CTranslate2 folders; both with ``OMP_NUM_THREADS=MKL_NUM_THREADS=T``, the same beam, length
-  penalty and length limits.
-* **Speed.** *sent/s* and *tok/s* are the rates of the ``Translated N sentences (M tokens) in Xs``
-  line both decoders print: decoding time only (no start-up, no model loading), target tokens
-  counted with ``</s>``. *speed-up* is sent/s over the teacher's under fairseq at the same threads
-  and batch size.
-* **Memory.** *peak MB* is the child's maximum resident set size (``os.wait4``): the whole decoding
-  process (Python, torch, fairseq or CTranslate2, the model, the data), in MiB.
-* **Quality.** BLEU, its 95% bootstrap interval and the paired tests (sacreBLEU's paired bootstrap
-  and approximate randomisation) come from ``fairseq_kd.scoring`` (what ``fairseq-kd-score`` runs),
-  on the output at the first ``--threads`` value and first ``--batch-sizes`` value. Δ and p compare
-  each CTranslate2 row with the same student under fairseq, and the teacher with the first student
-  under fairseq. Whether a row's output changes with the thread count or batch size is recorded in
-  the JSON (``outputs_identical``).
-
-Everything is kept in ``--workdir``: a re-run with the same settings reuses finished exports
-(keyed by the checkpoint's SHA-256) and finished decodes (keyed by every setting that changes the
-output or the timing, the data's and model's hashes, and the machine), so an interrupted benchmark
-resumes where it stopped and a finished one only re-scores and rewrites the tables.
+How each number is obtained, and what the tables hold: ``docs/design/recipes.md``.
 """
 from __future__ import annotations
 
@@ -56,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from fairseq_kd.errors import FILE, FOLDER, InputError, path_problem
 from fairseq_kd.fingerprint import file_sha256  # the one hasher; imports neither torch nor fairseq
 
 PROG = "fairseq-kd-deploy-benchmark"
@@ -75,7 +48,7 @@ MEMORY_NOTE = ("peak MB: maximum resident set size of the decoding process (os.w
                "Python, torch, fairseq or CTranslate2, the model and the data, in MiB")
 
 
-class BenchmarkError(ValueError):
+class BenchmarkError(InputError):
     """A decode or an export failed: one line naming the log to read."""
 
 
@@ -184,12 +157,11 @@ def _positive_ints(value: Optional[str], flag: str, errors: List[str], upper: Op
 
 
 def _checkpoint_problem(path: str, flag: str) -> Optional[str]:
-    p = Path(path)
-    if p.is_dir():
-        return f"{flag}: {path!r} is a folder; give the checkpoint file (e.g. {path.rstrip('/')}/checkpoint_best.pt)"
-    if not p.is_file():
-        return f"{flag}: checkpoint {path!r} does not exist"
-    return None
+    problem = path_problem(path, FILE)
+    if problem is None:
+        return None
+    hint = f"; give the checkpoint file (e.g. {path.rstrip('/')}/checkpoint_best.pt)" if Path(path).is_dir() else ""
+    return f"{flag} {path!r}: {problem}{hint}"
 
 
 def available_cores() -> int:
@@ -207,11 +179,9 @@ def validate(args: argparse.Namespace) -> List[str]:
     if args.data is None:
         errors.append("--data: give the binarised data folder (fairseq-preprocess --destdir)")
     else:
-        data = Path(args.data)
-        if data.is_file():
-            errors.append(f"--data: {args.data!r} is a file; give the binarised data folder")
-        elif not data.is_dir():
-            errors.append(f"--data: folder {args.data!r} does not exist")
+        problem = path_problem(args.data, FOLDER)
+        if problem is not None:
+            errors.append(f"--data {args.data!r}: {problem}; give the binarised data folder")
         else:
             errors.extend(_check_split(args))
     # systems
@@ -291,10 +261,9 @@ def validate(args: argparse.Namespace) -> List[str]:
     if args.max_len_b < 1:
         errors.append(f"--max-len-b: {args.max_len_b} must be >= 1")
     # scoring
-    if args.ref is not None and not args.ref.is_file():
-        from fairseq_kd.errors import not_a_file
-
-        errors.append(f"--ref: file {str(args.ref)!r} {not_a_file(args.ref)}")
+    problem = path_problem(args.ref, FILE) if args.ref is not None else None
+    if problem is not None:
+        errors.append(f"--ref {str(args.ref)!r}: {problem}")
     if args.bootstrap == 0:
         errors.append("--bootstrap 0: the table's 95% CI and paired p-values need resampling; give at least 40")
     else:
@@ -302,7 +271,7 @@ def validate(args: argparse.Namespace) -> List[str]:
             from fairseq_kd.cli.score import scoring_settings
 
             args.processing, args.settings = scoring_settings(args)
-        except ValueError as error:
+        except InputError as error:
             errors.append(str(error))
     # outputs
     if args.workdir.exists() and not args.workdir.is_dir():
@@ -508,7 +477,7 @@ def split_size(args) -> int:
     src = args.langs[0]
     dataset = data_utils.load_indexed_dataset(f"{args.split_prefix}.{src}", None)
     if dataset is None:
-        raise ValueError(f"--gen-subset: cannot read {args.split_prefix}.{src}")
+        raise BenchmarkError(f"--gen-subset: cannot read {args.split_prefix}.{src}")
     return len(dataset)
 
 
