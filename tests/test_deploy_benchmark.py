@@ -18,7 +18,7 @@ STUDENT_ARGS = [
     "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
     "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
 ]
-COLUMNS = ["system", "engine", "weights", "BLEU", "95% CI", "Δ", "p", "size MB", "sent/s T=1 B=16",
+COLUMNS = ["system", "engine", "weights", "BLEU", "95% CI", "Δ", "p", "chrF", "chrF++", "size MB", "sent/s T=1 B=16",
            "tok/s T=1 B=16", "speed-up T=1 B=16", "peak MB T=1 B=16"]
 
 
@@ -71,6 +71,13 @@ def test_tables_hold_every_row_and_column(first_run):
     assert ct2["baseline"] == "small/fairseq/float32" and ct2["p_bootstrap"] is not None
     assert ct2["p_randomization"] is not None
     assert fairseq_student["bleu"] > 0 and abs(ct2["bleu"] - fairseq_student["bleu"]) <= 1.0
+    # chrF and chrF++ beside BLEU: sacreBLEU's CHRF (word_order 0 and 2) of the scored text
+    from sacrebleu.metrics.chrf import CHRF
+    from fairseq_kd.scoring.detok import read_generate_output
+
+    scored = read_generate_output(Path(ct2["scored_output"]))  # no detokenisation flags here
+    for key, order in (("chrf", 0), ("chrfpp", 2)):
+        assert ct2[key] == CHRF(word_order=order).corpus_score(scored.hypotheses, [scored.references]).score
     # float32 CTranslate2 gives fairseq's tokens (beam search may part on a rare tie)
     ct2_hyps = deploy_benchmark.hypotheses_by_id(Path(ct2["scored_output"]))
     fairseq_hyps = deploy_benchmark.hypotheses_by_id(Path(fairseq_student["scored_output"]))

@@ -329,6 +329,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     if system.partial_note():
         print(f"  {system.partial_note()}")
     print(f"  {result.verbose}")
+    print(f"  chrF = {record['chrf']:.2f}, chrF++ = {record['chrfpp']:.2f} (sacreBLEU's CHRF, word_order 0 and 2)")
     print(f"  signature: {result.signature}")
     if paired is not None:
         print(

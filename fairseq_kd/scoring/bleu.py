@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from sacrebleu.metrics.bleu import BLEU
+from sacrebleu.metrics.chrf import CHRF
 from sacrebleu.significance import PairedTest
 
 from ..errors import InputError
@@ -87,6 +88,15 @@ def check_n_trials(n_trials: int) -> None:
             f"--ar-trials {n_trials}: use 0 to skip the approximate randomisation test, or at "
             f"least 100 trials (p cannot fall below 1/(trials+1)); {DEFAULT_N_TRIALS} is usual"
         )
+
+
+def chrf_scores(hypotheses: Sequence[str], references: Sequence[str], lowercase: bool = False) -> Dict[str, float]:
+    """chrF (character 6-grams, beta 2; Popović 2015) and chrF++ (and word 2-grams; Popović 2017)
+    of a corpus: sacreBLEU's ``CHRF(word_order=0)`` and ``CHRF(word_order=2)``, case-insensitive
+    with ``lowercase`` as BLEU is."""
+    check_parallel(hypotheses, references)
+    return {key: CHRF(word_order=order, lowercase=lowercase).corpus_score(list(hypotheses), [list(references)]).score
+            for key, order in (("chrf", 0), ("chrfpp", 2))}
 
 
 @contextmanager

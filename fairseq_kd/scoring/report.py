@@ -29,6 +29,7 @@ from .bleu import (
     BleuSettings,
     check_n_bootstrap,
     check_n_trials,
+    chrf_scores,
     compare_systems,
     score_corpus,
 )
@@ -77,6 +78,10 @@ class SystemScore:
     inputs: Dict = field(default_factory=dict)
     # None when every sentence of the test set was scored; else GenerateOutput.completeness()
     partial: Optional[Dict] = None
+
+    def chrf(self) -> Dict[str, float]:
+        """chrF and chrF++ of the scored text (:func:`~.bleu.chrf_scores`)."""
+        return chrf_scores(self.hypotheses, self.references, self.result.settings.lowercase)
 
     def partial_note(self) -> Optional[str]:
         if not self.partial:
@@ -179,6 +184,7 @@ def score_record(system: SystemScore, paired: Optional[Dict] = None) -> Dict:
         "format": SCORE_FORMAT,
         "system": system.name,
         "bleu": result.score,
+        **system.chrf(),
         "mean": result.mean,
         "ci": result.ci,
         "n_bootstrap": result.n_bootstrap,
@@ -357,8 +363,11 @@ def format_mean_ci(mean: Optional[float], ci: Optional[float]) -> str:
     return "-" if mean is None else f"{mean:.2f} ± {ci:.2f}"
 
 
-SCORE_TABLE_HEADER = "| System | BLEU | μ ± 95% CI | Baseline | Δ BLEU | p (bs) | p (ar) | Sentences | Signature |"
-SCORE_TABLE_RULE = "|---|---:|---:|---|---:|---:|---:|---:|---|"
+CHRF_DEFINITION = ("chrF and chrF++: sacreBLEU's CHRF of the same text (character 6-grams, beta 2; chrF++ adds word "
+                   "2-grams: word_order 0 and 2).")
+SCORE_TABLE_HEADER = ("| System | BLEU | μ ± 95% CI | Baseline | Δ BLEU | p (bs) | p (ar) | Sentences | Signature "
+                      "| chrF | chrF++ |")
+SCORE_TABLE_RULE = "|---|---:|---:|---|---:|---:|---:|---:|---|---:|---:|"
 
 
 def _cell(text: str) -> str:
@@ -388,6 +397,8 @@ def score_table_row(record: Dict) -> str:
         p_randomization,
         sentences,
         f"`{record['signature']}`",
+        f"{record['chrf']:.2f}",
+        f"{record['chrfpp']:.2f}",
     ]
     return "| " + " | ".join(_cell(cell) for cell in cells) + " |"
 
@@ -440,6 +451,8 @@ class ReportRow:
     p_randomization: Optional[float]
     params: Optional[int]
     sents_per_sec: Optional[float]
+    chrf: Optional[float] = None
+    chrfpp: Optional[float] = None
 
 
 @dataclass
@@ -512,7 +525,8 @@ def build_report(
     rows = {
         system.name: ReportRow(system=system.name, is_baseline=system.name == baseline, bleu=system.result.score,
                                mean=None, ci=None, difference=None, p_bootstrap=None, p_randomization=None,
-                               params=params.get(system.name), sents_per_sec=sents_per_sec.get(system.name))
+                               params=params.get(system.name), sents_per_sec=sents_per_sec.get(system.name),
+                               **system.chrf())
         for system in systems
     }
     if n_bootstrap:
@@ -559,8 +573,8 @@ def report_markdown(report: Report) -> str:
     difference_header = f"Δ vs {report.baseline}" if report.baseline else "Δ"
     lines = [report.title, ""] if report.title else []
     lines += [
-        f"| System | BLEU | μ ± 95% CI | {difference_header} | p (bs) | p (ar) | Params | Speed (sent/s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| System | BLEU | μ ± 95% CI | {difference_header} | p (bs) | p (ar) | Params | Speed (sent/s) | chrF | chrF++ |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report.rows:
         name = _cell(f"{row.system} (baseline)" if row.is_baseline else row.system)
@@ -576,12 +590,14 @@ def report_markdown(report: Report) -> str:
                     format_p_value(row.p_randomization),
                     format_params(row.params),
                     "-" if row.sents_per_sec is None else f"{row.sents_per_sec:.1f}",
+                    "-" if row.chrf is None else f"{row.chrf:.2f}",
+                    "-" if row.chrfpp is None else f"{row.chrfpp:.2f}",
                 ]
             )
             + " |"
         )
     lines.append("")
-    lines.append(f"sacreBLEU signature: `{report.signature}`; {report.n_sentences} sentences.")
+    lines.append(f"sacreBLEU signature: `{report.signature}`; {report.n_sentences} sentences. {CHRF_DEFINITION}")
     for name, info in report.partial.items():
         lines.append(f"PARTIAL: {name} was scored on {info['n_sentences']} of {info['n_expected']} "
                      f"expected sentences ({'; '.join(info['problems'])}).")
@@ -607,6 +623,8 @@ CSV_COLUMNS = [
     "p_randomization",
     "params",
     "sents_per_sec",
+    "chrf",
+    "chrfpp",
 ]
 
 

@@ -702,7 +702,7 @@ def score_rows(rows: List[Row], args) -> Dict[str, Dict]:
         result = system.result
         entry = {"bleu": result.score, "ci_mean": result.mean, "ci": result.ci, "n_bootstrap": result.n_bootstrap,
                  "signature": result.signature, "verbose": result.verbose, "n_sentences": result.n_sentences,
-                 "scored_output": row.measurements[0]["output"], "paired": None}
+                 "scored_output": row.measurements[0]["output"], "paired": None, **system.chrf()}
         if row.baseline is not None:
             baseline = scores[row.baseline]
             entry["paired"] = compare_with_baseline(system, baseline, args.bootstrap, args.ar_trials, args.seed)
@@ -827,7 +827,7 @@ def to_markdown(report: Dict) -> str:
              f"torch {machine['torch']}, fairseq {machine['fairseq']}, CTranslate2 {machine['ctranslate2'] or '-'}; "
              f"{report['date']}", "", kernel_line(machine, settings), "",
              f"Command: `{report['command']}`", ""]
-    header = ["system", "engine", "weights", "BLEU", "95% CI", "Δ", "p", "size MB"]
+    header = ["system", "engine", "weights", "BLEU", "95% CI", "Δ", "p", "chrF", "chrF++", "size MB"]
     for t, b in combos:
         at = f"B={b}" if cuda else f"T={t} B={b}"
         header += [f"sent/s {at}", f"tok/s {at}", f"speed-up {at}", f"peak MB {at}"]
@@ -839,7 +839,7 @@ def to_markdown(report: Dict) -> str:
         cells = [row["system"], ENGINE_NAMES[row["engine"]], row["weights"], f"{row['bleu']:.2f}",
                  format_mean_ci(row["ci_mean"], row["ci"]), _f(row["delta"], "+.2f"),
                  "identical" if _identical_to_baseline(row) else format_p_value(row["p_bootstrap"]),
-                 f"{row['size_mb']:.2f}"]
+                 f"{row['chrf']:.2f}", f"{row['chrfpp']:.2f}", f"{row['size_mb']:.2f}"]
         for combo in combos:
             m = by_combo[combo]
             cells += [f"{m['sentences_per_s']:.1f}", f"{m['tokens_per_s']:.0f}",
@@ -860,10 +860,11 @@ def to_markdown(report: Dict) -> str:
 
 
 def _write(path: Path, text: str) -> None:
+    """``path`` written whole through a temporary file of this process (never ``PATH.tmp``)."""
+    from fairseq_kd.teacher_pass.common import replace_atomically
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    replace_atomically(path, lambda handle: handle.write(text.encode("utf-8")))
 
 
 # --------------------------------------------------------------------------- main
