@@ -99,9 +99,9 @@ def test_features_are_the_models_own_in_the_students_positions(family, teachers,
     """On a validation batch with the source padded on the left (fairseq's default) and on the
     right: at every real position the captured attention probabilities (encoder self, decoder
     self, cross), hidden states, scores and values equal the model's own outputs on that sentence
-    alone, so padding changes nothing there; the padded entries follow fairseq's capture (masks are
-    the student's, probabilities 0 at padded and future keys, each row sums to 1, embedding output 0
-    at padded positions); the top state is the last layer's output before M2M100's final layer norm."""
+    alone, so padding changes nothing there; the top state is the last layer's output before
+    M2M100's final layer norm. (The padded entries follow the capture contract,
+    tests/test_capture_contract.py.)"""
     task = data_task(data_bins[family])
     teacher = HuggingFaceTeacher.load(str(teachers[family]), task)
     pad = task.source_dictionary.pad()
@@ -122,26 +122,7 @@ def test_features_are_the_models_own_in_the_students_positions(family, teachers,
     encoder, decoder = teacher.model.layer_stacks()
     prev = net_input["prev_output_tokens"]
     for src_tokens, _, features in captured.values():
-        assert torch.equal(features.source_padding_mask, src_tokens.eq(pad))
-        assert torch.equal(features.target_padding_mask, prev.eq(pad))
-        assert features.encoder_hidden.shape[:3] == (4, *src_tokens.shape)
-        assert features.decoder_hidden.shape[:3] == (4, *prev.shape)
-        assert float(features.encoder_hidden[0][features.source_padding_mask].abs().max()) == 0.0
-        assert float(features.decoder_hidden[0][features.target_padding_mask].abs().max()) == 0.0
-        for kind in ATTENTION_KINDS:
-            maps = features.attention[kind]
-            assert maps.probs.dtype == torch.float32 and maps.probs.shape[:3] == (3, len(src_tokens), 2)
-            reachable = ~maps.key_padding_mask[:, None, None, :].expand_as(maps.attendable).clone()
-            if kind == DECODER_SELF:
-                reachable &= torch.ones(maps.probs.shape[-2:], dtype=torch.bool).tril()
-            # every row, padded queries included, is a distribution over the keys it may reach
-            assert float(maps.probs.masked_fill(reachable[None], 0).abs().max()) == 0.0
-            torch.testing.assert_close(maps.probs.sum(-1), torch.ones_like(maps.probs.sum(-1)))
-            # softmax of the scores over the attendable keys gives the probabilities
-            from_scores = maps.scores.float().masked_fill(~maps.attendable[None], -math.inf).softmax(-1)
-            real_rows = maps.attendable.any(-1, keepdim=True)[None].expand_as(from_scores)
-            torch.testing.assert_close(from_scores[real_rows], maps.probs[real_rows], atol=1e-5, rtol=1e-5)
-
+        # (masks, shapes, zeros and sums, scores against maps: tests/test_capture_contract.py, both paddings)
         for row in range(len(src_tokens)):
             source_positions = src_tokens[row].ne(pad).nonzero().flatten()
             target_length = int(prev[row].ne(pad).sum())
@@ -235,39 +216,15 @@ def test_padding_conventions_are_a_fairseq_teachers(family, teachers, data_bins)
 
 
 def test_teacher_exposes_the_shape_feature_methods_read(teachers, data_bins):
-    """Layer counts, heads and widths as TransformerShape reads a fairseq teacher's; MiniLM's
-    top-layer request gives a layer axis of 1; the output-only methods ask the model for nothing
-    more, and hidden states alone keep the fast (sdpa) attention path."""
+    """Layer counts, heads and widths as TransformerShape reads a fairseq teacher's; the output-only
+    methods ask the model for nothing more, and hidden states alone keep the fast (sdpa) attention
+    path. (Top-layer requests and layer selections: tests/test_capture_contract.py.)"""
     task = data_task(data_bins["marian"])
     teacher = HuggingFaceTeacher.load(str(teachers["marian"]), task)
     shape = teacher.shape
     assert (shape.encoder_layers, shape.decoder_layers, shape.encoder_heads, shape.decoder_heads, shape.cross_heads,
             shape.encoder_embed_dim, shape.decoder_embed_dim) == (3, 3, 2, 2, 2, 16, 16)
     batch = split_batch(data_bins["marian"], task)
-    _, top = teacher.forward(batch["net_input"], CaptureRequest(attention_kinds=(DECODER_CROSS,),
-                                                                attention_values=True, last_layer_attention_only=True))
-    _, every = teacher.forward(batch["net_input"],
-                               CaptureRequest(attention_kinds=(DECODER_CROSS,), attention_values=True))
-    assert top.attention[DECODER_CROSS].num_layers == 1 and top.attention[DECODER_CROSS].layers == (3,)
-    torch.testing.assert_close(top.attention[DECODER_CROSS].probs[0], every.attention[DECODER_CROSS].probs[-1])
-    torch.testing.assert_close(top.attention[DECODER_CROSS].values[0], every.attention[DECODER_CROSS].values[-1])
-    # a selection of layers (TinyBERT's mapped teacher layers): those layers of the full capture,
-    # and only their projections hooked
-    selection = CaptureRequest(attention_kinds=(ENCODER_SELF, DECODER_CROSS), attention_scores=True,
-                               attention_values=True, attention_layers={ENCODER_SELF: (1, 3), DECODER_CROSS: (2,)})
-    _, part = teacher.forward(batch["net_input"], selection)
-    _, full = teacher.forward(batch["net_input"], CaptureRequest(attention_kinds=(ENCODER_SELF, DECODER_CROSS),
-                                                                 attention_scores=True, attention_values=True))
-    assert part.attention[ENCODER_SELF].layers == (1, 3) and part.attention[DECODER_CROSS].layers == (2,)
-    for kind in (ENCODER_SELF, DECODER_CROSS):
-        a, b = part.attention[kind], full.attention[kind]
-        for name in ("probs", "scores", "values"):
-            torch.testing.assert_close(getattr(a, name), b.of_layers(getattr(b, name), a.layers))
-    with teacher.model.feature_capture(selection) as capture:
-        encoder, _ = teacher.model.layer_stacks()
-        assert [bool(layer.self_attn.q_proj._forward_hooks) for layer in encoder.layers] == [True, False, True]
-    assert not capture._handles
-
     hf = teacher.model.hf_model
     calls = []
     handle = hf.register_forward_pre_hook(

@@ -1,35 +1,14 @@
-"""Capture hidden states and per-head attention maps from stock fairseq Transformers.
+"""Hidden states and per-head attention maps of one forward pass, for teacher and student alike.
 
-One mechanism serves every criterion, for teacher and student alike. It works on unmodified
-``fairseq.models.transformer.TransformerModel`` instances through forward hooks that exist only
-inside a ``with FeatureCapture(...)`` block, so inference and criterions that ask for nothing pay
-nothing.
-
-Hidden states
-    The encoder is asked for ``return_all_hiddens`` and its ``encoder_states`` are kept; the
-    decoder already returns ``inner_states``. Both lists start with the embedding output (h^0),
-    followed by the output of every layer (h^1..h^n), exactly as fairseq defines them.
-
-Attention maps
-    fairseq's ``MultiheadAttention`` takes PyTorch's fused path for self-attention in training,
-    which returns at most head-averaged, post-dropout weights (measured with fairseq 0.12.3).
-    Inside the ``with`` block the modules of the requested kinds take fairseq's own explicit path
-    instead (``need_head_weights``, and ``skip_embed_dim_check``, which routes around the fused
-    call; cross attention takes that path in fairseq anyway), and the capture keeps what that path
-    computes: the per-head, pre-dropout float32 probability maps the module used, differentiable
-    with respect to the student's parameters, and, when asked, the pre-softmax scores
-    ``q k^T / sqrt(d_head)`` that path computed (TinyBERT, MiniLM, internal KD) and the output of
-    the module's own ``v_proj`` (MiniLM's values). Nothing is projected or multiplied twice. The
-    scores are no module's output: fairseq hands them, before any mask, to the module's
-    ``apply_sparse_mask`` (the identity for dense attention), which the capture wraps per module
-    instance inside the block.
-
-A model that is no fairseq Transformer but satisfies this contract itself (the Hugging Face
-teacher adapter, :mod:`.hf_teacher`) defines ``feature_capture(request)``, returning a context
-manager with ``features()``; ``FeatureCapture`` then delegates to it (so ``FrozenTeacher.forward``
-and the criterions' start-up checks work unchanged).
-
-All tensors are batch-first. Padding masks are ``True`` at padded positions.
+:class:`FeatureCapture` works on stock fairseq Transformers through hooks that exist only inside its
+``with`` block (a request for nothing installs none): the encoder's ``encoder_states`` and the
+decoder's ``inner_states`` (index 0 the embedding output), and, from fairseq's explicit attention
+path, the per-head, pre-dropout float32 probabilities, the pre-softmax scores ``q k^T / sqrt(d_head)``
+and the values, when asked. A model that satisfies the contract itself (the Hugging Face teacher,
+:mod:`.hf_teacher`) defines ``feature_capture(request)``, to which :class:`FeatureCapture` delegates;
+both assemble their maps with :func:`attention_maps`. All tensors are batch-first; padding masks are
+True at padded positions. Why fairseq's fused path is avoided and how the scores are taken:
+``docs/design/teachers.md``.
 """
 from __future__ import annotations
 
@@ -195,6 +174,33 @@ class CapturedFeatures:
         return {"encoder": self.source_padding_mask, "decoder": self.target_padding_mask}[side]
 
 
+def attention_maps(kind: str, probs: Tensor, features: CapturedFeatures, future: Optional[Tensor] = None,
+                   scores: Optional[Tensor] = None, values: Optional[Tensor] = None,
+                   layers: Optional[Tuple[int, ...]] = None) -> AttentionMaps:
+    """The :class:`AttentionMaps` of one kind from a capture's ``(layers, batch, heads, query, key)``
+    ``probs`` (and ``scores``, zeroed here in place outside ``attendable``), in fairseq's positions:
+    the masks of the kind's sides from ``features``, and ``future`` (``(query, key)``, True at keys
+    a query may not see yet) for decoder self-attention. Every capture assembles its maps here."""
+    _, bsz, _, tq, tk = probs.shape
+    source_queries, source_keys = kind == ENCODER_SELF, kind in (ENCODER_SELF, DECODER_CROSS)
+    key_padding_mask = features.source_padding_mask if source_keys else features.target_padding_mask
+    query_padding_mask = features.source_padding_mask if source_queries else features.target_padding_mask
+    if key_padding_mask is None:
+        key_padding_mask = torch.zeros(bsz, tk, dtype=torch.bool, device=probs.device)
+    if query_padding_mask is None:
+        query_padding_mask = torch.zeros(bsz, tq, dtype=torch.bool, device=probs.device)
+    blocked = key_padding_mask[:, None, None, :]  # (batch or 1, 1, query, key): True where a query may not look
+    if future is not None:
+        blocked = blocked | future[None, None, :tq, :tk]
+    attendable = ~blocked & ~query_padding_mask[:, None, :, None]
+    if scores is not None:
+        # in place on the capture's own stacked copy (stack's backward does not need it): no -inf is
+        # left for a loss to turn into a NaN gradient
+        scores.masked_fill_(~attendable.unsqueeze(0), 0.0)
+    return AttentionMaps(probs=probs, query_padding_mask=query_padding_mask, key_padding_mask=key_padding_mask,
+                         attendable=attendable, scores=scores, values=values, layers=layers)
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
     """Strip DDP / fairseq ModuleProxyWrapper layers to reach the module that owns the layers."""
     while hasattr(model, "module") and isinstance(getattr(model, "module"), nn.Module):
@@ -244,10 +250,10 @@ class FeatureCapture:
         self._source_padding_mask: Optional[Tensor] = None
         self._prev_output_tokens: Optional[Tensor] = None
         self._padding_idx: Optional[int] = None
-        # each module's skip_embed_dim_check before the block (see the module docstring)
+        # each module's skip_embed_dim_check before the block (docs/design/teachers.md)
         self._skip_embed_dim_check: Dict[nn.Module, bool] = {}
         self._wrapped_score_modules: List[nn.Module] = []
-        # the model's own capture, for a model that defines feature_capture (see the module docstring)
+        # the model's own capture, for a model that defines feature_capture (docs/design/teachers.md)
         self._delegate = None
 
     # ------------------------------------------------------------------ hooks
@@ -416,46 +422,20 @@ class FeatureCapture:
         # fairseq: (heads, batch, tgt, src) per layer -> (layers, batch, heads, tgt, src)
         probs = torch.stack([r["probs"] for r in records], 0).transpose(1, 2).float()
         num_layers, bsz, num_heads, tq, tk = probs.shape
-        if kind == DECODER_CROSS:
-            key_padding_mask = features.source_padding_mask
-            query_padding_mask = features.target_padding_mask
-        elif kind == ENCODER_SELF:
-            key_padding_mask = query_padding_mask = features.source_padding_mask
-        else:
-            key_padding_mask = query_padding_mask = features.target_padding_mask
-        if key_padding_mask is None:
-            key_padding_mask = torch.zeros(bsz, tk, dtype=torch.bool, device=probs.device)
-        if query_padding_mask is None:
-            query_padding_mask = torch.zeros(bsz, tq, dtype=torch.bool, device=probs.device)
-        # blocked: (B or 1, 1, Tq, Tk) True where a query may not look.
-        blocked = key_padding_mask[:, None, None, :]
-        attn_mask = records[0]["attn_mask"]
+        attn_mask, future = records[0]["attn_mask"], None
         if attn_mask is not None:
             future = attn_mask.bool() if attn_mask.dtype == torch.bool else torch.isinf(attn_mask) & (attn_mask < 0)
-            blocked = blocked | future[None, None, :tq, :tk]
-        attendable = ~blocked & ~query_padding_mask[:, None, :, None]
-
         scores = values = None
         if self.request.attention_scores:
             if not all("scores" in r for r in records):
                 raise RuntimeError(f"{kind} attention did not pass its scores through apply_sparse_mask")
+            # (a stacked copy: the modules' tensors stay as fairseq made them)
             scores = torch.stack([r["scores"] for r in records], 0).view(num_layers, bsz, num_heads, tq, tk)
-            # In place on the stacked copy (stack's backward does not need it): no -inf is left for
-            # a loss to turn into a NaN gradient, and the modules' tensors stay as fairseq made them.
-            scores.masked_fill_(~attendable.unsqueeze(0), 0.0)
         if self.request.attention_values:
             # (layers, len, batch, C) -> (layers, batch, heads, len, d_head)
             stacked = torch.stack([r["v"] for r in records], 0)
             values = stacked.view(num_layers, stacked.size(1), bsz, num_heads, -1).permute(0, 2, 3, 1, 4)
-        return AttentionMaps(
-            probs=probs,
-            query_padding_mask=query_padding_mask,
-            key_padding_mask=key_padding_mask,
-            attendable=attendable,
-            scores=scores,
-            values=values,
-            layers=self._captured_layers[kind],
-        )
+        return attention_maps(kind, probs, features, future, scores, values, self._captured_layers[kind])
 
 
 __all__ = [
@@ -468,6 +448,7 @@ __all__ = [
     "ENCODER_SELF",
     "FeatureCapture",
     "NotATransformerError",
+    "attention_maps",
     "attention_modules",
     "unwrap_model",
 ]

@@ -1,68 +1,15 @@
 """A Hugging Face seq2seq model as the frozen teacher of every distillation method.
 
-``--teacher-checkpoint DIR`` where ``DIR`` is a folder written by ``save_pretrained`` (recognised by
-its ``config.json``) holding the model and its tokenizer: MarianMT (OPUS-MT), M2M100 and NLLB
-(``model_type`` ``m2m_100``) are tested; another ``AutoModelForSeq2SeqLM`` text model whose forward
-takes ``input_ids``, ``attention_mask`` and ``decoder_input_ids`` is accepted with a warning. It is
-read offline (``local_files_only``; nothing is downloaded), safetensors first, pickled weights only
-through ``weights_only=True``, no remote code, and strictly (:mod:`.hf_folder`): the config is
-checked against the weights' headers before anything is built, and every tensor of the model must
-come from the folder. The data must be binarised in the teacher's vocabulary
-(``fairseq-kd-hf-data``), whose dictionaries are checked symbol for symbol here.
-
-Vocabularies: one :class:`.hf_vocabulary.VocabularyMap` per side (:func:`vocabulary_maps`). Most
-tokenizers have one vocabulary, so both sides are the same map and ``dict.SRC.txt`` equals
-``dict.TGT.txt``. A Marian model with separate source and target vocabularies (tokenizer
-``separate_vocabs=True``: ``vocab.json`` and ``target_vocab.json``; model
-``share_encoder_decoder_embeddings=False``, encoder embeddings over the source vocabulary, decoder
-embeddings and logits over the target one, ``pad``/``eos``/``decoder_start`` ids of the target
-side) has two maps: the source map reads the encoder's input and ``dict.SRC.txt``; the target map
-the decoder's input, the logits and ``dict.TGT.txt``.
-
-:class:`HuggingFaceTeacherModel` speaks fairseq's model interface, so the criterions see the same
-``(logits, extra)`` as from a fairseq teacher, over the data's dictionary:
-
-* source: fairseq's ``src_tokens`` (left-padded by default) are re-padded on the right and mapped
-  to Hugging Face ids by the source map (``source_vocabulary``), with the attention mask of the
-  real tokens (Marian's positions count from the first slot, so left padding would shift them);
-* target: fairseq's ``prev_output_tokens`` is ``</s>`` followed by the target; its first column
-  becomes the model's ``decoder_start_token_id`` (Marian: ``<pad>``; M2M100/NLLB: ``</s>``), the
-  rest is mapped id for id by the target map (``vocabulary``). M2M100/NLLB's target language tag
-  is the first token of every target sentence in the binarised data (as Hugging Face's
-  ``text_target`` tokenisation puts it in the labels), so the decoder reads ``</s> __en__ ...``
-  exactly as in Hugging Face training and the student learns to emit the tag first;
-* logits: an ``index_select`` of the model's logits by the target map (one fixed index in each
-  direction). A fairseq symbol the teacher lacks (Marian's ``<s>``) gets a logit 10,000 below the
-  position's lowest, probability exactly 0 in float32 at any temperature the loss uses, without
-  the NaN that ``-inf`` gives in ``0 * log 0``.
-
-Features (:class:`HuggingFaceFeatureCapture`, the capture contract of
-:mod:`.feature_capture`): a model whose encoder and decoder have fairseq's layer layout
-(``layers[i].self_attn`` / ``encoder_attn``: Marian, M2M100, NLLB and the other BART-like families)
-gives every feature method what a fairseq teacher gives, in the student's batch layout:
-
-* attention probabilities per head from the model's own ``output_attentions`` (the eager attention
-  path, switched on only inside a capture that asks for maps), float32, with the decoder's padded
-  keys masked as fairseq masks them; pre-softmax scores ``q k^T / sqrt(d_head)`` and per-head values
-  from the attention modules' own ``q_proj`` / ``k_proj`` / ``v_proj`` outputs, when asked;
-* hidden states from ``output_hidden_states``: index 0 is the embedding output (the input of layer
-  1), index i the output of layer i, the residual stream before any final layer norm, as fairseq's
-  ``encoder_states`` / ``inner_states`` define it. Marian (post-norm, no final layer norm): Hugging
-  Face's ``hidden_states[i]``, all of them. M2M100/NLLB (pre-norm, final layer norm): Hugging Face's
-  ``hidden_states[i]`` for i < n, and for the top layer n the layer's own output (taken by a hook),
-  not Hugging Face's ``hidden_states[n]``, which has the final layer norm applied. As in fairseq, the
-  embedding output is 0 at padded positions;
-* positions: the source is re-padded on the right for the model; every source axis (encoder states,
-  encoder self-attention queries and keys, cross-attention keys, their values) is put back in
-  fairseq's positions (left padding by default), so the maps and states align token for token with
-  the student's capture. Masks are the student's: ``src_tokens`` / ``prev_output_tokens`` equal to
-  ``<pad>``.
-
-Output-only methods ask for nothing and pay nothing: no attention weights or hidden states are
-requested from the model then. The teacher cache (``fairseq-kd-teacher-cache``) runs this
-adapter's forward pass as it runs a fairseq teacher's; sequence-level KD and test-set decoding
-(``fairseq-kd-seqkd``, ``fairseq-kd-translate``) run the model's own ``generate`` through
-:mod:`fairseq_kd.deploy.hf_engine`, with this adapter's source and target maps.
+``--teacher-checkpoint DIR``: a ``save_pretrained`` folder (recognised by its ``config.json``) with
+the model and its tokenizer: MarianMT, M2M100 and NLLB are tested; another ``AutoModelForSeq2SeqLM``
+text model is accepted with a warning. It is read offline, safetensors first, pickles weights-only,
+no remote code, and strictly (:mod:`.hf_folder`); the data must be binarised in its vocabulary
+(``fairseq-kd-hf-data``), one :class:`.hf_vocabulary.VocabularyMap` per side.
+:class:`HuggingFaceTeacherModel` speaks fairseq's model interface (``(logits, extra)`` over the data's
+dictionary; a symbol the teacher lacks gets a logit far below the lowest, probability 0), and
+:class:`HuggingFaceFeatureCapture` gives the features of :mod:`.feature_capture`'s contract in the
+student's positions. How the ids, positions, padding and hidden states are mapped:
+``docs/design/teachers.md``.
 """
 from __future__ import annotations
 
@@ -89,10 +36,12 @@ from .feature_capture import (
     CapturedFeatures,
     CaptureRequest,
     NotATransformerError,
+    attention_maps,
 )
 from .hf_vocabulary import NO_ID, VocabularyError, VocabularyMap, tokenizer_maps
 from .shape import TransformerShape
-from .teacher import FLAG, HF_CONFIG_FILE as CONFIG_FILE, FrozenTeacher, TeacherCheckpointError, readable
+from .dictionary_check import FLAG, TeacherCheckpointError, check_data_dictionaries
+from .teacher import HF_CONFIG_FILE as CONFIG_FILE, FrozenTeacher, readable
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +50,7 @@ TESTED_MODEL_TYPES = ("marian", "m2m_100")
 #: weight files, in the order they are preferred: safetensors, then pickles (read weights-only)
 SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
-#: how far below a position's lowest logit a symbol the teacher lacks is put (see the docstring)
+#: how far below a position's lowest logit a symbol the teacher lacks is put (docs/design/teachers.md)
 MISSING_SYMBOL_MARGIN = 1e4
 INSTALL_HINT = "pip install 'fairseq-kd[hf]' (transformers>=5,<6 and sentencepiece)"
 
@@ -299,7 +248,7 @@ def vocabulary_map(folder, tokenizer, config: dict) -> VocabularyMap:
 
 # ------------------------------------------------------------------------------- the adapter
 class HuggingFaceTeacherModel(nn.Module):
-    """fairseq's model interface over a Hugging Face seq2seq LM (see the module docstring):
+    """fairseq's model interface over a Hugging Face seq2seq LM (docs/design/teachers.md):
     ``forward(src_tokens, src_lengths, prev_output_tokens)`` gives ``(logits, {})`` with logits over
     the fairseq dictionary of ``vocabulary``, the target side's map (decoder inputs, logits, target
     ids); ``source_vocabulary`` is the source side's (encoder inputs), the same object when the
@@ -430,7 +379,7 @@ def _split_heads(projected: torch.Tensor, heads: int) -> torch.Tensor:
 
 class HuggingFaceFeatureCapture:
     """The features of one forward pass of a :class:`HuggingFaceTeacherModel`, under the contract
-    of :class:`.feature_capture.FeatureCapture` (see the module docstring for the mapping).
+    of :class:`.feature_capture.FeatureCapture` (the mapping: docs/design/teachers.md).
 
     Inside the block the model asks its Hugging Face model for exactly what the request needs
     (``output_attentions`` on the eager attention path, ``output_hidden_states``); hooks exist only
@@ -530,7 +479,7 @@ class HuggingFaceFeatureCapture:
 
     def _hidden_states(self, states, side: str) -> torch.Tensor:
         """``(layers + 1, batch, len, dim)``: Hugging Face's states, the top one before a final
-        layer norm (see the module docstring)."""
+        layer norm (docs/design/teachers.md)."""
         states = list(states)
         if side in self._top_outputs:
             states[-1] = self._top_outputs[side]
@@ -552,13 +501,7 @@ class HuggingFaceFeatureCapture:
         num_layers, bsz, num_heads, tq, tk = probs.shape
         source_queries, source_keys = kind == ENCODER_SELF, kind in (ENCODER_SELF, DECODER_CROSS)
         probs = self._to_fairseq_positions(probs, slot, source_queries, source_keys)
-        key_padding_mask = features.source_padding_mask if source_keys else features.target_padding_mask
-        query_padding_mask = features.source_padding_mask if source_queries else features.target_padding_mask
-        blocked = key_padding_mask[:, None, None, :]
-        if kind == DECODER_SELF:
-            future = torch.ones(tq, tk, dtype=torch.bool, device=probs.device).triu(1)
-            blocked = blocked | future[None, None]
-        attendable = ~blocked & ~query_padding_mask[:, None, :, None]
+        future = torch.ones(tq, tk, dtype=torch.bool, device=probs.device).triu(1) if kind == DECODER_SELF else None
         scores = values = None
         if self.request.attention_scores:
             scaling = [self._module(kind, i).scaling for i in indices]
@@ -567,14 +510,11 @@ class HuggingFaceFeatureCapture:
                 @ _split_heads(self._projections[kind, i, "k"], num_heads).transpose(-1, -2) * scale
                 for i, scale in zip(indices, scaling)], 0)
             scores = self._to_fairseq_positions(scores, slot, source_queries, source_keys)
-            scores = scores.masked_fill(~attendable.unsqueeze(0), 0.0)
         if self.request.attention_values:
             values = torch.stack([_split_heads(self._projections[kind, i, "v"], num_heads) for i in indices], 0)
             if source_keys:  # (layers, batch, heads, key, d_head): the key axis is the source's
                 values = values.gather(3, slot[None, :, None, :, None].expand_as(values))
-        return AttentionMaps(probs=probs, query_padding_mask=query_padding_mask, key_padding_mask=key_padding_mask,
-                             attendable=attendable, scores=scores, values=values,
-                             layers=tuple(index + 1 for index in indices))
+        return attention_maps(kind, probs, features, future, scores, values, tuple(index + 1 for index in indices))
 
     def _module(self, kind: str, index: int) -> nn.Module:
         encoder, decoder = self.model.layer_stacks()
@@ -597,17 +537,12 @@ class HuggingFaceTeacher(FrozenTeacher):
     the feature methods size their modules from), or None with ``feature_problem`` saying why when
     the model lacks fairseq's layer layout (then only output-distribution methods can use it)."""
 
-    def __init__(self, model: HuggingFaceTeacherModel, path: str, sha256: Optional[str] = None):
-        self.path = path
-        self._sha256 = sha256
-        self.model = model
-        self.model.eval()
-        for param in self.model.parameters():
-            param.requires_grad_(False)
+    def read_shape(self) -> Optional[TransformerShape]:
         try:
-            self.shape, self.feature_problem = model.transformer_shape(), None
+            return self.model.transformer_shape()
         except NotATransformerError as err:
-            self.shape, self.feature_problem = None, str(err)
+            self.feature_problem = str(err)
+            return None
 
     @classmethod
     def load(cls, path: str, task, teacher_data: Optional[str] = None, sha256: Optional[str] = None):
@@ -665,18 +600,3 @@ def check_model_fits(path, model, vocabulary: VocabularyMap,
         raise refuse(path, f"the model's encoder has {rows} input embeddings but its tokenizer"
                      f"{' source vocabulary' if separate else ''} {source_vocabulary.hf_vocab_size} tokens; the "
                      "model and tokenizer do not belong together")
-
-
-def check_data_dictionaries(path, vocabulary: VocabularyMap, source_dictionary, target_dictionary,
-                            source_vocabulary: Optional[VocabularyMap] = None) -> None:
-    """The data's dictionaries must be the teacher's vocabularies, index for index: the target
-    dictionary ``vocabulary``, the source dictionary ``source_vocabulary`` (``vocabulary`` when None:
-    one vocabulary for both sides)."""
-    source_vocabulary = vocabulary if source_vocabulary is None else source_vocabulary
-    separate = source_vocabulary is not vocabulary
-    for side, dictionary, side_vocabulary in (("source", source_dictionary, source_vocabulary),
-                                              ("target", target_dictionary, vocabulary)):
-        problem = side_vocabulary.mismatch(dictionary.symbols)
-        if problem is not None:
-            raise refuse(path, f"the data's {side} dictionary is not the teacher's {f'{side} ' if separate else ''}"
-                         f"vocabulary ({problem}); binarise the data with fairseq-kd-hf-data --teacher {path}")

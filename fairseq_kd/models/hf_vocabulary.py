@@ -1,29 +1,12 @@
 """One fixed index mapping between a Hugging Face tokenizer's vocabulary and a fairseq dictionary.
 
-fairseq's :class:`~fairseq.data.Dictionary` fixes its special symbols at indices 0-3 (``<s>``,
-``<pad>``, ``</s>``, ``<unk>``) and appends the symbols of ``dict.LANG.txt`` after them; a Hugging
-Face tokenizer puts its specials wherever its vocabulary file does (Marian: ``</s>`` 0, ``<unk>`` 1,
-``<pad>`` last, no ``<s>``; M2M100/NLLB: ``<s> <pad> </s> <unk>`` at 0-3, language tags after the
-pieces). The mapping, the same in both directions and for every split:
-
-* fairseq 0-3 are the tokenizer's tokens of the same *role* (``bos_token_id``, ``pad_token_id``,
-  ``eos_token_id``, ``unk_token_id``), whatever their strings; a role the tokenizer lacks (Marian's
-  BOS) has no Hugging Face id (``NO_ID``): the adapter gives it probability 0;
-* fairseq 4.. are the tokenizer's other tokens in increasing Hugging Face id (language tags
-  included), so ``dict.LANG.txt`` lists exactly the teacher's vocabulary. Rows of the model past
-  the tokenizer's tokens (NLLB's spare rows) have no fairseq index: the teacher's distribution is
-  read over the tokens the data can hold.
-
-Most tokenizers have one vocabulary for both sides: one mapping serves the source and the target
-(:func:`tokenizer_maps` returns the same object twice). A Marian tokenizer with
-``separate_vocabs=True`` has two (``vocab.json`` for the source, ``target_vocab.json`` for the
-target, of different sizes and ids): one mapping per side, built by the same rules from that side's
-vocabulary, each special found by its string in that side's vocabulary (the tokenizer's own
-``<role>_token_id`` are source ids). The source mapping serves the encoder's input; the target
-mapping the decoder's input, the logits and everything else on the target side.
-
-Hugging Face ids -> fairseq ids -> Hugging Face ids is the identity on each side's vocabulary.
-Imports neither transformers nor sentencepiece: it works on the vocabulary as a ``token -> id`` dict.
+fairseq 0-3 (``<s> <pad> </s> <unk>``) are the tokenizer's tokens of the same role, whatever their
+strings (a role the tokenizer lacks, Marian's BOS, has no id: ``NO_ID``); fairseq 4.. are its other
+tokens in increasing id, so ``dict.LANG.txt`` lists exactly the teacher's vocabulary. One mapping
+serves both sides, or one per side for a Marian tokenizer with ``separate_vocabs=True``
+(:func:`tokenizer_maps`). Hugging Face ids -> fairseq ids -> Hugging Face ids is the identity on each
+side's vocabulary. Imports neither transformers nor sentencepiece. The rules in full:
+``docs/design/teachers.md``.
 """
 from __future__ import annotations
 
@@ -52,7 +35,7 @@ class VocabularyError(InputError):
 
 @dataclass(frozen=True)
 class VocabularyMap:
-    """The mapping (see the module docstring); ``hf_id_of_fairseq[i]`` is the Hugging Face id of
+    """The mapping (docs/design/teachers.md); ``hf_id_of_fairseq[i]`` is the Hugging Face id of
     fairseq index ``i`` (``NO_ID`` for none)."""
 
     fairseq_symbols: Tuple[str, ...]

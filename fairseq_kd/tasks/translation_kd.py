@@ -23,8 +23,8 @@ from .. import checkpoints
 from ..errors import InputError
 from ..models.feature_capture import NotATransformerError
 from ..models.shape import TransformerShape
-from ..models.hf_teacher import HuggingFaceTeacher
-from ..models.teacher import FrozenTeacher, is_hugging_face_folder
+from ..models.teacher import FrozenTeacher
+from ..models.teachers import load_teacher
 
 
 @dataclass
@@ -198,8 +198,7 @@ class TranslationKDTask(TranslationTask):
                 f"criterion {criterion_name!r} distils from a teacher: pass --teacher-checkpoint PATH "
                 "(a trained fairseq Transformer translation checkpoint)."
             )
-        if (isinstance(self.teacher, HuggingFaceTeacher) and self.teacher.shape is None
-                and not reads_output_only(criterion_name)):
+        if self.teacher.shape is None and not reads_output_only(criterion_name):
             raise InputError(
                 f"criterion {criterion_name!r} distils the teacher's attention maps or hidden states, which the "
                 f"Hugging Face teacher --teacher-checkpoint {self.teacher.path!r} cannot provide "
@@ -217,24 +216,6 @@ class TranslationKDTask(TranslationTask):
                 f"layer, see --encoder-layers / --decoder-layers); the model built has another layout{reason}."
             )
         return self.student_shape
-
-
-def load_teacher(path: str, task) -> FrozenTeacher:
-    """The teacher ``--teacher-checkpoint`` names: a Hugging Face ``save_pretrained`` folder
-    (:mod:`fairseq_kd.models.hf_teacher`) or a fairseq checkpoint file.
-
-    Loading leaves torch's random state where it was. fairseq-train seeds, sets the task up (this
-    runs then) and builds the student after; building a fairseq teacher initialises its parameters
-    randomly before its weights are read, so without this the student's initial weights would
-    depend on the teacher's architecture and format: a student distilled from a teacher, one
-    distilled from the same teacher exported to Hugging Face, and the no-KD baseline with the same
-    seed would start from different weights. With it they start from the same ones."""
-    import torch
-
-    with torch.random.fork_rng(devices=[]):  # the CPU generator: teachers are built on the CPU
-        if is_hugging_face_folder(path):
-            return HuggingFaceTeacher.load(path, task)
-        return FrozenTeacher.load(path, task)
 
 
 def reads_output_only(criterion_name: str) -> bool:
