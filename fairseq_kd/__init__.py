@@ -10,6 +10,8 @@ corpus generator) loads neither torch nor fairseq.
 import itertools
 import sys
 
+from .errors import MissingDependencyError
+
 __version__ = "0.1.0"
 
 #: oldest fairseq whose Transformer, task and criterion interfaces the plugin is written against
@@ -22,7 +24,7 @@ FAIRSEQ_FIX = (
     "replace torch), or run scripts/setup_env.sh, which does this in .venv")
 
 
-class FairseqMissingError(ImportError):
+class FairseqMissingError(MissingDependencyError):
     """fairseq is not installed, or is older than :data:`MIN_FAIRSEQ_VERSION`."""
 
 
@@ -58,7 +60,7 @@ def register() -> None:
     plugin makes to fairseq (:func:`fairseq_kd.fairseq_patches.install`: safe checkpoint loading,
     the resume checks, bf16 without ``--tpu``, fp16/bf16 master weights in checkpoints). Safe to
     call more than once. Raises
-    :class:`FairseqMissingError` (an ImportError naming the fix) when fairseq is missing or older
+    :class:`FairseqMissingError` (a MissingDependencyError naming the fix) when fairseq is missing or older
     than 0.12.
 
     Only entry points call it (``--user-dir fairseq_kd`` through the import below, the plugin's
