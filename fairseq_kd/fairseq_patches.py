@@ -11,7 +11,8 @@ itself is not forked; these attributes are replaced, each wrapping fairseq's own
   ``FP16Optimizer``'s ``state_dict``/``load_state_dict`` (its float32 master weights kept):
   :func:`fairseq_kd.half_precision.install`.
 
-Each part is idempotent; nothing is patched at import time.
+Each part is idempotent. No module patches fairseq when imported; the package calls
+:func:`fairseq_kd.register` when a fairseq command imports it (``--user-dir fairseq_kd``).
 """
 
 

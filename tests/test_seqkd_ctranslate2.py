@@ -190,7 +190,8 @@ def test_resume_with_another_engine_is_refused_naming_engine(tiny_data_bin, tiny
     with pytest.raises(seqkd.SeqKDError, match=r"other settings \(differing: ct2_quantization;"):
         seqkd.run(config(tiny_data_bin, tiny_teacher, runs["ctranslate2", 1], engine="ctranslate2", beam=1,
                          ct2_quantization="int8"), log=quiet)
-    # a fairseq output written before engines existed (no "engine" in its parameters) is a fairseq one
+    # a record without "engine" (as written before engines existed) is a record of other settings,
+    # named, for every engine: no older format is read as today's
     old = tmp_path / "old"
     shutil.copytree(runs["fairseq", 1], old)
     manifest = manifest_of(old)
@@ -198,8 +199,10 @@ def test_resume_with_another_engine_is_refused_naming_engine(tiny_data_bin, tiny
     (old / seqkd.MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(seqkd.SeqKDError, match=r"other settings \(differing: ct2_quantization, engine;"):
         seqkd.run(config(tiny_data_bin, tiny_teacher, old, engine="ctranslate2", beam=1), log=quiet)
-    assert seqkd.run(config(tiny_data_bin, tiny_teacher, old, beam=1), log=quiet).status == "up_to_date"
-    assert manifest_of(old)["parameters"]["engine"] == "fairseq"  # rewritten with today's parameters
+    with pytest.raises(seqkd.SeqKDError, match=r"other settings \(differing: engine;.*--engine fairseq here, unset in "
+                                               r"the record"):
+        seqkd.run(config(tiny_data_bin, tiny_teacher, old, beam=1), log=quiet)
+    assert manifest_of(old) == manifest  # nothing rewritten
 
 
 def test_bad_engine_flags_are_refused_in_one_line(tiny_data_bin, tiny_teacher, tmp_path):

@@ -526,12 +526,12 @@ JOB_ARRAY_RECORD = "job_array.json"
 
 @contextlib.contextmanager
 def job_array_worker(folder: Path, workers: Workers, error: Type[Exception]) -> Iterator[None]:
-    """For the block, this job-array worker's place in ``folder`` (the pass's work folder, removed
-    by the merge), checked before any work: its ``--num-shards`` recorded, or refused when the
-    array's record holds another (some shards would belong to no worker, and every worker would
-    exit 0 while none merges); its ``--shard-id`` claimed, or refused while another running worker
-    holds it (a duplicated array index: some other index has no worker). One process and
-    torchrun's or srun's ranks are not concerned."""
+    """For the block (the worker's own shards; not the merge, which removes ``folder``), this
+    job-array worker's place in ``folder``, the pass's work folder, checked before any work: its
+    ``--num-shards`` recorded, or refused when the array's record holds another (some shards would
+    belong to no worker, and every worker would exit 0 while none merges); its ``--shard-id``
+    claimed, or refused while another running worker holds it (a duplicated array index: some
+    other index has no worker). One process and torchrun's or srun's ranks are not concerned."""
     if workers.launcher != JOB_ARRAY:
         yield
         return

@@ -659,18 +659,21 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
         sentences, shard_count = len(dataset), math.ceil(len(dataset) / config.shard_size)
         output_existed = plan_.output.exists()
         manifest = _start_manifest(plan_, workers, sentences, shard_count)
-        with job_array_worker(plan_.work, workers, SeqKDError), rank_group(workers):
+        with contextlib.ExitStack() as claim:
+            claim.enter_context(job_array_worker(plan_.work, workers, SeqKDError))
             pending = _own_pending_shards(plan_, workers, sentences, shard_count)
-            ct2_model = (_prepare_ctranslate2(plan_, workers, output_existed) if plan_.config.engine == "ctranslate2"
-                         else None)
+            ct2_model = (_prepare_ctranslate2(plan_, workers, output_existed)
+                         if plan_.config.engine == "ctranslate2" else None)
             decode = make_decoder(plan_, task, dataset, model, device, ct2_model)
             del model  # the CTranslate2 engine holds its own copy of the teacher; fairseq's decoder keeps its own
-            decoded_now, seconds, left = _decode_own_shards(plan_, dataset, decode, workers, device, pending, log)
-            wait_for_ranks(workers)
-            outcome = None if left else merge_when_complete(
-                plan_.work, workers, shard_count, missing=lambda: _missing_shards(plan_, shard_count),
-                merged=lambda: _is_complete(plan_), merge=lambda: _merge(plan_, dataset, task, manifest, device),
-                log=log)
+            with rank_group(workers):
+                decoded_now, seconds, left = _decode_own_shards(plan_, dataset, decode, workers, device, pending, log)
+                claim.close()  # this --shard-id's shards are done; the merge removes the work folder
+                wait_for_ranks(workers)
+                outcome = None if left else merge_when_complete(
+                    plan_.work, workers, shard_count, missing=lambda: _missing_shards(plan_, shard_count),
+                    merged=lambda: _is_complete(plan_), merge=lambda: _merge(plan_, dataset, task, manifest, device),
+                    log=log)
     if outcome in (MERGED, MERGED_BEFORE):
         status, done = "complete", shard_count
     else:

@@ -119,8 +119,9 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
         offsets = np.zeros(len(dataset) + 1, dtype=np.int64)
         np.cumsum(np.asarray(dataset.tgt_sizes, dtype=np.int64), out=offsets[1:])
         n_shards = shard_count(len(dataset), config.shard_size)
-        with job_array_worker(output / SHARDS, workers, TeacherCacheError), rank_group(workers):
-            _cache_own_shards(config, workers, task, teacher, dataset, offsets, pass_identity, log)
+        with rank_group(workers):
+            with job_array_worker(output / SHARDS, workers, TeacherCacheError):  # --shard-id claimed until done
+                _cache_own_shards(config, workers, task, teacher, dataset, offsets, pass_identity, log)
             wait_for_ranks(workers)
             merge_when_complete(output, workers, n_shards, missing=lambda: _missing_shards(output, n_shards),
                                 merged=lambda: (output / MANIFEST).is_file(),
