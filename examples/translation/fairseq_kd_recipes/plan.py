@@ -1,9 +1,7 @@
 """The recipe engine: prepare a corpus, train the teacher and every student, decode, score, report.
 
-A recipe is a list of steps, each one or more command lines of the project's entry points or of
-fairseq's own (``fairseq-train``, ``fairseq-generate``)::
-
-Design notes: ``docs/design/recipes.md``.
+A recipe is a list of steps, each a command line of the project's entry points or of fairseq's own
+(``fairseq-train``, ``fairseq-generate``); the steps and the design: ``docs/design/recipes.md``.
 """
 from __future__ import annotations
 
@@ -31,7 +29,6 @@ LOG = logging.getLogger(__name__)
 
 #: the plugin's folder, fairseq-train's --user-dir
 USER_DIR = Path(fairseq_kd.__file__).resolve().parent
-#: module that writes a figure's weights, per figure kind of :class:`~.methods.Method`
 DEFAULT_PREPARE_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
@@ -103,10 +100,6 @@ class RecipePlan:
     report_prefixes: list[Path]
     #: runs one command line into a log file (:class:`CommandExecutor` unless a caller substitutes one)
     execute: Callable[[Sequence[str], Path], None]
-
-    @property
-    def systems(self) -> list[str]:
-        return [TEACHER] + [method.name for method in self.methods]
 
     def step(self, name: str) -> RecipeStep:
         for step in self.steps:
@@ -266,16 +259,26 @@ class _Planner:
                  methods: list[Method], workdir: Path, executor: Callable[[Sequence[str], Path], None],
                  hf_teacher: Optional[HuggingFaceTeacher] = None):
         self.options, self.pair, self.profile, self.launch = options, pair, profile, launch
-        self.world_size = launch.world_size
-        self.methods, self.workdir, self.execute = methods, workdir, executor
-        self.hf_teacher = hf_teacher
+        self.methods, self.workdir, self.execute, self.hf_teacher = methods, workdir, executor, hf_teacher
         #: the prepared corpus (its untouched references in raw/)
         self.corpus = options.data.resolve() if options.data is not None else workdir / "data-bin"
+        self.test_reference = self.corpus / "raw" / f"test.{pair.target}"
         #: what every model trains on and is decoded from: the corpus, or its text in a Hugging Face
         #: teacher's vocabulary
         self.data = workdir / "data-hf" if hf_teacher is not None else self.corpus
         self.seqkd_data = workdir / "data-seqkd"
+        self.teacher_cache = workdir / "teacher-cache"
+        self.sidecar = workdir / "report" / "systems.json"
         self.steps: list[RecipeStep] = []
+        #: the papers' fairseq-train values, with the pair's and then the profile's replacements, then
+        #: the pair's values for this profile
+        self.training_values = {**pair.training(), **profile.training_overrides,
+                                **pair.profile_training.get(profile.name, {})}
+        self.beam = profile.beam or pair.beam
+        self.lenpen = ["--lenpen", str(pair.lenpen)] if pair.lenpen != 1.0 else []
+        self.decoding = f"beam {self.beam}" + (f", length penalty {pair.lenpen}" if self.lenpen else "")
+        #: where a teacher pass or a test decoding runs (not part of its settings)
+        self.device_flags = ["--fp16"] if profile.device == "cuda" else ["--cpu"]
         # The pair's own tokenised-BLEU table reads BPE-segmented, lowercased T- lines, which data
         # in a Hugging Face teacher's vocabulary does not have.
         self.tokenized_bleu = pair.tokenized_bleu and hf_teacher is None
@@ -293,19 +296,14 @@ class _Planner:
     def save_dir(self, system: str) -> Path:
         return self.workdir / "train" / system
 
-    def checkpoint(self, system: str) -> Path:
-        """The checkpoint that is decoded and distilled from: the selected one, or the average."""
-        if system == TEACHER and self.options.teacher is not None:
-            return self.options.teacher.resolve()
-        if self.pair.average_last:
-            return self.save_dir(system) / "checkpoint_avg.pt"
-        return self.trained_checkpoint(system)
-
     def trained_checkpoint(self, system: str) -> Path:
         return self.save_dir(system) / "checkpoint_best.pt"
 
-    def beam(self) -> int:
-        return self.profile.beam or self.pair.beam
+    def checkpoint(self, system: str) -> Path:
+        """The checkpoint that is decoded and distilled from: the given, the selected or the average."""
+        if system == TEACHER and self.options.teacher is not None:
+            return self.options.teacher.resolve()
+        return self.save_dir(system) / "checkpoint_avg.pt" if self.pair.average_last else self.trained_checkpoint(system)
 
     def model(self, system: str) -> Path:
         return self.workdir / "models" / f"{system}.pt"
@@ -316,32 +314,20 @@ class _Planner:
     def score(self, system: str, tokenized: bool = False) -> Path:
         return self.workdir / ("scores-tokenized" if tokenized else "scores") / f"{system}.json"
 
-    def test_reference(self) -> Path:
-        """The untouched test references the preparation keeps (one line per test sentence)."""
-        return self.corpus / "raw" / f"test.{self.pair.target}"
-
-    def shipped_model(self, system: str) -> Path:
-        """What a system ships as: its exported checkpoint, or a Hugging Face teacher's folder."""
-        if system == TEACHER and self.hf_teacher is not None:
-            return self.hf_teacher.folder
-        return self.model(system)
-
     def log(self, step: str) -> Path:
         return self.workdir / "logs" / f"{step}.log"
 
     # steps
-    def add(self, name: str, commands: Sequence[tuple[list[str], list[str]]], inputs, outputs, *,
-            description: str = "", save_dir: Optional[Path] = None, action=None, settings=None,
-            launch: Callable[[Sequence[str]], list[str]] = list, array_command=None) -> None:
-        """``commands``: (arguments, placement arguments) pairs, each started by ``launch``; the stamp
-        records the arguments only (placement and launcher are where a step runs, not what it makes)."""
-        self.steps.append(RecipeStep(
-            name=name, commands=[launch(with_placement(args, placement)) for args, placement in commands],
-            inputs=[Path(p) for p in inputs], outputs=[Path(p) for p in outputs],
-            settings=settings if settings is not None else {"commands": [args for args, _ in commands]},
-            log=self.log(name), action=action, description=description, save_dir=save_dir,
-            array_command=array_command,
-        ))
+    def add(self, name: str, command: list[str], inputs, outputs, description: str, placement: Sequence[str] = (),
+            launch: Callable[[Sequence[str]], list[str]] = list, settings=None, **fields) -> RecipeStep:
+        """A step of one command line, started by ``launch``; the stamp records the command without
+        ``placement`` (placement and launcher are where a step runs, not what it makes)."""
+        step = RecipeStep(name=name, commands=[launch(with_placement(command, placement))],
+                          inputs=[Path(p) for p in inputs], outputs=[Path(p) for p in outputs],
+                          settings=settings if settings is not None else {"commands": [command]},
+                          log=self.log(name), description=description, **fields)
+        self.steps.append(step)
+        return step
 
     def plan(self) -> list[RecipeStep]:
         if self.options.data is None:
@@ -350,34 +336,41 @@ class _Planner:
             self.add_hf_data()
         if self.options.teacher is None:
             self.add_teacher()
-        self.add_evaluation(TEACHER, data=self.data)
+        self.add_evaluation(TEACHER)
         if any(method.data == "seqkd" for method in self.methods):
             self.add_seqkd()
         if any(method.teacher_cache for method in self.methods):
             self.add_teacher_cache()
         for method in self.methods:
             self.add_student(method)
-            self.add_evaluation(method.name, data=self.data)
-            self.add_figure(method)
+            self.add_evaluation(method.name)
+            if method.figure is not None:
+                weights = self.workdir / "plots" / f"{method.name}-{method.figure}.json"
+                figure, checkpoint = weights.with_suffix(".png"), self.checkpoint(method.name)
+                self.add(f"figure-{method.name}",
+                         [*python_module("fairseq_kd.cli.plot"), method.figure, "--checkpoint", str(checkpoint),
+                          "--weights-output", str(weights), "--output", str(figure), "--overwrite"],
+                         [checkpoint], [weights, figure], f"{method.figure} weights figure")
         self.add_validation_comparison()
         self.add_systems()
-        self.add_report()
+        for suffix, systems, baseline in self.report_groups():
+            self.add_report(suffix, systems, baseline, tokenized=False)
+            if self.tokenized_bleu:
+                self.add_report(suffix, systems, baseline, tokenized=True)
         return self.steps
 
     def add_prepare(self) -> None:
         args = [*self.pair.prepare_args]
         if self.profile.use_smoke_prepare_args:
             args += self.pair.smoke_prepare_args
-        args += self.options.prepare_args
-        command = [*python_module(self.pair.prepare_module), *args,
+        command = [*python_module(self.pair.prepare_module), *args, *self.options.prepare_args,
                    "--workdir", str(self.workdir / "prepare"), "--dest", str(self.corpus)]
         # Where the archives lie and how many processes work are no settings of the corpus:
         # changing them does not re-run the preparation.
         placement = ["--workers", str(self.options.workers)]
         if self.options.archives is not None:
             placement += ["--archives", str(self.options.archives.resolve())]
-        self.add("prepare", [(command, placement)], [], [self.corpus],
-                 description=f"prepare {self.pair.title} into {self.corpus}")
+        self.add("prepare", command, [], [self.corpus], f"prepare {self.pair.title} into {self.corpus}", placement)
 
     def add_hf_data(self) -> None:
         """The prepared text (untokenised, cased: what the teacher's tokenizer reads) binarised in the
@@ -389,24 +382,14 @@ class _Planner:
                    "--testpref", str(raw / "test"), "--destdir", str(self.data), *teacher.language_flags(),
                    "--overwrite"]
         texts = [raw / f"{split}.{lang}" for split in ("train", "valid", "test") for lang in (source, target)]
-        self.add("hf-data", [(command, [])], [*texts, teacher.folder], [self.data],
-                 description=f"the prepared text in the vocabulary of the teacher {teacher.folder.name}")
+        self.add("hf-data", command, [*texts, teacher.folder], [self.data],
+                 f"the prepared text in the vocabulary of the teacher {teacher.folder.name}")
 
     # training
-    def training_values(self) -> dict[str, str]:
-        """The papers' fairseq-train values, with the pair's and then the profile's replacements,
-        then the pair's values for this profile."""
-        return {**self.pair.training(), **self.profile.training_overrides,
-                **self.pair.profile_training.get(self.profile.name, {})}
-
     def schedule(self) -> list[str]:
         if self.options.max_update is not None:
             return ["--max-update", str(self.options.max_update)]
         return list(self.pair.profile_schedules.get(self.profile.name) or self.profile.schedule or self.pair.schedule)
-
-    def training_flags(self) -> list[str]:
-        flags = [item for flag_value in self.training_values().items() for item in flag_value]
-        return flags + self.schedule() + self.selection_flags()
 
     def selection_flags(self) -> list[str]:
         """How fairseq picks checkpoint_best.pt: never by a KD criterion's total loss, whose terms
@@ -445,7 +428,7 @@ class _Planner:
     def placement_flags(self, distils: bool) -> list[str]:
         if self.profile.device == "cuda":
             flags = ["--fp16", *self.launch.distributed_flags()]
-            if self.world_size > 1 and distils:
+            if self.launch.world_size > 1 and distils:
                 # A criterion may leave its learnable modules out of some steps (internal KD's
                 # projections once its schedule has moved on to soft labels only); DDP must not
                 # wait for their gradients.
@@ -453,10 +436,10 @@ class _Planner:
         else:
             flags = ["--cpu"]
         if self.profile.match_tokens_per_update:
-            max_tokens, update_freq = batch_split(self.pair.tokens_per_update,
-                                                  int(self.training_values()["--max-tokens"]), self.world_size)
-            if max_tokens != int(self.training_values()["--max-tokens"]):
-                flags += ["--max-tokens", str(max_tokens)]
+            max_tokens = int(self.training_values["--max-tokens"])
+            per_gpu, update_freq = batch_split(self.pair.tokens_per_update, max_tokens, self.launch.world_size)
+            if per_gpu != max_tokens:
+                flags += ["--max-tokens", str(per_gpu)]
             if update_freq > 1:
                 flags += ["--update-freq", str(update_freq)]
         return flags
@@ -485,63 +468,50 @@ class _Planner:
                      "--skip-invalid-size-inputs-valid-test"]
         return args
 
-    def train_command(self, system: str, data: Path, task_args: list[str], role: str,
-                      criterion: str, criterion_args: Sequence[str]) -> list[str]:
-        """fairseq-train's arguments, without the placement flags."""
+    def add_training(self, system: str, data: Path, task_args: list[str], role: str, criterion: str,
+                     criterion_args: Sequence[str], inputs: list[Path], distils: bool, description: str) -> None:
+        """fairseq-train (its checkpoints protected: :func:`.execute.check_checkpoint_folder`), then
+        the average of its last checkpoints when the pair decodes one."""
         save_dir = self.save_dir(system)
-        return [
+        args = [
             *console_script("fairseq-train", "fairseq_cli.train"), str(data),
             "--user-dir", str(USER_DIR), *task_args,
             *self.architecture(role), *self.model_args(),
             "--criterion", criterion, "--label-smoothing", LABEL_SMOOTHING, *criterion_args,
-            *self.training_flags(), "--seed", str(self.options.seed),
+            *[item for flag_value in self.training_values.items() for item in flag_value],
+            *self.schedule(), *self.selection_flags(), "--seed", str(self.options.seed),
             "--save-dir", str(save_dir), *self.checkpoint_flags(),
             "--log-format", "json", "--log-interval", str(self.profile.log_interval),
             "--log-file", str(save_dir / "train.log"),
             *self.options.train_args,
         ]
 
-    def add_training(self, system: str, args: list[str], inputs: list[Path], placement: list[str],
-                     description: str) -> None:
-        save_dir = self.save_dir(system)
-        step_name = f"train-{system}"
-        settings = {"commands": [args]}
-        log = self.log(step_name)
-        execute = self.execute
-
-        command = self.launch.training(with_placement(args, placement))
-
         def action() -> None:
-            write_json(save_dir / TRAIN_RECORD_NAME, check_checkpoint_folder(save_dir, settings, inputs))
-            execute(command, log)
+            write_json(save_dir / TRAIN_RECORD_NAME, check_checkpoint_folder(save_dir, step.settings, step.inputs))
+            self.execute(step.commands[0], step.log)
 
-        self.add(step_name, [(args, placement)], inputs, [self.trained_checkpoint(system), save_dir / "train.log"],
-                 description=description, save_dir=save_dir, action=action, settings=settings,
-                 launch=self.launch.training)
+        step = self.add(f"train-{system}", args, inputs, [self.trained_checkpoint(system), save_dir / "train.log"],
+                        description, self.placement_flags(distils), self.launch.training,
+                        save_dir=save_dir, action=action)
         if self.pair.average_last:
             kind, _ = self.averaging()
-            command = [*python_module("fairseq_kd.cli.average_checkpoints"), str(save_dir),
-                       "--last", str(self.pair.average_last), "--kind", kind,
-                       "--output", str(self.checkpoint(system)), "--overwrite"]
-            self.add(f"average-{system}", [(command, [])], [self.trained_checkpoint(system)],
-                     [self.checkpoint(system)],
-                     description=f"average the last {self.pair.average_last} {kind} checkpoints")
+            self.add(f"average-{system}",
+                     [*python_module("fairseq_kd.cli.average_checkpoints"), str(save_dir),
+                      "--last", str(self.pair.average_last), "--kind", kind,
+                      "--output", str(self.checkpoint(system)), "--overwrite"],
+                     [self.trained_checkpoint(system)], [self.checkpoint(system)],
+                     f"average the last {self.pair.average_last} {kind} checkpoints")
 
     def add_teacher(self) -> None:
-        args = self.train_command(TEACHER, self.data, ["--task", "translation"], TEACHER,
-                                  "label_smoothed_cross_entropy", ())
-        self.add_training(TEACHER, args, [self.data], self.placement_flags(distils=False), "train the teacher")
+        self.add_training(TEACHER, self.data, ["--task", "translation"], TEACHER, "label_smoothed_cross_entropy", (),
+                          [self.data], False, "train the teacher")
 
     def add_student(self, method: Method) -> None:
         data = self.seqkd_data if method.data == "seqkd" else self.data
         task_args = ["--task", "translation_kd"]
         inputs = [data]
         if method.uses_teacher:
-            task_args += ["--teacher-checkpoint", str(self.checkpoint(TEACHER))]
-            if self.options.teacher is not None and self.hf_teacher is None:
-                # A teacher given with --teacher was trained on this data (--teacher's help): its
-                # dictionaries are the data's, wherever its own data folder was.
-                task_args += ["--teacher-data", str(self.data)]
+            task_args += ["--teacher-checkpoint", str(self.checkpoint(TEACHER)), *self.teacher_data()]
             inputs.append(self.checkpoint(TEACHER))
         elif self.hf_teacher is not None:
             # Its data is in the teacher's vocabulary: the students that never query the teacher are
@@ -551,151 +521,111 @@ class _Planner:
         if method.teacher_cache:
             task_args += ["--teacher-cache", str(self.teacher_cache)]
             inputs.append(self.teacher_cache)
-        args = self.train_command(method.name, data, task_args, method.student, method.criterion,
-                                  self.pair.criterion_args(method))
-        self.add_training(method.name, args, inputs, self.placement_flags(distils=method.uses_teacher),
-                          method.description)
+        self.add_training(method.name, data, task_args, method.student, method.criterion,
+                          self.pair.criterion_args(method), inputs, method.uses_teacher, method.description)
+
+    def teacher_data(self) -> list[str]:
+        """A teacher given with --teacher was trained on this data (--teacher's help): its
+        dictionaries are the data's, wherever its own data folder was."""
+        return ["--teacher-data", str(self.data)] if self.options.teacher is not None and self.hf_teacher is None else []
+
+    def add_teacher_pass(self, name: str, module: str, output: Path, args: list[str], description: str) -> None:
+        command = [*python_module(module), "--data", str(self.data), "--teacher-checkpoint",
+                   str(self.checkpoint(TEACHER)), "--output", str(output), *args]
+        self.add(name, command, [self.data, self.checkpoint(TEACHER)], [output], description, self.device_flags,
+                 self.launch.teacher_pass, array_command=with_placement(command, self.device_flags))
 
     def add_seqkd(self) -> None:
-        placement = ["--fp16"] if self.profile.device == "cuda" else ["--cpu"]
-        command = [*python_module("fairseq_kd.cli.seqkd_decode"), "--data", str(self.data),
-                   "--teacher-checkpoint", str(self.checkpoint(TEACHER)), "--output", str(self.seqkd_data),
-                   "--beam", str(self.profile.beam or BEAM), *self.seqkd_length_args()]
-        self.add("seqkd-data", [(command, placement)], [self.data, self.checkpoint(TEACHER)], [self.seqkd_data],
-                 description="decode the training set with the teacher (sequence-level KD)",
-                 launch=self.launch.teacher_pass, array_command=with_placement(command, placement))
-
-    @property
-    def teacher_cache(self) -> Path:
-        return self.workdir / "teacher-cache"
+        # the profile's output length limits, in fairseq-kd-seqkd's spelling (as fairseq-generate's)
+        self.add_teacher_pass("seqkd-data", "fairseq_kd.cli.seqkd_decode", self.seqkd_data,
+                              ["--beam", str(self.profile.beam or BEAM), *self.profile.generate_args],
+                              "decode the training set with the teacher (sequence-level KD)")
 
     def add_teacher_cache(self) -> None:
-        placement = ["--fp16"] if self.profile.device == "cuda" else ["--cpu"]
-        command = [*python_module("fairseq_kd.cli.teacher_cache"), "--data", str(self.data),
-                   "--teacher-checkpoint", str(self.checkpoint(TEACHER)), "--output", str(self.teacher_cache),
-                   "--k", str(TEACHER_CACHE_K)]
-        if self.options.teacher is not None and self.hf_teacher is None:
-            command += ["--teacher-data", str(self.data)]
-        self.add("teacher-cache", [(command, placement)], [self.data, self.checkpoint(TEACHER)], [self.teacher_cache],
-                 description=f"the teacher's top-{TEACHER_CACHE_K} log-probabilities of every training token",
-                 launch=self.launch.teacher_pass, array_command=with_placement(command, placement))
-
-    def seqkd_length_args(self) -> list[str]:
-        """The profile's output length limits, in fairseq-kd-seqkd's spelling (as fairseq-generate's)."""
-        return list(self.profile.generate_args)
+        self.add_teacher_pass("teacher-cache", "fairseq_kd.cli.teacher_cache", self.teacher_cache,
+                              ["--k", str(TEACHER_CACHE_K), *self.teacher_data()],
+                              f"the teacher's top-{TEACHER_CACHE_K} log-probabilities of every training token")
 
     # evaluation
-    def add_evaluation(self, system: str, data: Path) -> None:
+    def add_evaluation(self, system: str) -> None:
+        """Decode the test set (a Hugging Face teacher with its own generate, under fairseq-generate's
+        rules and in its output format), score it and plot the training curves."""
+        output = self.generate_output(system)
+        decoding = ["--gen-subset", "test", "--beam", str(self.beam), *self.lenpen,
+                    "--max-tokens", self.training_values["--max-tokens"]]
         if system == TEACHER and self.hf_teacher is not None:
-            self.add_hf_teacher_decoding(data)
+            folder = self.hf_teacher.folder
+            command = [*python_module("fairseq_kd.cli.translate"), str(self.data), "--model", str(folder), *decoding,
+                       *self.profile.generate_args, "--results-path", str(output.parent), "--overwrite"]
+            placement = ["--device", "cuda", "--compute-type", "float16"] if self.profile.device == "cuda" else [
+                "--device", "cpu"]
+            self.add(f"generate-{TEACHER}", command, [self.data, folder], [output],
+                     f"decode the test set with the teacher's own generate, {self.decoding}", placement)
         else:
-            self.add_decoding(system, data)
-        self.add_scoring(system)
+            model = self.model(system)
+            self.add(f"export-{system}",
+                     [*python_module("fairseq_kd.cli.export_student"), str(self.checkpoint(system)), str(model),
+                      "--overwrite"], [self.checkpoint(system)], [model], "export the model as a stock checkpoint")
+            command = [
+                *console_script("fairseq-generate", "fairseq_cli.generate"), str(self.data),
+                "--user-dir", str(USER_DIR), "--task", "translation", "--gen-subset", "test",
+                "--path", str(model), *decoding[2:],
+                # fairseq's batching drops sentences that do not fill a multiple of 8 (a batch of one
+                # very long sentence, the last partial batch): every test sentence must be decoded.
+                "--required-batch-size-multiple", "1",
+                *self.profile.generate_args, "--seed", str(self.options.seed), "--results-path", str(output.parent),
+            ]
+            self.add(f"generate-{system}", command, [self.data, model], [output],
+                     f"decode the test set, {self.decoding}", self.device_flags)
+        score = [*python_module("fairseq_kd.cli.score"), "--generate-output", str(output), "--system", system]
+        self.add(f"score-{system}",
+                 [*score, *self.scoring, "--ref", str(self.test_reference), "--ref-is-plain",
+                  "--output-json", str(self.score(system)), "--overwrite"],
+                 [output, self.test_reference], [self.score(system)],
+                 "detokenised sacreBLEU with 95% CI against the untouched references, every test sentence present")
+        if self.tokenized_bleu:
+            self.add(f"score-tokenized-{system}",
+                     [*score, "--remove-bpe", self.pair.remove_bpe, "--expected-from", str(self.test_reference),
+                      "--output-json", str(self.score(system, tokenized=True)), "--overwrite"],
+                     [output, self.test_reference], [self.score(system, tokenized=True)],
+                     "the paper's BLEU: sacreBLEU on the tokenised, lowercased T- lines")
         log = self.checkpoint(system).parent / "train.log"
         given_teacher = system == TEACHER and self.options.teacher is not None
         if given_teacher and (self.hf_teacher is not None or not log.is_file()):
             return  # a teacher trained elsewhere, without its fairseq log beside it: no curves
         curves = self.workdir / "plots" / f"{system}-curves.png"
-        self.add(f"curves-{system}",
-                 [([*python_module("fairseq_kd.cli.plot"), "curves", "--log", str(log), "--output", str(curves),
-                    "--overwrite"], [])],
-                 [log], [curves], description="training curves of every loss term")
-
-    def add_hf_teacher_decoding(self, data: Path) -> None:
-        """A Hugging Face teacher decodes the test set with its own generate, under
-        fairseq-generate's rules and in its output format (H- lines of the data's symbols)."""
-        folder = self.hf_teacher.folder
-        command = [*python_module("fairseq_kd.cli.translate"), str(data), "--model", str(folder),
-                   "--gen-subset", "test", "--beam", str(self.beam()),
-                   *(["--lenpen", str(self.pair.lenpen)] if self.pair.lenpen != 1.0 else []),
-                   "--max-tokens", self.training_values()["--max-tokens"], *self.profile.generate_args,
-                   "--results-path", str(self.generate_output(TEACHER).parent), "--overwrite"]
-        placement = ["--device", "cuda", "--compute-type", "float16"] if self.profile.device == "cuda" else [
-            "--device", "cpu"]
-        self.add(f"generate-{TEACHER}", [(command, placement)], [data, folder], [self.generate_output(TEACHER)],
-                 description=f"decode the test set with the teacher's own generate, beam {self.beam()}"
-                 + (f", length penalty {self.pair.lenpen}" if self.pair.lenpen != 1.0 else ""))
-
-    def add_decoding(self, system: str, data: Path) -> None:
-        model = self.model(system)
-        self.add(f"export-{system}",
-                 [([*python_module("fairseq_kd.cli.export_student"), str(self.checkpoint(system)), str(model),
-                    "--overwrite"], [])],
-                 [self.checkpoint(system)], [model], description="export the model as a stock checkpoint")
-        placement = ["--fp16"] if self.profile.device == "cuda" else ["--cpu"]
-        generate = [
-            *console_script("fairseq-generate", "fairseq_cli.generate"), str(data),
-            "--user-dir", str(USER_DIR), "--task", "translation", "--gen-subset", "test",
-            "--path", str(model), "--beam", str(self.beam()),
-            *(["--lenpen", str(self.pair.lenpen)] if self.pair.lenpen != 1.0 else []),
-            "--max-tokens", self.training_values()["--max-tokens"],
-            # fairseq's batching drops sentences that do not fill a multiple of 8 (a batch of one
-            # very long sentence, the last partial batch): every test sentence must be decoded.
-            "--required-batch-size-multiple", "1",
-            *self.profile.generate_args, "--seed", str(self.options.seed),
-            "--results-path", str(self.generate_output(system).parent),
-        ]
-        self.add(f"generate-{system}", [(generate, placement)], [data, model], [self.generate_output(system)],
-                 description=f"decode the test set, beam {self.beam()}"
-                 + (f", length penalty {self.pair.lenpen}" if self.pair.lenpen != 1.0 else ""))
-
-    def add_scoring(self, system: str) -> None:
-        self.add(f"score-{system}",
-                 [([*python_module("fairseq_kd.cli.score"), "--generate-output", str(self.generate_output(system)),
-                    "--system", system, *self.scoring, "--ref", str(self.test_reference()), "--ref-is-plain",
-                    "--output-json", str(self.score(system)), "--overwrite"], [])],
-                 [self.generate_output(system), self.test_reference()], [self.score(system)],
-                 description="detokenised sacreBLEU with 95% CI against the untouched references, every "
-                 "test sentence present")
-        if self.tokenized_bleu:
-            self.add(f"score-tokenized-{system}",
-                     [([*python_module("fairseq_kd.cli.score"), "--generate-output", str(self.generate_output(system)),
-                        "--system", system, "--remove-bpe", self.pair.remove_bpe,
-                        "--expected-from", str(self.test_reference()),
-                        "--output-json", str(self.score(system, tokenized=True)), "--overwrite"], [])],
-                     [self.generate_output(system), self.test_reference()], [self.score(system, tokenized=True)],
-                     description="the paper's BLEU: sacreBLEU on the tokenised, lowercased T- lines")
-
-    def add_figure(self, method: Method) -> None:
-        if method.figure is None:
-            return
-        weights = self.workdir / "plots" / f"{method.name}-{method.figure}.json"
-        figure = weights.with_suffix(".png")
-        self.add(
-            f"figure-{method.name}",
-            [([*python_module("fairseq_kd.cli.plot"), method.figure, "--checkpoint", str(self.checkpoint(method.name)),
-               "--weights-output", str(weights), "--output", str(figure), "--overwrite"], [])],
-            [self.checkpoint(method.name)], [weights, figure], description=f"{method.figure} weights figure",
-        )
+        self.add(f"curves-{system}", [*python_module("fairseq_kd.cli.plot"), "curves", "--log", str(log), "--output",
+                                      str(curves), "--overwrite"],
+                 [log], [curves], "training curves of every loss term")
 
     def add_validation_comparison(self) -> None:
         """Every student's validation nll on one axis (and the teacher's when trained here)."""
         systems = [method.name for method in self.methods]
         if self.options.teacher is None:
             systems = [TEACHER] + systems
-        logs = {system: self.save_dir(system) / "train.log" for system in systems}
+        logs = [self.save_dir(system) / "train.log" for system in systems]
         figure = self.workdir / "plots" / "validation-nll.png"
         command = [*python_module("fairseq_kd.cli.plot"), "compare"]
-        for system, log in logs.items():
+        for system, log in zip(systems, logs):
             command += ["--log", f"{system}={log}"]
-        self.add("validation-curves", [(command + ["--output", str(figure), "--overwrite"], [])], list(logs.values()),
-                 [figure], description="validation nll of every model against updates, on one axis")
+        self.add("validation-curves", command + ["--output", str(figure), "--overwrite"], logs, [figure],
+                 "validation nll of every model against updates, on one axis")
 
     def add_systems(self) -> None:
         systems = [TEACHER] + [method.name for method in self.methods]
-        decodings = {system: SystemDecoding(self.shipped_model(system), self.generate_output(system),
-                                            self.log(f"generate-{system}")) for system in systems}
-        sidecar = self.workdir / "report" / "systems.json"
-        data, test_prefix = self.data, f"test.{self.pair.source}-{self.pair.target}.{self.pair.target}"
+        decodings = {system: SystemDecoding(
+            self.hf_teacher.folder if system == TEACHER and self.hf_teacher is not None else self.model(system),
+            self.generate_output(system), self.log(f"generate-{system}")) for system in systems}
+        data, sidecar = self.data, self.sidecar
+        test_prefix = f"test.{self.pair.source}-{self.pair.target}.{self.pair.target}"
         # In-process when the recipe runs it; the command is what a printed plan or batch script runs.
         command = [*python_module("fairseq_kd_recipes.systems"), "--data", str(data), "--test-prefix", test_prefix,
                    "--output", str(sidecar)]
         for system, decoding in decodings.items():
             command += ["--system", system, str(decoding.model), str(decoding.output), str(decoding.log)]
-        self.add("systems", [(command, [])], [path for d in decodings.values() for path in (d.model, d.output)],
-                 [sidecar], action=lambda: write_systems_sidecar(decodings, data, test_prefix, sidecar),
-                 settings={"systems": systems},
-                 description="parameter counts of the exported models, decoding speeds")
+        self.add("systems", command, [path for d in decodings.values() for path in (d.model, d.output)], [sidecar],
+                 "parameter counts of the exported models, decoding speeds", settings={"systems": systems},
+                 action=lambda: write_systems_sidecar(decodings, data, test_prefix, sidecar))
 
     def report_groups(self) -> list[tuple[str, list[str], str]]:
         """(file suffix, systems, baseline) of each results table: the teacher and the main-shape
@@ -718,15 +648,8 @@ class _Planner:
             tables.append((suffix, systems, baseline))
         return tables
 
-    def add_report(self) -> None:
-        for suffix, systems, baseline in self.report_groups():
-            self.add_report_table(suffix, systems, baseline, tokenized=False)
-            if self.tokenized_bleu:
-                self.add_report_table(suffix, systems, baseline, tokenized=True)
-
-    def add_report_table(self, suffix: str, systems: list[str], baseline: str, tokenized: bool) -> None:
+    def add_report(self, suffix: str, systems: list[str], baseline: str, tokenized: bool) -> None:
         prefix = self.workdir / "report" / (("results_tokenized" if tokenized else "results") + suffix)
-        sidecar = self.workdir / "report" / "systems.json"
         command = [*python_module("fairseq_kd.cli.report")]
         for system in systems:
             command += ["--system", f"{system}={self.score(system, tokenized)}"]
@@ -748,14 +671,13 @@ class _Planner:
             scoring = self.scoring
         if suffix:
             title += f"; students of the {baseline} shape against {baseline}"
-        command += ["--sidecar", str(sidecar), *scoring, "--title", title, "--out-prefix", str(prefix), "--overwrite"]
-        name = ("report-tokenized" if tokenized else "report") + suffix.replace("_", "-")
-        self.add(name, [(command, [])],
-                 [self.score(system, tokenized) for system in systems] + [sidecar],
+        command += ["--sidecar", str(self.sidecar), *scoring, "--title", title, "--out-prefix", str(prefix),
+                    "--overwrite"]
+        self.add(("report-tokenized" if tokenized else "report") + suffix.replace("_", "-"), command,
+                 [self.score(system, tokenized) for system in systems] + [self.sidecar],
                  [prefix.with_name(prefix.name + ending) for ending in (".md", ".csv", ".json")],
-                 description="results table" + (" (the paper's tokenised BLEU)" if tokenized else "")
+                 "results table" + (" (the paper's tokenised BLEU)" if tokenized else "")
                  + (f" of the {baseline} shape" if suffix else ""))
-
 
 
 #: log-probabilities per token in a recipe's teacher cache (the top 8, as Tan et al. 2019)
