@@ -141,3 +141,25 @@ def test_the_model_and_task_errors_a_user_can_fix_are_user_errors():
     assert issubclass(NotATransformerError, TypeError)
     assert issubclass(TransformersMissingError, MissingDependencyError)
     assert issubclass(FileAccessError, OSError)
+
+
+def test_a_teacher_dictionary_that_is_no_text_is_one_line_naming_the_file(kd_task, tiny_teacher, tiny_data_bin, tmp_path):
+    """--teacher-data's dict.LANG.txt holding binary data (or a line fairseq cannot read) is a user
+    error naming the file, not fairseq's UnicodeDecodeError or ValueError."""
+    import shutil
+
+    import pytest
+
+    from fairseq_kd.errors import UserError
+    from fairseq_kd.models.teacher import FrozenTeacher, TeacherCheckpointError
+
+    for name, content in (("binary", b"\x00\xff\xfe\x00 1\n"), ("malformed", b"w1\n")):
+        folder = tmp_path / name
+        folder.mkdir()
+        shutil.copy(tiny_data_bin / "dict.tgt.txt", folder / "dict.tgt.txt")
+        (folder / "dict.src.txt").write_bytes(content)
+        with pytest.raises(TeacherCheckpointError) as refused:
+            FrozenTeacher.load(str(tiny_teacher), kd_task, teacher_data=str(folder))
+        message = str(refused.value)
+        assert isinstance(refused.value, UserError) and "\n" not in message, message
+        assert str(folder / "dict.src.txt") in message, message

@@ -1,11 +1,6 @@
 """Whether a teacher uses the data's dictionaries, symbol for symbol: a fairseq checkpoint's
-(:func:`check_dictionaries`) and a Hugging Face folder's vocabulary (:func:`check_data_dictionaries`).
-
-A fairseq checkpoint stores no dictionary and equal sizes are no proof (a reordered dictionary has
-the same size), so its embedding tables are checked against the data's sizes, then the symbols are
-compared with ``--teacher-data``'s files, the hashes a ``translation_kd`` checkpoint records, or the
-teacher's own data folder; a teacher none of them can verify is refused.
-"""
+(:func:`check_dictionaries`, which says where it finds them) and a Hugging Face folder's vocabulary
+(:func:`check_data_dictionaries`)."""
 from __future__ import annotations
 
 import logging
@@ -27,6 +22,10 @@ logger = logging.getLogger(__name__)
 
 class TeacherCheckpointError(InputError):
     """The teacher cannot be used with this data or this plugin."""
+
+
+class TeacherFileError(TeacherCheckpointError, FileAccessError):
+    """A file of the teacher cannot be read (the system's reason)."""
 
 
 def _embedding_rows(state_dict: dict, prefix: str) -> Optional[int]:
@@ -123,11 +122,12 @@ def _compare_dictionary_files(path: str, folder: str, origin: str, dictionaries:
         try:
             teacher_dict = Dictionary.load(str(files[side]))
         except OSError as err:
-            raise FileAccessError(f"{FLAG} {path!r}: {message_of(err)}") from None
-        except UnicodeDecodeError as err:
-            raise TeacherCheckpointError(f"{FLAG} {path!r}: {undecodable_text_message(err, files[side])}") from None
-        except ValueError as err:  # fairseq's "Incorrect dictionary format" and the like
-            raise TeacherCheckpointError(f"{FLAG} {path!r}: {files[side]} is not a fairseq dictionary ({err})") from None
+            raise TeacherFileError(f"{FLAG} {path!r}: {message_of(err)}") from None
+        except Exception as err:  # noqa: BLE001 - fairseq's "Incorrect dictionary format" and "Incorrect encoding"
+            cause = err if isinstance(err, UnicodeDecodeError) else err.__context__
+            problem = (undecodable_text_message(cause, files[side]) if isinstance(cause, UnicodeDecodeError)
+                       else f"{files[side]} is not a fairseq dictionary ({' '.join(str(err).split())})")
+            raise TeacherCheckpointError(f"{FLAG} {path!r}: {problem}") from None
         if teacher_dict.symbols != dictionary.symbols:
             raise TeacherCheckpointError(
                 f"{FLAG} {path!r}: the teacher's {side} dictionary ({files[side]}, {origin}) differs "

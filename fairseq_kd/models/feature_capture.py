@@ -436,19 +436,3 @@ class FeatureCapture:
             stacked = torch.stack([r["v"] for r in records], 0)
             values = stacked.view(num_layers, stacked.size(1), bsz, num_heads, -1).permute(0, 2, 3, 1, 4)
         return attention_maps(kind, probs, features, future, scores, values, self._captured_layers[kind])
-
-
-__all__ = [
-    "ATTENTION_KINDS",
-    "AttentionMaps",
-    "CaptureRequest",
-    "CapturedFeatures",
-    "DECODER_CROSS",
-    "DECODER_SELF",
-    "ENCODER_SELF",
-    "FeatureCapture",
-    "NotATransformerError",
-    "attention_maps",
-    "attention_modules",
-    "unwrap_model",
-]

@@ -25,7 +25,7 @@ from typing import Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from ..errors import FileAccessError, InputError, MissingDependencyError
+from ..errors import InputError, MissingDependencyError
 from ..fingerprint import file_sha256
 from . import hf_folder
 from .feature_capture import (
@@ -40,7 +40,7 @@ from .feature_capture import (
 )
 from .hf_vocabulary import NO_ID, VocabularyError, VocabularyMap, tokenizer_maps
 from .shape import TransformerShape
-from .dictionary_check import FLAG, TeacherCheckpointError, check_data_dictionaries
+from .dictionary_check import FLAG, TeacherCheckpointError, TeacherFileError, check_data_dictionaries
 from .teacher import HF_CONFIG_FILE as CONFIG_FILE, FrozenTeacher, readable
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def import_transformers():
         import transformers
     except ImportError as err:
         raise TransformersMissingError(f"{FLAG}: a Hugging Face teacher needs transformers: {INSTALL_HINT} "
-                                     f"({err})") from None
+                                       f"({err})") from None
     return transformers
 
 
@@ -98,7 +98,7 @@ def read_config(folder) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         refusal = refuse(folder, f"{CONFIG_FILE} is not readable JSON ({type(err).__name__}: {err}); "
                          "write the folder again with save_pretrained")
-        raise (FileAccessError(str(refusal)) if isinstance(err, OSError) else refusal) from None
+        raise (TeacherFileError(str(refusal)) if isinstance(err, OSError) else refusal) from None
     if not isinstance(config, dict) or not config.get("model_type"):
         raise refuse(folder, f"{CONFIG_FILE} names no model_type; it is not a Hugging Face model folder")
     return config

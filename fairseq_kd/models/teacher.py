@@ -17,9 +17,9 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from torch import nn
 
 from ..checkpoints import UnsafeCheckpointError
-from ..errors import FileAccessError, message_of
+from ..errors import message_of
 from ..fingerprint import file_sha256
-from .dictionary_check import FLAG, TeacherCheckpointError, check_dictionaries
+from .dictionary_check import FLAG, TeacherCheckpointError, TeacherFileError, check_dictionaries
 from .feature_capture import CapturedFeatures, CaptureRequest, FeatureCapture, NotATransformerError
 from .from_checkpoint import (
     ModelConfigError,
@@ -176,7 +176,7 @@ def readable(read, path, *args):
     try:
         return read(path, *args)
     except OSError as err:
-        raise FileAccessError(f"{FLAG} {str(path)!r}: {message_of(err)}") from None
+        raise TeacherFileError(f"{FLAG} {str(path)!r}: {message_of(err)}") from None
 
 
 def _read_teacher_checkpoint(path: str) -> dict:
@@ -196,7 +196,7 @@ def _read_teacher_checkpoint(path: str) -> dict:
             "(fairseq's transformer family); distillation needs a Transformer teacher."
         ) from None
     except Exception as err:  # noqa: BLE001 - every failure here means "not a usable checkpoint"
-        kind = FileAccessError if isinstance(err, OSError) else TeacherCheckpointError
+        kind = TeacherFileError if isinstance(err, OSError) else TeacherCheckpointError
         raise kind(
             f"{FLAG} {path!r} is not a readable fairseq checkpoint: {type(err).__name__}: {err}"
         ) from err
