@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 MANIFEST_NAME = "recipe.json"
 TRAIN_RECORD_NAME = "recipe_train.json"
-#: version of recipe_train.json (records without one are format 1: sizes and modification times)
+#: version of recipe_train.json: a record of another format is one that does not match
 TRAIN_RECORD_FORMAT = 2
 MANIFEST_FORMAT = 1
 #: this project's commands that run inside the recipe's process (CPU-only, no model run)
@@ -68,13 +68,6 @@ def python_module(module: str) -> list[str]:
     return [sys.executable, "-m", module]
 
 
-def in_process_module(command: Sequence[str]) -> Optional[str]:
-    """The module of a ``python -m fairseq_kd.cli.X`` command that may run in-process."""
-    if len(command) >= 3 and command[0] == sys.executable and command[1] == "-m" and command[2] in IN_PROCESS_MODULES:
-        return command[2]
-    return None
-
-
 class CommandExecutor:
     """Runs one command line, appending its output to a log file; raises RecipeError on failure.
 
@@ -89,9 +82,9 @@ class CommandExecutor:
         with open(log_path, "a", encoding="utf-8") as log:
             log.write(f"$ {shlex.join(command)}\n")
             log.flush()
-            module = in_process_module(command) if self.in_process else None
-            if module is not None:
-                status = self._run_module(module, list(command[3:]), log)
+            if (self.in_process and len(command) > 2 and list(command[:2]) == [sys.executable, "-m"]
+                    and command[2] in IN_PROCESS_MODULES):
+                status = self._run_module(command[2], list(command[3:]), log)
             else:
                 status = self._run_child(list(command), log, log_path.stem)
         if status != 0:
@@ -247,32 +240,16 @@ def training_record(settings: Mapping, inputs: Sequence[Path], previous: Optiona
                        for path in inputs}}
 
 
-def _inputs_content(record: Mapping) -> dict:
-    return {path: None if recorded is None else content(recorded) for path, recorded in record["inputs"].items()}
-
-
-def _size_and_time(path: Path):
-    """A format-1 record's view of an input: size and modification time of a file, or of every file
-    in a folder (None if absent)."""
-    if path.is_dir():
-        return {child.relative_to(path).as_posix(): _size_and_time(child)
-                for child in sorted(path.rglob("*")) if child.is_file()}
-    if path.is_file():
-        stat = path.stat()
-        return [stat.st_size, stat.st_mtime_ns]
-    return None
-
-
 def same_training(previous: Mapping, record: Mapping) -> bool:
     """Whether ``previous`` (a save folder's record) describes the training ``record`` describes:
-    the same settings and inputs of the same content. A record without a format (format 1, written
-    before the recipes shared the step runner's fingerprints) holds sizes and modification times,
-    and is compared as it was then, so its working folder keeps resuming."""
-    if previous.get("settings") != record["settings"]:
+    the same format and settings, and inputs of the same content."""
+    if (previous.get("format"), previous.get("settings")) != (TRAIN_RECORD_FORMAT, record["settings"]):
         return False
-    if previous.get("format") == TRAIN_RECORD_FORMAT:
-        return _inputs_content(previous) == _inputs_content(record)
-    return previous.get("inputs") == {path: _size_and_time(Path(path)) for path in record["inputs"]}
+
+    def inputs(record: Mapping) -> dict:
+        return {path: None if recorded is None else content(recorded) for path, recorded in record["inputs"].items()}
+
+    return inputs(previous) == inputs(record)
 
 
 def checkpoints_in(save_dir: Path) -> list[str]:
@@ -315,13 +292,9 @@ def _as_step(step: RecipeStep, execute: Callable[[Sequence[str], Path], None]) -
                 params=step.settings)
 
 
-def stamp_runner(plan: RecipePlan) -> StepRunner:
-    return StepRunner(plan.workdir / "stamps")
-
-
 def step_status(plan: RecipePlan) -> list[tuple[RecipeStep, bool]]:
     """(step, done) for every step, without running anything."""
-    runner = stamp_runner(plan)
+    runner = StepRunner(plan.workdir / "stamps")
     return [(step, runner.is_done(_as_step(step, lambda *_: None))) for step in plan.steps]
 
 
@@ -341,7 +314,7 @@ def describe_plan(plan: RecipePlan) -> str:
 
 def preflight(plan: RecipePlan) -> None:
     """Refuse, before any step runs, a training step that would have to replace checkpoints."""
-    runner = stamp_runner(plan)
+    runner = StepRunner(plan.workdir / "stamps")
     for step in plan.steps:
         if step.save_dir is None or not checkpoints_in(step.save_dir):
             continue
@@ -362,7 +335,7 @@ def run_plan(plan: RecipePlan) -> RecipeResult:
     """Run every step that is not done; return which ran and which were skipped."""
     preflight(plan)
     write_manifest(plan)
-    runner = stamp_runner(plan)
+    runner = StepRunner(plan.workdir / "stamps")
     for step in plan.steps:
         try:
             runner.run(_as_step(step, plan.execute))

@@ -23,7 +23,7 @@ from .hf_teacher import RAW_TEXT, HuggingFaceTeacher, method_problems, read_teac
 from .methods import BASELINE, METHODS, TEACHER, Method, baseline_of
 from .pairs import BEAM, EVAL_BLEU_ARGS, LABEL_SMOOTHING, PAIRS, PairRecipe
 from .profiles import PROFILES, Profile
-from .results import SystemDecoding, write_systems_sidecar
+from .systems import SystemDecoding, write_systems_sidecar
 
 LOG = logging.getLogger(__name__)
 
