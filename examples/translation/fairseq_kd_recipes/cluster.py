@@ -3,7 +3,7 @@
 Training runs through fairseq's own distributed engine (README, "Several GPUs and nodes"). A
 :class:`Launch` holds the number of nodes and GPUs per node and how the workers start, and turns a
 step's command line into the one that starts them; the plan (:mod:`.plan`) builds every step
-through it, so what ``--print-commands`` prints and ``--sbatch`` writes is what the recipe runs:
+through it, so what ``--print-commands`` prints and ``--sbatch`` writes is what the recipe runs.
 
 Design notes: ``docs/design/recipes.md``.
 """
@@ -160,7 +160,9 @@ def shell_commands(plan: RecipePlan, array_tasks: Optional[int] = None) -> str:
     the world size)."""
     launch, tasks = plan.launch, array_tasks or plan.launch.world_size
     lines = [f"# fairseq-kd-recipe {plan.pair.name} ({plan.pair.title}), profile {plan.profile.name}",
-             f"# {describe_launch(launch)}", *_allocation_note(launch),
+             f"# {describe_launch(launch)}",
+             *([f"# inside one SLURM allocation of the {launch.nodes} nodes (--sbatch DIR writes that job)"]
+               if launch.launcher == "srun" and launch.nodes > 1 else []),
              f"# working folder {plan.workdir}; the recipe sends each command's output to logs/STEP.log there",
              *launch.environment(), ""]
     for step in plan.steps:
@@ -171,12 +173,6 @@ def shell_commands(plan: RecipePlan, array_tasks: Optional[int] = None) -> str:
                       "writes the last shard merges them; the line above then finds the output complete):",
                       f"#   {shell_join(array_command(step, tasks))}"]
     return "\n".join(lines) + "\n"
-
-
-def _allocation_note(launch: Launch) -> list[str]:
-    if launch.launcher != "srun" or launch.nodes == 1:
-        return []
-    return [f"# inside one SLURM allocation of the {launch.nodes} nodes (--sbatch DIR writes that job)"]
 
 
 # ----------------------------------------------------------------------------- SLURM batch scripts
@@ -279,8 +275,7 @@ def array_script(plan: RecipePlan, folder: Path, command_line: str, tasks: int) 
 def submit_script(plan: RecipePlan, command_line: str) -> str:
     """Submits the recipe: with teacher passes, the recipe up to them, the job array, then the
     recipe again (each after the previous one succeeded)."""
-    lines = ["#!/bin/bash", f"{GENERATED_MARK} {plan.pair.name}, from the same plan as the recipe:",
-             f"#   {command_line}",
+    lines = [*_header(plan, command_line, "")[:3],
              "# Submits the recipe's jobs; arguments go to every sbatch (e.g. --partition PARTITION --account ACCOUNT).",
              "set -euo pipefail", 'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"']
     passes = teacher_pass_steps(plan)

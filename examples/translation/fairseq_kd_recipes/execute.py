@@ -305,10 +305,7 @@ def describe_plan(plan: RecipePlan) -> str:
              f"working folder {plan.workdir}", ""]
     for step, done in step_status(plan):
         lines.append(f"[{'done' if done else 'to run'}] {step.name}: {step.description}")
-        for command in step.commands:
-            lines.append(f"    {shlex.join(command)}")
-        if not step.commands:
-            lines.append("    (in-process)")
+        lines += [f"    {shlex.join(command)}" for command in step.commands]
     return "\n".join(lines) + "\n"
 
 

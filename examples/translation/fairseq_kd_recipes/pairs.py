@@ -5,7 +5,7 @@ following Vaswani et al. 2017): Adam (0.9, 0.98), lr 5e-4, inverse_sqrt with 4,0
 dropout 0.3, weight decay 1e-4, label smoothing 0.1, max-tokens 4,096, beam 5. A pair overrides
 only what its paper states differently; every override says why.
 
-What the papers leave open is chosen here and marked "our choice":
+What the papers leave open is chosen here and marked "our choice".
 
 Design notes: ``docs/design/recipes.md``.
 """
@@ -289,13 +289,8 @@ def _multi30k_fr_en() -> PairRecipe:
     minutes an epoch for the teacher and 2-4 for a student on 2 cores).
 
     CKD's comparison runs on 2+2 students (``no_kd_2l`` against ``ckd_rc``, in a table of their
-    own); the other 2+2 systems are left out to keep the CPU budget. TinyBERT's hidden-state,
-    attention-score and embedding weights are 0.1 here, chosen on validation nll after 6 epochs
-    (3.444 against 3.840 at the criterion's weights of 1; no KD 3.786): against the pre-norm
-    teacher's unnormalised states its hidden-state MSE averages 169 per token in the first epoch
-    (CE 10) and 39-46 in the sixth, so at weight 1 it outweighs the CE many times over
-    (``docs/results/README.md``, fourth run). ALP-KD's layer weight is 0.1 here (CE 0.8), chosen
-    on validation nll: 3.767 against 3.824 at the paper's 0.7.
+    own); the other 2+2 systems are left out to keep the CPU budget. TinyBERT's three weights and
+    ALP-KD's layer weight are 0.1 here, chosen on validation nll (``docs/design/recipes.md``).
     """
     student = _transformer(3, 64, 4)
     return PairRecipe(

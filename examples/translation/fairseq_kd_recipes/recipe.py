@@ -1,8 +1,6 @@
 """Run a language pair's recipe: prepare the corpus, train the teacher and each student, decode the
 test set, score, report and plot.
 
-Examples::
-
 Design notes: ``docs/design/recipes.md``.
 """
 from __future__ import annotations
