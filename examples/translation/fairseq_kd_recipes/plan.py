@@ -245,10 +245,6 @@ def check_workdir(workdir: Path, pair: PairRecipe, profile: Profile) -> None:
                           "working folder. Choose a new or empty folder")
 
 
-def default_workdir(pair: PairRecipe, profile: Profile) -> Path:
-    return Path("work_dirs") / "recipes" / pair.name / profile.name
-
-
 # ----------------------------------------------------------------------------- the plan
 
 
@@ -752,7 +748,7 @@ def build_plan(options: RecipeOptions, executor: Optional[Callable[[Sequence[str
         check_prepared_data(pair, options.data)
     check_archives(pair, options.archives)
     check_criterions(methods)
-    workdir = (options.workdir or default_workdir(pair, profile)).resolve()
+    workdir = (options.workdir or Path("work_dirs") / "recipes" / pair.name / profile.name).resolve()
     check_workdir(workdir, pair, profile)
     execute = executor or CommandExecutor()
     planner = _Planner(options, pair, profile, launch, methods, workdir, execute, hf_teacher)

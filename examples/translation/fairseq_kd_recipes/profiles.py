@@ -18,11 +18,9 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 
-
 @dataclass(frozen=True)
 class Profile:
     name: str
-    description: str
     #: "cuda" (fp16, data-parallel) or "cpu"
     device: str
     #: training length; None keeps the pair's schedule
@@ -50,17 +48,11 @@ def _tiny(layers: int, dim: int, heads: int) -> tuple[str, ...]:
 
 
 PROFILES: Mapping[str, Profile] = {
-    "gpu": Profile(
-        "gpu", "the papers' schedule, fp16, data-parallel over all visible GPUs", device="cuda",
-    ),
-    "cpu": Profile(
-        "cpu", "the papers' models on the CPU, 4,000 updates per model", device="cpu",
-        schedule=("--max-update", "4000"), training_overrides={"--warmup-updates": "1000"},
-        log_interval=50,
-    ),
+    "gpu": Profile("gpu", device="cuda"),
+    "cpu": Profile("cpu", device="cpu", schedule=("--max-update", "4000"),
+                   training_overrides={"--warmup-updates": "1000"}, log_interval=50),
     "smoke": Profile(
-        "smoke", "tiny models and 30 updates on the CPU, to check the pipeline on a small archive",
-        device="cpu",
+        "smoke", device="cpu",
         schedule=("--max-update", "30"),
         training_overrides={"--max-tokens": "1024", "--lr": "3e-3", "--warmup-updates": "10", "--dropout": "0.1"},
         architectures={
