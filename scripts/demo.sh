@@ -6,7 +6,10 @@
 #   every seed -> figures (every model's validation nll on one axis, A2D's loss
 #   terms, A2D's alignment heatmap) -> deploy table: the A2D student exported to CTranslate2 (float32,
 #   int8) against the teacher under fairseq, speed and BLEU.
-# Runs in about 20 minutes on 2 CPU cores; everything lands in $DEMO_DIR (default demo_output/).
+# Runs in about 20 minutes on 2 quiet cores of the AVX-512 AMD EPYC the README's run was recorded on
+# (an estimated 33 to 38 on a 2-core AVX2-only one: docs/results/demo_design.md); everything lands in
+# $DEMO_DIR (default demo_output/), each step's wall and CPU time (user+sys of its processes) in
+# $DEMO_DIR/steps.tsv, each training's, export's and decoding's in $DEMO_DIR/times.tsv.
 # Re-running skips finished steps; an interrupted training run resumes from its last checkpoint.
 #
 # The same numbers from the same commit run after run on one machine: every process runs with a
@@ -28,13 +31,41 @@ export PYTHONWARNINGS=ignore  # fairseq-fixed's deprecation warnings drown its p
 export ATEN_CPU_CAPABILITY=${ATEN_CPU_CAPABILITY:-avx2} MKL_CBWR=${MKL_CBWR:-AVX2} KMP_DETERMINISTIC_REDUCTION=yes
 export ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-AVX2}
 export CT2_FORCE_CPU_ISA=${CT2_FORCE_CPU_ISA:-AVX2}  # CTranslate2's kernels too (its int8 GEMM differs between ISAs)
+# DEMO_LAST_STEP=6 stops after the decoding (tests/test_demo.py re-runs one student so)
+LAST_STEP=${DEMO_LAST_STEP:-8}
 START=$SECONDS
 
-step() { printf '\n==== [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+# Wall and CPU time. CPU time (user+sys, from bash's `times` and `time`) is what a step costs
+# whatever else runs on the machine; wall time is not, on a shared one.
+TIMEFORMAT='%R %U %S'
+: >"$OUT/steps.tsv"; : >"$OUT/times.tsv"
+cpu_now() {  # CPU=user+sys seconds of every child of this shell waited for so far (not in a subshell: $(...)'s own)
+    times >"$OUT/.times"
+    CPU=$(awk 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, t, "m"); sub("s", "", t[2]); n += t[1] * 60 + t[2] }; print n }' "$OUT/.times")
+}
+STEP=""
+end_step() {
+    [[ -n "$STEP" ]] || return 0
+    cpu_now
+    awk -v s="$STEP" -v t0="$STEP_T0" -v t1="$(date +%s.%N)" -v c0="$STEP_CPU0" -v c1="$CPU" \
+        'BEGIN { printf "%s\t%.1f\t%.1f\n", s, t1 - t0, c1 - c0 }' >>"$OUT/steps.tsv"
+}
+step() {
+    end_step
+    cpu_now
+    STEP=${1%% *}; STEP_T0=$(date +%s.%N); STEP_CPU0=$CPU
+    printf '\n==== [%s] %s\n' "$(date +%H:%M:%S)" "$*"
+}
+timed() {  # timed LABEL COMMAND...: run it; add "LABEL wall-s cpu-s" to times.tsv (cpu: user+sys)
+    local label=$1 t status=0; shift
+    { t=$( { time "$@" 1>&3 2>&4; } 2>&1 ) || status=$?; } 3>&1 4>&2
+    awk -v l="$label" '{ printf "%s\t%.1f\t%.1f\n", l, $(NF-2), $(NF-1) + $NF }' <<<"$t" >>"$OUT/times.tsv"
+    return "$status"
+}
 done_or_run() {  # done_or_run NAME COMMAND...: run once, remember success in a stamp file
     local stamp="$OUT/.done.$1"; shift
     if [[ -f "$stamp" ]]; then echo "(already done: $(basename "$stamp" | cut -d. -f3-))"; return; fi
-    "$@"
+    "$@" || return  # (explicit: errexit does not reach into a function called from an && list)
     touch "$stamp"
 }
 threads() {  # threads N COMMAND...: run with N intra-op threads
@@ -79,8 +110,9 @@ done_or_run preprocess "$BIN/fairseq-preprocess" --source-lang src --target-lang
 
 train() {  # train NAME THREADS DATA EXTRA_FLAGS...
     local name=$1 n=$2 data=$3; shift 3
-    done_or_run "train_$name" threads "$n" "$BIN/fairseq-train" "$data" "${COMMON[@]}" \
-        --save-dir "$OUT/checkpoints/$name" --log-file "$OUT/logs/$name.log" "$@" >"$OUT/logs/$name.out" 2>&1
+    timed "train $name" done_or_run "train_$name" threads "$n" "$BIN/fairseq-train" "$data" "${COMMON[@]}" \
+        --save-dir "$OUT/checkpoints/$name" --log-file "$OUT/logs/$name.log" "$@" >"$OUT/logs/$name.out" 2>&1 || {
+        echo "$name: training failed; the end of $OUT/logs/$name.out:" >&2; tail -5 "$OUT/logs/$name.out" >&2; return 1; }
     echo "$name: trained ($(grep -o '"valid_nll_loss": "[0-9.]*"' "$OUT/logs/$name.log" | tail -1))"
 }
 two_at_a_time() {  # two_at_a_time "CMD"...: the commands two at a time, one core each; fail if any fails
@@ -101,7 +133,7 @@ train teacher 2 "$OUT/data-bin" --task translation --arch transformer_kd_tiny_te
 TEACHER="$OUT/checkpoints/teacher/checkpoint_best.pt"
 
 step "4/8 sequence-level KD data: the teacher beam-decodes the training set"
-done_or_run seqkd_data threads 2 "$BIN/fairseq-kd-seqkd" --data "$OUT/data-bin" --teacher-checkpoint "$TEACHER" \
+timed "seqkd pass" done_or_run seqkd_data threads 2 "$BIN/fairseq-kd-seqkd" --data "$OUT/data-bin" --teacher-checkpoint "$TEACHER" \
     --output "$OUT/data-bin-seqkd" --beam 5 --max-tokens 8192 --max-len-a "$MAX_LEN_A" --max-len-b "$MAX_LEN_B"
 
 step "5/8 students: transformer_kd_tiny_student (2+2 layers, 2 heads, d=64), seeds ${SEEDS[*]}, two at a time"
@@ -121,15 +153,25 @@ step "6/8 export each model as a stock fairseq transformer and decode the test s
 METHODS=(no_kd word_kd a2d_kd seq_kd)
 MODELS=(teacher)
 for seed in "${SEEDS[@]}"; do for method in "${METHODS[@]}"; do MODELS+=("${method}_seed$seed"); done; done
+mkdir -p "$OUT/models" "$OUT/generate"
+# every model not yet exported, from one interpreter (fairseq-kd-export's cli_main once per model:
+# one start-up instead of thirteen); each model's summary (its parameter count) in models/NAME.json
+EXPORT_PY='import contextlib, os, sys
+from fairseq_kd.cli.export_student import cli_main
+out = sys.argv[1]
+for name in sys.argv[2:]:
+    with open(f"{out}/models/{name}.json.tmp", "w") as summary, contextlib.redirect_stdout(summary):
+        cli_main([f"{out}/checkpoints/{name}/checkpoint_best.pt", f"{out}/models/{name}.pt"])
+    os.replace(f"{out}/models/{name}.json.tmp", f"{out}/models/{name}.json")'
+TO_EXPORT=()
+for name in "${MODELS[@]}"; do [[ -f "$OUT/models/$name.pt" ]] || TO_EXPORT+=("$name"); done
+if ((${#TO_EXPORT[@]})); then timed "export ${TO_EXPORT[*]}" threads 2 "$PY" -c "$EXPORT_PY" "$OUT" "${TO_EXPORT[@]}"; fi
 declare -A PARAMS
 for name in "${MODELS[@]}"; do
-    mkdir -p "$OUT/models" "$OUT/generate"
     model="$OUT/models/$name.pt"
-    [[ -f "$model" ]] || threads 2 "$PY" -m fairseq_kd.cli.export_student \
-        "$OUT/checkpoints/$name/checkpoint_best.pt" "$model" >"$OUT/models/$name.json"
     if [[ ! -s "$OUT/generate/$name.txt" ]]; then
         # stock fairseq-generate, no --user-dir: the exported model is a plain transformer
-        threads 2 "$BIN/fairseq-generate" "$OUT/data-bin" --task translation --path "$model" --gen-subset test \
+        timed "decode $name" threads 2 "$BIN/fairseq-generate" "$OUT/data-bin" --task translation --path "$model" --gen-subset test \
             --beam 5 --batch-size 100 --required-batch-size-multiple 1 --max-len-a "$MAX_LEN_A" --max-len-b "$MAX_LEN_B" \
             >"$OUT/generate/$name.tmp" 2>"$OUT/generate/$name.log"
         mv "$OUT/generate/$name.tmp" "$OUT/generate/$name.txt"
@@ -137,6 +179,7 @@ for name in "${MODELS[@]}"; do
     PARAMS[$name]=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["parameters"])' "$OUT/models/$name.json")
     echo "$name: $(grep -o 'Translated.*sentences' "$OUT/generate/$name.log")"
 done
+if ((LAST_STEP < 7)); then end_step; exit 0; fi
 
 step "7/8 BLEU reports (sacreBLEU, 95% intervals, paired tests vs the same seed's no KD), the verdict, figures"
 # The synthetic language is whitespace-tokenised by design (its references too), so sacreBLEU's
@@ -149,7 +192,7 @@ for seed in "${SEEDS[@]}"; do
         ARGS+=(--system "$method=$OUT/generate/${method}_seed$seed.txt" --params "$method=${PARAMS[${method}_seed$seed]}")
         SUMMARY+=(--log "$method/$seed=$OUT/logs/${method}_seed$seed.log")
     done
-    "$PY" -m fairseq_kd.cli.report "${ARGS[@]}" --baseline no_kd --bootstrap 1000 --out-prefix "$OUT/report_seed$seed" \
+    timed "report seed$seed" "$PY" -m fairseq_kd.cli.report "${ARGS[@]}" --baseline no_kd --bootstrap 1000 --out-prefix "$OUT/report_seed$seed" \
         --overwrite --title "Demo, seed $seed: synthetic SVO->SOV corpus, $TRAIN_SIZE training pairs; teacher 4+4 d128 ($TEACHER_UPDATES updates), students 2+2 d64 ($STUDENT_UPDATES updates)" \
         2> >(grep -v -e "tokenized period" -e "forgot to detokenize" -e "suppress this message" >&2) >/dev/null
     SUMMARY+=(--report "$seed=$OUT/report_seed$seed.json")
@@ -157,16 +200,28 @@ done
 SUMMARY+=(--log "teacher/${SEEDS[0]}=$OUT/logs/teacher.log")
 LOGS=(--log "teacher=$OUT/logs/teacher.log")
 for method in "${METHODS[@]}"; do LOGS+=(--log "$method=$OUT/logs/${method}_seed${SEEDS[0]}.log"); done
-"$PY" -m fairseq_kd.cli.plot compare "${LOGS[@]}" --output "$OUT/validation_nll.png" --overwrite \
-    --title "Demo: validation nll of the teacher and the students of seed ${SEEDS[0]}"
-"$PY" -m fairseq_kd.cli.plot curves --log "$OUT/logs/a2d_kd_seed${SEEDS[0]}.log" --output "$OUT/a2d_kd_training_curves.png" --overwrite
-"$PY" -m fairseq_kd.cli.plot alignment --checkpoint "$OUT/checkpoints/a2d_kd_seed${SEEDS[0]}/checkpoint_best.pt" \
-    --weights-output "$OUT/a2d_kd_alignment.json" --output "$OUT/a2d_kd_alignment.png" --overwrite
+# the three figures from one interpreter (fairseq-kd-plot's cli_main once per figure, "---" between them)
+FIGURES_PY='import sys
+from fairseq_kd.cli.plot import cli_main
+figure = []
+for word in sys.argv[1:] + ["---"]:
+    if word == "---":
+        cli_main(figure)
+        figure = []
+    else:
+        figure.append(word)'
+timed figures "$PY" -c "$FIGURES_PY" \
+    compare "${LOGS[@]}" --output "$OUT/validation_nll.png" --overwrite \
+        --title "Demo: validation nll of the teacher and the students of seed ${SEEDS[0]}" --- \
+    curves --log "$OUT/logs/a2d_kd_seed${SEEDS[0]}.log" --output "$OUT/a2d_kd_training_curves.png" --overwrite --- \
+    alignment --checkpoint "$OUT/checkpoints/a2d_kd_seed${SEEDS[0]}/checkpoint_best.pt" \
+        --weights-output "$OUT/a2d_kd_alignment.json" --output "$OUT/a2d_kd_alignment.png" --overwrite
+if ((LAST_STEP < 8)); then end_step; exit 0; fi
 
 step "8/8 ship the A2D student of seed ${SEEDS[0]}: CTranslate2 float32 and int8 against the teacher under fairseq (2 threads)"
 # Timings are decoding time only, one process at a time, on whatever else the machine is doing;
 # BLEU and the paired tests are exact and repeatable.
-"$BIN/fairseq-kd-deploy-benchmark" --data "$OUT/data-bin" --teacher "$OUT/models/teacher.pt" \
+timed deploy "$BIN/fairseq-kd-deploy-benchmark" --data "$OUT/data-bin" --teacher "$OUT/models/teacher.pt" \
     --student "a2d_kd=$OUT/models/a2d_kd_seed${SEEDS[0]}.pt" --quantizations float32,int8 --threads 2 --batch-sizes 100 \
     --beam 5 --max-len-a "$MAX_LEN_A" --max-len-b "$MAX_LEN_B" --bootstrap 1000 --workdir "$OUT/deploy" \
     --output-md "$OUT/deploy.md" --output-json "$OUT/deploy.json" --overwrite \
@@ -177,9 +232,13 @@ echo "The verdict over seeds ${SEEDS[*]} (every student against the no-KD studen
 # DEMO_RECORD_INTO=tests/expected/demo.json adds this run and its machine to the runs the suite checks
 RECORD=(${DEMO_RECORD_INTO:+--record-into "$DEMO_RECORD_INTO"})
 "$PY" -m fairseq_kd_recipes.demo_summary "${SUMMARY[@]}" --deploy "$OUT/deploy.json" --out-prefix "$OUT/summary" "${RECORD[@]}"
+end_step
 echo
 echo "Summary: $OUT/summary.md (.json); per seed: $OUT/report_seed*.md (.csv, .json); deploy table: $OUT/deploy.md"
 echo "(.json); README tables: $OUT/readme_section.md"
 echo "Figures: $OUT/validation_nll.png (validation nll against updates, seed ${SEEDS[0]}),"
 echo "         $OUT/a2d_kd_training_curves.png (A2D's loss terms), $OUT/a2d_kd_alignment.png (its AAM weights)"
-echo "Models: $OUT/models/ (stock fairseq transformers); total $((SECONDS - START)) s"
+echo "Models: $OUT/models/ (stock fairseq transformers)"
+echo "Time per step (wall s, CPU s = user+sys of its processes; $OUT/steps.tsv, per process $OUT/times.tsv):"
+awk -F'\t' '{ printf "  %-4s %7.1f %8.1f\n", $1, $2, $3; w += $2; c += $3 } END { printf "  all  %7.1f %8.1f\n", w, c }' "$OUT/steps.tsv"
+echo "total $((SECONDS - START)) s"
