@@ -22,6 +22,7 @@ import sys
 from typing import Optional, Sequence
 
 from fairseq_kd.cli.flags import add_config_flags
+from fairseq_kd.errors import UserError, message_of
 from fairseq_kd.teacher_pass import seqkd
 
 
@@ -39,18 +40,11 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s | %(levelname)s | %(name)s | %(message)s")
-    from fairseq_kd.checkpoints import UnsafeCheckpointError
-    from fairseq_kd.deploy import CTranslate2MissingError
-    from fairseq_kd.deploy.ctranslate2_engine import CTranslate2ModelError
-    from fairseq_kd.deploy.export_ctranslate2 import CTranslate2ExportError
-    from fairseq_kd.models.teacher import TeacherCheckpointError
-
     config = seqkd.SeqKDConfig(**vars(args))
     try:
         result = seqkd.run(config, log=lambda line: print(line, flush=True))
-    except (seqkd.SeqKDError, TeacherCheckpointError, UnsafeCheckpointError, CTranslate2MissingError,
-            CTranslate2ExportError, CTranslate2ModelError) as error:
-        parser.error(str(error))
+    except UserError as error:
+        parser.error(message_of(error))
     if not result.reports:  # a rank other than 0: rank 0 speaks for the ranks
         return
     if result.status == "partial":

@@ -18,15 +18,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ..errors import message_of
-
-# ValueError and OSError, plus fairseq_kd.checkpoints.UnsafeCheckpointError (a RuntimeError),
-# matched by name so that the scoring commands import neither torch nor fairseq.
-USER_ERRORS = (ValueError, OSError)
-USER_RUNTIME_ERRORS = ("UnsafeCheckpointError",)
-# A missing optional dependency is the user's to install: the error names the fix.
-USER_IMPORT_ERRORS = ("CTranslate2MissingError", "FairseqMissingError", "HuggingFaceMissingError")
-
+from ..errors import UserError, message_of
 
 def exits_on_user_error(prog: str):
     def decorate(main):
@@ -34,12 +26,7 @@ def exits_on_user_error(prog: str):
         def wrapped(*args, **kwargs):
             try:
                 return main(*args, **kwargs)
-            except USER_ERRORS as error:
-                sys.stderr.write(f"{prog}: error: {message_of(error)}\n")
-                sys.exit(2)
-            except (RuntimeError, ImportError) as error:
-                if type(error).__name__ not in USER_RUNTIME_ERRORS + USER_IMPORT_ERRORS:
-                    raise
+            except UserError as error:
                 sys.stderr.write(f"{prog}: error: {message_of(error)}\n")
                 sys.exit(2)
             except KeyboardInterrupt:
@@ -51,23 +38,12 @@ def exits_on_user_error(prog: str):
 
 #: set to 1 to keep Python's traceback for the plugin's user errors under fairseq's commands
 TRACEBACK_VARIABLE = "FAIRSEQ_KD_TRACEBACK"
-_PACKAGE_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
 
 
-def _is_plugin_user_error(error: BaseException, traceback) -> bool:
-    """Whether ``error`` is a user error (as :func:`exits_on_user_error` counts them) that the
-    plugin raised: of one of the plugin's classes, or raised by a line of the plugin's code. A
-    ValueError from deep inside torch or fairseq is not ours to word and keeps its traceback."""
-    name = type(error).__name__
-    user_kind = isinstance(error, USER_ERRORS) or name in USER_RUNTIME_ERRORS + USER_IMPORT_ERRORS
-    if not user_kind:
-        return False
-    if type(error).__module__.startswith("fairseq_kd"):
-        return True
-    innermost = None
-    while traceback is not None:
-        innermost, traceback = traceback.tb_frame, traceback.tb_next
-    return innermost is not None and os.path.abspath(innermost.f_code.co_filename).startswith(_PACKAGE_DIR)
+def _is_plugin_user_error(error: BaseException, traceback=None) -> bool:
+    """Whether ``error`` is one of the plugin's user errors (:class:`fairseq_kd.errors.UserError`):
+    a ValueError or OSError of a bug, of torch or of fairseq is not, and keeps its traceback."""
+    return isinstance(error, UserError)
 
 
 def one_line(prog: str, error: BaseException) -> str:

@@ -12,6 +12,7 @@ Each step raises its own :class:`CheckpointModelError`; callers word it with the
 """
 from __future__ import annotations
 
+import pickle
 import re
 
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import List, Optional
 from torch import nn
 
 from ..checkpoints import load_fairseq_checkpoint
-from ..errors import FILE, InputError, path_problem
+from ..errors import FILE, InputError, UserError, path_problem
 
 
 def checkpoint_file_problem(path) -> Optional[str]:
@@ -67,9 +68,20 @@ class ModelConfigError(CheckpointModelError):
     """A value of the checkpoint's model config cannot build the model (``encoder_layers: "three"``)."""
 
 
+class UnreadableCheckpointError(CheckpointModelError):
+    """The file is not one torch can read as a checkpoint: another kind of file, or a damaged one."""
+
+
 def read_model_checkpoint(path: str) -> dict:
     """The checkpoint's state (``weights_only=True``, explicitly), which holds ``cfg`` and ``model``."""
-    state = load_fairseq_checkpoint(path)  # weights_only=True, explicitly
+    try:
+        state = load_fairseq_checkpoint(path)  # weights_only=True, explicitly
+    except UserError:
+        raise
+    # what torch.load raises for bytes that are no checkpoint (text, a truncated or damaged file)
+    except (UnicodeDecodeError, EOFError, ValueError, RuntimeError, pickle.UnpicklingError) as err:
+        raise UnreadableCheckpointError(
+            f"{str(path)!r} is not a readable fairseq checkpoint: {type(err).__name__}: {err}".splitlines()[0]) from None
     if state.get("cfg") is None or "model" not in state:
         raise NoModelError(sorted(state))
     return state
