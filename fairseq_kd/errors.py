@@ -94,14 +94,6 @@ def require_path(path, flag: str, expected: str, hint: str = "") -> Path:
     return Path(path)
 
 
-def not_a_file(path) -> str:
-    """Why ``path`` is not a readable file, for messages: '... is a folder ...' or 'does not exist'."""
-    path = Path(path)
-    if path.is_dir():
-        return "is a folder, not a file: give the path of a file (e.g. one inside it)"
-    return "does not exist"
-
-
 def message_of(error: BaseException) -> str:
     if isinstance(error, UnicodeDecodeError):
         return undecodable_text_message(error)

@@ -61,7 +61,7 @@ def pytest_runtest_setup(item):
 LONGEST_FILES = (
     "test_demo.py", "test_ctranslate2_export.py", "test_recipe.py", "test_teacher_cache.py", "test_safety.py",
     "test_bf16.py", "test_benchmark.py", "test_gpu_check.py", "test_teacher_pass_sharding.py", "test_refusals.py", "test_packaging.py",
-    "test_recipe_hf_teacher.py", "test_end_to_end.py", "test_deploy_benchmark.py", "test_promises.py",
+    "test_recipe_hf_teacher.py", "test_capture_contract.py", "test_end_to_end.py", "test_deploy_benchmark.py", "test_promises.py",
     "test_multirank.py", "test_seqkd_hf.py", "test_prepare_iwslt.py", "test_prepare_spm.py", "test_recipe_progress.py",
     "test_seqkd.py", "test_ckd.py", "test_seqkd_ctranslate2.py",
 )
