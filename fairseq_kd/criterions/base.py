@@ -10,7 +10,7 @@ weights (:meth:`~KDCriterionBase.loss_weights`) and computes its own terms from 
 logits, or from the cached top-k teacher (``--teacher-cache``), at :meth:`~KDCriterionBase.kd_positions`.
 Every term is a sum over real target tokens (``SENTENCE_TERMS``: over sentences, made a mean over
 sentences), divided by fairseq's ``sample_size`` as CE is, and logged unweighted as
-``<name>_loss``. The weight convention and the rest of the protocol: ``docs/methods/README.md``.
+``<name>_loss``. ``--kd-divergence`` replaces its KL (``docs/methods/divergences.md``). The weight convention and the rest of the protocol: ``docs/methods/README.md``.
 """
 
 import math
@@ -26,7 +26,8 @@ from torch import Tensor
 from ..errors import InputError
 from ..models.feature_capture import CapturedFeatures, CaptureRequest, FeatureCapture
 from .config import KDCriterionConfig, check_numeric_options, option_flag, option_ranges  # noqa: F401 - used here, or from here
-from .chunked import label_smoothed_ce_and_word_kd, label_smoothed_cross_entropy, topk_word_level_kd, word_level_kd
+from .chunked import (Divergence, label_smoothed_ce_and_word_kd, label_smoothed_cross_entropy, topk_word_level_kd,
+                      word_level_divergence, word_level_kd)
 
 #: the logging-output key counting the steps whose scheduled weights were logged (each worker's
 #: micro-batch adds 1), by which their sum is divided back into the step's value
@@ -102,6 +103,10 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
         self.kd_temperature = float(cfg.kd_temperature)
         alias = getattr(cfg, self.kd_weight_alias()) if self.kd_weight_alias() else None
         self.kd_weight = float(cfg.kd_weight if alias is None else alias)
+        divergence = str(getattr(cfg, "kd_divergence", "forward_kl"))
+        # None: the forward KL, through its own functions (the numbers of every earlier run)
+        self.divergence = None if divergence == "forward_kl" else Divergence(
+            divergence, float(getattr(cfg, "kd_jsd_beta", 0.5)), float(getattr(cfg, "kd_skew_alpha", 0.1)))
         self.student_request = self.teacher_request = CaptureRequest()
         require_teacher = getattr(task, "require_teacher", None)
         if require_teacher is None:
@@ -110,6 +115,11 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
                 f"(got --task {getattr(task.cfg, '_name', type(task).__name__)})"
             )
         self.teacher_cache = getattr(task, "teacher_cache", None)
+        if self.teacher_cache is not None and divergence == "reverse_kl":
+            raise InputError(
+                "--kd-divergence reverse_kl cannot read --teacher-cache: the cached teacher is 0 outside its "
+                "top k, where KL(student || teacher) is infinite; use skew_reverse_kl (bounded) or the live teacher"
+            )
         if self.teacher_cache is None:
             self.teacher = require_teacher(self.criterion_name())
         elif self.reads_output_only():
@@ -251,7 +261,7 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
         if fused:
             loss, ce_loss, nll_loss, terms[self.KD_TERM] = label_smoothed_ce_and_word_kd(
                 net_output[0], teacher.output[0], sample["target"], target_mask, self.eps, self.kd_temperature,
-                weights["ce"], kd_weight, kd_mask=kd_mask)
+                weights["ce"], kd_weight, kd_mask=kd_mask, divergence=self.divergence)
         else:
             ce_loss, nll_loss = self.cross_entropy(model, net_output, sample, target_mask, bool(source))
             loss = weights["ce"] * ce_loss
@@ -275,7 +285,11 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
             batch.kd_mask = self.kd_positions(batch)
         terms = self.terms(batch)
         if word_kd and weights.get(self.KD_TERM, 0) != 0:
-            if batch.teacher_topk is not None:
+            if self.divergence is not None:
+                kd = word_level_divergence(batch.student_logits, batch.teacher_output and batch.teacher_output[0],
+                                           batch.kd_mask, self.divergence, self.kd_temperature,
+                                           teacher_topk=batch.teacher_topk)
+            elif batch.teacher_topk is not None:
                 kd = topk_word_level_kd(batch.student_logits, *batch.teacher_topk, batch.kd_mask, self.kd_temperature)
             else:
                 kd = word_level_kd(batch.student_logits, batch.teacher_logits, batch.kd_mask, self.kd_temperature)

@@ -1,11 +1,14 @@
 """The vocabulary-sized losses the criterion base computes (label-smoothed CE; word-level KD from
-the live teacher or its cached top-k; CE and word KD in one pass), in chunks of positions with the
+the live teacher or its cached top-k, as the forward KL or another divergence; CE and word KD in
+one pass), in chunks of positions with the
 gradient formed in the forward pass; and the chunk sizes and gradient buffers other chunked losses
 (:func:`.losses.projected_mse_sum`, ALP-KD's) share. Every loss returns an unnormalised sum over
 the positions it is given, in float32 whatever the logits' dtype.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -163,13 +166,14 @@ class _LabelSmoothedCE(torch.autograd.Function):
 def label_smoothed_ce_and_word_kd(
     logits: Tensor, teacher_logits: Tensor, target: Tensor, target_mask: Tensor, epsilon: float,
     temperature: float, ce_weight: float, kd_weight: float, rows: Optional[int] = None,
-    kd_mask: Optional[Tensor] = None,
+    kd_mask: Optional[Tensor] = None, divergence: Optional[Divergence] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``ce_weight * CE + kd_weight * KD`` in one pass over the student's logits: CE is
     :func:`label_smoothed_cross_entropy` at ``target_mask``, KD :func:`word_level_kd` at ``kd_mask``
     (positions within ``target_mask``: selective KD's chosen tokens; default ``target_mask``); returns
     (that weighted sum, CE, nll, KD). Only the weighted sum carries a gradient; the other three are
-    its parts' values, for the logs.
+    its parts' values, for the logs. ``divergence`` (default the forward KL) replaces the KL by
+    another :class:`Divergence`.
 
     One log-softmax of the student per chunk serves both losses (at ``tau = 1``), and the two
     gradients are summed into one float32 ``(positions, V)`` buffer in the forward pass, which
@@ -178,6 +182,9 @@ def label_smoothed_ce_and_word_kd(
     """
     rows = _chunk_rows(logits, rows)
     kd_mask = None if kd_mask is None or kd_mask is target_mask else kd_mask & target_mask
+    if divergence is not None and divergence.name != "forward_kl":
+        return _CEAndDivergence.apply(logits, teacher_logits, target, target_mask, float(epsilon),
+                                      float(temperature), float(ce_weight), float(kd_weight), rows, kd_mask, divergence)
     return _CEAndWordKD.apply(logits, teacher_logits, target, target_mask, float(epsilon), float(temperature),
                               float(ce_weight), float(kd_weight), rows, kd_mask)
 
@@ -363,3 +370,210 @@ class _TopkWordLevelKD(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         return _kept_gradient(ctx, grad_loss), None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Divergences other than the forward KL (--kd-divergence; docs/methods/divergences.md). p is the
+# teacher's distribution at tau, q the student's; each is ``tau^2 sum_t D(p, q)`` with the gradient
+# with respect to the student's logits ``tau q (g - <q, g>)``, g = dD/dq, formed in the forward pass
+# into one float32 (positions, vocabulary) buffer, as the forward KL's.
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd")
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Which divergence, with its mixture weight: ``beta`` of the generalised JSD (GKD), ``alpha``
+    of the skew KLs (DistiLLM)."""
+
+    name: str
+    beta: float = 0.5
+    alpha: float = 0.1
+
+    def __post_init__(self):
+        if self.name not in DIVERGENCES:
+            raise ValueError(f"unknown divergence {self.name!r}; expected one of {', '.join(DIVERGENCES)}")
+
+
+def _mixture_log(log_a: Tensor, log_b: Tensor, weight_a: float) -> Tensor:
+    """``log(w a + (1 - w) b)`` from ``log a`` and ``log b`` (``w`` in (0, 1))."""
+    return torch.logaddexp(log_a + math.log(weight_a), log_b + math.log1p(-weight_a))
+
+
+def _weighted_log_ratio(p: Tensor, log_p: Tensor, log_m: Tensor) -> Tensor:
+    """``sum p (log p - log m)`` over the last dimension, 0 where ``p`` is 0 (``log p`` may be -inf:
+    the top-k cache's teacher is 0 outside its k tokens)."""
+    return torch.where(p > 0, p * (log_p - log_m), 0.0).sum(-1)
+
+
+def divergence_rows(student_lp: Tensor, teacher_lp: Tensor, divergence: Divergence,
+                    gradient: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
+    """``D(p, q)`` per row and (``gradient``) ``dD/dz`` for the tempered student logits ``z``, from
+    float32 log-probabilities ``log q`` (finite) and ``log p`` (-inf allowed where p is 0).
+    Differentiable through autograd when ``gradient`` is False (the slow path)."""
+    q, p = student_lp.exp(), teacher_lp.exp()
+    name = divergence.name
+    if name == "forward_kl":
+        values = _weighted_log_ratio(p, teacher_lp, student_lp)
+        if gradient:  # q (g - <q, g>) with g = -p / q, p summing to 1
+            return values, q - p
+        g = None
+    elif name == "reverse_kl":
+        values = (q * (student_lp - teacher_lp)).sum(-1)
+        g = student_lp - teacher_lp if gradient else None
+    elif name == "jsd":
+        beta = divergence.beta
+        log_m = _mixture_log(teacher_lp, student_lp, beta)
+        values = beta * _weighted_log_ratio(p, teacher_lp, log_m) + (1 - beta) * (q * (student_lp - log_m)).sum(-1)
+        g = (1 - beta) * (student_lp - log_m) if gradient else None
+    elif name == "skew_kl":
+        alpha = divergence.alpha
+        log_m = _mixture_log(teacher_lp, student_lp, alpha)
+        values = _weighted_log_ratio(p, teacher_lp, log_m)
+        g = -(1 - alpha) * (teacher_lp - log_m).exp() if gradient else None
+    elif name == "skew_reverse_kl":
+        alpha = divergence.alpha
+        log_m = _mixture_log(student_lp, teacher_lp, alpha)
+        values = (q * (student_lp - log_m)).sum(-1)
+        g = student_lp - log_m - alpha * (student_lp - log_m).exp() if gradient else None
+    else:  # tvd
+        values = 0.5 * (p - q).abs().sum(-1)
+        g = 0.5 * torch.sign(q - p) if gradient else None
+    if g is None:
+        return values, None
+    # the softmax's Jacobian: dD/dz = q (g - <q, g>)
+    return values, g.sub_((q * g).sum(-1, keepdim=True)).mul_(q)
+
+
+def _topk_teacher_log_probs(topk_logprobs: Tensor, ids: Tensor, vocab: int, temperature: float) -> Tensor:
+    """The cached teacher as a full-vocabulary row: its top k renormalised at ``tau``, -inf (p = 0)
+    elsewhere; the distribution the cache's forward KL already compares the student with."""
+    rows = torch.full((ids.size(0), vocab), -math.inf, dtype=torch.float32, device=ids.device)
+    return rows.scatter_(-1, ids, _log_softmax_at(topk_logprobs, temperature))
+
+
+def word_level_divergence(
+    student_logits: Tensor, teacher_logits: Optional[Tensor], target_mask: Tensor, divergence: Divergence,
+    temperature: float = 1.0, rows: Optional[int] = None, teacher_topk: Optional[Tuple[Tensor, Tensor]] = None,
+) -> Tensor:
+    """``tau^2 sum_t D(p_T^tau, p_S^tau)`` over ``target_mask``: from the live teacher's logits, or
+    (``teacher_topk``: log-probabilities and ids) from its cached top k, zero outside it. The forward
+    KL's own functions are :func:`word_level_kd` and :func:`topk_word_level_kd`."""
+    if teacher_topk is None and teacher_logits.requires_grad:  # a jointly trained teacher: plain autograd
+        values, _ = divergence_rows(_log_softmax_at(student_logits, temperature),
+                                    _log_softmax_at(teacher_logits, temperature), divergence, gradient=False)
+        return (temperature**2) * values.masked_select(target_mask).sum()
+    topk_lp, topk_ids = teacher_topk if teacher_topk is not None else (None, None)
+    return _WordLevelDivergence.apply(student_logits, teacher_logits, topk_lp, topk_ids, target_mask,
+                                      float(temperature), _chunk_rows(student_logits, rows), divergence)
+
+
+def _teacher_chunk(teacher, topk_lp, topk_ids, start, rows, vocab, temperature):
+    if teacher is not None:
+        return _log_softmax_at(teacher[start:start + rows], temperature)
+    return _topk_teacher_log_probs(topk_lp[start:start + rows], topk_ids[start:start + rows], vocab, temperature)
+
+
+class _WordLevelDivergence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, student_logits, teacher_logits, topk_lp, topk_ids, target_mask, temperature, rows, divergence):
+        vocab = student_logits.size(-1)
+        student = student_logits.reshape(-1, vocab)
+        teacher = None if teacher_logits is None else teacher_logits.reshape(-1, vocab)
+        if topk_lp is not None:
+            topk_lp, topk_ids = topk_lp.reshape(-1, topk_ids.size(-1)), topk_ids.reshape(-1, topk_ids.size(-1))
+        keep = target_mask.reshape(-1)
+        gradient = (torch.empty(student.shape, dtype=torch.float32, device=student.device)
+                    if ctx.needs_input_grad[0] else None)
+        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        for start in range(0, student.size(0), rows):
+            here = keep[start:start + rows]
+            student_lp = _log_softmax_at(student[start:start + rows], temperature)
+            teacher_lp = _teacher_chunk(teacher, topk_lp, topk_ids, start, rows, vocab, temperature)
+            values, chunk_gradient = divergence_rows(student_lp, teacher_lp, divergence, gradient is not None)
+            total += torch.where(here, values, 0.0).sum()
+            if gradient is not None:
+                gradient[start:start + rows] = chunk_gradient.mul_(temperature).masked_fill_(~here.unsqueeze(-1), 0.0)
+        _keep_gradient(ctx, gradient, student_logits)
+        return (temperature**2) * total
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        return (_kept_gradient(ctx, grad_loss),) + (None,) * 7
+
+
+class _CEAndDivergence(torch.autograd.Function):
+    """:func:`label_smoothed_ce_and_word_kd` for a divergence other than the forward KL: one
+    float32 gradient buffer for both terms, as there."""
+
+    @staticmethod
+    def forward(ctx, logits, teacher_logits, target, target_mask, epsilon, temperature, ce_weight, kd_weight,
+                rows, kd_mask, divergence):
+        vocab = logits.size(-1)
+        student, teacher = logits.reshape(-1, vocab), teacher_logits.reshape(-1, vocab)
+        targets, keep = target.reshape(-1, 1), target_mask.reshape(-1)
+        kd_rows = keep if kd_mask is None else kd_mask.reshape(-1)
+        eps_i = epsilon / (vocab - 1)
+        gradient = (torch.empty(student.shape, dtype=torch.float32, device=student.device)
+                    if ctx.needs_input_grad[0] else None)
+        nll_sum, smooth_sum, kd_sum = (torch.zeros((), dtype=torch.float32, device=student.device) for _ in range(3))
+        for start in range(0, student.size(0), rows):
+            here, index, kd_here = keep[start:start + rows], targets[start:start + rows], kd_rows[start:start + rows]
+            student_chunk = student[start:start + rows].float()
+            log_probs = F.log_softmax(student_chunk, dim=-1)
+            nll_sum -= torch.where(here, log_probs.gather(-1, index).squeeze(-1), 0.0).sum()
+            smooth_sum -= torch.where(here, log_probs.sum(-1), 0.0).sum()
+            student_lp = log_probs if temperature == 1.0 else F.log_softmax(student_chunk / temperature, dim=-1)
+            teacher_lp = _log_softmax_at(teacher[start:start + rows], temperature)
+            values, kd_gradient = divergence_rows(student_lp, teacher_lp, divergence, gradient is not None)
+            kd_sum += torch.where(kd_here, values, 0.0).sum()
+            if gradient is not None:
+                # ce_weight (p - eps_i - (1 - eps - eps_i) onehot) + w_t tau dD/dz, w_t = kd_weight at
+                # the KD positions and 0 elsewhere
+                row_kd_weight = (kd_here.to(torch.float32) * (kd_weight * temperature)).unsqueeze(-1)
+                chunk = gradient[start:start + rows]
+                torch.exp(log_probs, out=chunk)
+                chunk.sub_(eps_i).mul_(ce_weight).addcmul_(kd_gradient, row_kd_weight)
+                chunk.scatter_add_(-1, index, chunk.new_full(index.shape, -ce_weight * (1.0 - epsilon - eps_i)))
+                chunk.masked_fill_(~here.unsqueeze(-1), 0.0)
+        ce = (1.0 - epsilon - eps_i) * nll_sum + eps_i * smooth_sum
+        kd = (temperature**2) * kd_sum
+        combined = ce_weight * ce + kd_weight * kd
+        ctx.mark_non_differentiable(ce, nll_sum, kd)
+        _keep_gradient(ctx, gradient, logits)
+        return combined, ce, nll_sum, kd
+
+    @staticmethod
+    def backward(ctx, grad_combined, _grad_ce, _grad_nll, _grad_kd):
+        return (_kept_gradient(ctx, grad_combined),) + (None,) * 10
+
+
+class _LogSumExp(torch.autograd.Function):
+    """``logsumexp`` over the vocabulary in float32, in chunks of positions: nothing vocabulary-sized
+    kept but the logits themselves (TIE-KD's ranking term reads a few probabilities per position)."""
+
+    @staticmethod
+    def forward(ctx, logits, rows):
+        flat = logits.reshape(-1, logits.size(-1))
+        result = torch.empty(flat.size(0), dtype=torch.float32, device=flat.device)
+        for start in range(0, flat.size(0), rows):
+            result[start:start + rows] = torch.logsumexp(flat[start:start + rows].float(), -1)
+        ctx.save_for_backward(logits, result)
+        ctx.rows = rows
+        return result.view(logits.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        logits, result = ctx.saved_tensors
+        flat, upstream = logits.reshape(-1, logits.size(-1)), grad_output.reshape(-1, 1).float()
+        gradient = torch.empty(flat.shape, dtype=logits.dtype, device=flat.device)
+        for start in range(0, flat.size(0), ctx.rows):
+            # out of place: .float() of float32 logits is the logits themselves
+            chunk = torch.exp(flat[start:start + ctx.rows].float() - result[start:start + ctx.rows, None])
+            gradient[start:start + ctx.rows] = chunk.mul_(upstream[start:start + ctx.rows])
+        return gradient.view(logits.shape), None
+
+
+def chunked_logsumexp(logits: Tensor, rows: Optional[int] = None) -> Tensor:
+    """``logsumexp(logits, -1)`` in float32 (:class:`_LogSumExp`)."""
+    return _LogSumExp.apply(logits, _chunk_rows(logits, rows))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterionConfig
+from fairseq.dataclass import ChoiceEnum
 
 from ..errors import InputError
 
@@ -50,6 +51,10 @@ def weight(default, *, help: str, **metadata):
     return ranged(default, 0.0, help=help, meaning="a loss weight (0 switches the term off)", **metadata)
 
 
+#: the divergences of word-level KD (:data:`.chunked.DIVERGENCES`, forward KL first)
+DIVERGENCE_CHOICES = ChoiceEnum(["forward_kl", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd"])
+
+
 @dataclass
 class KDCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
     label_smoothing: float = ranged(
@@ -63,6 +68,21 @@ class KDCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
     kd_temperature: float = ranged(
         1.0, 0.0, low_open=True, meaning="a softmax temperature",
         help="softmax temperature tau of teacher and student in word-level KD (> 0; the term is scaled by tau^2)",
+    )
+    kd_divergence: DIVERGENCE_CHOICES = field(
+        default="forward_kl",
+        metadata={"help": "the divergence D(teacher, student) of word-level KD: forward_kl KL(p||q); reverse_kl "
+                  "KL(q||p); jsd the generalised JSD of GKD (--kd-jsd-beta); skew_kl KL(p||a p + (1-a) q) and "
+                  "skew_reverse_kl KL(q||a q + (1-a) p) of DistiLLM (--kd-skew-alpha); tvd 1/2 sum|p - q| "
+                  "(docs/methods/divergences.md)"},
+    )
+    kd_jsd_beta: float = ranged(
+        0.5, 0.0, 1.0, low_open=True, high_open=True, meaning="the teacher's share of the JSD's mixture",
+        help="beta of --kd-divergence jsd: beta KL(p||m) + (1-beta) KL(q||m), m = beta p + (1-beta) q",
+    )
+    kd_skew_alpha: float = ranged(
+        0.1, 0.0, 1.0, low_open=True, high_open=True, meaning="the skew of the mixture",
+        help="alpha of --kd-divergence skew_kl and skew_reverse_kl (DistiLLM's default 0.1)",
     )
     ignore_prefix_size: int = ranged(0, 0, meaning="a number of tokens", help="Ignore first N tokens")
 

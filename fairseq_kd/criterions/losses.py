@@ -3,7 +3,7 @@
 Every function returns an unnormalised *sum* over the real (unpadded) positions it is given; the
 criterion base divides by fairseq's ``sample_size`` once, as fairseq does for cross-entropy, so
 loss weights mean the same at any batch size and on any number of workers. The vocabulary-sized
-losses (CE, word-level KD) are the base's, in :mod:`.chunked`.
+losses (CE, word-level KD and its divergences) are the base's, in :mod:`.chunked`.
 """
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from .chunked import (  # noqa: F401 - the vocabulary losses and chunk sizes, al
     CHUNK_TEMPORARIES,
     CUDA_CHUNK_ELEMENTS_RANGE,
     CUDA_CHUNK_MEMORY_SHARE,
+    DIVERGENCES,
     MIN_CHUNKS,
+    Divergence,
     _keep_gradients,
     _kept_gradients,
     _wants_gradient,
@@ -28,6 +30,7 @@ from .chunked import (  # noqa: F401 - the vocabulary losses and chunk sizes, al
     label_smoothed_cross_entropy,
     rows_per_chunk,
     topk_word_level_kd,
+    word_level_divergence,
     word_level_kd,
 )
 
