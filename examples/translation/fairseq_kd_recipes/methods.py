@@ -86,6 +86,8 @@ _METHOD_LIST = (
     Method("word_kd_cached", "word-level KD as word_kd, the teacher read from its top-8 cache "
            "(fairseq-kd-teacher-cache) instead of run at every step", "student", "word_kd", ("--kd-weight", "0.5"),
            teacher_cache=True, benchmarked=True),
+    Method("tie_kd", "TIE-KD's top-1 term (Zhang et al. 2023): word-level KD plus the hierarchical ranking loss "
+           "over the teacher's top 5, a = 0.5", "student", "tie_kd"),
     Method("seq_kd", "sequence-level KD (Kim & Rush 2016): CE on the teacher's beam-5 outputs",
            "student", "label_smoothed_cross_entropy", data="seqkd", uses_teacher=False),
     Method("selective_kd", "selective KD (Wang et al. 2021), batch-level, word rate 0.5 (A2D Sec. 5.3)",
@@ -200,7 +202,11 @@ class CriterionRow:
 #: one row per registered distillation criterion (``tests/test_recipe.py`` checks that every
 #: registered one has its row), in no particular order: :func:`criteria` orders them
 CRITERIA: Mapping[str, CriterionRow] = {
-    "word_kd": CriterionRow("word-level KD (Hinton et al. 2015)", ("kd_weight", "kd_temperature")),
+    "word_kd": CriterionRow("word-level KD (Hinton et al. 2015)", ("kd_weight", "kd_temperature", "kd_divergence"),
+                            "(`--kd-divergence` and its `--kd-jsd-beta`/`--kd-skew-alpha` in every criterion's "
+                            "word-level KD, see `docs/methods/divergences.md`)"),
+    "tie_kd": CriterionRow("TIE-KD's top-1 term (Zhang et al. 2023)", ("kd_weight", "tie_topk", "tie_rank_weight"),
+                           "(the hierarchical ranking loss beside word-level KD; not the paper's iterative KD)"),
     "selective_kd": CriterionRow("selective KD (Wang et al. 2021)", ("word_rate", "selection", "queue_size")),
     "pkd": CriterionRow("Patient KD (Sun et al. 2019)", ("pkd_mapping", "layer_sides", "pkd_include_top_layer"),
                         "(default: intermediate layers only, as the paper)"),
