@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
+from fairseq_kd.errors import UserError
 from fairseq_kd.figures.training_log import parse_fairseq_log
 from fairseq_kd.fingerprint import content, fingerprint, read_json
 from fairseq_kd.progress import child_progress, progress_bar
@@ -41,7 +42,7 @@ IN_PROCESS_MODULES = frozenset({
 })
 
 
-class RecipeError(Exception):
+class RecipeError(UserError):
     """Bad input or a failed step; the message says what and what to do."""
 
 
