@@ -82,7 +82,7 @@ class KDCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
     )
     kd_skew_alpha: float = ranged(
         0.1, 0.0, 1.0, low_open=True, high_open=True, meaning="the skew of the mixture",
-        help="alpha of --kd-divergence skew_kl and skew_reverse_kl (DistiLLM's default 0.1)",
+        help="alpha of --kd-divergence skew_kl and skew_reverse_kl: the first argument's share of the mixture",
     )
     ignore_prefix_size: int = ranged(0, 0, meaning="a number of tokens", help="Ignore first N tokens")
 
