@@ -34,7 +34,7 @@ from fairseq_kd_recipes.execute import (
 from fairseq_kd_recipes.methods import (BASELINE, METHODS, PLAIN_CRITERION, README_TABLE_HEADER, TEACHER, criteria,
                                        needs_teacher_heads, readme_flag_table)
 from fairseq_kd_recipes.pairs import PAIRS
-from fairseq_kd_recipes.plan import RecipeOptions, batch_split, build_plan, with_placement
+from fairseq_kd_recipes.plan import MANIFEST_NAME, RecipeOptions, batch_split, build_plan, with_placement
 from fairseq_kd_recipes.prepare.corpora import iwslt14_de_en
 from fairseq_kd_recipes.prepare.iwslt import read_segments
 from fairseq_kd_recipes.profiles import PROFILES
@@ -355,6 +355,11 @@ def test_bad_requests_fail_before_anything_runs(tmp_path, capsys):
     (foreign / "notes.txt").write_text("mine")
     with pytest.raises(RecipeError, match="not a recipe's working folder"):
         build_plan(RecipeOptions(pair="iwslt14_de_en", profile="cpu", workdir=foreign))
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / MANIFEST_NAME).write_bytes(b'{"pair": "iwslt14_de_en", "prof')  # a write cut short
+    with pytest.raises(RecipeError, match=f"its {MANIFEST_NAME} cannot be read .*damaged"):
+        build_plan(RecipeOptions(pair="iwslt14_de_en", profile="cpu", workdir=damaged))
     with pytest.raises(SystemExit):
         recipe_cli.cli_main(["iwslt99_xx_yy"])
 

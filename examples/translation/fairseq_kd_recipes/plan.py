@@ -234,7 +234,13 @@ def check_workdir(workdir: Path, pair: PairRecipe, profile: Profile) -> None:
         raise RecipeError(f"--workdir {workdir} exists and is not a folder")
     manifest = workdir / MANIFEST_NAME
     if manifest.is_file():
-        recorded = json.loads(manifest.read_text(encoding="utf-8"))
+        try:
+            recorded = json.loads(manifest.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise RecipeError(f"--workdir {workdir}: its {MANIFEST_NAME} cannot be read ({error}); it is damaged: "
+                              "move the folder away and choose another --workdir") from None
+        if not isinstance(recorded, dict):
+            recorded = {}
         if (recorded.get("pair"), recorded.get("profile")) != (pair.name, profile.name):
             raise RecipeError(
                 f"--workdir {workdir} holds a recipe of pair {recorded.get('pair')} with profile "
