@@ -163,228 +163,13 @@ class _LabelSmoothedCE(torch.autograd.Function):
         return _kept_gradient(ctx, grad_loss), None, None, None, None
 
 
-def label_smoothed_ce_and_word_kd(
-    logits: Tensor, teacher_logits: Tensor, target: Tensor, target_mask: Tensor, epsilon: float,
-    temperature: float, ce_weight: float, kd_weight: float, rows: Optional[int] = None,
-    kd_mask: Optional[Tensor] = None, divergence: Optional[Divergence] = None,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``ce_weight * CE + kd_weight * KD`` in one pass over the student's logits: CE is
-    :func:`label_smoothed_cross_entropy` at ``target_mask``, KD :func:`word_level_kd` at ``kd_mask``
-    (positions within ``target_mask``: selective KD's chosen tokens; default ``target_mask``); returns
-    (that weighted sum, CE, nll, KD). Only the weighted sum carries a gradient; the other three are
-    its parts' values, for the logs. ``divergence`` (default the forward KL) replaces the KL by
-    another :class:`Divergence`.
-
-    One log-softmax of the student per chunk serves both losses (at ``tau = 1``), and the two
-    gradients are summed into one float32 ``(positions, V)`` buffer in the forward pass, which
-    knows the weights: the step keeps one vocabulary-sized tensor for the backward pass where CE
-    and KD computed apart keep two.
-    """
-    rows = _chunk_rows(logits, rows)
-    kd_mask = None if kd_mask is None or kd_mask is target_mask else kd_mask & target_mask
-    if divergence is not None and divergence.name != "forward_kl":
-        return _CEAndDivergence.apply(logits, teacher_logits, target, target_mask, float(epsilon),
-                                      float(temperature), float(ce_weight), float(kd_weight), rows, kd_mask, divergence)
-    return _CEAndWordKD.apply(logits, teacher_logits, target, target_mask, float(epsilon), float(temperature),
-                              float(ce_weight), float(kd_weight), rows, kd_mask)
-
-
-class _CEAndWordKD(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, teacher_logits, target, target_mask, epsilon, temperature, ce_weight, kd_weight,
-                rows, kd_mask):
-        vocab = logits.size(-1)
-        student, teacher = logits.reshape(-1, vocab), teacher_logits.reshape(-1, vocab)
-        targets, keep = target.reshape(-1, 1), target_mask.reshape(-1)
-        # KD at a subset of the CE positions (kd_mask): each row's KD weight is kd_weight or 0; with
-        # none, the scalar path below, whose rounding the suite's expected numbers record
-        kd_rows = None if kd_mask is None else kd_mask.reshape(-1)
-        eps_i = epsilon / (vocab - 1)
-        gradient = (torch.empty(student.shape, dtype=torch.float32, device=student.device)
-                    if ctx.needs_input_grad[0] else None)
-        nll_sum, smooth_sum, kd_sum = (torch.zeros((), dtype=torch.float32, device=student.device) for _ in range(3))
-        for start in range(0, student.size(0), rows):
-            here, index = keep[start:start + rows], targets[start:start + rows]
-            student_chunk = student[start:start + rows].float()
-            log_probs = F.log_softmax(student_chunk, dim=-1)
-            nll_sum -= torch.where(here, log_probs.gather(-1, index).squeeze(-1), 0.0).sum()
-            smooth_sum -= torch.where(here, log_probs.sum(-1), 0.0).sum()
-            student_lp = log_probs if temperature == 1.0 else F.log_softmax(student_chunk / temperature, dim=-1)
-            teacher_lp = _log_softmax_at(teacher[start:start + rows], temperature)
-            teacher_p = teacher_lp.exp()
-            kd_here = here if kd_rows is None else kd_rows[start:start + rows]
-            kd_sum += torch.where(kd_here, teacher_lp.sub_(student_lp).mul_(teacher_p).sum(-1), 0.0).sum()
-            if gradient is not None and kd_rows is not None:
-                # ce_weight (p - eps_i - (1 - eps - eps_i) onehot) + w_t tau (p_tau - p_T), w_t = kd_weight
-                # at the KD positions and 0 elsewhere
-                row_kd_weight = (kd_here.to(torch.float32) * kd_weight).unsqueeze(-1)
-                chunk = gradient[start:start + rows]
-                torch.exp(log_probs, out=chunk)
-                p_tau = chunk.clone() if temperature == 1.0 else student_lp.exp_()
-                chunk.mul_(ce_weight).addcmul_(p_tau, row_kd_weight, value=temperature)
-                chunk.addcmul_(teacher_p, row_kd_weight, value=-temperature).sub_(ce_weight * eps_i)
-                chunk.scatter_add_(-1, index, chunk.new_full(index.shape, -ce_weight * (1.0 - epsilon - eps_i)))
-                chunk.masked_fill_(~here.unsqueeze(-1), 0.0)
-            elif gradient is not None:
-                # ce_weight (p - eps_i - (1 - eps - eps_i) onehot) + kd_weight tau (p_tau - p_T)
-                chunk = gradient[start:start + rows]
-                torch.exp(log_probs, out=chunk)
-                if temperature == 1.0:
-                    chunk.mul_(ce_weight + kd_weight)
-                else:
-                    chunk.mul_(ce_weight).add_(student_lp.exp_(), alpha=kd_weight * temperature)
-                chunk.add_(teacher_p, alpha=-kd_weight * temperature).sub_(ce_weight * eps_i)
-                chunk.scatter_add_(-1, index, chunk.new_full(index.shape, -ce_weight * (1.0 - epsilon - eps_i)))
-                chunk.masked_fill_(~here.unsqueeze(-1), 0.0)
-        ce = (1.0 - epsilon - eps_i) * nll_sum + eps_i * smooth_sum
-        kd = (temperature**2) * kd_sum
-        combined = ce_weight * ce + kd_weight * kd
-        ctx.mark_non_differentiable(ce, nll_sum, kd)
-        _keep_gradient(ctx, gradient, logits)
-        return combined, ce, nll_sum, kd
-
-    @staticmethod
-    def backward(ctx, grad_combined, _grad_ce, _grad_nll, _grad_kd):
-        return (_kept_gradient(ctx, grad_combined),) + (None,) * 9
-
-
-def word_level_kd(
-    student_logits: Tensor, teacher_logits: Tensor, target_mask: Tensor, temperature: float = 1.0,
-    rows: Optional[int] = None,
-) -> Tensor:
-    """Word-level KD (Hinton et al., 2015): ``tau^2 * sum_t KL(p_T^tau(.|t) || p_S^tau(.|t))``.
-
-    student_logits, teacher_logits: ``(batch, tgt_len, vocab)``; target_mask: ``(batch, tgt_len)``,
-    True at real target tokens. The ``tau^2`` factor keeps gradient magnitudes comparable across
-    temperatures (Hinton et al., Sec. 2). Computed in float32 whatever the model dtype, in chunks
-    of positions (:data:`CHUNK_ELEMENTS`; ``rows`` overrides, for tests).
-    """
-    if teacher_logits.requires_grad:
-        # a teacher trained jointly (self-distillation) needs the gradient on its side too, which
-        # the fused function below does not form
-        student_lp = _log_softmax_at(student_logits, temperature)
-        teacher_lp = _log_softmax_at(teacher_logits, temperature)
-        per_position = F.kl_div(student_lp, teacher_lp, reduction="none", log_target=True).sum(-1)
-        return (temperature**2) * per_position.masked_select(target_mask).sum()
-    return _WordLevelKD.apply(student_logits, teacher_logits, target_mask, float(temperature),
-                              _chunk_rows(student_logits, rows))
-
-
-class _WordLevelKD(torch.autograd.Function):
-    """:func:`word_level_kd` in chunks of positions, with its gradient formed in the forward pass.
-
-    The gradient with respect to the student's logits is ``tau (p_S^tau - p_T^tau)`` at the masked
-    positions, so the forward pass, which has both distributions at hand, writes that into one
-    float32 ``(positions, vocab)`` buffer kept for the backward pass; the distributions themselves
-    exist one chunk at a time. Autograd through ``log_softmax`` and ``kl_div`` would keep the
-    student's and the teacher's log-probabilities whole, plus their elementwise KL.
-    """
-
-    @staticmethod
-    def forward(ctx, student_logits, teacher_logits, target_mask, temperature, rows):
-        vocab = student_logits.size(-1)
-        student, teacher = student_logits.reshape(-1, vocab), teacher_logits.reshape(-1, vocab)
-        keep = target_mask.reshape(-1)
-        gradient = (torch.empty(student.shape, dtype=torch.float32, device=student.device)
-                    if ctx.needs_input_grad[0] else None)
-        total = torch.zeros((), dtype=torch.float32, device=student.device)
-        for start in range(0, student.size(0), rows):
-            here = keep[start:start + rows]
-            student_lp = _log_softmax_at(student[start:start + rows], temperature)
-            teacher_lp = _log_softmax_at(teacher[start:start + rows], temperature)
-            teacher_p = teacher_lp.exp()
-            # in place from here on: the chunk's tensors are this function's own
-            per_position = teacher_lp.sub_(student_lp).mul_(teacher_p).sum(-1)
-            total += torch.where(here, per_position, 0.0).sum()
-            if gradient is not None:
-                chunk = gradient[start:start + rows]
-                torch.exp(student_lp, out=chunk)
-                chunk.sub_(teacher_p).mul_(temperature).masked_fill_(~here.unsqueeze(-1), 0.0)
-        _keep_gradient(ctx, gradient, student_logits)
-        return (temperature**2) * total
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        return _kept_gradient(ctx, grad_loss), None, None, None, None
-
-
-def _log_softmax_at(logits: Tensor, temperature: float) -> Tensor:
-    """``log_softmax(logits / tau)`` in float32, without a scaled copy when ``tau = 1``."""
-    logits = logits.float()
-    return F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
-
-
-def topk_word_level_kd(
-    student_logits: Tensor, teacher_topk_logprobs: Tensor, teacher_topk_ids: Tensor, target_mask: Tensor,
-    temperature: float = 1.0, rows: Optional[int] = None,
-) -> Tensor:
-    """Word-level KD from a cached teacher (:mod:`fairseq_kd.teacher_pass.teacher_cache`):
-    ``tau^2 * sum_t sum_i q_i (log q_i - log p_S^tau(id_i | t))``, where ``q`` is the softmax of the
-    teacher's ``k`` stored log-probabilities divided by ``tau`` (the teacher renormalised to its top
-    k) and ``p_S^tau`` the student's full-vocabulary distribution at ``tau``, read at the teacher's
-    ``k`` token ids. When the teacher's mass lies within its top k this is :func:`word_level_kd`.
-
-    teacher_topk_logprobs, teacher_topk_ids: ``(batch, tgt_len, k)``; the rest as
-    :func:`word_level_kd`. Computed in float32, in chunks of positions (``rows`` overrides, for
-    tests): the student's full-vocabulary log-probabilities exist one chunk at a time.
-    """
-    if teacher_topk_logprobs.requires_grad:  # stored values never do; a caller's own teacher might
-        student_lp = _log_softmax_at(student_logits, temperature).gather(-1, teacher_topk_ids)
-        teacher_lp = _log_softmax_at(teacher_topk_logprobs, temperature)
-        per_position = (teacher_lp.exp() * (teacher_lp - student_lp)).sum(-1)
-        return (temperature**2) * per_position.masked_select(target_mask).sum()
-    return _TopkWordLevelKD.apply(student_logits, teacher_topk_logprobs, teacher_topk_ids, target_mask,
-                                  float(temperature), _chunk_rows(student_logits, rows))
-
-
-class _TopkWordLevelKD(torch.autograd.Function):
-    """:func:`topk_word_level_kd` in chunks of positions, its gradient formed in the forward pass:
-    with ``q`` summing to 1 over the teacher's ``k`` tokens, the gradient with respect to the
-    student's logits is ``tau (p_S^tau - q scattered at the k ids)`` at the masked positions,
-    written into one float32 ``(positions, vocab)`` buffer (as :class:`_WordLevelKD` does)."""
-
-    @staticmethod
-    def forward(ctx, student_logits, teacher_topk_logprobs, teacher_topk_ids, target_mask, temperature, rows):
-        vocab, k = student_logits.size(-1), teacher_topk_ids.size(-1)
-        student = student_logits.reshape(-1, vocab)
-        teacher, ids = teacher_topk_logprobs.reshape(-1, k), teacher_topk_ids.reshape(-1, k)
-        keep = target_mask.reshape(-1)
-        gradient = (torch.empty(student.shape, dtype=torch.float32, device=student.device)
-                    if ctx.needs_input_grad[0] else None)
-        total = torch.zeros((), dtype=torch.float32, device=student.device)
-        for start in range(0, student.size(0), rows):
-            here, chunk_ids = keep[start:start + rows], ids[start:start + rows]
-            student_lp = _log_softmax_at(student[start:start + rows], temperature)
-            teacher_lp = _log_softmax_at(teacher[start:start + rows], temperature)
-            teacher_p = teacher_lp.exp()
-            per_position = (teacher_p * (teacher_lp - student_lp.gather(-1, chunk_ids))).sum(-1)
-            total += torch.where(here, per_position, 0.0).sum()
-            if gradient is not None:
-                chunk = gradient[start:start + rows]
-                torch.exp(student_lp, out=chunk)
-                chunk.scatter_add_(-1, chunk_ids, -teacher_p)
-                chunk.mul_(temperature).masked_fill_(~here.unsqueeze(-1), 0.0)
-        _keep_gradient(ctx, gradient, student_logits)
-        return (temperature**2) * total
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        return _kept_gradient(ctx, grad_loss), None, None, None, None, None
-
-
-# ----------------------------------------------------------------------------------------------
-# Divergences other than the forward KL (--kd-divergence; docs/methods/divergences.md). p is the
-# teacher's distribution at tau, q the student's; each is ``tau^2 sum_t D(p, q)`` with the gradient
-# with respect to the student's logits ``tau q (g - <q, g>)``, g = dD/dq, formed in the forward pass
-# into one float32 (positions, vocabulary) buffer, as the forward KL's.
-
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd")
 
 
 @dataclass(frozen=True)
 class Divergence:
-    """Which divergence, with its mixture weight: ``beta`` of the generalised JSD (GKD), ``alpha``
-    of the skew KLs (DistiLLM)."""
+    """Which divergence (--kd-divergence; docs/methods/divergences.md), with its mixture weight:
+    ``beta`` of the generalised JSD (GKD), ``alpha`` of the skew KLs (DistiLLM)."""
 
     name: str
     beta: float = 0.5
@@ -445,11 +230,235 @@ def divergence_rows(student_lp: Tensor, teacher_lp: Tensor, divergence: Divergen
     return values, g.sub_((q * g).sum(-1, keepdim=True)).mul_(q)
 
 
-def _topk_teacher_log_probs(topk_logprobs: Tensor, ids: Tensor, vocab: int, temperature: float) -> Tensor:
-    """The cached teacher as a full-vocabulary row: its top k renormalised at ``tau``, -inf (p = 0)
-    elsewhere; the distribution the cache's forward KL already compares the student with."""
-    rows = torch.full((ids.size(0), vocab), -math.inf, dtype=torch.float32, device=ids.device)
-    return rows.scatter_(-1, ids, _log_softmax_at(topk_logprobs, temperature))
+class _DivergenceStep:
+    """Word-level KD's work on one chunk of positions, the parameter of the chunked passes
+    (:class:`_WordLevelKD`, :class:`_CEAndWordKD`). ``values``: ``D(p_T^tau, p_S^tau)`` per
+    position from the student's tempered log-probabilities, and what its gradient needs;
+    ``gradient``: ``dD/dz`` for the tempered logits ``z``, written into a chunk; ``fused_gradient``:
+    ``ce_weight (p_S - eps_i) + w_t tau dD/dz`` into CE's chunk, which holds ``p_S`` (w_t: kd_weight
+    at ``kd_here``, 0 elsewhere). This one: a :class:`Divergence` from the live teacher's logits or
+    (a tuple) its cached top k's log-probabilities and ids, -inf (p = 0) outside them."""
+
+    def __init__(self, teacher, temperature: float, divergence: Optional[Divergence] = None):
+        self.temperature, self.divergence = temperature, divergence
+        self.teacher = (tuple(t.reshape(-1, t.size(-1)) for t in teacher) if isinstance(teacher, tuple)
+                        else teacher.reshape(-1, teacher.size(-1)))
+
+    def teacher_log_probs(self, start: int, rows: int, vocab: int) -> Tensor:
+        if not isinstance(self.teacher, tuple):
+            return _log_softmax_at(self.teacher[start:start + rows], self.temperature)
+        topk_lp, ids = (t[start:start + rows] for t in self.teacher)
+        full = torch.full((ids.size(0), vocab), -math.inf, dtype=torch.float32, device=ids.device)
+        return full.scatter_(-1, ids, _log_softmax_at(topk_lp, self.temperature))
+
+    def values(self, start, rows, student_lp, gradient):
+        teacher_lp = self.teacher_log_probs(start, rows, student_lp.size(-1))
+        return divergence_rows(student_lp, teacher_lp, self.divergence, gradient)
+
+    def gradient(self, chunk, student_lp, kd_gradient):
+        chunk.copy_(kd_gradient)
+
+    def fused_gradient(self, chunk, student_lp, kd_gradient, kd_here, per_row, ce_weight, kd_weight, eps_i):
+        row_kd_weight = (kd_here.to(torch.float32) * (kd_weight * self.temperature)).unsqueeze(-1)
+        chunk.sub_(eps_i).mul_(ce_weight).addcmul_(kd_gradient, row_kd_weight)
+
+
+class _ForwardKLStep(_DivergenceStep):
+    """The forward KL from the live teacher (Hinton et al., 2015), whose gradient is ``p_S^tau -
+    p_T^tau``; its own operations, whose rounding the suite's expected numbers record."""
+
+    def values(self, start, rows, student_lp, gradient):
+        teacher_lp = self.teacher_log_probs(start, rows, student_lp.size(-1))
+        teacher_p = teacher_lp.exp()
+        # in place: the chunk's tensors are this function's own
+        return teacher_lp.sub_(student_lp).mul_(teacher_p).sum(-1), teacher_p
+
+    def gradient(self, chunk, student_lp, teacher_p):
+        torch.exp(student_lp, out=chunk)
+        chunk.sub_(teacher_p)
+
+    def fused_gradient(self, chunk, student_lp, teacher_p, kd_here, per_row, ce_weight, kd_weight, eps_i):
+        temperature = self.temperature
+        if per_row:
+            row_kd_weight = (kd_here.to(torch.float32) * kd_weight).unsqueeze(-1)
+            p_tau = chunk.clone() if temperature == 1.0 else student_lp.exp_()
+            chunk.mul_(ce_weight).addcmul_(p_tau, row_kd_weight, value=temperature)
+            chunk.addcmul_(teacher_p, row_kd_weight, value=-temperature).sub_(ce_weight * eps_i)
+            return
+        if temperature == 1.0:
+            chunk.mul_(ce_weight + kd_weight)
+        else:
+            chunk.mul_(ce_weight).add_(student_lp.exp_(), alpha=kd_weight * temperature)
+        chunk.add_(teacher_p, alpha=-kd_weight * temperature).sub_(ce_weight * eps_i)
+
+
+class _TopkForwardKLStep(_DivergenceStep):
+    """The forward KL from the cached top k, against the student's full distribution read at the k
+    ids; gradient ``p_S^tau - q`` scattered at the ids, ``q`` summing to 1 over them."""
+
+    def values(self, start, rows, student_lp, gradient):
+        topk_lp, ids = (t[start:start + rows] for t in self.teacher)
+        teacher_lp = _log_softmax_at(topk_lp, self.temperature)
+        teacher_p = teacher_lp.exp()
+        return (teacher_p * (teacher_lp - student_lp.gather(-1, ids))).sum(-1), (teacher_p, ids)
+
+    def gradient(self, chunk, student_lp, kd_gradient):
+        teacher_p, ids = kd_gradient
+        torch.exp(student_lp, out=chunk)
+        chunk.scatter_add_(-1, ids, -teacher_p)
+
+
+def _gradient_buffer(ctx, flat: Tensor) -> Optional[Tensor]:
+    """The float32 gradient buffer of a function whose first input is ``flat``'s (None: none asked)."""
+    return torch.empty(flat.shape, dtype=torch.float32, device=flat.device) if ctx.needs_input_grad[0] else None
+
+
+class _WordLevelKD(torch.autograd.Function):
+    """``tau^2 sum_t D`` over ``target_mask`` of a step (:class:`_DivergenceStep`), in chunks of
+    positions with its gradient formed in the forward pass: the one float32 ``(positions, vocab)``
+    buffer is what is kept for the backward pass, the distributions exist one chunk at a time
+    (autograd through ``log_softmax`` would keep both sides' whole, plus their elementwise terms)."""
+
+    @staticmethod
+    def forward(ctx, student_logits, target_mask, rows, step):
+        temperature = step.temperature
+        student = student_logits.reshape(-1, student_logits.size(-1))
+        keep = target_mask.reshape(-1)
+        gradient = _gradient_buffer(ctx, student)
+        total = torch.zeros((), dtype=torch.float32, device=student.device)
+        for start in range(0, student.size(0), rows):
+            here = keep[start:start + rows]
+            student_lp = _log_softmax_at(student[start:start + rows], temperature)
+            values, kd_gradient = step.values(start, rows, student_lp, gradient is not None)
+            total += torch.where(here, values, 0.0).sum()
+            if gradient is not None:
+                chunk = gradient[start:start + rows]
+                step.gradient(chunk, student_lp, kd_gradient)
+                chunk.mul_(temperature).masked_fill_(~here.unsqueeze(-1), 0.0)
+        _keep_gradient(ctx, gradient, student_logits)
+        return (temperature**2) * total
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        return _kept_gradient(ctx, grad_loss), None, None, None
+
+
+class _CEAndWordKD(torch.autograd.Function):
+    """:func:`label_smoothed_ce_and_word_kd` with its word-level KD given as a step."""
+
+    @staticmethod
+    def forward(ctx, logits, target, target_mask, epsilon, ce_weight, kd_weight, rows, kd_mask, step):
+        temperature = step.temperature
+        vocab = logits.size(-1)
+        student = logits.reshape(-1, vocab)
+        targets, keep = target.reshape(-1, 1), target_mask.reshape(-1)
+        # KD at a subset of the CE positions (kd_mask): each row's KD weight is kd_weight or 0; with
+        # none, the forward KL's scalar path, whose rounding the suite's expected numbers record
+        kd_rows = None if kd_mask is None else kd_mask.reshape(-1)
+        eps_i = epsilon / (vocab - 1)
+        gradient = _gradient_buffer(ctx, student)
+        nll_sum, smooth_sum, kd_sum = (torch.zeros((), dtype=torch.float32, device=student.device) for _ in range(3))
+        for start in range(0, student.size(0), rows):
+            here, index = keep[start:start + rows], targets[start:start + rows]
+            kd_here = here if kd_rows is None else kd_rows[start:start + rows]
+            student_chunk = student[start:start + rows].float()
+            log_probs = F.log_softmax(student_chunk, dim=-1)
+            nll_sum -= torch.where(here, log_probs.gather(-1, index).squeeze(-1), 0.0).sum()
+            smooth_sum -= torch.where(here, log_probs.sum(-1), 0.0).sum()
+            student_lp = log_probs if temperature == 1.0 else F.log_softmax(student_chunk / temperature, dim=-1)
+            values, kd_gradient = step.values(start, rows, student_lp, gradient is not None)
+            kd_sum += torch.where(kd_here, values, 0.0).sum()
+            if gradient is not None:
+                chunk = gradient[start:start + rows]
+                torch.exp(log_probs, out=chunk)
+                step.fused_gradient(chunk, student_lp, kd_gradient, kd_here, kd_rows is not None, ce_weight,
+                                    kd_weight, eps_i)
+                chunk.scatter_add_(-1, index, chunk.new_full(index.shape, -ce_weight * (1.0 - epsilon - eps_i)))
+                chunk.masked_fill_(~here.unsqueeze(-1), 0.0)
+        ce = (1.0 - epsilon - eps_i) * nll_sum + eps_i * smooth_sum
+        kd = (temperature**2) * kd_sum
+        combined = ce_weight * ce + kd_weight * kd
+        ctx.mark_non_differentiable(ce, nll_sum, kd)
+        _keep_gradient(ctx, gradient, logits)
+        return combined, ce, nll_sum, kd
+
+    @staticmethod
+    def backward(ctx, grad_combined, _grad_ce, _grad_nll, _grad_kd):
+        return (_kept_gradient(ctx, grad_combined),) + (None,) * 8
+
+
+def _log_softmax_at(logits: Tensor, temperature: float) -> Tensor:
+    """``log_softmax(logits / tau)`` in float32, without a scaled copy when ``tau = 1``."""
+    logits = logits.float()
+    return F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+
+
+def label_smoothed_ce_and_word_kd(
+    logits: Tensor, teacher_logits: Tensor, target: Tensor, target_mask: Tensor, epsilon: float,
+    temperature: float, ce_weight: float, kd_weight: float, rows: Optional[int] = None,
+    kd_mask: Optional[Tensor] = None, divergence: Optional[Divergence] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``ce_weight * CE + kd_weight * KD`` in one pass over the student's logits: CE is
+    :func:`label_smoothed_cross_entropy` at ``target_mask``, KD :func:`word_level_kd` (or, with
+    ``divergence``, :func:`word_level_divergence`) at ``kd_mask`` (positions within ``target_mask``:
+    selective KD's chosen tokens; default ``target_mask``); returns (that weighted sum, CE, nll, KD).
+    Only the weighted sum carries a gradient; the other three are its parts' values, for the logs.
+
+    One log-softmax of the student per chunk serves both losses (at ``tau = 1``), and the two
+    gradients are summed into one float32 ``(positions, V)`` buffer in the forward pass, which
+    knows the weights: the step keeps one vocabulary-sized tensor for the backward pass where CE
+    and KD computed apart keep two.
+    """
+    kd_mask = None if kd_mask is None or kd_mask is target_mask else kd_mask & target_mask
+    temperature = float(temperature)
+    forward_kl = divergence is None or divergence.name == "forward_kl"
+    step = (_ForwardKLStep(teacher_logits, temperature) if forward_kl
+            else _DivergenceStep(teacher_logits, temperature, divergence))
+    return _CEAndWordKD.apply(logits, target, target_mask, float(epsilon), float(ce_weight), float(kd_weight),
+                              _chunk_rows(logits, rows), kd_mask, step)
+
+
+def word_level_kd(
+    student_logits: Tensor, teacher_logits: Tensor, target_mask: Tensor, temperature: float = 1.0,
+    rows: Optional[int] = None,
+) -> Tensor:
+    """Word-level KD (Hinton et al., 2015): ``tau^2 * sum_t KL(p_T^tau(.|t) || p_S^tau(.|t))``.
+
+    student_logits, teacher_logits: ``(batch, tgt_len, vocab)``; target_mask: ``(batch, tgt_len)``,
+    True at real target tokens. The ``tau^2`` factor keeps gradient magnitudes comparable across
+    temperatures (Hinton et al., Sec. 2). Computed in float32 whatever the model dtype, in chunks
+    of positions (:data:`CHUNK_ELEMENTS`; ``rows`` overrides, for tests).
+    """
+    if teacher_logits.requires_grad:
+        # a teacher trained jointly (self-distillation) needs the gradient on its side too, which
+        # the chunked function does not form
+        student_lp = _log_softmax_at(student_logits, temperature)
+        teacher_lp = _log_softmax_at(teacher_logits, temperature)
+        per_position = F.kl_div(student_lp, teacher_lp, reduction="none", log_target=True).sum(-1)
+        return (temperature**2) * per_position.masked_select(target_mask).sum()
+    return _WordLevelKD.apply(student_logits, target_mask, _chunk_rows(student_logits, rows),
+                              _ForwardKLStep(teacher_logits, float(temperature)))
+
+
+def topk_word_level_kd(
+    student_logits: Tensor, teacher_topk_logprobs: Tensor, teacher_topk_ids: Tensor, target_mask: Tensor,
+    temperature: float = 1.0, rows: Optional[int] = None,
+) -> Tensor:
+    """Word-level KD from a cached teacher (:mod:`fairseq_kd.teacher_pass.teacher_cache`):
+    ``tau^2 * sum_t sum_i q_i (log q_i - log p_S^tau(id_i | t))``, where ``q`` is the softmax of the
+    teacher's ``k`` stored log-probabilities divided by ``tau`` (the teacher renormalised to its top
+    k) and ``p_S^tau`` the student's full-vocabulary distribution at ``tau``, read at the teacher's
+    ``k`` token ids. When the teacher's mass lies within its top k this is :func:`word_level_kd`.
+    teacher_topk_logprobs, teacher_topk_ids: ``(batch, tgt_len, k)``; the rest as
+    :func:`word_level_kd`.
+    """
+    if teacher_topk_logprobs.requires_grad:  # stored values never do; a caller's own teacher might
+        student_lp = _log_softmax_at(student_logits, temperature).gather(-1, teacher_topk_ids)
+        teacher_lp = _log_softmax_at(teacher_topk_logprobs, temperature)
+        per_position = (teacher_lp.exp() * (teacher_lp - student_lp)).sum(-1)
+        return (temperature**2) * per_position.masked_select(target_mask).sum()
+    return _WordLevelKD.apply(student_logits, target_mask, _chunk_rows(student_logits, rows),
+                              _TopkForwardKLStep((teacher_topk_logprobs, teacher_topk_ids), float(temperature)))
 
 
 def word_level_divergence(
@@ -463,89 +472,9 @@ def word_level_divergence(
         values, _ = divergence_rows(_log_softmax_at(student_logits, temperature),
                                     _log_softmax_at(teacher_logits, temperature), divergence, gradient=False)
         return (temperature**2) * values.masked_select(target_mask).sum()
-    topk_lp, topk_ids = teacher_topk if teacher_topk is not None else (None, None)
-    return _WordLevelDivergence.apply(student_logits, teacher_logits, topk_lp, topk_ids, target_mask,
-                                      float(temperature), _chunk_rows(student_logits, rows), divergence)
-
-
-def _teacher_chunk(teacher, topk_lp, topk_ids, start, rows, vocab, temperature):
-    if teacher is not None:
-        return _log_softmax_at(teacher[start:start + rows], temperature)
-    return _topk_teacher_log_probs(topk_lp[start:start + rows], topk_ids[start:start + rows], vocab, temperature)
-
-
-class _WordLevelDivergence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, student_logits, teacher_logits, topk_lp, topk_ids, target_mask, temperature, rows, divergence):
-        vocab = student_logits.size(-1)
-        student = student_logits.reshape(-1, vocab)
-        teacher = None if teacher_logits is None else teacher_logits.reshape(-1, vocab)
-        if topk_lp is not None:
-            topk_lp, topk_ids = topk_lp.reshape(-1, topk_ids.size(-1)), topk_ids.reshape(-1, topk_ids.size(-1))
-        keep = target_mask.reshape(-1)
-        gradient = (torch.empty(student.shape, dtype=torch.float32, device=student.device)
-                    if ctx.needs_input_grad[0] else None)
-        total = torch.zeros((), dtype=torch.float32, device=student.device)
-        for start in range(0, student.size(0), rows):
-            here = keep[start:start + rows]
-            student_lp = _log_softmax_at(student[start:start + rows], temperature)
-            teacher_lp = _teacher_chunk(teacher, topk_lp, topk_ids, start, rows, vocab, temperature)
-            values, chunk_gradient = divergence_rows(student_lp, teacher_lp, divergence, gradient is not None)
-            total += torch.where(here, values, 0.0).sum()
-            if gradient is not None:
-                gradient[start:start + rows] = chunk_gradient.mul_(temperature).masked_fill_(~here.unsqueeze(-1), 0.0)
-        _keep_gradient(ctx, gradient, student_logits)
-        return (temperature**2) * total
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        return (_kept_gradient(ctx, grad_loss),) + (None,) * 7
-
-
-class _CEAndDivergence(torch.autograd.Function):
-    """:func:`label_smoothed_ce_and_word_kd` for a divergence other than the forward KL: one
-    float32 gradient buffer for both terms, as there."""
-
-    @staticmethod
-    def forward(ctx, logits, teacher_logits, target, target_mask, epsilon, temperature, ce_weight, kd_weight,
-                rows, kd_mask, divergence):
-        vocab = logits.size(-1)
-        student, teacher = logits.reshape(-1, vocab), teacher_logits.reshape(-1, vocab)
-        targets, keep = target.reshape(-1, 1), target_mask.reshape(-1)
-        kd_rows = keep if kd_mask is None else kd_mask.reshape(-1)
-        eps_i = epsilon / (vocab - 1)
-        gradient = (torch.empty(student.shape, dtype=torch.float32, device=student.device)
-                    if ctx.needs_input_grad[0] else None)
-        nll_sum, smooth_sum, kd_sum = (torch.zeros((), dtype=torch.float32, device=student.device) for _ in range(3))
-        for start in range(0, student.size(0), rows):
-            here, index, kd_here = keep[start:start + rows], targets[start:start + rows], kd_rows[start:start + rows]
-            student_chunk = student[start:start + rows].float()
-            log_probs = F.log_softmax(student_chunk, dim=-1)
-            nll_sum -= torch.where(here, log_probs.gather(-1, index).squeeze(-1), 0.0).sum()
-            smooth_sum -= torch.where(here, log_probs.sum(-1), 0.0).sum()
-            student_lp = log_probs if temperature == 1.0 else F.log_softmax(student_chunk / temperature, dim=-1)
-            teacher_lp = _log_softmax_at(teacher[start:start + rows], temperature)
-            values, kd_gradient = divergence_rows(student_lp, teacher_lp, divergence, gradient is not None)
-            kd_sum += torch.where(kd_here, values, 0.0).sum()
-            if gradient is not None:
-                # ce_weight (p - eps_i - (1 - eps - eps_i) onehot) + w_t tau dD/dz, w_t = kd_weight at
-                # the KD positions and 0 elsewhere
-                row_kd_weight = (kd_here.to(torch.float32) * (kd_weight * temperature)).unsqueeze(-1)
-                chunk = gradient[start:start + rows]
-                torch.exp(log_probs, out=chunk)
-                chunk.sub_(eps_i).mul_(ce_weight).addcmul_(kd_gradient, row_kd_weight)
-                chunk.scatter_add_(-1, index, chunk.new_full(index.shape, -ce_weight * (1.0 - epsilon - eps_i)))
-                chunk.masked_fill_(~here.unsqueeze(-1), 0.0)
-        ce = (1.0 - epsilon - eps_i) * nll_sum + eps_i * smooth_sum
-        kd = (temperature**2) * kd_sum
-        combined = ce_weight * ce + kd_weight * kd
-        ctx.mark_non_differentiable(ce, nll_sum, kd)
-        _keep_gradient(ctx, gradient, logits)
-        return combined, ce, nll_sum, kd
-
-    @staticmethod
-    def backward(ctx, grad_combined, _grad_ce, _grad_nll, _grad_kd):
-        return (_kept_gradient(ctx, grad_combined),) + (None,) * 10
+    teacher = tuple(teacher_topk) if teacher_logits is None else teacher_logits
+    return _WordLevelKD.apply(student_logits, target_mask, _chunk_rows(student_logits, rows),
+                              _DivergenceStep(teacher, float(temperature), divergence))
 
 
 class _LogSumExp(torch.autograd.Function):
