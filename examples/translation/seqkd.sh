@@ -13,7 +13,8 @@
 #
 # Environment (all optional):
 #   PYTHON_BIN     the project's environment (default: .venv/bin next to this repository)
-#   SEQKD_FLAGS    extra fairseq-kd-seqkd flags (default: --beam 5 --max-tokens 4096)
+#   SEQKD_FLAGS    extra fairseq-kd-seqkd flags (default: --beam 5 --max-tokens 4096); n-best data, e.g.
+#                  "--beam 5 --nbest 5 --select chrf --remove-bpe subword_nmt --filter-keep-share 0.95"
 #   CRITERION      task and criterion flags of the student (default: plain label-smoothed CE)
 #   STUDENT_ARCH   --arch of the student (default: transformer_kd_iwslt_student_3l)
 # Flags after the four paths go to fairseq-train (optimiser, schedule, --max-update, ...).

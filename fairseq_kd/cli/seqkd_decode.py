@@ -4,7 +4,8 @@ Usage::
 
     fairseq-kd-seqkd --data data-bin/iwslt14.de-en --teacher-checkpoint checkpoints/teacher/checkpoint_best.pt \\
         --output data-bin/iwslt14.de-en.seqkd [--beam 5] [--max-tokens 4096] [--shard-size 10000] \\
-        [--engine ctranslate2 [--ct2-quantization float32] [--threads 0]]
+        [--engine ctranslate2 [--ct2-quantization float32] [--threads 0]] \\
+        [--nbest 5 --select chrf --remove-bpe subword_nmt --filter-keep-share 0.95]
     fairseq-kd-seqkd --data data-bin/de-en.opus --teacher-checkpoint opus-mt-de-en/ --output data-bin/de-en.opus.seqkd
 
 The output folder is a binarised dataset for ``fairseq-train``: the teacher's beam-search outputs
@@ -53,6 +54,11 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
               "re-run the same command to continue")
     elif result.status == "complete":
         print(f"wrote {result.sentences} sentence pairs to {result.output}")
+    if result.summary and result.summary["pairs"] != result.sentences:  # n-best, filtered or mixed
+        summary = result.summary
+        print(f"{summary['pairs']} training pairs: {summary['distilled_pairs']} distilled (mean chosen rank "
+              f"{summary['mean_chosen_rank']:.2f}), {summary['filtered_pairs']} removed by the cross-entropy filter, "
+              f"{summary['original_pairs']} original")
     if result.decoded_now:
         print(f"{result.worker}teacher decoding throughput: {result.decoded_now} sentences in "
               f"{result.decode_seconds:.1f} s = {result.sentences_per_second:.1f} sentences/s")

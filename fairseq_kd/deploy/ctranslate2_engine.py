@@ -41,6 +41,7 @@ class DecodingSettings:
     max_len_a: float = 0.0
     max_len_b: int = 200
     min_len: int = 1
+    nbest: int = 1  # hypotheses per source, sentence by sentence in the engine's order
 
 
 def fairseq_length_limit(longest_source: int, settings: DecodingSettings,
@@ -128,10 +129,10 @@ class CTranslate2Engine:
         results = self.translator.translate_batch(
             [self.source_tokens(s) for s in sources], beam_size=settings.beam, length_penalty=settings.lenpen,
             max_decoding_length=limit, min_decoding_length=settings.min_len, return_scores=True,
-            max_batch_size=-(-len(sources) // self.workers) if self.workers > 1 else 0)
+            num_hypotheses=settings.nbest, max_batch_size=-(-len(sources) // self.workers) if self.workers > 1 else 0)
         hypotheses = []
         for result in results:
-            words = result.hypotheses[0]
-            ids = [self.target_index[word] for word in words if word != "</s>"][:limit]
-            hypotheses.append(Hypothesis(ids + [self.target_eos], float(result.scores[0])))
+            for words, score in zip(result.hypotheses[:settings.nbest], result.scores):
+                ids = [self.target_index[word] for word in words if word != "</s>"][:limit]
+                hypotheses.append(Hypothesis(ids + [self.target_eos], float(score)))
         return hypotheses

@@ -95,7 +95,7 @@ class HuggingFaceEngine:
         return GenerationConfig(
             num_beams=settings.beam, length_penalty=settings.lenpen, do_sample=False,
             early_stopping=True if settings.beam > 1 else None,
-            num_return_sequences=1, max_new_tokens=limit + 1, min_new_tokens=settings.min_len,
+            num_return_sequences=settings.nbest, max_new_tokens=limit + 1, min_new_tokens=settings.min_len,
             decoder_start_token_id=self.model.decoder_start_token_id, eos_token_id=self.hf_eos,
             pad_token_id=self.hf_pad, forced_eos_token_id=self.hf_eos, forced_bos_token_id=self.forced_first,
             suppress_tokens=self.suppressed, output_scores=True, return_dict_in_generate=True, use_cache=True)
@@ -104,7 +104,7 @@ class HuggingFaceEngine:
     def translate(self, sources: Sequence[Sequence[int]], settings: DecodingSettings,
                   longest_source: Optional[int] = None) -> List[Hypothesis]:
         """Decode one fairseq batch of source id sequences (each ending with ``</s>``): the best
-        hypothesis of each, as target dictionary ids ending with ``</s>``."""
+        hypotheses of each (``settings.nbest``, sentence by sentence), as target dictionary ids ending with ``</s>``."""
         if not sources:
             return []
         longest = longest_source if longest_source is not None else max(len(s) for s in sources)

@@ -5,7 +5,8 @@ and the student is trained on (source, teacher hypothesis) pairs with any criter
 :func:`run` decodes a binarised split (fairseq's ``SequenceGenerator``, CTranslate2, or a Hugging
 Face teacher's ``generate``: ``engine``) and writes a binarised folder ``fairseq-train`` reads as
 it is: the source ids unchanged, the best hypotheses as targets (ids straight from the decoder,
-ending in ``</s>``), the other splits and dictionaries copied, and ``seqkd.json``, the record of
+ending in ``</s>``; or n-best ones chosen and filtered by :mod:`.selection`), the other splits and
+dictionaries copied, and ``seqkd.json``, the record of
 what was decoded from what (every setting that changes the hypotheses' bytes, the inputs'
 fingerprints) and, once complete, of the output files' fingerprints, checked by a re-run.
 Resumable and splittable over workers in shards (:mod:`.common`); every check happens before
@@ -31,6 +32,8 @@ from ..deploy.export_ctranslate2 import QUANTIZATIONS
 from ..errors import FOLDER, OUTPUT_FOLDER, InputError, PathError, require_path
 from ..fingerprint import fingerprint, fingerprint_files, record_sha256, write_json
 from ..models.teacher import is_hugging_face_folder, teacher_file_problem
+from ..scoring.detok import BPE_SCHEMES, remove_bpe
+from .selection import SELECTIONS, kept_by_cross_entropy, ranking, teacher_cross_entropy, utilities
 from .common import (JOB_ARRAY, MERGED, MERGED_BEFORE, SHARDS_REMAIN, Workers, check_max_tokens, create_record,
                      device_kind, identity, identity_differences, infer_languages, is_temporary, job_array_worker,
                      length_ordered_indices, load_split, load_teacher, merge_lock, merge_when_complete,
@@ -40,7 +43,7 @@ from .common import (JOB_ARRAY, MERGED, MERGED_BEFORE, SHARDS_REMAIN, Workers, c
 
 MANIFEST_NAME = "seqkd.json"
 WORK_DIR_NAME = "seqkd_work"
-FORMAT_VERSION = 4  # seqkd.json's "format"
+FORMAT_VERSION = 5  # seqkd.json's "format"
 #: decoding engines (``--engine``); ``auto`` is ``transformers`` for a Hugging Face folder, ``fairseq`` otherwise
 ENGINES = ("fairseq", "ctranslate2", "transformers")
 AUTO_ENGINE = "auto"
@@ -52,7 +55,9 @@ LABELS = {"split": "--split", "source_lang": "--source-lang", "target_lang": "--
           "shard_size": "--shard-size", "engine": "--engine", "ct2_quantization": "--ct2-quantization",
           "ct2_batch_parts": "the batch split of --threads", "max_tokens": "--max-tokens",
           "batch_size": "--batch-size", "device": "the device (--cpu)", "split_files": "the split's files (--data)",
-          "dictionaries": "the dictionaries (--data)", "teacher": "--teacher-checkpoint"}
+          "dictionaries": "the dictionaries (--data)", "teacher": "--teacher-checkpoint",
+          **{name: "--" + name.replace("_", "-") for name in ("nbest", "select", "remove_bpe", "keep_hypotheses",
+                                                                "filter_max_ce", "filter_keep_share", "mix_original")}}
 INPUTS = ("split_files", "dictionaries", "teacher")
 
 
@@ -120,8 +125,33 @@ class SeqKDConfig:
     threads: int = field(default=0, metadata=_help(
         "with --engine ctranslate2: CTranslate2 threads on the CPU, N > 1 decoding each batch as N parts in "
         "parallel, one thread each (0: its default)"))
+    nbest: int = field(default=1, metadata=_help("hypotheses decoded per source (at most --beam)"))
+    select: str = field(default="best", metadata=_help(
+        "which of the n-best become targets: best (the teacher's order), chrf or bleu (highest sentence chrF or "
+        "BLEU against the pair's reference), mbr (highest mean chrF against the other hypotheses)",
+        metavar="{" + ",".join(SELECTIONS) + "}"))
+    remove_bpe: Optional[str] = field(default=None, metadata=_help(
+        "how the subword segmentation of --data is undone before chrF or BLEU (required by --select chrf, bleu "
+        "or mbr), as fairseq's --post-process", metavar="{" + ",".join(BPE_SCHEMES) + "}"))
+    keep_hypotheses: int = field(default=1, metadata=_help(
+        "the best hypotheses by --select kept per source, each as a pair of its own (at most --nbest)"))
+    filter_max_ce: Optional[float] = field(default=None, metadata=_help(
+        "remove the pairs whose target's per-token cross-entropy under the teacher (nats) exceeds this"))
+    filter_keep_share: Optional[float] = field(default=None, metadata=_help(
+        "keep this share (0 < S <= 1) of the pairs, those of lowest per-token cross-entropy under the teacher"))
+    mix_original: bool = field(default=False, metadata=_help(
+        "append the split's original pairs (its references) to the distilled ones"))
     num_shards: Optional[int] = num_shards_field()
     shard_id: Optional[int] = shard_id_field()
+
+    @property
+    def filtering(self) -> bool:
+        return self.filter_max_ce is not None or self.filter_keep_share is not None
+
+    @property
+    def one_best(self) -> bool:
+        """Kim & Rush's data: one hypothesis per source, unchosen, unfiltered (shards as ever)."""
+        return self.nbest == 1 and not self.filtering
 
 
 @dataclass
@@ -138,6 +168,7 @@ class SeqKDResult:
     shards_total: int
     worker: str = ""  # the prefix of this worker's lines ('' for one process)
     reports: bool = True  # False on ranks other than 0, which print nothing
+    summary: Optional[dict] = None  # a complete output's pairs: kept, filtered, original, mean chosen rank
 
     @property
     def sentences_per_second(self) -> float:
@@ -239,6 +270,28 @@ def _check_flags(config: SeqKDConfig) -> None:
         raise SeqKDError(f"--max-shards must be >= 1, got {config.max_shards}")
     if config.fp16 and (config.cpu or not torch.cuda.is_available()):
         raise SeqKDError("--fp16 needs a CUDA device (and no --cpu)")
+    _check_selection_flags(config)
+
+
+def _check_selection_flags(config: SeqKDConfig) -> None:
+    if not 1 <= config.nbest <= config.beam:
+        raise SeqKDError(f"--nbest must be between 1 and --beam ({config.beam}), got {config.nbest}")
+    if config.select not in SELECTIONS:
+        raise SeqKDError(f"--select {config.select!r}: choose one of {', '.join(SELECTIONS)}")
+    if config.select != "best" and config.nbest < 2:
+        raise SeqKDError(f"--select {config.select} chooses among the n-best: give --nbest 2 or more")
+    if config.select != "best" and config.remove_bpe not in BPE_SCHEMES:
+        raise SeqKDError(f"--select {config.select} compares text: give --remove-bpe, one of {', '.join(BPE_SCHEMES)} "
+                         f"(how --data's subwords are undone), got {config.remove_bpe}")
+    if not 1 <= config.keep_hypotheses <= config.nbest:
+        raise SeqKDError(f"--keep-hypotheses must be between 1 and --nbest ({config.nbest}), got "
+                         f"{config.keep_hypotheses}")
+    if config.filter_max_ce is not None and config.filter_keep_share is not None:
+        raise SeqKDError("give --filter-max-ce or --filter-keep-share, not both")
+    if config.filter_max_ce is not None and not 0 <= config.filter_max_ce < math.inf:
+        raise SeqKDError(f"--filter-max-ce must be a cross-entropy >= 0, got {config.filter_max_ce}")
+    if config.filter_keep_share is not None and not 0 < config.filter_keep_share <= 1:
+        raise SeqKDError(f"--filter-keep-share must be in (0, 1], got {config.filter_keep_share}")
 
 
 def plan(config: SeqKDConfig) -> _Plan:
@@ -293,7 +346,11 @@ def plan(config: SeqKDConfig) -> _Plan:
         "max_tokens": config.max_tokens,
         "batch_size": config.batch_size,
         "device": device_kind(config.cpu),
+        **{name: getattr(config, name) for name in ("nbest", "select", "keep_hypotheses", "filter_max_ce",
+                                                    "filter_keep_share", "mix_original")},
     }
+    if config.select != "best":
+        parameters["remove_bpe"] = config.remove_bpe
     if config.engine == "ctranslate2":
         parameters["ct2_quantization"] = config.ct2_quantization
         # CTranslate2Engine splits each batch into --threads parts on the CPU, each padded alone
@@ -397,6 +454,9 @@ def _load(plan_: _Plan, workers: Workers):
     too_small = check_max_tokens(dataset, plan_.config.max_tokens, plan_.config.split)
     if too_small:
         raise SeqKDError(too_small)
+    if dataset.tgt is None and (plan_.config.select in ("chrf", "bleu") or plan_.config.mix_original):
+        raise SeqKDError(f"--split {plan_.config.split} has no target side: --select {plan_.config.select} and "
+                         "--mix-original read its references; binarise the split with its targets")
     device = pick_device(plan_.config.cpu, workers)
     use_cuda = device.type == "cuda"
     if plan_.config.engine == "ctranslate2":
@@ -406,7 +466,8 @@ def _load(plan_: _Plan, workers: Workers):
         if use_cuda and ctranslate2.get_cuda_device_count() == 0:
             raise SeqKDError("--engine ctranslate2: this CTranslate2 build sees no CUDA device; pass --cpu "
                              "or install a CUDA build of CTranslate2")
-        return task, dataset, teacher.model, device  # the torch model stays on the CPU, unused
+        # the torch model stays on the CPU, unused, unless it computes the filter's cross-entropy
+        return task, dataset, on_device(teacher.model, device, False) if plan_.config.filtering else teacher.model, device
     if plan_.config.engine == "transformers":
         from ..deploy.hf_engine import HuggingFaceDecodingError, first_target_symbol
 
@@ -441,14 +502,40 @@ def _ctranslate2_teacher(plan_: _Plan, workers: Workers) -> Path:
     return folder
 
 
-#: one decoding batch (a collated fairseq sample) -> the best hypothesis of each sentence, in the
-#: order of ``sample["id"]``, as int32 target ids ending with ``</s>``
-Decoder = Callable[[dict], List[torch.Tensor]]
+#: one decoding batch (a collated fairseq sample) -> the ``--nbest`` hypotheses of each sentence in
+#: the teacher's order, sentences in the order of ``sample["id"]``, as int32 target ids ending with
+#: ``</s>``, each with its per-token cross-entropy under the teacher (with a filter; else NaN)
+Decoder = Callable[[dict], List[List[Tuple[torch.Tensor, float]]]]
 
 
 def make_decoder(plan_: _Plan, task, dataset, model, device, ct2_model: Optional[Path] = None) -> Decoder:
-    """The engine's batch decoder: fairseq's ``SequenceGenerator`` over ``model``, or CTranslate2
-    over the converted teacher folder ``ct2_model``, with the same search settings."""
+    """The engine's batch decoder (:data:`Decoder`), the cross-entropy by one teacher-forced pass of
+    ``model`` whatever the engine, so that it is the same quantity for each."""
+    from fairseq import utils
+
+    config, decode = plan_.config, _engine_decoder(plan_, task, dataset, model, device, ct2_model)
+    pad, eos = task.target_dictionary.pad(), task.target_dictionary.eos()
+
+    def decode_and_score(sample: dict) -> List[List[Tuple[torch.Tensor, float]]]:
+        nbest = decode(sample)
+        if not config.filtering:
+            return [[(tokens, math.nan) for tokens in hypotheses] for hypotheses in nbest]
+        if any(len(hypotheses) != config.nbest for hypotheses in nbest):
+            raise RuntimeError(f"the engine returned other than {config.nbest} hypotheses for a source")
+        moved = utils.move_to_cuda(sample, device=device) if device.type == "cuda" else sample
+        scores = teacher_cross_entropy(model, moved, [t for hypotheses in nbest for t in hypotheses], config.nbest,
+                                       pad, eos).tolist()
+        return [list(zip(hypotheses, scores[i * config.nbest:(i + 1) * config.nbest]))
+                for i, hypotheses in enumerate(nbest)]
+
+    return decode_and_score
+
+
+def _engine_decoder(plan_: _Plan, task, dataset, model, device,
+                    ct2_model: Optional[Path]) -> Callable[[dict], List[List[torch.Tensor]]]:
+    """fairseq's ``SequenceGenerator`` over ``model``, CTranslate2 over the converted teacher
+    folder ``ct2_model`` or the Hugging Face engine, with the same search settings: each sentence's
+    ``--nbest`` hypotheses."""
     config = plan_.config
     if config.engine in ("ctranslate2", "transformers"):
         from ..deploy.ctranslate2_engine import CTranslate2Engine, DecodingSettings
@@ -461,14 +548,15 @@ def make_decoder(plan_: _Plan, task, dataset, model, device, ct2_model: Optional
 
             engine = HuggingFaceEngine(model, plan_.first_target)
         settings = DecodingSettings(beam=config.beam, lenpen=config.lenpen, max_len_a=config.max_len_a,
-                                    max_len_b=config.max_len_b)
+                                    max_len_b=config.max_len_b, nbest=config.nbest)
 
-        def decode_with_engine(sample: dict) -> List[torch.Tensor]:
+        def decode_with_engine(sample: dict) -> List[List[torch.Tensor]]:
             sources = [dataset[int(i)]["source"].tolist() for i in sample["id"].tolist()]
             # fairseq's length limit comes from the padded batch's source length
             longest = sample["net_input"]["src_tokens"].size(1)
-            hypotheses = engine.translate(sources, settings, longest_source=longest)
-            return [torch.tensor(h.tokens, dtype=torch.int32) for h in hypotheses]
+            hypotheses = [torch.tensor(h.tokens, dtype=torch.int32)
+                          for h in engine.translate(sources, settings, longest_source=longest)]
+            return [hypotheses[i:i + config.nbest] for i in range(0, len(hypotheses), config.nbest)]
 
         return decode_with_engine
 
@@ -476,13 +564,13 @@ def make_decoder(plan_: _Plan, task, dataset, model, device, ct2_model: Optional
     from fairseq.dataclass.configs import GenerationConfig
 
     generator = task.build_generator([model], GenerationConfig(
-        beam=config.beam, nbest=1, max_len_a=config.max_len_a, max_len_b=config.max_len_b,
+        beam=config.beam, nbest=config.nbest, max_len_a=config.max_len_a, max_len_b=config.max_len_b,
         lenpen=config.lenpen))
 
-    def decode_fairseq(sample: dict) -> List[torch.Tensor]:
+    def decode_fairseq(sample: dict) -> List[List[torch.Tensor]]:
         sample = utils.move_to_cuda(sample, device=device) if device.type == "cuda" else sample
         outputs = task.inference_step(generator, [model], sample)
-        return [nbest[0]["tokens"].int().cpu() for nbest in outputs]
+        return [[hypothesis["tokens"].int().cpu() for hypothesis in nbest[:config.nbest]] for nbest in outputs]
 
     return decode_fairseq
 
@@ -490,56 +578,88 @@ def make_decoder(plan_: _Plan, task, dataset, model, device, ct2_model: Optional
 def _decode_shard(plan_: _Plan, dataset, decode: Decoder, ordered, index: int,
                   on_batch: Callable[[int], None] = lambda sentences: None) -> int:
     """Decode sentences ``[index * shard_size, (index + 1) * shard_size)`` with ``decode``
-    (:func:`make_decoder`) and write the shard; ``on_batch(n)`` after each batch of ``n`` sentences
-    (the progress bar)."""
+    (:func:`make_decoder`), keep each one's hypotheses chosen by ``--select`` and write the shard;
+    ``on_batch(n)`` after each batch of ``n`` sentences (the progress bar)."""
     first, last = shard_range(index, plan_.config.shard_size, len(dataset))
     batches = shard_batches(dataset, ordered, first, last, plan_.config.max_tokens, plan_.config.batch_size)
-    hypotheses: Dict[int, torch.Tensor] = {}
+    chosen: Dict[int, list] = {}
     for batch in batches:
         sample = dataset.collater([dataset[int(i)] for i in batch])
         sentence_ids = sample["id"].tolist()
-        tokens = decode(sample)
-        if len(tokens) != len(sentence_ids):
-            raise RuntimeError(f"shard {index}: {len(tokens)} hypotheses for a batch of {len(sentence_ids)}")
-        hypotheses.update(zip(sentence_ids, tokens))
+        scored = decode(sample)
+        if len(scored) != len(sentence_ids):
+            raise RuntimeError(f"shard {index}: {len(scored)} hypotheses for a batch of {len(sentence_ids)}")
+        chosen.update((i, _choose(plan_.config, dataset, i, hypotheses)) for i, hypotheses in zip(sentence_ids, scored))
         on_batch(len(batch))
     ids = list(range(first, last))
-    if sorted(hypotheses) != ids:
+    if sorted(chosen) != ids:
         raise RuntimeError(f"shard {index}: decoded sentence ids do not cover {first}..{last - 1}")
-    tokens = [hypotheses[i] for i in ids]
+    kept = [hypothesis for i in ids for hypothesis in chosen[i]]
+    tokens = [tokens for _, tokens, _ in kept]
     shard = {
         "first_id": first,
         "count": len(ids),
         "lengths": torch.tensor([len(t) for t in tokens], dtype=torch.long),
         "tokens": torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.int32),
     }
+    if not plan_.config.one_best:
+        shard["ranks"] = torch.tensor([rank for rank, _, _ in kept], dtype=torch.long)
+        shard["cross_entropy"] = torch.tensor([ce for _, _, ce in kept], dtype=torch.float64)
     payload = io.BytesIO()
     torch.save(shard, payload)
     write_shard(plan_.shard_path(index), payload.getvalue(), plan_.identity_digest, index, (first, last))
     return len(ids)
 
 
-def _read_shard(plan_: _Plan, index: int, sentences: int) -> List[torch.Tensor]:
-    """Hypotheses of a finished shard (checked against its record by :func:`_check_shards`); one
-    that does not hold them is deleted and refused (a shard of a faulty decoder: re-run)."""
+def _choose(config: SeqKDConfig, dataset, sentence_id: int, scored: List[Tuple[torch.Tensor, float]]) -> list:
+    """``(teacher rank, tokens, cross-entropy)`` of the ``--keep-hypotheses`` best of one sentence's
+    n-best by ``--select``, best first; texts are the dictionary's strings, subwords undone."""
+    order = range(len(scored))
+    if config.select != "best":
+        def text(tokens):
+            return remove_bpe(dataset.tgt_dict.string(tokens), config.remove_bpe)
+
+        reference = text(dataset.tgt[sentence_id]) if config.select != "mbr" else None
+        order = ranking(utilities(config.select, [text(tokens) for tokens, _ in scored], reference))
+    return [(rank, *scored[rank]) for rank in list(order)[:config.keep_hypotheses]]
+
+
+def _read_shard(plan_: _Plan, index: int, sentences: int) -> dict:
+    """A finished shard (checked against its record by :func:`_check_shards`): ``hypotheses`` (its
+    pairs' targets), with n-best or a filter their ``ranks`` and ``cross_entropy``; one that does
+    not hold them is deleted and refused (a shard of a faulty decoder: re-run)."""
     path = plan_.shard_path(index)
     first, last = shard_range(index, plan_.config.shard_size, sentences)
+    pairs = (last - first) * plan_.config.keep_hypotheses
+    extra = () if plan_.config.one_best else ("ranks", "cross_entropy")
     try:
         shard = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - whatever torch says, the shard is refused by name
         problem = f"is unreadable ({str(error).splitlines()[0] if str(error) else type(error).__name__})"
     else:
         valid = (isinstance(shard, dict) and shard.get("first_id") == first and shard.get("count") == last - first
-                 and isinstance(shard.get("lengths"), torch.Tensor) and isinstance(shard.get("tokens"), torch.Tensor)
-                 and len(shard["lengths"]) == last - first and int(shard["lengths"].sum()) == shard["tokens"].numel())
+                 and all(isinstance(shard.get(key), torch.Tensor) for key in ("lengths", "tokens", *extra))
+                 and all(len(shard[key]) == pairs for key in ("lengths", *extra))
+                 and int(shard["lengths"].sum()) == shard["tokens"].numel())
         if valid:
-            return list(torch.split(shard["tokens"], shard["lengths"].tolist()))
+            return {"hypotheses": list(torch.split(shard["tokens"], shard["lengths"].tolist())),
+                    **{key: shard[key].tolist() for key in extra}}
         problem = f"does not hold the hypotheses of sentences {first}..{last - 1}"
     refuse_shard(path, problem, f"--output {plan_.output}: {WORK_DIR_NAME}/{path.name}", SeqKDError)
 
 
-def _binarize(plan_: _Plan, dataset, task, shard_count: int) -> Dict[str, int]:
-    """Write the new split (source copied token for token, target = hypotheses), in id order."""
+def _kept_pairs(plan_: _Plan, shard_count: int, sentences: int) -> Optional[List[bool]]:
+    """Whether the filter keeps each distilled pair, in output order (None: no filter)."""
+    config = plan_.config
+    if not config.filtering:
+        return None
+    ce = [value for index in range(shard_count) for value in _read_shard(plan_, index, sentences)["cross_entropy"]]
+    return kept_by_cross_entropy(ce, config.filter_max_ce, config.filter_keep_share)
+
+
+def _binarize(plan_: _Plan, dataset, task, shard_count: int) -> dict:
+    """Write the new split (source copied token for token, target = the kept hypotheses, then the
+    original pairs with ``--mix-original``), in id order; its summary."""
     from fairseq.data import indexed_dataset
 
     staging = plan_.work / "binarised"
@@ -551,24 +671,42 @@ def _binarize(plan_: _Plan, dataset, task, shard_count: int) -> Dict[str, int]:
         writers[lang] = (prefix, indexed_dataset.make_builder(str(prefix) + ".bin", "mmap",
                                                                vocab_size=len(dictionary)))
     eos = task.target_dictionary.eos()
-    sentence_id = 0
+    keep, sentences = plan_.config.keep_hypotheses, len(dataset)
+    kept = _kept_pairs(plan_, shard_count, sentences)
+    pair, first_ranks, kept_ce = 0, [], []
+
+    def add(source, target):
+        writers[plan_.src][1].add_item(source)
+        writers[plan_.tgt][1].add_item(target.long())
+        stats["source_tokens"] += len(source)
+        stats["target_tokens"] += len(target)
+
     for index in range(shard_count):
-        for hypothesis in _read_shard(plan_, index, len(dataset)):
-            source = dataset.src[sentence_id]
-            writers[plan_.src][1].add_item(source)
-            writers[plan_.tgt][1].add_item(hypothesis.long())
-            stats["source_tokens"] += len(source)
-            stats["target_tokens"] += len(hypothesis)
-            stats["empty_hypotheses"] += int(len(hypothesis) == 1 and hypothesis[0] == eos)
-            sentence_id += 1
-    if sentence_id != len(dataset):
-        raise RuntimeError(f"the shards hold {sentence_id} hypotheses for {len(dataset)} sentences")
+        shard = _read_shard(plan_, index, sentences)
+        first_ranks += shard.get("ranks", [0] * len(shard["hypotheses"]))[::keep]
+        for offset, hypothesis in enumerate(shard["hypotheses"]):
+            if kept is None or kept[pair]:
+                add(dataset.src[pair // keep], hypothesis)
+                stats["empty_hypotheses"] += int(len(hypothesis) == 1 and hypothesis[0] == eos)
+                if kept is not None:
+                    kept_ce.append(shard["cross_entropy"][offset])
+            pair += 1
+    if pair != sentences * keep:
+        raise RuntimeError(f"the shards hold {pair} hypotheses for {sentences} sentences")
+    distilled = pair if kept is None else sum(kept)
+    for sentence_id in range(sentences if plan_.config.mix_original else 0):
+        add(dataset.src[sentence_id], dataset.tgt[sentence_id])
     for prefix, builder in writers.values():
         builder.finalize(str(prefix) + ".idx")
     for lang in (plan_.src, plan_.tgt):
         for suffix in (".bin", ".idx"):
             os.replace(str(staging / plan_.output_prefix(lang).name) + suffix, str(plan_.output_prefix(lang)) + suffix)
-    return stats
+    summary = {"pairs": distilled + (sentences if plan_.config.mix_original else 0), "distilled_pairs": distilled,
+               "filtered_pairs": pair - distilled, "original_pairs": sentences if plan_.config.mix_original else 0,
+               "mean_chosen_rank": 1 + sum(first_ranks) / sentences}
+    if kept is not None:
+        summary["kept_cross_entropy"] = {"mean": sum(kept_ce) / max(len(kept_ce), 1), "max": max(kept_ce, default=None)}
+    return {**stats, "summary": summary}
 
 
 def _copy_other_splits(plan_: _Plan) -> List[str]:
@@ -679,8 +817,9 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
     else:
         status = "partial" if left or (outcome == SHARDS_REMAIN and workers.launcher != JOB_ARRAY) else "worker_done"
         done = shard_count - len(_missing_shards(plan_, shard_count))
+    summary = (read_record(plan_.output / MANIFEST_NAME) or {}).get("summary") if status == "complete" else None
     return SeqKDResult(status, plan_.output, sentences, decoded_now, seconds, done, shard_count,
-                       workers.label, workers.reports)
+                       workers.label, workers.reports, summary)
 
 
 def _confirm_complete(plan_: _Plan, log: Callable[[str], None]) -> SeqKDResult:
@@ -698,7 +837,8 @@ def _confirm_complete(plan_: _Plan, log: Callable[[str], None]) -> SeqKDResult:
     sentences = plan_.manifest["sentences"]
     shards = math.ceil(sentences / plan_.config.shard_size)
     log(f"{plan_.output} already holds this sequence-KD dataset ({sentences} sentences); nothing to do")
-    return SeqKDResult("up_to_date", plan_.output, sentences, 0, 0.0, shards, shards)
+    return SeqKDResult("up_to_date", plan_.output, sentences, 0, 0.0, shards, shards,
+                       summary=plan_.manifest.get("summary"))
 
 
 def _start_manifest(plan_: _Plan, workers: Workers, sentences: int, shard_count: int) -> dict:
