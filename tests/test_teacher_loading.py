@@ -163,3 +163,38 @@ def test_a_teacher_dictionary_that_is_no_text_is_one_line_naming_the_file(kd_tas
         message = str(refused.value)
         assert isinstance(refused.value, UserError) and "\n" not in message, message
         assert str(folder / "dict.src.txt") in message, message
+
+
+def test_a_file_that_is_no_fairseq_checkpoint_is_one_line_and_a_bug_keeps_its_traceback(
+        kd_task, tiny_teacher, tmp_path, monkeypatch):
+    """A teacher file cut short, text, a pickle of something else and another program's dict are one
+    line naming the file, from the errors torch's reader and fairseq's upgrade of old checkpoints
+    raise for them; any other error of the loading code (a bug) keeps its own class and traceback."""
+    import pytest
+
+    import fairseq_kd.models.from_checkpoint as from_checkpoint
+    from fairseq_kd.errors import UserError
+    from fairseq_kd.models.teacher import FrozenTeacher, TeacherCheckpointError
+
+    whole = open(tiny_teacher, "rb").read()
+    (tmp_path / "cut_short.pt").write_bytes(whole[:len(whole) // 2])
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "text.pt").write_bytes("a text file\n".encode())
+    torch.save([1, 2, 3], tmp_path / "a_list.pt")
+    torch.save({"state_dict": {"weight": torch.zeros(2)}}, tmp_path / "foreign_dict.pt")
+    torch.save({"cfg": {"task": {}}, "model": {}, "optimizer_history": [{"best_loss": 1.0}],
+                "extra_state": {"train_iterator": None}}, tmp_path / "no_model_config.pt")
+    for name in ("cut_short", "empty", "text", "a_list", "foreign_dict", "no_model_config"):
+        path = str(tmp_path / f"{name}.pt")
+        with pytest.raises(TeacherCheckpointError) as refused:
+            FrozenTeacher.load(path, kd_task)
+        message = str(refused.value)
+        assert isinstance(refused.value, UserError) and "\n" not in message, message
+        assert message.startswith(f"--teacher-checkpoint {path!r}") and "fairseq" in message, message
+
+    def a_bug(*args, **kwargs):
+        return 1 / 0
+
+    monkeypatch.setattr(from_checkpoint, "load_fairseq_checkpoint", a_bug)
+    with pytest.raises(ZeroDivisionError):
+        FrozenTeacher.load(str(tiny_teacher), kd_task)

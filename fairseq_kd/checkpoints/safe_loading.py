@@ -14,6 +14,7 @@ import io
 import os
 import pickle
 import re
+import struct
 import types
 import warnings
 
@@ -33,6 +34,13 @@ except ImportError:  # pragma: no cover - numpy < 2
 NUMERIC_DTYPE_CLASSES = tuple(dict.fromkeys(type(np.dtype(code)) for code in "?bhilqBHILQefd"))
 ALLOWED_CHECKPOINT_GLOBALS = (argparse.Namespace, np.ndarray, np.dtype, np_reconstruct, *NUMERIC_DTYPE_CLASSES)
 FORCE_NO_WEIGHTS_ONLY_VARIABLE = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
+#: What ``torch.load`` raises for bytes that are no checkpoint: a damaged or foreign file, not a bug
+#: of its caller. Found by loading empty, text, random, cut-short and byte-flipped files of both
+#: of torch's formats (its weights-only unpickler wraps most errors in UnpicklingError, not all).
+#: Its zip reader also raises OSError (EINVAL) for some damaged archives: left to the callers, as
+#: the system's own errors reading the file are.
+UNREADABLE_FILE_ERRORS = (pickle.UnpicklingError, UnicodeDecodeError, EOFError, RuntimeError, ValueError, LookupError,
+                          struct.error, AssertionError)
 
 
 class UnsafeCheckpointError(UserError, RuntimeError):

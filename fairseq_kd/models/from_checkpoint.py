@@ -12,15 +12,14 @@ Each step raises its own :class:`CheckpointModelError`; callers word it with the
 """
 from __future__ import annotations
 
-import pickle
 import re
-
 from pathlib import Path
 from typing import List, Optional
 
+from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
-from ..checkpoints import load_fairseq_checkpoint
+from ..checkpoints import UNREADABLE_FILE_ERRORS, load_fairseq_checkpoint
 from ..errors import FILE, InputError, UserError, path_problem
 
 
@@ -69,7 +68,12 @@ class ModelConfigError(CheckpointModelError):
 
 
 class UnreadableCheckpointError(CheckpointModelError):
-    """The file is not one torch can read as a checkpoint: another kind of file, or a damaged one."""
+    """The file is not one torch and fairseq can read as a checkpoint: another kind of file, a
+    damaged one, or another program's dict; ``reason``: the error's type and first line."""
+
+    def __init__(self, path, err: Exception):
+        self.reason = f"{type(err).__name__}: {err}".splitlines()[0]
+        super().__init__(f"{str(path)!r} is not a readable fairseq checkpoint: {self.reason}")
 
 
 def read_model_checkpoint(path: str) -> dict:
@@ -78,11 +82,12 @@ def read_model_checkpoint(path: str) -> dict:
         state = load_fairseq_checkpoint(path)  # weights_only=True, explicitly
     except UserError:
         raise
-    # what torch.load raises for bytes that are no checkpoint (text, a truncated or damaged file)
-    except (UnicodeDecodeError, EOFError, ValueError, RuntimeError, pickle.UnpicklingError) as err:
-        raise UnreadableCheckpointError(
-            f"{str(path)!r} is not a readable fairseq checkpoint: {type(err).__name__}: {err}".splitlines()[0]) from None
-    if state.get("cfg") is None or "model" not in state:
+    # torch's errors for bytes that are no checkpoint, and fairseq's upgrade of old checkpoints
+    # (checkpoint_utils._upgrade_state_dict) given another program's dict or list: KeyError,
+    # IndexError, TypeError, AttributeError, and omegaconf's ValueError for a cfg it cannot hold
+    except UNREADABLE_FILE_ERRORS + (TypeError, AttributeError) as err:
+        raise UnreadableCheckpointError(path, err) from None
+    if state.get("cfg") is None or "model" not in state or "model" not in state["cfg"]:
         raise NoModelError(sorted(state))
     return state
 
@@ -103,7 +108,10 @@ def check_transformer(model_cfg) -> str:
 def read_transformer_checkpoint(path: str) -> dict:
     """:func:`read_model_checkpoint` of a checkpoint whose model passes :func:`check_transformer`."""
     state = read_model_checkpoint(path)
-    check_transformer(state["cfg"].model)
+    try:
+        check_transformer(state["cfg"].model)
+    except OmegaConfBaseException as err:  # omegaconf's own: a ${...} in the cfg that does not resolve
+        raise UnreadableCheckpointError(path, err) from None
     return state
 
 

@@ -96,13 +96,13 @@ def _shards(folder: Path, index: str, refuse) -> List[str]:
 
 
 def _safetensors_header(path: Path, refuse) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as weights:
             return {name: (weights.get_slice(name).get_dtype(), tuple(weights.get_slice(name).get_shape()))
                     for name in weights.keys()}
-    except Exception as err:  # noqa: BLE001 - safetensors' errors have no common class: the file is damaged
+    except (SafetensorError, OSError) as err:  # a damaged file (its header's every fault is a SafetensorError)
         raise refuse(f"{path.name} is not a readable safetensors file ({type(err).__name__}: "
                      f"{str(err).splitlines()[0] if str(err) else ''}); save the model again with save_pretrained") from None
 
@@ -115,13 +115,15 @@ def _pickle_header(path: Path, refuse) -> Dict[str, Tuple[str, Tuple[int, ...]]]
 
     import torch
 
+    from ..checkpoints.safe_loading import UNREADABLE_FILE_ERRORS
+
     try:
         with warnings.catch_warnings():  # torch's note on a pickle protocol other than its own precedes a refusal
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
             state = torch.load(str(path), weights_only=True, map_location="meta")
     except pickle.UnpicklingError:
         raise
-    except Exception as err:  # noqa: BLE001 - any other failure: the file is damaged
+    except UNREADABLE_FILE_ERRORS + (OSError,) as err:  # a damaged file
         raise refuse(f"{path.name} cannot be read ({type(err).__name__}: "
                      f"{str(err).splitlines()[0] if str(err) else ''}); save the model again with save_pretrained") from None
     if not isinstance(state, dict):
@@ -242,7 +244,9 @@ def _check_special_ids(value, sizes: dict, source, target, refuse) -> None:
 def _config_keys(config) -> List[str]:
     try:
         return list(config.to_dict())
-    except Exception:  # noqa: BLE001 - a config that cannot list itself: config.json's keys are checked
+    # transformers' to_dict deep-copies every value of the config and its sub-configs, so it raises
+    # whatever a value's copy raises (no common class); config.json's own keys are checked then
+    except Exception:  # noqa: BLE001
         return []
 
 

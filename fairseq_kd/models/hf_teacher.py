@@ -137,7 +137,9 @@ def load_tokenizer(folder):
     transformers = import_transformers()
     try:
         return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
-    except Exception as err:  # noqa: BLE001 - any failure means: this folder has no usable tokenizer
+    # transformers and the libraries under it (tokenizers, sentencepiece, json, protobuf) raise no
+    # common class for a folder's missing or damaged tokenizer files
+    except Exception as err:  # noqa: BLE001
         raise refuse(folder, f"its tokenizer cannot be loaded offline ({type(err).__name__}: "
                      f"{str(err).splitlines()[0] if str(err) else ''}); save the tokenizer with "
                      "save_pretrained into the same folder") from None
@@ -162,7 +164,9 @@ def read_checked_config(folder, transformers=None):
     try:
         with _quiet_transformers():  # its warnings about the ids checked below would precede the one line
             hf_config = cls.config_class.from_dict(config)
-    except Exception as err:  # noqa: BLE001 - transformers' validation errors have no common class
+    # each config class validates its own values (ValueError, TypeError, AttributeError, KeyError, its
+    # own classes): no common class
+    except Exception as err:  # noqa: BLE001
         raise refuse(folder, f"{CONFIG_FILE} is not a valid {config['model_type']} config ({type(err).__name__}: "
                      f"{_first_line(err)}); fix it or save the model again with save_pretrained") from None
     hf_folder.check_floating_point(header, lambda problem: refuse(folder, problem))
@@ -208,7 +212,9 @@ def load_model(folder, cls, hf_config=None):
         raise
     except pickle.UnpicklingError:
         raise refuse(folder, unsafe_weights_problem(folder)) from None
-    except Exception as err:  # noqa: BLE001 - any failure means: these weights cannot be read
+    # from_pretrained builds the model class the config names and reads its weights through torch or
+    # safetensors: their errors for a folder's damaged files have no common class
+    except Exception as err:  # noqa: BLE001
         first_line = str(err).splitlines()[0] if str(err) else ""
         raise refuse(folder, f"its model cannot be loaded ({type(err).__name__}: {first_line})") from None
     hf_folder.check_loading_info(info, lambda problem: refuse(folder, problem))

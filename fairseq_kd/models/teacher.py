@@ -25,6 +25,7 @@ from .from_checkpoint import (
     ModelConfigError,
     NoModelError,
     NotATransformerCheckpointError,
+    UnreadableCheckpointError,
     WeightsMismatchError,
     build_checkpoint_model,
     checkpoint_file_problem,
@@ -195,8 +196,7 @@ def _read_teacher_checkpoint(path: str) -> dict:
             f"{FLAG} {path!r} holds a {err.model_type!r} model, not an encoder-decoder Transformer "
             "(fairseq's transformer family); distillation needs a Transformer teacher."
         ) from None
-    except Exception as err:  # noqa: BLE001 - every failure here means "not a usable checkpoint"
-        kind = TeacherFileError if isinstance(err, OSError) else TeacherCheckpointError
-        raise kind(
-            f"{FLAG} {path!r} is not a readable fairseq checkpoint: {type(err).__name__}: {err}"
-        ) from err
+    except UnreadableCheckpointError as err:
+        raise TeacherCheckpointError(f"{FLAG} {path!r} is not a readable fairseq checkpoint: {err.reason}") from err
+    except OSError as err:  # the system's, reading a file that passed teacher_file_problem
+        raise TeacherFileError(f"{FLAG} {path!r} is not a readable fairseq checkpoint: {type(err).__name__}: {err}") from err
