@@ -27,6 +27,7 @@ from torch import Tensor
 from ..errors import InputError
 from ..models.feature_capture import CapturedFeatures, CaptureRequest, FeatureCapture
 from .config import KDCriterionConfig, check_numeric_options, option_flag, option_ranges  # noqa: F401 - used here, or from here
+from .on_policy import OnPolicy, reduce_on_policy
 from .chunked import (Divergence, label_smoothed_ce_and_word_kd, label_smoothed_cross_entropy, topk_word_level_kd,
                       word_level_divergence, word_level_kd)
 
@@ -140,6 +141,7 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
                 "--teacher-cache does not hold (it serves word_kd, selective_kd, and a2d_kd after "
                 "--a2d-attention-epochs): pass --teacher-checkpoint without --teacher-cache"
             )
+        self.on_policy = OnPolicy.from_config(cfg, self)  # None unless --on-policy-rate > 0
         self.epoch = 1
         # True while fairseq trains on a dummy batch (a data-parallel worker out of data, whose
         # loss is zeroed): stateful methods must not learn from it. Set by the task.
@@ -239,6 +241,9 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
             raise ValueError("distillation criterions only compute reduced losses")
         weights = self.checked_loss_weights()
         source = self.teacher_source(weights, model.training)
+        on_policy = self.on_policy is not None and self.on_policy.chosen(model, sample, source, self.is_dummy_batch)
+        if on_policy:  # the student's own outputs replace the target, which is then no reference: no CE
+            sample, weights = self.on_policy.generated_sample(model, sample), dict(weights, ce=0.0)
         student_request, teacher_request = self.capture_requests(weights) if source else (CaptureRequest(),) * 2
         with FeatureCapture(model, student_request) as capture:
             net_output = model(**sample["net_input"])
@@ -263,9 +268,12 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
             loss, ce_loss, nll_loss, terms[self.KD_TERM] = label_smoothed_ce_and_word_kd(
                 net_output[0], teacher.output[0], sample["target"], target_mask, self.eps, self.kd_temperature,
                 weights["ce"], kd_weight, kd_mask=kd_mask, divergence=self.divergence)
-        else:
+        elif not on_policy:
             ce_loss, nll_loss = self.cross_entropy(model, net_output, sample, target_mask, bool(source))
             loss = weights["ce"] * ce_loss
+        if on_policy:  # CE logged as 0; the fused pass's loss is the KD term's alone (CE weight 0)
+            ce_loss = nll_loss = torch.zeros((), device=target_mask.device)
+            loss = loss if fused else ce_loss
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
         nsentences = sample["target"].size(0)
         for name in self.SENTENCE_TERMS:
@@ -275,8 +283,11 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
             if name in terms and weights[name] != 0 and not (fused and name == self.KD_TERM):
                 loss = loss + weights[name] * terms[name]
         loss = self.with_own_parameters(loss, model)
-        return loss, sample_size, self.logging_output(model, net_output, sample, sample_size, loss, ce_loss,
-                                                      nll_loss, terms, logs, weights)
+        logging_output = self.logging_output(model, net_output, sample, sample_size, loss, ce_loss, nll_loss, terms,
+                                             logs, weights)
+        if self.on_policy is not None:
+            logging_output.update(self.on_policy.logs(sample, on_policy, sample_size))
+        return loss, sample_size, logging_output
 
     def distillation_terms(self, batch: DistillationBatch, word_kd: bool = True) -> Dict[str, Tensor]:
         """Every active term of a batch: the method's (:meth:`terms`) and, unless ``word_kd`` is
@@ -399,7 +410,9 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
     # ------------------------------------------------------------- logging
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:
-        super().reduce_metrics(logging_outputs)
+        # with on-policy batches, CE and fairseq's nll are over the reference batches' tokens only
+        reference, ce_sample_size = reduce_on_policy(logging_outputs)
+        super().reduce_metrics(reference)
         cls.reduce_scheduled_weights(logging_outputs)
         sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
         if sample_size == 0:
@@ -407,7 +420,8 @@ class KDCriterionBase(LabelSmoothedCrossEntropyCriterion):
         for name in ("ce",) + tuple(cls.TERM_NAMES):
             key = f"{name}_loss"
             value = sum(log.get(key, 0) for log in logging_outputs)
-            metrics.log_scalar(key, value / sample_size / math.log(2), sample_size, round=3)
+            size = ce_sample_size if name == "ce" else sample_size
+            metrics.log_scalar(key, value / size / math.log(2), size, round=3)
 
     @classmethod
     def reduce_scheduled_weights(cls, logging_outputs) -> None:

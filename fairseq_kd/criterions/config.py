@@ -53,6 +53,8 @@ def weight(default, *, help: str, **metadata):
 
 #: the divergences of word-level KD (:data:`.chunked.DIVERGENCES`, forward KL first)
 DIVERGENCE_CHOICES = ChoiceEnum(["forward_kl", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd"])
+#: how the student generates its on-policy targets (:mod:`.on_policy`)
+ON_POLICY_SAMPLING_CHOICES = ChoiceEnum(["sample", "greedy"])
 
 
 @dataclass
@@ -85,6 +87,27 @@ class KDCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
         help="alpha of --kd-divergence skew_kl and skew_reverse_kl: the first argument's share of the mixture",
     )
     ignore_prefix_size: int = ranged(0, 0, meaning="a number of tokens", help="Ignore first N tokens")
+    on_policy_rate: float = ranged(
+        0.0, 0.0, 1.0, meaning="the share of training batches the student generates",
+        help="lambda of on-policy distillation (GKD): the share of training batches whose targets the "
+        "student generates and teacher and student then score, without CE; 0 switches it off "
+        "(docs/methods/on_policy.md)",
+    )
+    on_policy_sampling: ON_POLICY_SAMPLING_CHOICES = field(
+        default="sample", metadata={"help": "how the student generates on-policy targets: sample from its "
+                                    "tempered distribution, or greedy (its argmax)"},
+    )
+    on_policy_temperature: float = ranged(
+        1.0, 0.0, low_open=True, meaning="a softmax temperature",
+        help="temperature of the student's distribution that on-policy targets are sampled from",
+    )
+    on_policy_max_len_a: float = ranged(
+        1.2, 0.0, meaning="a length ratio",
+        help="on-policy targets have at most a*src_len + b tokens before EOS (this a)",
+    )
+    on_policy_max_len_b: int = ranged(
+        10, 0, meaning="a number of tokens", help="on-policy targets have at most a*src_len + b tokens before EOS (this b)",
+    )
 
 
 def declared_ranges(config_class) -> Dict[str, Range]:
