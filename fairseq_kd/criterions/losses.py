@@ -14,25 +14,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .chunked import (  # noqa: F401 - the vocabulary losses and chunk sizes, also reachable from here
-    CHUNK_ELEMENTS,
-    CHUNK_TEMPORARIES,
-    CUDA_CHUNK_ELEMENTS_RANGE,
-    CUDA_CHUNK_MEMORY_SHARE,
-    DIVERGENCES,
-    MIN_CHUNKS,
-    Divergence,
-    _keep_gradients,
-    _kept_gradients,
-    _wants_gradient,
-    cuda_chunk_elements,
-    cuda_free_bytes,
-    label_smoothed_ce_and_word_kd,
-    label_smoothed_cross_entropy,
-    rows_per_chunk,
-    topk_word_level_kd,
-    word_level_divergence,
-    word_level_kd,
-)
+    CHUNK_ELEMENTS, CHUNK_TEMPORARIES, CUDA_CHUNK_ELEMENTS_RANGE, CUDA_CHUNK_MEMORY_SHARE, DIVERGENCES, MIN_CHUNKS,
+    Divergence, _keep_gradients, _kept_gradients, _wants_gradient, cuda_chunk_elements, cuda_free_bytes,
+    label_smoothed_ce_and_word_kd, label_smoothed_cross_entropy, rows_per_chunk, topk_word_level_kd,
+    word_level_divergence, word_level_kd)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,19 +26,8 @@ SUBWORD_NMT_CONTINUATION = "@@ "
 
 
 def remove_bpe(line: str, scheme: str) -> str:
-    """Undo subword segmentation of one line: fairseq's ``post_process(line, scheme)``
-    (``fairseq.data.data_utils``) for the three schemes the recipes use, rule for rule.
-
-    ``subword_nmt``: every ``"@@ "`` joins a piece to the next one; a trailing ``"@@"`` (a
-    truncated hypothesis ending inside a word) is dropped as well, which appending a space before
-    the replacement achieves. ``sentencepiece``: pieces are concatenated and each ``"▁"`` becomes a
-    space. ``none`` returns the line unchanged.
-
-    Why not call fairseq's function: fairseq is not a dependency of this package (see
-    pyproject.toml) and the scoring commands must run where only sacreBLEU is installed;
-    ``fairseq.data.data_utils`` also imports torch, which this package keeps out of scoring (see
-    ``fairseq_kd/scoring/__init__.py``). tests/test_scoring.py checks that both give the same text.
-    """
+    """Undo subword segmentation of one line: fairseq's ``post_process(line, scheme)`` for the
+    three schemes the recipes use, rule for rule (not called: ``docs/design/scoring.md``)."""
     if scheme == "subword_nmt":
         return (line + " ").replace(SUBWORD_NMT_CONTINUATION, "").rstrip()
     if scheme == "sentencepiece":
@@ -49,11 +38,7 @@ def remove_bpe(line: str, scheme: str) -> str:
 
 
 def moses_detokenize(lines: Sequence[str], lang: str) -> List[str]:
-    """Moses detokenisation (sacremoses, which also unescapes ``&apos;`` and friends) of each line.
-
-    Use only where the recipe tokenised with Moses for ``lang``; on raw text it can join tokens
-    that were never split.
-    """
+    """Moses detokenisation (sacremoses, which also unescapes ``&apos;`` and friends) of each line."""
     from sacremoses import MosesDetokenizer  # imported here: only Moses recipes pay for it
 
     detokenizer = MosesDetokenizer(lang=lang)
@@ -87,7 +72,9 @@ def load_hf_tokenizer(folder: str):
         raise HuggingFaceMissingError(f"--detok-hf needs transformers: {HF_INSTALL_HINT} ({error})") from None
     try:
         return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-    except Exception as error:  # noqa: BLE001 - any failure means: no usable tokenizer there
+    # transformers and the libraries under it (tokenizers, sentencepiece, json, protobuf) raise no
+    # common class for a folder's missing or damaged tokenizer files
+    except Exception as error:  # noqa: BLE001
         first_line = str(error).splitlines()[0] if str(error) else ""
         raise InputError(f"--detok-hf {folder!r}: its tokenizer cannot be loaded offline ({type(error).__name__}: "
                          f"{first_line}); give the save_pretrained folder the data was binarised with "
@@ -97,15 +84,7 @@ def load_hf_tokenizer(folder: str):
 class HuggingFaceDetokenizer:
     """Text of lines of fairseq symbols (fairseq-generate's H-/D-/T- lines without ``--remove-bpe``)
     of data binarised in a Hugging Face model's vocabulary (``fairseq-kd-hf-data --teacher DIR``),
-    as the model's own tokenizer decodes them. The pieces become the tokenizer's ids through its
-    ``convert_tokens_to_ids`` in its target mode, as ``tokenizer(text_target=...)`` encoded them (a
-    Marian tokenizer with separate vocabularies: the target vocabulary); fairseq's ``<unk>`` is the
-    tokenizer's unknown token, and its ``<s> <pad> </s>``, which the decode would skip, are left out,
-    and so is M2M100's language tag (``__en__``: transformers 5 counts M2M100's tags among no special
-    tokens, so its decode would keep them). Then ``decode(ids, skip_special_tokens=True)``, which
-    drops NLLB's language tag (a special token) and decodes a separate-vocabulary Marian target with
-    the target SentencePiece model. A piece the tokenizer does
-    not know is refused: the output was not decoded from data in this model's vocabulary."""
+    as the model's own tokenizer decodes them in its target mode (``docs/design/scoring.md``)."""
 
     def __init__(self, folder) -> None:
         self.folder = str(folder)
@@ -204,10 +183,7 @@ class GenerateOutput:
 
 
 _GENERATE_LINE = re.compile(r"^([HDTS])-(\d+)\t(.*)$", re.DOTALL)
-# fairseq_cli/generate.py prints this once, after the last sentence, whenever the test set has
-# references ("Generate test with beam=5: BLEU4 = ..."): a complete output ends with it.
-_SUMMARY_LINE = re.compile(r"^Generate \S+ with beam=\d+: ")
-# ... and logs this just before it (to the same file unless logging went to stderr).
+_SUMMARY_LINE = re.compile(r"^Generate \S+ with beam=\d+: ")  # after the last sentence
 _TRANSLATED_LINE = re.compile(r"\| Translated ([\d,]+) sentences")
 
 
@@ -218,29 +194,10 @@ def _first(ids, count=5) -> str:
 
 def read_generate_output(path: Path, expected_sentences: Optional[int] = None,
                          allow_partial: bool = False) -> GenerateOutput:
-    """Parse a fairseq-generate output file into id-sorted hypotheses and references, and check
-    that it is complete.
-
-    fairseq-generate prints, per sentence and in batch order (not in id order):
-    ``S-<id>\\t<source>``, ``T-<id>\\t<reference>``, then for each of the n-best
-    ``H-<id>\\t<score>\\t<hypothesis>`` (after ``--post-process``/``--remove-bpe``) and
-    ``D-<id>\\t<score>\\t<hypothesis>`` (the same, further decoded by ``--bpe``/``--tokenizer``).
-    The reference ``T-`` line receives both of those steps too, so ``D-`` lines are the
-    hypotheses that match the references; they are used whenever the file has any (fairseq 0.12
-    always prints them), and ``H-`` lines only for files without ``D-`` lines. With ``--nbest``
-    above 1 the first hypothesis printed for an id (the best one) is used. Every other line
-    (``P-``, ``A-``, logging) is ignored.
-
-    Completeness: because sentences come out of id order, ids alone cannot show that the run was
-    cut short. A complete file ends with fairseq-generate's summary line (``Generate <subset> with
-    beam=<n>: ...``, after every sentence), has each id of ``0 .. N-1`` exactly once, where ``N``
-    is ``expected_sentences`` (the test set's line count, when the caller knows it) or else the
-    largest id plus one, and, when fairseq's ``Translated <n> sentences`` log line is in the file,
-    that ``n`` equals the number of ids. An incomplete file raises
-    :class:`IncompleteGenerateOutputError` with the counts, unless ``allow_partial``: then the
-    sentences that are there are returned with the problems listed. Duplicated references (two
-    runs concatenated) are refused even then.
-    """
+    """A fairseq-generate output file's id-sorted hypotheses (its ``D-`` lines, else ``H-``; the
+    best of an n-best list) and references, checked complete against ``expected_sentences`` (else
+    ids ``0..max``): :class:`IncompleteGenerateOutputError` unless ``allow_partial``, which returns
+    the sentences there are with the problems listed (``docs/design/scoring.md``)."""
     path = Path(path)
     scanned = _scan_generate_lines(read_lines(path, "fairseq-generate output"))
     source, chosen = _paired_sentences(path, scanned)

@@ -15,7 +15,7 @@ import csv
 import hashlib
 import io
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -90,15 +90,8 @@ class SystemScore:
                 f"{self.partial['n_expected']} expected sentences ({'; '.join(self.partial['problems'])})")
 
 
-def score_texts(
-    name: str,
-    hypotheses: Sequence[str],
-    references: Sequence[str],
-    settings: BleuSettings,
-    n_bootstrap: int,
-    seed: int,
-    inputs: Optional[Dict] = None,
-) -> SystemScore:
+def score_texts(name: str, hypotheses: Sequence[str], references: Sequence[str], settings: BleuSettings,
+                n_bootstrap: int, seed: int, inputs: Optional[Dict] = None) -> SystemScore:
     hypotheses, references = list(hypotheses), list(references)
     result = score_corpus(hypotheses, references, settings, n_bootstrap, seed)
     return SystemScore(name, result, hypotheses, references, references_fingerprint(references), dict(inputs or {}))
@@ -124,11 +117,8 @@ def score_generate_output(
                              f"{expected_sentences} sentences are expected")
         expected_sentences = len(reference_lines)
     generated = read_generate_output(path, expected_sentences, allow_partial)
-    inputs = {
-        "generate_output": str(path),
-        "hypothesis_lines": generated.hypothesis_source + "-",
-        **processing.to_dict(),
-    }
+    inputs = {"generate_output": str(path), "hypothesis_lines": generated.hypothesis_source + "-",
+              **processing.to_dict()}
     if reference_lines is None:
         references = processing.apply(generated.references)
     else:
@@ -141,21 +131,10 @@ def score_generate_output(
     return system
 
 
-def score_text_files(
-    name: str,
-    hyp_path: Path,
-    ref_path: Path,
-    processing: TextProcessing,
-    settings: BleuSettings,
-    n_bootstrap: int,
-    seed: int,
-    ref_is_plain: bool = False,
-) -> SystemScore:
-    """Score a hypothesis file against a reference file, line by line.
-
-    The same ``processing`` is applied to both files unless ``ref_is_plain`` says the reference
-    is already plain, detokenised text.
-    """
+def score_text_files(name: str, hyp_path: Path, ref_path: Path, processing: TextProcessing,
+                     settings: BleuSettings, n_bootstrap: int, seed: int, ref_is_plain: bool = False) -> SystemScore:
+    """Score a hypothesis file against a reference file, line by line, both processed by
+    ``processing`` unless ``ref_is_plain`` says the reference is already plain text."""
     hypotheses = read_lines(hyp_path, "--hyp")
     references = read_lines(ref_path, "--ref")
     if not hypotheses:
@@ -169,9 +148,7 @@ def score_text_files(
         )
     inputs = {"hyp": str(hyp_path), "ref": str(ref_path), "ref_is_plain": ref_is_plain, **processing.to_dict()}
     references = references if ref_is_plain else processing.apply(references)
-    return score_texts(
-        name, processing.apply(hypotheses), references, settings, n_bootstrap, seed, inputs
-    )
+    return score_texts(name, processing.apply(hypotheses), references, settings, n_bootstrap, seed, inputs)
 
 
 # --------------------------------------------------------------------------- score records
@@ -217,23 +194,16 @@ def _text_list(record: Dict, key: str, path: Path) -> List[str]:
 
 
 def load_score_record(path: Path, name: Optional[str] = None) -> SystemScore:
-    """Read a score record written by ``fairseq-kd-score --output-json``.
-
-    ``name`` overrides the system name stored in it. The BLEU is recomputed from the stored text
-    and the references from their fingerprint: a record edited by hand or truncated fails here.
-    """
+    """Read a score record written by ``fairseq-kd-score --output-json`` (``name`` overrides its
+    system name). The BLEU is recomputed from the stored text and the references from their
+    fingerprint: a record edited by hand or truncated fails here."""
     path = Path(path)
     record = load_json(path, "score record")
     if not isinstance(record, dict) or record.get("format") != SCORE_FORMAT:
-        raise InputError(
-            f"{path}: not a score record (expected \"format\": \"{SCORE_FORMAT}\"); write one "
-            "with fairseq-kd-score --output-json"
-        )
-    missing = [
-        key
-        for key in ("system", "bleu", "signature", "settings", "references_sha256", "hypotheses", "references")
-        if key not in record
-    ]
+        raise InputError(f"{path}: not a score record (expected \"format\": \"{SCORE_FORMAT}\"); write one "
+                         "with fairseq-kd-score --output-json")
+    missing = [key for key in ("system", "bleu", "signature", "settings", "references_sha256", "hypotheses",
+                               "references") if key not in record]
     if missing:
         raise InputError(f"{path}: score record lacks {', '.join(missing)}")
     hypotheses, references = _text_list(record, "hypotheses", path), _text_list(record, "references", path)
@@ -248,38 +218,19 @@ def load_score_record(path: Path, name: Optional[str] = None) -> SystemScore:
         raise InputError(f"{path}: bad settings {record['settings']} ({error})") from None
     recomputed = score_corpus(hypotheses, references, settings, n_bootstrap=0).score
     if recomputed != record["bleu"]:
-        raise InputError(
-            f"{path}: stored BLEU {record['bleu']} is not the BLEU of its text ({recomputed}); the "
-            "record was changed after it was written"
-        )
-    result = BleuResult(
-        score=record["bleu"],
-        signature=record["signature"],
-        verbose=record.get("verbose", ""),
-        n_sentences=len(hypotheses),
-        settings=settings,
-        n_bootstrap=record.get("n_bootstrap") or 0,
-        seed=record.get("seed"),
-        mean=record.get("mean"),
-        ci=record.get("ci"),
-    )
+        raise InputError(f"{path}: stored BLEU {record['bleu']} is not the BLEU of its text ({recomputed}); the "
+                         "record was changed after it was written")
+    result = BleuResult(score=record["bleu"], signature=record["signature"], verbose=record.get("verbose", ""),
+                        n_sentences=len(hypotheses), settings=settings, n_bootstrap=record.get("n_bootstrap") or 0,
+                        seed=record.get("seed"), mean=record.get("mean"), ci=record.get("ci"))
     inputs = dict(record.get("inputs") or {}, score_record=str(path))
     return SystemScore(name or record["system"], result, hypotheses, references, record["references_sha256"],
                        inputs, record.get("partial") or None)
 
 
-def load_system(
-    name: str,
-    path: Path,
-    processing: TextProcessing,
-    settings: BleuSettings,
-    n_bootstrap: int,
-    seed: int,
-    expected_sentences: Optional[int] = None,
-    allow_partial: bool = False,
-    ref_path: Optional[Path] = None,
-    ref_is_plain: bool = False,
-) -> SystemScore:
+def load_system(name: str, path: Path, processing: TextProcessing, settings: BleuSettings, n_bootstrap: int,
+                seed: int, expected_sentences: Optional[int] = None, allow_partial: bool = False,
+                ref_path: Optional[Path] = None, ref_is_plain: bool = False) -> SystemScore:
     """A system from a score record (JSON) or a fairseq-generate output file (anything else, scored
     against ``ref_path`` when given, see :func:`score_generate_output`).
 
@@ -387,19 +338,9 @@ def score_table_row(record: Dict) -> str:
     sentences = str(record["n_sentences"])
     if record.get("partial"):
         sentences = f"{record['n_sentences']} of {record['partial']['n_expected']} (partial)"
-    cells = [
-        record["system"],
-        f"{record['bleu']:.2f}",
-        format_mean_ci(record.get("mean"), record.get("ci")),
-        baseline,
-        difference,
-        p_bootstrap,
-        p_randomization,
-        sentences,
-        f"`{record['signature']}`",
-        f"{record['chrf']:.2f}",
-        f"{record['chrfpp']:.2f}",
-    ]
+    cells = [record["system"], f"{record['bleu']:.2f}", format_mean_ci(record.get("mean"), record.get("ci")), baseline,
+             difference, p_bootstrap, p_randomization, sentences, f"`{record['signature']}`", f"{record['chrf']:.2f}",
+             f"{record['chrfpp']:.2f}"]
     return "| " + " | ".join(_cell(cell) for cell in cells) + " |"
 
 
@@ -412,10 +353,8 @@ def check_score_table(path: Path) -> bool:
     with open(path, encoding="utf-8") as handle:
         first_line = handle.readline().rstrip("\n")
     if first_line != SCORE_TABLE_HEADER:
-        raise InputError(
-            f"--output-md {str(path)!r} exists but is not a score table written by this "
-            "command (its first line differs); choose another file"
-        )
+        raise InputError(f"--output-md {str(path)!r} exists but is not a score table written by this "
+                         "command (its first line differs); choose another file")
     return False
 
 
@@ -486,22 +425,14 @@ class Report:
         }
 
 
-def build_report(
-    systems: Sequence[SystemScore],
-    baseline: Optional[str] = None,
-    params: Optional[Dict[str, int]] = None,
-    sents_per_sec: Optional[Dict[str, float]] = None,
-    n_bootstrap: int = DEFAULT_N_BOOTSTRAP,
-    seed: int = DEFAULT_SEED,
-    n_trials: int = DEFAULT_N_TRIALS,
-) -> Report:
-    """Results table for ``systems`` on one test set.
-
-    One call of sacreBLEU's paired tests (:func:`~.bleu.compare_systems`) gives every system its
-    interval (intervals stored in score records are recomputed, so the whole table shares one
-    seed) and, against ``baseline``, the paired bootstrap and approximate randomisation p-values;
-    BLEU itself is the full-corpus score.
-    """
+def build_report(systems: Sequence[SystemScore], baseline: Optional[str] = None,
+                 params: Optional[Dict[str, int]] = None, sents_per_sec: Optional[Dict[str, float]] = None,
+                 n_bootstrap: int = DEFAULT_N_BOOTSTRAP, seed: int = DEFAULT_SEED,
+                 n_trials: int = DEFAULT_N_TRIALS) -> Report:
+    """Results table for ``systems`` on one test set. One call of sacreBLEU's paired tests
+    (:func:`~.bleu.compare_systems`) gives every system its interval (those stored in score records
+    are recomputed, so the whole table shares one seed) and, against ``baseline``, the paired
+    bootstrap and approximate randomisation p-values; BLEU itself is the full-corpus score."""
     if not systems:
         raise InputError("no systems given")
     names = [system.name for system in systems]
@@ -545,16 +476,9 @@ def build_report(
     else:
         first = systems[0]
         signature = score_corpus(first.hypotheses, first.references, first.result.settings, n_bootstrap=0).signature
-    return Report(
-        rows=[rows[name] for name in names],
-        baseline=baseline,
-        n_bootstrap=n_bootstrap,
-        n_trials=n_trials if baseline else 0,
-        seed=seed,
-        n_sentences=systems[0].result.n_sentences,
-        signature=signature,
-        partial={system.name: system.partial for system in systems if system.partial},
-    )
+    return Report(rows=[rows[name] for name in names], baseline=baseline, n_bootstrap=n_bootstrap,
+                  n_trials=n_trials if baseline else 0, seed=seed, n_sentences=systems[0].result.n_sentences,
+                  signature=signature, partial={system.name: system.partial for system in systems if system.partial})
 
 
 def format_params(params: Optional[int]) -> str:
@@ -578,24 +502,12 @@ def report_markdown(report: Report) -> str:
     ]
     for row in report.rows:
         name = _cell(f"{row.system} (baseline)" if row.is_baseline else row.system)
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    name,
-                    f"{row.bleu:.2f}",
-                    format_mean_ci(row.mean, row.ci),
-                    "-" if row.difference is None else f"{row.difference:+.2f}",
-                    format_p_value(row.p_bootstrap),
-                    format_p_value(row.p_randomization),
-                    format_params(row.params),
-                    "-" if row.sents_per_sec is None else f"{row.sents_per_sec:.1f}",
-                    "-" if row.chrf is None else f"{row.chrf:.2f}",
-                    "-" if row.chrfpp is None else f"{row.chrfpp:.2f}",
-                ]
-            )
-            + " |"
-        )
+        cells = [name, f"{row.bleu:.2f}", format_mean_ci(row.mean, row.ci),
+                 "-" if row.difference is None else f"{row.difference:+.2f}", format_p_value(row.p_bootstrap),
+                 format_p_value(row.p_randomization), format_params(row.params),
+                 "-" if row.sents_per_sec is None else f"{row.sents_per_sec:.1f}",
+                 "-" if row.chrf is None else f"{row.chrf:.2f}", "-" if row.chrfpp is None else f"{row.chrfpp:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(f"sacreBLEU signature: `{report.signature}`; {report.n_sentences} sentences. {CHRF_DEFINITION}")
     for name, info in report.partial.items():
@@ -612,20 +524,7 @@ def report_markdown(report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
-CSV_COLUMNS = [
-    "system",
-    "is_baseline",
-    "bleu",
-    "mean",
-    "ci",
-    "difference",
-    "p_bootstrap",
-    "p_randomization",
-    "params",
-    "sents_per_sec",
-    "chrf",
-    "chrfpp",
-]
+CSV_COLUMNS = [column.name for column in fields(ReportRow)]
 
 
 def report_csv(report: Report) -> str:
@@ -666,16 +565,12 @@ def read_sidecar(path: Path) -> Dict[str, Dict]:
     path = Path(path)
     data = load_json(path, "--sidecar file")
     if not isinstance(data, dict) or not all(isinstance(value, dict) for value in data.values()):
-        raise InputError(
-            f'--sidecar {path}: expected {{"system": {{"params": N, "sents_per_sec": X}}, ...}}'
-        )
+        raise InputError(f'--sidecar {path}: expected {{"system": {{"params": N, "sents_per_sec": X}}, ...}}')
     for name, values in data.items():
         unknown = sorted(set(values) - {"params", "sents_per_sec"})
         if unknown:
-            raise InputError(
-                f"--sidecar {path}: system {name!r} has unknown keys {unknown}; "
-                "allowed: params, sents_per_sec"
-            )
+            raise InputError(f"--sidecar {path}: system {name!r} has unknown keys {unknown}; "
+                             "allowed: params, sents_per_sec")
         params = values.get("params")
         if params is not None and (isinstance(params, bool) or not isinstance(params, int) or params < 0):
             raise InputError(f"--sidecar {path}: {name}.params must be a non-negative integer, got {params!r}")
