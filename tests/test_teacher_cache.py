@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import (COMMON_TRAIN_ARGS, QUIET_ENV, TINY_STUDENT_ARGS, USER_DIR, build_tiny_student,
-                      run_cli, run_fairseq_train_here, run_module)
+                      run_cli, run_fairseq_train_here)
 from fairseq_kd.criterions.losses import topk_word_level_kd, word_level_kd
 
 
@@ -79,8 +79,10 @@ def _task(data):
 
 
 def build(data, teacher, output, *extra, check=True):
-    return run_module("fairseq_kd.cli.teacher_cache", "--data", data, "--teacher-checkpoint", teacher,
-                      "--output", output, "--cpu", *extra, check=check)
+    """fairseq-kd-teacher-cache in a child of the warm interpreter (the command line, output and exit
+    status of a new process); a new ``python -m`` process is _killed_build's."""
+    return run_cli("fairseq-kd-teacher-cache", "--data", data, "--teacher-checkpoint", teacher,
+                   "--output", output, "--cpu", *extra, check=check, warm=True)
 
 
 def test_cache_rows_equal_the_teacher_on_each_sentence(tiny_data_bin, tiny_teacher, tmp_path):
@@ -239,10 +241,22 @@ def word_kd_losses(stdout: str):
     return [float(v) for v in re.findall(r"word_kd_loss=([\d.]+)", stdout)]
 
 
-def test_training_from_a_full_vocabulary_cache_equals_the_live_teacher(tiny_data_bin, tiny_teacher, tmp_path):
-    vocab = sum(1 for _ in open(tiny_data_bin / "dict.tgt.txt")) + 4  # the symbols plus bos/pad/eos/unk
-    cache = tmp_path / "cache"
-    build(tiny_data_bin, tiny_teacher, cache, "--k", str(vocab))
+def _full_vocabulary_cache(data, teacher, folder):
+    vocab = sum(1 for _ in open(data / "dict.tgt.txt")) + 4  # the symbols plus bos/pad/eos/unk
+    build(data, teacher, folder, "--k", str(vocab))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def full_vocabulary_cache(tiny_data_bin, tiny_teacher, tmp_path_factory):
+    """One full-vocabulary cache of the tiny teacher for the tests that train or read from it (none
+    writes to it)."""
+    return _full_vocabulary_cache(tiny_data_bin, tiny_teacher, tmp_path_factory.mktemp("full_vocabulary") / "cache")
+
+
+def test_training_from_a_full_vocabulary_cache_equals_the_live_teacher(tiny_data_bin, tiny_teacher,
+                                                                       full_vocabulary_cache, tmp_path):
+    cache = full_vocabulary_cache
     common = ["--user-dir", USER_DIR, "--task", "translation_kd", *TINY_STUDENT_ARGS, "--criterion", "word_kd",
               *COMMON_TRAIN_ARGS, "--max-update", "3", "--dropout", "0"]
     live = run_cli("fairseq-train", tiny_data_bin, *common, "--teacher-checkpoint", tiny_teacher,
@@ -524,14 +538,8 @@ def test_a_rerun_reads_only_the_inputs_whose_size_or_time_changed(tiny_data_bin,
 # ----------------------------------------------------------------------------- A2D after its attention epochs
 
 
-def _full_vocabulary_cache(data, teacher, folder):
-    vocab = sum(1 for _ in open(data / "dict.tgt.txt")) + 4  # the symbols plus bos/pad/eos/unk
-    build(data, teacher, folder, "--k", str(vocab))
-    return folder
-
-
 def test_a2d_runs_the_teacher_until_its_attention_epochs_end_and_reads_the_cache_after(
-        tiny_data_bin, tiny_teacher, tmp_path):
+        tiny_data_bin, tiny_teacher, full_vocabulary_cache):
     """With --a2d-attention-epochs 1 and a full-vocabulary cache: epoch 1 runs the teacher (attention
     terms and word KD), epoch 2 runs no teacher and captures nothing, and its word-KD term equals a
     slow per-position KL against the teacher run by hand; the alignment modules still get a (zero)
@@ -543,7 +551,7 @@ def test_a2d_runs_the_teacher_until_its_attention_epochs_end_and_reads_the_cache
     from fairseq_kd.tasks.translation_kd import TranslationKDConfig, TranslationKDTask
 
     fairseq_kd.register()
-    cache = _full_vocabulary_cache(tiny_data_bin, tiny_teacher, tmp_path / "cache")
+    cache = full_vocabulary_cache
     task = TranslationKDTask.setup_task(TranslationKDConfig(
         data=str(tiny_data_bin), source_lang="src", target_lang="tgt", teacher_checkpoint=str(tiny_teacher),
         teacher_cache=str(cache), train_subset="train", dataset_impl=None, required_seq_len_multiple=1))
@@ -589,10 +597,10 @@ def test_a2d_runs_the_teacher_until_its_attention_epochs_end_and_reads_the_cache
 
 
 def test_a2d_with_the_cache_after_its_attention_epochs_trains_like_the_live_teacher(
-        tiny_data_bin, tiny_teacher, tmp_path):
+        tiny_data_bin, tiny_teacher, full_vocabulary_cache, tmp_path):
     """Through fairseq-train, two epochs with --a2d-attention-epochs 1: reading a full-vocabulary
     cache in epoch 2 gives the live teacher's losses step for step."""
-    cache = _full_vocabulary_cache(tiny_data_bin, tiny_teacher, tmp_path / "cache")
+    cache = full_vocabulary_cache
     common = ["--user-dir", USER_DIR, "--task", "translation_kd", *TINY_STUDENT_ARGS, "--criterion", "a2d_kd",
               "--a2d-attention-epochs", "1", *COMMON_TRAIN_ARGS, "--max-epoch", "2", "--dropout", "0",
               "--teacher-checkpoint", tiny_teacher]
@@ -614,9 +622,9 @@ def test_a2d_with_the_cache_after_its_attention_epochs_trains_like_the_live_teac
     assert any(v > 0 for e, v in attention if e == 1) and all(v == 0 for e, v in attention if e == 2)
 
 
-def test_a2d_reads_a_cache_only_after_its_attention_epochs_and_with_the_teacher(tiny_data_bin, tiny_teacher, tmp_path):
-    cache = tmp_path / "cache"
-    build(tiny_data_bin, tiny_teacher, cache, "--k", "2")
+def test_a2d_reads_a_cache_only_after_its_attention_epochs_and_with_the_teacher(tiny_data_bin, tiny_teacher,
+                                                                                sound_cache, tmp_path):
+    cache = sound_cache  # k 2
     common = ["--user-dir", USER_DIR, "--task", "translation_kd", *TINY_STUDENT_ARGS, *COMMON_TRAIN_ARGS,
               "--max-update", "1", "--save-dir", tmp_path / "save", "--criterion", "a2d_kd", "--teacher-cache", cache]
 
