@@ -65,15 +65,11 @@ def _short(sha: Optional[str]) -> str:
 def run_binding(teacher_sha256: Optional[str], teacher_path: Optional[str], source_dictionary, target_dictionary,
                 teacher_changes: list) -> dict:
     """What a run distils from, as recorded in every checkpoint it writes."""
-    return {
-        "format": BINDING_FORMAT,
-        "teacher_sha256": teacher_sha256,
-        "teacher_path": teacher_path,
-        "source_dictionary_sha256": dictionary_sha256(source_dictionary),
-        "target_dictionary_sha256": dictionary_sha256(target_dictionary),
-        "dictionary_sizes": [len(source_dictionary), len(target_dictionary)],
-        "teacher_changes": list(teacher_changes),
-    }
+    return {"format": BINDING_FORMAT, "teacher_sha256": teacher_sha256, "teacher_path": teacher_path,
+            "source_dictionary_sha256": dictionary_sha256(source_dictionary),
+            "target_dictionary_sha256": dictionary_sha256(target_dictionary),
+            "dictionary_sizes": [len(source_dictionary), len(target_dictionary)],
+            "teacher_changes": list(teacher_changes)}
 
 
 def check_resumed_binding(recorded: Optional[dict], current: dict, allow_teacher_change: bool) -> Optional[list]:
@@ -82,10 +78,8 @@ def check_resumed_binding(recorded: Optional[dict], current: dict, allow_teacher
     carries on (with the change made now under ``allow_teacher_change``), or None when the
     checkpoint records no binding."""
     if not recorded:
-        logger.warning(
-            "the checkpoint being resumed records no teacher or dictionaries (written before "
-            "fairseq-kd recorded them); the teacher cannot be verified"
-        )
+        logger.warning("the checkpoint being resumed records no teacher or dictionaries (written before "
+                       "fairseq-kd recorded them); the teacher cannot be verified")
         return None
     for side in ("source", "target"):
         key = f"{side}_dictionary_sha256"
@@ -135,11 +129,9 @@ def _get(container, key, default=None):
 
 
 def selection_of(checkpoint_cfg, criterion_name) -> dict:
-    return {
-        "metric": str(_get(checkpoint_cfg, "best_checkpoint_metric", "loss")),
-        "maximize": bool(_get(checkpoint_cfg, "maximize_best_checkpoint_metric", False)),
-        "criterion": str(criterion_name) if criterion_name else None,
-    }
+    return {"metric": str(_get(checkpoint_cfg, "best_checkpoint_metric", "loss")),
+            "maximize": bool(_get(checkpoint_cfg, "maximize_best_checkpoint_metric", False)),
+            "criterion": str(criterion_name) if criterion_name else None}
 
 
 def recorded_selection(state: dict) -> Optional[dict]:

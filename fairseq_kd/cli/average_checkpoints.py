@@ -3,16 +3,8 @@
 
     fairseq-kd-average checkpoints/teacher --last 5 --output checkpoints/teacher/checkpoint_avg.pt
 
-What fairseq's ``scripts/average_checkpoints.py`` does (it is not part of the installed package):
-the element-wise mean of every model parameter, the rest of the newest checkpoint kept (its
-configuration, its training state), so the result loads wherever a checkpoint of that run loads
-(``fairseq-generate --path``, ``--teacher-checkpoint``, ``fairseq-kd-export``). "Last" is by number:
-the N highest epochs of ``checkpointE.pt`` (``--keep-last-epochs``) or the N highest updates of
-``checkpoint_E_U.pt`` (``--save-interval-updates`` with ``--keep-interval-updates``); ``--kind``
-says which. The optimizer state is dropped: an average is for decoding and distilling, not for
-resuming. Every input is read with ``weights_only=True``; the output is written to a temporary file
-and renamed, so a crash leaves no half-written checkpoint, and an existing output is only replaced
-with ``--overwrite``.
+What fairseq's ``scripts/average_checkpoints.py`` does: the element-wise mean of every model
+parameter, the rest of the newest checkpoint kept; ``docs/design/commands.md``.
 """
 from __future__ import annotations
 
@@ -25,10 +17,7 @@ from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
 from fairseq_kd.errors import FOLDER, OUTPUT_FILE, FileAccessError, InputError, message_of, require_path
 
-PATTERNS = {
-    "epoch": re.compile(r"^checkpoint(\d+)\.pt$"),
-    "update": re.compile(r"^checkpoint_\d+_(\d+)\.pt$"),
-}
+PATTERNS = {"epoch": re.compile(r"^checkpoint(\d+)\.pt$"), "update": re.compile(r"^checkpoint_\d+_(\d+)\.pt$")}
 
 
 class AverageError(InputError):

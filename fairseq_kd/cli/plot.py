@@ -99,12 +99,9 @@ def write_weights_json(weights: dict, path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fairseq-kd-plot",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    parser = argparse.ArgumentParser(prog="fairseq-kd-plot", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add_common(subparser: argparse.ArgumentParser) -> None:
@@ -130,16 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     curves = commands.add_parser("curves", help="loss curves of a fairseq-train log")
     curves.add_argument("--log", type=Path, required=True, help="fairseq-train log file")
-    curves.add_argument(
-        "--keys",
-        nargs="+",
-        default=[],
-        metavar="KEY",
-        help="statistics to plot besides those ending in 'loss' (e.g. ppl lr gnorm)",
-    )
-    curves.add_argument(
-        "--columns", type=int, default=3, help="panels per row of the figure"
-    )
+    curves.add_argument("--keys", nargs="+", default=[], metavar="KEY",
+                        help="statistics to plot besides those ending in 'loss' (e.g. ppl lr gnorm)")
+    curves.add_argument("--columns", type=int, default=3, help="panels per row of the figure")
     add_common(curves)
     compare = commands.add_parser(
         "compare", help="one statistic of several runs on one axis (default: every run's validation nll)")
@@ -158,13 +148,8 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     # print hundreds of lines. Hence also the import of matplotlib only after this line.
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     from fairseq_kd.scoring.files import load_json
-    from fairseq_kd.figures.draw import (
-        plot_alignment_heatmaps,
-        plot_alp_weights,
-        plot_run_comparison,
-        plot_training_curves,
-        save_figure,
-    )
+    from fairseq_kd.figures.draw import (plot_alignment_heatmaps, plot_alp_weights, plot_run_comparison,
+                                         plot_training_curves, save_figure)
     from fairseq_kd.figures.training_log import read_fairseq_log
 
     parser = build_parser()

@@ -24,65 +24,34 @@ from fairseq_kd.cli.score import (add_completeness_arguments, add_scoring_argume
 from fairseq_kd.errors import FILE, OUTPUT_FILE, FileAccessError, InputError, UserError, message_of, require_path
 from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
-from fairseq_kd.scoring.report import (
-    build_report,
-    check_outputs_free,
-    load_system,
-    read_sidecar,
-    report_markdown,
-    report_paths,
-    write_report,
-)
+from fairseq_kd.scoring.report import (build_report, check_outputs_free, load_system, read_sidecar, report_markdown,
+                                       report_paths, write_report)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fairseq-kd-report",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument(
-        "--system",
-        action="append",
-        required=True,
-        metavar="NAME=FILE",
-        help="a system and its score record JSON or fairseq-generate output; repeat per system "
-        "(table rows keep this order)",
-    )
+    parser = argparse.ArgumentParser(prog="fairseq-kd-report", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--system", action="append", required=True, metavar="NAME=FILE",
+                        help="a system and its score record JSON or fairseq-generate output; repeat per system "
+                             "(table rows keep this order)")
     parser.add_argument(
         "--baseline",
         metavar="NAME",
         default=None,
         help="system that every other one is compared with (difference and sacreBLEU's paired p-values)",
     )
-    parser.add_argument(
-        "--params",
-        action="append",
-        default=[],
-        metavar="NAME=N",
-        help="parameter count of a system (shipped model, without training-only modules); repeat",
-    )
-    parser.add_argument(
-        "--speed",
-        action="append",
-        default=[],
-        metavar="NAME=SENTS_PER_SEC",
-        help="decoding speed of a system in sentences per second; repeat",
-    )
-    parser.add_argument(
-        "--sidecar",
-        type=Path,
-        metavar="FILE",
-        help='JSON {"NAME": {"params": N, "sents_per_sec": X}, ...}; --params/--speed flags '
-        "override its values",
-    )
+    parser.add_argument("--params", action="append", default=[], metavar="NAME=N",
+                        help="parameter count of a system (shipped model, without training-only modules); repeat")
+    parser.add_argument("--speed", action="append", default=[], metavar="NAME=SENTS_PER_SEC",
+                        help="decoding speed of a system in sentences per second; repeat")
+    parser.add_argument("--sidecar", type=Path, metavar="FILE",
+                        help='JSON {"NAME": {"params": N, "sents_per_sec": X}, ...}; --params/--speed flags '
+                             "override its values")
     parser.add_argument("--title", metavar="TEXT", help="what the table measures, printed above it (e.g. which "
                         "BLEU a paper used)")
-    parser.add_argument(
-        "--ref", type=Path, metavar="FILE",
-        help="score fairseq-generate outputs against this reference file (line i for sentence id i, "
-        "e.g. a preparation's untouched raw/test.LANG) instead of their T- lines",
-    )
+    parser.add_argument("--ref", type=Path, metavar="FILE",
+                        help="score fairseq-generate outputs against this reference file (line i for sentence id i, "
+                             "e.g. a preparation's untouched raw/test.LANG) instead of their T- lines")
     add_scoring_arguments(parser)
     add_completeness_arguments(parser)
     parser.add_argument("--out-prefix", type=Path, metavar="PATH", help="also write PATH.md, PATH.csv and PATH.json")
@@ -128,11 +97,9 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         # A sidecar may describe more systems than this table shows; only the shown ones count.
         extras = read_sidecar(args.sidecar) if args.sidecar is not None else {}
         params = {name: values["params"] for name, values in extras.items() if "params" in values and name in names}
-        speeds = {
-            name: values["sents_per_sec"]
-            for name, values in extras.items()
-            if "sents_per_sec" in values and name in names
-        }
+        speeds = {name: values["sents_per_sec"]
+                  for name, values in extras.items()
+                  if "sents_per_sec" in values and name in names}
         params.update(parse_named_numbers(args.params, "--params", parameter_count))
         speeds.update(parse_named_numbers(args.speed, "--speed", float))
         if args.baseline is not None and args.baseline not in names:

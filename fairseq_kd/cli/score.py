@@ -26,40 +26,21 @@ from fairseq_kd.scoring.detok import BPE_SCHEMES, count_lines
 from fairseq_kd.errors import FILE, OUTPUT_FILE, FileAccessError, InputError, UserError, message_of, require_path
 from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
-from fairseq_kd.scoring.report import (
-    TextProcessing,
-    append_score_row,
-    check_outputs_free,
-    check_score_table,
-    compare_with_baseline,
-    format_mean_ci,
-    format_p_value,
-    load_system,
-    score_generate_output,
-    score_record,
-    score_text_files,
-    write_json,
-)
+from fairseq_kd.scoring.report import (TextProcessing, append_score_row, check_outputs_free, check_score_table,
+                                       compare_with_baseline, format_mean_ci, format_p_value, load_system,
+                                       score_generate_output, score_record, score_text_files, write_json)
 
 
 def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared with fairseq-kd-report: how text is detokenised and how BLEU is computed."""
     group = parser.add_argument_group("detokenisation and BLEU")
-    group.add_argument(
-        "--remove-bpe",
-        choices=BPE_SCHEMES,
-        default="none",
-        help="undo subword segmentation before scoring: subword_nmt joins '@@ ' pieces, "
-        "sentencepiece joins pieces at '\u2581'; 'none' if fairseq-generate already ran with "
-        "--remove-bpe/--post-process (default: none)",
-    )
-    group.add_argument(
-        "--detok-moses",
-        metavar="LANG",
-        default=None,
-        help="Moses-detokenise for target language LANG (sacremoses) after removing BPE; only for "
-        "recipes that Moses-tokenised the text (IWSLT'14), never for SentencePiece recipes",
-    )
+    group.add_argument("--remove-bpe", choices=BPE_SCHEMES, default="none",
+                       help="undo subword segmentation before scoring: subword_nmt joins '@@ ' pieces, "
+                            "sentencepiece joins pieces at '\u2581'; 'none' if fairseq-generate already ran with "
+                            "--remove-bpe/--post-process (default: none)")
+    group.add_argument("--detok-moses", metavar="LANG", default=None,
+                       help="Moses-detokenise for target language LANG (sacremoses) after removing BPE; only for "
+                            "recipes that Moses-tokenised the text (IWSLT'14), never for SentencePiece recipes")
     group.add_argument(
         "--detok-hf",
         metavar="DIR",
@@ -69,40 +50,20 @@ def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
         "language tags and </s> dropped), instead of --remove-bpe and --detok-moses. Needs pip install "
         "'fairseq-kd[hf]'",
     )
-    group.add_argument(
-        "--ref-is-plain",
-        action="store_true",
-        help="the --ref file is already plain detokenised text: apply --remove-bpe and "
-        "--detok-moses to the hypotheses only",
-    )
-    group.add_argument(
-        "--tokenize",
-        choices=sorted(BLEU.TOKENIZERS),
-        default=BLEU.TOKENIZER_DEFAULT,
-        help="sacreBLEU tokenizer: 13a (default) for European languages, zh for Chinese",
-    )
-    group.add_argument(
-        "--lowercase",
-        action="store_true",
-        help="case-insensitive BLEU (sacreBLEU -lc); for corpora lowercased in preparation it "
-        "changes nothing",
-    )
-    group.add_argument(
-        "--bootstrap",
-        type=int,
-        default=DEFAULT_N_BOOTSTRAP,
-        metavar="N",
-        help=f"bootstrap resamples for the 95%% interval and the paired bootstrap test (sacrebleu "
-        f"--confidence-n/--paired-bs-n), 0 to switch off (default: {DEFAULT_N_BOOTSTRAP})",
-    )
-    group.add_argument(
-        "--ar-trials",
-        type=int,
-        default=DEFAULT_N_TRIALS,
-        metavar="N",
-        help=f"shuffles of the paired approximate randomisation test (sacrebleu --paired-ar-n), 0 to "
-        f"skip it (default: {DEFAULT_N_TRIALS})",
-    )
+    group.add_argument("--ref-is-plain", action="store_true",
+                       help="the --ref file is already plain detokenised text: apply --remove-bpe and "
+                            "--detok-moses to the hypotheses only")
+    group.add_argument("--tokenize", choices=sorted(BLEU.TOKENIZERS), default=BLEU.TOKENIZER_DEFAULT,
+                       help="sacreBLEU tokenizer: 13a (default) for European languages, zh for Chinese")
+    group.add_argument("--lowercase", action="store_true",
+                       help="case-insensitive BLEU (sacreBLEU -lc); for corpora lowercased in preparation it "
+                            "changes nothing")
+    group.add_argument("--bootstrap", type=int, default=DEFAULT_N_BOOTSTRAP, metavar="N",
+                       help=f"bootstrap resamples for the 95%% interval and the paired bootstrap test (sacrebleu "
+                            f"--confidence-n/--paired-bs-n), 0 to switch off (default: {DEFAULT_N_BOOTSTRAP})")
+    group.add_argument("--ar-trials", type=int, default=DEFAULT_N_TRIALS, metavar="N",
+                       help=f"shuffles of the paired approximate randomisation test (sacrebleu --paired-ar-n), 0 to "
+                            f"skip it (default: {DEFAULT_N_TRIALS})")
     group.add_argument(
         "--seed",
         type=int,
@@ -131,17 +92,13 @@ def add_completeness_arguments(parser: argparse.ArgumentParser) -> None:
         "completeness (a fairseq-generate output must end with its 'Generate ... with beam=' "
         "summary line and hold every sentence id 0..N-1 exactly once)")
     expected = group.add_mutually_exclusive_group()
-    expected.add_argument(
-        "--expected-from", type=Path, metavar="FILE",
-        help="the test set's source or reference text file: N is its line count (without it, N is "
-        "the largest sentence id plus one, which cannot see sentences missing at the end)",
-    )
+    expected.add_argument("--expected-from", type=Path, metavar="FILE",
+                          help="the test set's source or reference text file: N is its line count (without it, N is "
+                               "the largest sentence id plus one, which cannot see sentences missing at the end)")
     expected.add_argument("--expected-sentences", type=int, metavar="N", help="the test set has N sentences")
-    group.add_argument(
-        "--allow-partial", action="store_true",
-        help="score an incomplete output anyway; the score record and the report then say it is "
-        "partial, with the number of sentences scored and expected",
-    )
+    group.add_argument("--allow-partial", action="store_true",
+                       help="score an incomplete output anyway; the score record and the report then say it is "
+                            "partial, with the number of sentences scored and expected")
 
 
 def expected_sentence_count(args: argparse.Namespace) -> Optional[int]:
@@ -186,19 +143,12 @@ def split_name_and_path(value: str, flag: str) -> tuple:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fairseq-kd-score",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    parser = argparse.ArgumentParser(prog="fairseq-kd-score", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     source = parser.add_argument_group(
         "input (--generate-output, with the references of its T- lines or of --ref; or --hyp with --ref)")
-    source.add_argument(
-        "--generate-output",
-        type=Path,
-        metavar="FILE",
-        help="fairseq-generate output (H-/D-/T- lines); hypotheses from D- lines when present",
-    )
+    source.add_argument("--generate-output", type=Path, metavar="FILE",
+                        help="fairseq-generate output (H-/D-/T- lines); hypotheses from D- lines when present")
     source.add_argument("--hyp", type=Path, metavar="FILE", help="hypotheses, one per line")
     source.add_argument(
         "--ref", type=Path, metavar="FILE",
@@ -208,21 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_scoring_arguments(parser)
     add_completeness_arguments(parser)
-    parser.add_argument(
-        "--system",
-        default=None,
-        help="system name for the outputs (default: the input file name without extension)",
-    )
-    parser.add_argument(
-        "--baseline",
-        metavar="NAME=FILE",
-        default=None,
-        help="baseline for a paired bootstrap test: a score record JSON from an earlier run, or a "
-        "fairseq-generate output (scored with the same flags)",
-    )
-    parser.add_argument(
-        "--output-json", type=Path, metavar="FILE", help="write the score record (JSON) here"
-    )
+    parser.add_argument("--system", default=None,
+                        help="system name for the outputs (default: the input file name without extension)")
+    parser.add_argument("--baseline", metavar="NAME=FILE", default=None,
+                        help="baseline for a paired bootstrap test: a score record JSON from an earlier run, or a "
+                             "fairseq-generate output (scored with the same flags)")
+    parser.add_argument("--output-json", type=Path, metavar="FILE", help="write the score record (JSON) here")
     parser.add_argument("--output-md", type=Path, metavar="FILE",
                         help="append a row to this Markdown table (header written if the file is new)")
     add_overwrite_flag(parser, "an existing --output-json file")
@@ -235,11 +176,9 @@ def validate_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error("give either --generate-output, or --hyp and --ref, not both")
     if args.generate_output is None and (args.hyp is None or args.ref is None):
         parser.error("give --generate-output FILE, or both --hyp FILE and --ref FILE")
-    inputs = (
-        [("--generate-output", args.generate_output)]
-        if args.generate_output is not None
-        else [("--hyp", args.hyp)]
-    )
+    inputs = ([("--generate-output", args.generate_output)]
+              if args.generate_output is not None
+              else [("--hyp", args.hyp)])
     if args.ref is not None:
         inputs.append(("--ref", args.ref))
     if args.baseline is not None:
@@ -286,27 +225,17 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         baseline = None
         if args.baseline is not None:
             # a generate output as baseline is scored against the same references as the system
-            baseline = load_system(
-                args.baseline_name, args.baseline_path, processing, args.settings, 0, args.seed,
-                args.expected, args.allow_partial,
-                args.ref if args.generate_output is not None else None, args.ref_is_plain,
-            )
+            baseline = load_system(args.baseline_name, args.baseline_path, processing, args.settings, 0, args.seed,
+                                   args.expected, args.allow_partial,
+                                   args.ref if args.generate_output is not None else None, args.ref_is_plain)
         if args.generate_output is not None:
             system = score_generate_output(
                 args.system, args.generate_output, processing, args.settings, args.bootstrap, args.seed,
                 args.expected, args.allow_partial, args.ref, args.ref_is_plain,
             )
         else:
-            system = score_text_files(
-                args.system,
-                args.hyp,
-                args.ref,
-                processing,
-                args.settings,
-                args.bootstrap,
-                args.seed,
-                ref_is_plain=args.ref_is_plain,
-            )
+            system = score_text_files(args.system, args.hyp, args.ref, processing, args.settings, args.bootstrap,
+                                      args.seed, ref_is_plain=args.ref_is_plain)
             if args.expected is not None and system.result.n_sentences != args.expected:
                 message = (f"--hyp/--ref have {system.result.n_sentences} lines but "
                            f"{args.expected} sentences are expected")
@@ -332,11 +261,9 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     print(f"  chrF = {record['chrf']:.2f}, chrF++ = {record['chrfpp']:.2f} (sacreBLEU's CHRF, word_order 0 and 2)")
     print(f"  signature: {result.signature}")
     if paired is not None:
-        print(
-            f"  vs {paired['baseline']} ({paired['baseline_bleu']:.2f}): "
-            f"{paired['difference']:+.2f} BLEU, p = {format_p_value(paired['p_bootstrap'])} (sacreBLEU paired "
-            f"bootstrap), p = {format_p_value(paired['p_randomization'])} (paired approximate randomisation)"
-        )
+        print(f"  vs {paired['baseline']} ({paired['baseline_bleu']:.2f}): "
+              f"{paired['difference']:+.2f} BLEU, p = {format_p_value(paired['p_bootstrap'])} (sacreBLEU paired "
+              f"bootstrap), p = {format_p_value(paired['p_randomization'])} (paired approximate randomisation)")
     try:
         if args.output_json is not None:
             args.output_json.parent.mkdir(parents=True, exist_ok=True)

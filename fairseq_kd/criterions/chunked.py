@@ -418,10 +418,8 @@ def label_smoothed_ce_and_word_kd(
                               _chunk_rows(logits, rows), kd_mask, step)
 
 
-def word_level_kd(
-    student_logits: Tensor, teacher_logits: Tensor, target_mask: Tensor, temperature: float = 1.0,
-    rows: Optional[int] = None,
-) -> Tensor:
+def word_level_kd(student_logits: Tensor, teacher_logits: Tensor, target_mask: Tensor, temperature: float = 1.0,
+                  rows: Optional[int] = None) -> Tensor:
     """Word-level KD (Hinton et al., 2015): ``tau^2 * sum_t KL(p_T^tau(.|t) || p_S^tau(.|t))``.
 
     student_logits, teacher_logits: ``(batch, tgt_len, vocab)``; target_mask: ``(batch, tgt_len)``,

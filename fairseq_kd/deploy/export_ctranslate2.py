@@ -307,26 +307,18 @@ def export_ctranslate2(checkpoint: str, output: str, quantization: str = "int8",
         round_int8_weights(spec, None if quantization == "float32" else quantization, int8_weight_bits or 8)
         staging.mkdir()
         spec.save(str(staging))
-        record = {
-            "format": RECORD_FORMAT,
-            "checkpoint": str(Path(checkpoint).resolve()),
-            "checkpoint_sha256": fingerprint(Path(checkpoint))["sha256"],
-            "num_updates": loaded.num_updates,
-            "quantization": quantization,
-            "int8_weight_bits": int8_weight_bits,
-            "source_lang": loaded.source_lang,
-            "target_lang": loaded.target_lang,
-            "source_dictionary_sha256": dictionary_sha256(loaded.source_dictionary),
-            "target_dictionary_sha256": dictionary_sha256(loaded.target_dictionary),
-            "data": loaded.data,
-            "encoder_layers": len(loaded.model.encoder.layers),
-            "decoder_layers": len(loaded.model.decoder.layers),
-            "parameters": count_parameters(loaded.model.state_dict()),
-            "max_source_positions": int(loaded.model.max_positions()[0]),
-            "max_target_positions": int(loaded.model.max_positions()[1]),
-            "ctranslate2_version": ct2.__version__,
-            FILES_KEY: file_inventory(staging, RECORD_NAME),
-        }
+        record = {"format": RECORD_FORMAT, "checkpoint": str(Path(checkpoint).resolve()),
+                  "checkpoint_sha256": fingerprint(Path(checkpoint))["sha256"], "num_updates": loaded.num_updates,
+                  "quantization": quantization, "int8_weight_bits": int8_weight_bits,
+                  "source_lang": loaded.source_lang, "target_lang": loaded.target_lang,
+                  "source_dictionary_sha256": dictionary_sha256(loaded.source_dictionary),
+                  "target_dictionary_sha256": dictionary_sha256(loaded.target_dictionary), "data": loaded.data,
+                  "encoder_layers": len(loaded.model.encoder.layers),
+                  "decoder_layers": len(loaded.model.decoder.layers),
+                  "parameters": count_parameters(loaded.model.state_dict()),
+                  "max_source_positions": int(loaded.model.max_positions()[0]),
+                  "max_target_positions": int(loaded.model.max_positions()[1]),
+                  "ctranslate2_version": ct2.__version__, FILES_KEY: file_inventory(staging, RECORD_NAME)}
         (staging / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     return {"output": str(out), "format": "ctranslate2", "quantization": quantization,

@@ -89,12 +89,9 @@ def export_student(checkpoint: str, output: str, overwrite: bool = False) -> dic
         "cfg": _stock_config(cfg, model_cfg),
         "args": None,
         "model": weights,
-        "optimizer_history": [{
-            "criterion_name": "LabelSmoothedCrossEntropyCriterion",
-            "optimizer_name": history[-1].get("optimizer_name", "FairseqAdam"),
-            "lr_scheduler_state": {"best": None},
-            "num_updates": num_updates,
-        }],
+        "optimizer_history": [{"criterion_name": "LabelSmoothedCrossEntropyCriterion",
+                               "optimizer_name": history[-1].get("optimizer_name", "FairseqAdam"),
+                               "lr_scheduler_state": {"best": None}, "num_updates": num_updates}],
         "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": 0}},
         "last_optimizer_state": None,
     }
@@ -103,14 +100,9 @@ def export_student(checkpoint: str, output: str, overwrite: bool = False) -> dic
     except OSError as err:  # the output's folder or file cannot be written
         raise FileAccessError(message_of(err)) from None
     parameters = count_parameters(weights)
-    return {
-        "output": output,
-        "parameters": parameters,
-        "num_updates": num_updates,
-        "encoder_layers": model_cfg.get("encoder_layers"),
-        "decoder_layers": model_cfg.get("decoder_layers"),
-        "sha256": hashlib.sha256(Path(output).read_bytes()).hexdigest(),
-    }
+    return {"output": output, "parameters": parameters, "num_updates": num_updates,
+            "encoder_layers": model_cfg.get("encoder_layers"), "decoder_layers": model_cfg.get("decoder_layers"),
+            "sha256": hashlib.sha256(Path(output).read_bytes()).hexdigest()}
 
 
 def _output_path(checkpoint: str, output: str, overwrite: bool) -> str:

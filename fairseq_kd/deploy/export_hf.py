@@ -298,24 +298,14 @@ def export_hf(checkpoint: str, output: str, data: Optional[str] = None, spm_mode
             _save_marian_positions(staging, state)
         text = _write_tokenizer(transformers, staging, loaded.target_dictionary, spm_path)
         worst = _self_check(transformers, family, staging, loaded)
-        record = {
-            "format": RECORD_FORMAT,
-            "family": family,
-            "architecture": FAMILIES[family],
-            "checkpoint": str(Path(checkpoint).resolve()),
-            "checkpoint_sha256": fingerprint(Path(checkpoint))["sha256"],
-            "num_updates": loaded.num_updates,
-            "source_lang": loaded.source_lang,
-            "target_lang": loaded.target_lang,
-            "dictionary_sha256": dictionary_sha256(loaded.target_dictionary),
-            "data": loaded.data,
-            "tokenizer": text,
-            "spm_model": str(spm_path) if spm_path else None,
-            "max_logit_difference": worst,
-            "parameters": count_parameters(loaded.model.state_dict()),
-            "transformers_version": transformers.__version__,
-            FILES_KEY: file_inventory(staging, RECORD_NAME),
-        }
+        record = {"format": RECORD_FORMAT, "family": family, "architecture": FAMILIES[family],
+                  "checkpoint": str(Path(checkpoint).resolve()),
+                  "checkpoint_sha256": fingerprint(Path(checkpoint))["sha256"], "num_updates": loaded.num_updates,
+                  "source_lang": loaded.source_lang, "target_lang": loaded.target_lang,
+                  "dictionary_sha256": dictionary_sha256(loaded.target_dictionary), "data": loaded.data,
+                  "tokenizer": text, "spm_model": str(spm_path) if spm_path else None, "max_logit_difference": worst,
+                  "parameters": count_parameters(loaded.model.state_dict()),
+                  "transformers_version": transformers.__version__, FILES_KEY: file_inventory(staging, RECORD_NAME)}
         (staging / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     return {"output": str(out), "format": "hf", "family": family, "architecture": FAMILIES[family], "bytes": size,

@@ -16,8 +16,6 @@ def layer_weights_from_checkpoint(path) -> Dict[str, List[List[float]]]:
     saved = task_state(state).get("criterion", {})
     weights = mean_alpha((saved.get("alpha_sums") or {}).get("sums", {}))
     if not weights:
-        raise InputError(
-            f"{path}: no ALP-KD layer weights in this checkpoint (it must come from fairseq-train "
-            "--task translation_kd --criterion alp_kd, saved after at least one training step)"
-        )
+        raise InputError(f"{path}: no ALP-KD layer weights in this checkpoint (it must come from fairseq-train "
+                         "--task translation_kd --criterion alp_kd, saved after at least one training step)")
     return weights

@@ -19,29 +19,16 @@ from matplotlib.figure import Figure
 from ..errors import InputError
 from .training_log import LogRecord, curve_keys, validation_series
 
-ATTENTION_KIND_TITLES = {
-    "encoder_self": "Encoder self-attention",
-    "decoder_self": "Decoder self-attention",
-    "decoder_cross": "Decoder cross-attention",
-}
+ATTENTION_KIND_TITLES = {"encoder_self": "Encoder self-attention", "decoder_self": "Decoder self-attention",
+                         "decoder_cross": "Decoder cross-attention"}
 
 
 #: statistics of fairseq's logs that are not losses, and their y-axis labels
-STATISTIC_LABELS = {
-    "ppl": "perplexity (2^nll_loss)",
-    "lr": "learning rate",
-    "gnorm": "gradient norm (L2)",
-    "clip": "clipped updates (%)",
-    "loss_scale": "fp16 loss scale",
-    "wps": "target tokens per second",
-    "ups": "updates per second",
-    "wpb": "target tokens per batch",
-    "bsz": "sentences per batch",
-    "wall": "wall-clock time (s)",
-    "train_wall": "training time (s)",
-    "bleu": "BLEU",
-    "accuracy": "accuracy (%)",
-}
+STATISTIC_LABELS = {"ppl": "perplexity (2^nll_loss)", "lr": "learning rate", "gnorm": "gradient norm (L2)",
+                    "clip": "clipped updates (%)", "loss_scale": "fp16 loss scale", "wps": "target tokens per second",
+                    "ups": "updates per second", "wpb": "target tokens per batch", "bsz": "sentences per batch",
+                    "wall": "wall-clock time (s)", "train_wall": "training time (s)", "bleu": "BLEU",
+                    "accuracy": "accuracy (%)"}
 #: the logged losses that are log-likelihoods or KL divergences, so in bits once divided by ln 2
 _BITS = ("nll_loss", "ce_loss")
 _BITS_ENDINGS = ("kd_loss", "kl_loss", "_att_loss", "value_relation_loss")
@@ -108,31 +95,23 @@ def plot_alignment_heatmaps(alignments: Dict[str, Dict], title: Optional[str] = 
     so signed data get a diverging colour scale centred on 0. Lines mark layer boundaries.
     """
     if not isinstance(alignments, dict) or not alignments:
-        raise InputError(
-            'alignment weights: expected {"encoder_self": {"weights": [[...]], "student_layers": m, '
-            '"student_heads": hs, "teacher_layers": n, "teacher_heads": ht}, ...}'
-        )
+        raise InputError('alignment weights: expected {"encoder_self": {"weights": [[...]], "student_layers": m, '
+                         '"student_heads": hs, "teacher_layers": n, "teacher_heads": ht}, ...}')
     kinds = list(alignments)
     checked = {}
     for kind in kinds:
         entry = alignments[kind]
         if not isinstance(entry, dict) or "weights" not in entry:
             raise InputError(f"alignment weights, kind {kind!r}: expected an object with 'weights'")
-        sizes = {
-            key: _positive_int(entry, key, kind)
-            for key in ("student_layers", "student_heads", "teacher_layers", "teacher_heads")
-        }
+        sizes = {key: _positive_int(entry, key, kind)
+                 for key in ("student_layers", "student_heads", "teacher_layers", "teacher_heads")}
         weights = _finite_matrix(entry["weights"], f"alignment weights, kind {kind!r}")
-        expected = (
-            sizes["student_layers"] * sizes["student_heads"],
-            sizes["teacher_layers"] * sizes["teacher_heads"],
-        )
+        expected = (sizes["student_layers"] * sizes["student_heads"],
+                    sizes["teacher_layers"] * sizes["teacher_heads"])
         if weights.shape != expected:
             hint = " (transposed? rows must be student maps)" if weights.shape == expected[::-1] else ""
-            raise InputError(
-                f"alignment weights, kind {kind!r}: shape {weights.shape} but the sizes give "
-                f"{expected} = (student_layers*student_heads, teacher_layers*teacher_heads){hint}"
-            )
+            raise InputError(f"alignment weights, kind {kind!r}: shape {weights.shape} but the sizes give "
+                             f"{expected} = (student_layers*student_heads, teacher_layers*teacher_heads){hint}")
         checked[kind] = (weights, sizes)
 
     figure = Figure(figsize=(5.2 * len(kinds), 4.6), layout="constrained")
@@ -169,14 +148,10 @@ def plot_alp_weights(weights_by_side: Dict[str, Sequence[Sequence[float]]], titl
     are written in the cells when the grid is small enough to read them.
     """
     if not isinstance(weights_by_side, dict) or not weights_by_side:
-        raise InputError(
-            'ALP-KD weights: expected {"encoder": [[weights over teacher layers] per student '
-            'layer], "decoder": ...}'
-        )
-    matrices = {
-        side: _finite_matrix(values, f"ALP-KD weights, side {side!r}")
-        for side, values in weights_by_side.items()
-    }
+        raise InputError('ALP-KD weights: expected {"encoder": [[weights over teacher layers] per student '
+                         'layer], "decoder": ...}')
+    matrices = {side: _finite_matrix(values, f"ALP-KD weights, side {side!r}")
+                for side, values in weights_by_side.items()}
     figure = Figure(figsize=(4.8 * len(matrices), 3.8), layout="constrained")
     for index, (side, matrix) in enumerate(matrices.items()):
         axes = figure.add_subplot(1, len(matrices), index + 1)
@@ -192,20 +167,16 @@ def plot_alp_weights(weights_by_side: Dict[str, Sequence[Sequence[float]]], titl
             for row in range(student_layers):
                 for column in range(teacher_layers):
                     value = matrix[row, column]
-                    axes.text(
-                        column, row, f"{value:.2f}", ha="center", va="center", fontsize=7,
-                        color="white" if value > 0.6 else "black",
-                    )
+                    axes.text(column, row, f"{value:.2f}", ha="center", va="center", fontsize=7,
+                              color="white" if value > 0.6 else "black")
     return _titled(figure, title)
 
 
 # --------------------------------------------------------------------------- training logs
 
 
-SPLIT_STYLES = {
-    "train_inner": {"linewidth": 1.0, "alpha": 0.8},
-    "train": {"marker": "o", "markersize": 3, "linewidth": 1.2},
-}
+SPLIT_STYLES = {"train_inner": {"linewidth": 1.0, "alpha": 0.8},
+                "train": {"marker": "o", "markersize": 3, "linewidth": 1.2}}
 
 
 def plot_training_curves(
@@ -230,11 +201,9 @@ def plot_training_curves(
     for index, key in enumerate(keys):
         axes = figure.add_subplot(rows, columns, index + 1)
         for split in splits:
-            points = [
-                (record.num_updates, record.values[key])
-                for record in records
-                if record.split == split and key in record.values
-            ]
+            points = [(record.num_updates, record.values[key])
+                      for record in records
+                      if record.split == split and key in record.values]
             if points:
                 x, y = zip(*points)
                 style = SPLIT_STYLES.get(split, {"marker": "s", "markersize": 3, "linewidth": 1.2})

@@ -150,10 +150,8 @@ def read_fairseq_log(path: Path) -> List[LogRecord]:
     with open(path, encoding="utf-8", errors="replace") as handle:
         records = parse_fairseq_log(handle)
     if not records:
-        raise InputError(
-            f"{path}: no fairseq statistics lines found (expected fairseq-train output with "
-            "--log-format json or simple)"
-        )
+        raise InputError(f"{path}: no fairseq statistics lines found (expected fairseq-train output with "
+                         "--log-format json or simple)")
     return records
 
 

@@ -38,11 +38,9 @@ class _Unverifiable(Exception):
 
 
 #: what every refusal of a teacher whose dictionaries differ from the data's advises
-HOW_TO_FIX = (
-    "The teacher and the student must share dictionaries: binarise the student's data with "
-    "the teacher's (fairseq-preprocess --srcdict TEACHER_DATA/dict.SRC.txt --tgtdict "
-    "TEACHER_DATA/dict.TGT.txt)."
-)
+HOW_TO_FIX = ("The teacher and the student must share dictionaries: binarise the student's data with "
+              "the teacher's (fairseq-preprocess --srcdict TEACHER_DATA/dict.SRC.txt --tgtdict "
+              "TEACHER_DATA/dict.TGT.txt).")
 
 
 def check_dictionaries(path: str, state: dict, src_dict: Dictionary, tgt_dict: Dictionary, cfg,
@@ -76,13 +74,11 @@ def check_dictionaries(path: str, state: dict, src_dict: Dictionary, tgt_dict: D
         return _compare_with_teacher_data_folder(path, task_cfg, dictionaries, teacher_langs, data_langs)
     except _Unverifiable as err:
         reason = str(err)
-    message = (
-        f"{FLAG} {path!r}: cannot verify that the teacher uses the data's dictionaries: {reason}, and "
-        "the checkpoint carries no dictionaries (equal sizes are not proof: a reordered dictionary has "
-        f"the same size). Pass {TEACHER_DATA_FLAG} DIR, the folder holding the teacher's dict.SRC.txt "
-        "and dict.TGT.txt (its fairseq-preprocess --destdir; the student's data folder if it was "
-        "binarised with them)."
-    )
+    message = (f"{FLAG} {path!r}: cannot verify that the teacher uses the data's dictionaries: {reason}, and "
+               "the checkpoint carries no dictionaries (equal sizes are not proof: a reordered dictionary has "
+               f"the same size). Pass {TEACHER_DATA_FLAG} DIR, the folder holding the teacher's dict.SRC.txt "
+               "and dict.TGT.txt (its fairseq-preprocess --destdir; the student's data folder if it was "
+               "binarised with them).")
     if refuse_unverifiable:
         raise TeacherCheckpointError(message)
     logger.warning(message)
@@ -142,10 +138,8 @@ def _compare_with_teacher_data(path: str, teacher_data: str, dictionaries: Dict[
     """Source 1: the folder ``--teacher-data`` names, which must hold the teacher's dictionaries."""
     problem = path_problem(teacher_data, FOLDER)
     if problem is not None:
-        raise TeacherCheckpointError(
-            f"{TEACHER_DATA_FLAG} {teacher_data!r}: {problem}. Pass the folder holding the "
-            "teacher's dict.SRC.txt and dict.TGT.txt (its fairseq-preprocess --destdir)."
-        )
+        raise TeacherCheckpointError(f"{TEACHER_DATA_FLAG} {teacher_data!r}: {problem}. Pass the folder holding the "
+                                     "teacher's dict.SRC.txt and dict.TGT.txt (its fairseq-preprocess --destdir).")
     try:
         return _compare_dictionary_files(path, teacher_data, TEACHER_DATA_FLAG, dictionaries, teacher_langs,
                                          data_langs)

@@ -60,9 +60,7 @@ class CaptureRequest:
         if unknown:
             raise ValueError(f"unknown attention kind(s) {sorted(unknown)}; valid: {ATTENTION_KINDS}")
         # A canonical order makes requests comparable and hashable regardless of how they were built.
-        object.__setattr__(
-            self, "attention_kinds", tuple(k for k in ATTENTION_KINDS if k in self.attention_kinds)
-        )
+        object.__setattr__(self, "attention_kinds", tuple(k for k in ATTENTION_KINDS if k in self.attention_kinds))
         selection = dict(self.attention_layers)
         if selection and self.last_layer_attention_only:
             raise ValueError("give attention_layers or last_layer_attention_only, not both")
@@ -296,13 +294,9 @@ class FeatureCapture:
                     self._wrapped_score_modules.append(module)
                 self._skip_embed_dim_check.setdefault(module, module.skip_embed_dim_check)
                 module.skip_embed_dim_check = True
-        self._handles.append(
-            model.encoder.register_forward_pre_hook(self._encoder_pre_hook, with_kwargs=True)
-        )
+        self._handles.append(model.encoder.register_forward_pre_hook(self._encoder_pre_hook, with_kwargs=True))
         self._handles.append(model.encoder.register_forward_hook(self._encoder_hook))
-        self._handles.append(
-            model.decoder.register_forward_pre_hook(self._decoder_pre_hook, with_kwargs=True)
-        )
+        self._handles.append(model.decoder.register_forward_pre_hook(self._decoder_pre_hook, with_kwargs=True))
         if self.request.decoder_hidden:
             self._handles.append(model.decoder.register_forward_hook(self._decoder_hook))
         self._padding_idx = model.decoder.padding_idx if hasattr(model.decoder, "padding_idx") else None

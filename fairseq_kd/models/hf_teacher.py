@@ -28,16 +28,8 @@ from torch import nn
 from ..errors import InputError, MissingDependencyError
 from ..fingerprint import file_sha256
 from . import hf_folder
-from .feature_capture import (
-    DECODER_CROSS,
-    DECODER_SELF,
-    ENCODER_SELF,
-    AttentionMaps,
-    CapturedFeatures,
-    CaptureRequest,
-    NotATransformerError,
-    attention_maps,
-)
+from .feature_capture import (DECODER_CROSS, DECODER_SELF, ENCODER_SELF, AttentionMaps, CapturedFeatures,
+                              CaptureRequest, NotATransformerError, attention_maps)
 from .hf_vocabulary import NO_ID, VocabularyError, VocabularyMap, tokenizer_maps
 from .shape import TransformerShape
 from .dictionary_check import FLAG, TeacherCheckpointError, TeacherFileError, check_data_dictionaries

@@ -37,19 +37,13 @@ class TransformerShape:
             cross = dec_layers[0].encoder_attn
             if cross is None:
                 raise NotATransformerError("the decoder has no encoder-decoder attention")
-            return cls(
-                encoder_layers=len(enc_layers),
-                decoder_layers=len(dec_layers),
-                encoder_heads=enc_attn.num_heads,
-                decoder_heads=dec_attn.num_heads,
-                cross_heads=cross.num_heads,
-                encoder_embed_dim=enc_attn.embed_dim,
-                decoder_embed_dim=dec_attn.embed_dim,
-            )
+            return cls(encoder_layers=len(enc_layers), decoder_layers=len(dec_layers),
+                       encoder_heads=enc_attn.num_heads, decoder_heads=dec_attn.num_heads,
+                       cross_heads=cross.num_heads, encoder_embed_dim=enc_attn.embed_dim,
+                       decoder_embed_dim=dec_attn.embed_dim)
         except AttributeError as err:
-            raise NotATransformerError(
-                f"{type(model).__name__} is not a fairseq encoder-decoder Transformer "
-                f"(expected encoder.layers / decoder.layers with attention modules): {err}"
+            raise NotATransformerError(f"{type(model).__name__} is not a fairseq encoder-decoder Transformer "
+                                       f"(expected encoder.layers / decoder.layers with attention modules): {err}"
             ) from err
 
     def layers(self, side: str) -> int:
@@ -60,8 +54,6 @@ class TransformerShape:
 
     def kind_size(self, kind: str) -> Tuple[int, int]:
         """``(layers, heads)`` of one attention kind (cross-attention lives in the decoder's layers)."""
-        return {
-            ENCODER_SELF: (self.encoder_layers, self.encoder_heads),
-            DECODER_SELF: (self.decoder_layers, self.decoder_heads),
-            DECODER_CROSS: (self.decoder_layers, self.cross_heads),
-        }[kind]
+        return {ENCODER_SELF: (self.encoder_layers, self.encoder_heads),
+                DECODER_SELF: (self.decoder_layers, self.decoder_heads),
+                DECODER_CROSS: (self.decoder_layers, self.cross_heads)}[kind]

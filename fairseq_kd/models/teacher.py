@@ -21,16 +21,9 @@ from ..errors import message_of
 from ..fingerprint import file_sha256
 from .dictionary_check import FLAG, TeacherCheckpointError, TeacherFileError, check_dictionaries
 from .feature_capture import CapturedFeatures, CaptureRequest, FeatureCapture, NotATransformerError
-from .from_checkpoint import (
-    ModelConfigError,
-    NoModelError,
-    NotATransformerCheckpointError,
-    UnreadableCheckpointError,
-    WeightsMismatchError,
-    build_checkpoint_model,
-    checkpoint_file_problem,
-    read_transformer_checkpoint,
-)
+from .from_checkpoint import (ModelConfigError, NoModelError, NotATransformerCheckpointError,
+                              UnreadableCheckpointError, WeightsMismatchError, build_checkpoint_model,
+                              checkpoint_file_problem, read_transformer_checkpoint)
 from .shape import TransformerShape
 
 logger = logging.getLogger(__name__)
@@ -188,8 +181,7 @@ def _read_teacher_checkpoint(path: str) -> dict:
     except UnsafeCheckpointError as err:
         raise TeacherCheckpointError(f"{FLAG} {path!r}: {err}") from None
     except NoModelError as err:
-        raise TeacherCheckpointError(
-            f"{FLAG} {path!r} has no fairseq model configuration/weights (keys: {err.keys})"
+        raise TeacherCheckpointError(f"{FLAG} {path!r} has no fairseq model configuration/weights (keys: {err.keys})"
         ) from None
     except NotATransformerCheckpointError as err:
         raise TeacherCheckpointError(

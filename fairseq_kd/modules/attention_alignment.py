@@ -91,10 +91,8 @@ class AttentionAlignment(nn.Module):
         """
         layers, _, heads = student_maps.shape[:3]
         if (layers, heads) != (self.student_layers, self.student_heads):
-            raise AlignmentShapeError(
-                f"the alignment module was built for {self.student_layers} student layers x "
-                f"{self.student_heads} heads but got maps of {layers} layers x {heads} heads"
-            )
+            raise AlignmentShapeError(f"the alignment module was built for {self.student_layers} student layers x "
+                                      f"{self.student_heads} heads but got maps of {layers} layers x {heads} heads")
         kernel = self.coefficients().view(self.teacher_maps, self.student_layers, self.student_heads)
         intermediate = torch.einsum("clh,lbhqk->cbqk", kernel, student_maps.float())
         if self.bias is None:
@@ -127,20 +125,16 @@ class AttentionAlignment(nn.Module):
 
 
 def describe(sizes: Mapping) -> str:
-    return (
-        f"student {sizes.get('student_layers')} layers x {sizes.get('student_heads')} heads -> "
-        f"teacher {sizes.get('teacher_layers')} layers x {sizes.get('teacher_heads')} heads"
-    )
+    return (f"student {sizes.get('student_layers')} layers x {sizes.get('student_heads')} heads -> "
+            f"teacher {sizes.get('teacher_layers')} layers x {sizes.get('teacher_heads')} heads")
 
 
 def heatmap_entry(weight: Tensor, sizes: Mapping) -> dict:
     """JSON-ready entry: ``weight`` ``(teacher maps, student maps)`` transposed to student rows."""
     expected = (sizes["teacher_layers"] * sizes["teacher_heads"], sizes["student_layers"] * sizes["student_heads"])
     if tuple(weight.shape) != expected:
-        raise AlignmentShapeError(
-            f"alignment weight of shape {tuple(weight.shape)} does not fit {describe(sizes)} "
-            f"(expected {expected})"
-        )
+        raise AlignmentShapeError(f"alignment weight of shape {tuple(weight.shape)} does not fit {describe(sizes)} "
+                                  f"(expected {expected})")
     return {"weights": weight.float().t().cpu().tolist(), **{key: int(sizes[key]) for key in SIZE_KEYS}}
 
 

@@ -48,10 +48,8 @@ def parse_mapping(text: str, flag: str) -> LayerMapping:
         try:
             groups.append(tuple(int(item) for item in items))
         except ValueError:
-            raise LayerMappingError(
-                f"{flag} {text!r}: group {position} contains a non-integer ({group.strip()!r}); "
-                "layers are 1-based integers, e.g. '1,2,3|4,5,6'"
-            ) from None
+            raise LayerMappingError(f"{flag} {text!r}: group {position} contains a non-integer ({group.strip()!r}); "
+                                    "layers are 1-based integers, e.g. '1,2,3|4,5,6'") from None
     return tuple(groups)
 
 
@@ -158,12 +156,8 @@ def cross_combination(teacher_layers: int, student_layers: int, flag: str = "") 
     return tuple(tuple(sorted(group[::-1][::2])) for group in groups)
 
 
-CKD_STRATEGIES = {
-    "rc": regular_combination,
-    "oc": overlap_combination,
-    "sc": skip_combination,
-    "cc": cross_combination,
-}
+CKD_STRATEGIES = {"rc": regular_combination, "oc": overlap_combination, "sc": skip_combination,
+                  "cc": cross_combination}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,17 +183,11 @@ def no_overlap_buckets(teacher_layers: int, student_layers: int, flag: str = "")
 def partial_overlap_buckets(teacher_layers: int, student_layers: int, flag: str = "") -> LayerMapping:
     """PO: each NO bucket plus the first layer of the next bucket (12 into 3: {1-5},{5-9},{9-12})."""
     groups = regular_combination(teacher_layers, student_layers, flag)
-    return tuple(
-        tuple(sorted(set(group) | ({groups[i + 1][0]} if i + 1 < len(groups) else set())))
-        for i, group in enumerate(groups)
-    )
+    return tuple(tuple(sorted(set(group) | ({groups[i + 1][0]} if i + 1 < len(groups) else set())))
+                 for i, group in enumerate(groups))
 
 
-ALP_BUCKETS = {
-    "all": all_layers_buckets,
-    "no": no_overlap_buckets,
-    "po": partial_overlap_buckets,
-}
+ALP_BUCKETS = {"all": all_layers_buckets, "no": no_overlap_buckets, "po": partial_overlap_buckets}
 
 
 def resolve_mapping(strategies: dict, strategy: str, explicit: str, teacher_layers: int,

@@ -34,10 +34,8 @@ PAIRED_TESTS_DEFINITION = (
     "the absolute BLEU difference against the baseline and add one to numerator and "
     "denominator, so the smallest possible p is 1/(n+1)."
 )
-INTERVAL_DEFINITION = (
-    "μ ± CI: mean of the bootstrap resamples and half the width of their 95% percentile "
-    "interval (sacrebleu --confidence)"
-)
+INTERVAL_DEFINITION = ("μ ± CI: mean of the bootstrap resamples and half the width of their 95% percentile "
+                       "interval (sacrebleu --confidence)")
 
 
 @dataclass(frozen=True)
@@ -51,23 +49,15 @@ class BleuSettings:
 
     def __post_init__(self):
         if self.tokenize not in BLEU.TOKENIZERS:
-            raise InputError(
-                f"unknown sacreBLEU tokenizer {self.tokenize!r}; choose one of "
-                f"{', '.join(sorted(BLEU.TOKENIZERS))}"
-            )
+            raise InputError(f"unknown sacreBLEU tokenizer {self.tokenize!r}; choose one of "
+                             f"{', '.join(sorted(BLEU.TOKENIZERS))}")
         if self.smooth_method not in BLEU.SMOOTH_DEFAULTS:
-            raise InputError(
-                f"unknown smoothing method {self.smooth_method!r}; choose one of "
-                f"{', '.join(BLEU.SMOOTH_DEFAULTS)}"
-            )
+            raise InputError(f"unknown smoothing method {self.smooth_method!r}; choose one of "
+                             f"{', '.join(BLEU.SMOOTH_DEFAULTS)}")
 
     def make_metric(self) -> BLEU:
-        return BLEU(
-            tokenize=self.tokenize,
-            lowercase=self.lowercase,
-            smooth_method=self.smooth_method,
-            smooth_value=self.smooth_value,
-        )
+        return BLEU(tokenize=self.tokenize, lowercase=self.lowercase, smooth_method=self.smooth_method,
+                    smooth_value=self.smooth_value)
 
     def to_dict(self) -> Dict:
         return asdict(self)
@@ -75,19 +65,15 @@ class BleuSettings:
 
 def check_n_bootstrap(n_bootstrap: int) -> None:
     if n_bootstrap != 0 and n_bootstrap < MIN_N_BOOTSTRAP:
-        raise InputError(
-            f"--bootstrap {n_bootstrap}: use 0 to switch resampling off, or at least "
-            f"{MIN_N_BOOTSTRAP} resamples (a 95% interval drops 1 in 40 on each side); "
-            f"{DEFAULT_N_BOOTSTRAP} is usual"
-        )
+        raise InputError(f"--bootstrap {n_bootstrap}: use 0 to switch resampling off, or at least "
+                         f"{MIN_N_BOOTSTRAP} resamples (a 95% interval drops 1 in 40 on each side); "
+                         f"{DEFAULT_N_BOOTSTRAP} is usual")
 
 
 def check_n_trials(n_trials: int) -> None:
     if n_trials < 0 or 0 < n_trials < 100:
-        raise InputError(
-            f"--ar-trials {n_trials}: use 0 to skip the approximate randomisation test, or at "
-            f"least 100 trials (p cannot fall below 1/(trials+1)); {DEFAULT_N_TRIALS} is usual"
-        )
+        raise InputError(f"--ar-trials {n_trials}: use 0 to skip the approximate randomisation test, or at "
+                         f"least 100 trials (p cannot fall below 1/(trials+1)); {DEFAULT_N_TRIALS} is usual")
 
 
 def chrf_scores(hypotheses: Sequence[str], references: Sequence[str], lowercase: bool = False) -> Dict[str, float]:
@@ -135,13 +121,8 @@ class BleuResult:
     ci: Optional[float] = None
 
 
-def score_corpus(
-    hypotheses: Sequence[str],
-    references: Sequence[str],
-    settings: BleuSettings = BleuSettings(),
-    n_bootstrap: int = DEFAULT_N_BOOTSTRAP,
-    seed: int = DEFAULT_SEED,
-) -> BleuResult:
+def score_corpus(hypotheses: Sequence[str], references: Sequence[str], settings: BleuSettings = BleuSettings(),
+                 n_bootstrap: int = DEFAULT_N_BOOTSTRAP, seed: int = DEFAULT_SEED) -> BleuResult:
     """sacreBLEU corpus BLEU of detokenised ``hypotheses`` against one reference each; with
     ``n_bootstrap`` resamples also its interval, as ``sacrebleu --confidence`` computes it."""
     hypotheses, references = list(hypotheses), list(references)
@@ -189,14 +170,9 @@ def _paired_test(named_systems, references, settings, test_type: str, n_samples:
     return signatures[name].format(), scores[name]
 
 
-def compare_systems(
-    named_systems: Sequence[Tuple[str, Sequence[str]]],
-    references: Sequence[str],
-    settings: BleuSettings = BleuSettings(),
-    n_bootstrap: int = DEFAULT_N_BOOTSTRAP,
-    n_trials: int = DEFAULT_N_TRIALS,
-    seed: int = DEFAULT_SEED,
-) -> Comparison:
+def compare_systems(named_systems: Sequence[Tuple[str, Sequence[str]]], references: Sequence[str],
+                    settings: BleuSettings = BleuSettings(), n_bootstrap: int = DEFAULT_N_BOOTSTRAP,
+                    n_trials: int = DEFAULT_N_TRIALS, seed: int = DEFAULT_SEED) -> Comparison:
     """Every system's BLEU and interval, and both paired tests of each against the first.
 
     ``sacrebleu.significance.PairedTest`` with ``test_type="bs"`` (``n_bootstrap`` resamples: the

@@ -122,16 +122,12 @@ class HuggingFaceDetokenizer:
         return [tokenizer.decode(row, skip_special_tokens=True) for row in ids]
 
 
-def detokenize_lines(
-    lines: Sequence[str], remove_bpe_scheme: str = "none", moses_lang: Optional[str] = None,
-    hf_folder: Optional[str] = None,
-) -> List[str]:
+def detokenize_lines(lines: Sequence[str], remove_bpe_scheme: str = "none", moses_lang: Optional[str] = None,
+                     hf_folder: Optional[str] = None) -> List[str]:
     """Apply :func:`remove_bpe` and then, if ``moses_lang`` is given, :func:`moses_detokenize`; or,
     with ``hf_folder``, :class:`HuggingFaceDetokenizer` of that folder instead of both."""
     if remove_bpe_scheme not in BPE_SCHEMES:
-        raise InputError(
-            f"unknown subword scheme {remove_bpe_scheme!r}; expected one of {', '.join(BPE_SCHEMES)}"
-        )
+        raise InputError(f"unknown subword scheme {remove_bpe_scheme!r}; expected one of {', '.join(BPE_SCHEMES)}")
     if hf_folder is not None:
         if remove_bpe_scheme != "none" or moses_lang:
             raise InputError("--detok-hf turns the model's tokens into text itself: drop --remove-bpe and "
@@ -214,14 +210,9 @@ def read_generate_output(path: Path, expected_sentences: Optional[int] = None,
             "--allow-partial to score only these sentences (the score is then marked partial, with "
             "the counts)."
         )
-    return GenerateOutput(
-        ids=ids,
-        hypotheses=[chosen[i] for i in ids],
-        references=[scanned.references[i] for i in ids],
-        hypothesis_source=source,
-        n_expected=n_expected,
-        problems=problems,
-    )
+    return GenerateOutput(ids=ids, hypotheses=[chosen[i] for i in ids],
+                          references=[scanned.references[i] for i in ids], hypothesis_source=source,
+                          n_expected=n_expected, problems=problems)
 
 
 @dataclass
@@ -280,10 +271,8 @@ def _paired_sentences(path: Path, scanned: _GenerateLines):
     source = "D" if scanned.hypotheses["D"] else "H"
     chosen = scanned.hypotheses[source]
     if not chosen:
-        raise InputError(
-            f"{path}: no H- or D- lines found; is this a fairseq-generate output file "
-            "(written without --quiet)?"
-        )
+        raise InputError(f"{path}: no H- or D- lines found; is this a fairseq-generate output file "
+                         "(written without --quiet)?")
     references = scanned.references
     for present, counterpart, unmatched_what, advice in (
         (chosen, references, "hypotheses have no T- reference line",
@@ -301,10 +290,8 @@ def _completeness_problems(scanned: _GenerateLines, ids: List[int], n_expected: 
     summary_lines = scanned.summary_lines
     problems = []
     if not summary_lines:
-        problems.append(
-            "it does not end with fairseq-generate's summary line ('Generate <subset> with beam=N: "
-            "...'): the run was cut short or the file was truncated"
-        )
+        problems.append("it does not end with fairseq-generate's summary line ('Generate <subset> with beam=N: "
+                        "...'): the run was cut short or the file was truncated")
     elif len(summary_lines) > 1:
         problems.append(f"it holds {len(summary_lines)} summary lines (lines {_first(summary_lines)}): "
                         "several runs concatenated?")

@@ -19,20 +19,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .bleu import (
-    DEFAULT_N_BOOTSTRAP,
-    DEFAULT_N_TRIALS,
-    DEFAULT_SEED,
-    INTERVAL_DEFINITION,
-    PAIRED_TESTS_DEFINITION,
-    BleuResult,
-    BleuSettings,
-    check_n_bootstrap,
-    check_n_trials,
-    chrf_scores,
-    compare_systems,
-    score_corpus,
-)
+from .bleu import (DEFAULT_N_BOOTSTRAP, DEFAULT_N_TRIALS, DEFAULT_SEED, INTERVAL_DEFINITION, PAIRED_TESTS_DEFINITION,
+                   BleuResult, BleuSettings, check_n_bootstrap, check_n_trials, chrf_scores, compare_systems,
+                   score_corpus)
 from .detok import detokenize_lines, read_generate_output, read_lines
 from ..errors import FILE, FileAccessError, InputError, message_of, require_path
 from .files import load_json, naming_decode_errors
@@ -142,10 +131,8 @@ def score_text_files(name: str, hyp_path: Path, ref_path: Path, processing: Text
     if not references:
         raise InputError(f"--ref file {str(ref_path)!r} is empty")
     if len(hypotheses) != len(references):
-        raise InputError(
-            f"--hyp file {str(hyp_path)!r} has {len(hypotheses)} lines but --ref file "
-            f"{str(ref_path)!r} has {len(references)}; they must be line-parallel"
-        )
+        raise InputError(f"--hyp file {str(hyp_path)!r} has {len(hypotheses)} lines but --ref file "
+                         f"{str(ref_path)!r} has {len(references)}; they must be line-parallel")
     inputs = {"hyp": str(hyp_path), "ref": str(ref_path), "ref_is_plain": ref_is_plain, **processing.to_dict()}
     references = references if ref_is_plain else processing.apply(references)
     return score_texts(name, processing.apply(hypotheses), references, settings, n_bootstrap, seed, inputs)
@@ -157,26 +144,11 @@ def score_text_files(name: str, hyp_path: Path, ref_path: Path, processing: Text
 def score_record(system: SystemScore, paired: Optional[Dict] = None) -> Dict:
     """The JSON-serialisable score record of ``system`` (format described in the module doc)."""
     result = system.result
-    return {
-        "format": SCORE_FORMAT,
-        "system": system.name,
-        "bleu": result.score,
-        **system.chrf(),
-        "mean": result.mean,
-        "ci": result.ci,
-        "n_bootstrap": result.n_bootstrap,
-        "seed": result.seed,
-        "signature": result.signature,
-        "verbose": result.verbose,
-        "n_sentences": result.n_sentences,
-        "settings": result.settings.to_dict(),
-        "references_sha256": system.references_sha256,
-        "inputs": system.inputs,
-        "paired": paired,
-        "partial": system.partial,
-        "hypotheses": system.hypotheses,
-        "references": system.references,
-    }
+    return {"format": SCORE_FORMAT, "system": system.name, "bleu": result.score, **system.chrf(), "mean": result.mean,
+            "ci": result.ci, "n_bootstrap": result.n_bootstrap, "seed": result.seed, "signature": result.signature,
+            "verbose": result.verbose, "n_sentences": result.n_sentences, "settings": result.settings.to_dict(),
+            "references_sha256": system.references_sha256, "inputs": system.inputs, "paired": paired,
+            "partial": system.partial, "hypotheses": system.hypotheses, "references": system.references}
 
 
 def is_score_record_file(path: Path) -> bool:
@@ -244,15 +216,12 @@ def load_system(name: str, path: Path, processing: TextProcessing, settings: Ble
     system = load_score_record(path, name)
     if not allow_partial:
         if system.partial:
-            raise InputError(
-                f"system {name!r}: score record {str(path)!r} is a partial score "
-                f"({system.partial['n_sentences']} of {system.partial['n_expected']} sentences); "
-                "score a complete output, or pass --allow-partial"
-            )
+            raise InputError(f"system {name!r}: score record {str(path)!r} is a partial score "
+                             f"({system.partial['n_sentences']} of {system.partial['n_expected']} sentences); "
+                             "score a complete output, or pass --allow-partial")
         if expected_sentences is not None and system.result.n_sentences != expected_sentences:
-            raise InputError(
-                f"system {name!r}: score record {str(path)!r} has {system.result.n_sentences} "
-                f"sentences but {expected_sentences} are expected; pass --allow-partial to use it anyway"
+            raise InputError(f"system {name!r}: score record {str(path)!r} has {system.result.n_sentences} "
+                             f"sentences but {expected_sentences} are expected; pass --allow-partial to use it anyway"
             )
     return system
 
@@ -262,22 +231,16 @@ def check_comparable(systems: Sequence[SystemScore]) -> None:
     first = systems[0]
     for other in systems[1:]:
         if other.result.settings != first.result.settings:
-            raise InputError(
-                f"systems {first.name!r} and {other.name!r} were scored with different sacreBLEU "
-                f"settings ({first.result.settings.to_dict()} vs {other.result.settings.to_dict()}); "
-                "score them with the same --tokenize/--lowercase"
-            )
+            raise InputError(f"systems {first.name!r} and {other.name!r} were scored with different sacreBLEU "
+                             f"settings ({first.result.settings.to_dict()} vs {other.result.settings.to_dict()}); "
+                             "score them with the same --tokenize/--lowercase")
         if other.result.n_sentences != first.result.n_sentences:
-            raise InputError(
-                f"systems {first.name!r} and {other.name!r} have {first.result.n_sentences} and "
-                f"{other.result.n_sentences} sentences: not the same test set"
-            )
+            raise InputError(f"systems {first.name!r} and {other.name!r} have {first.result.n_sentences} and "
+                             f"{other.result.n_sentences} sentences: not the same test set")
         if other.references_sha256 != first.references_sha256:
-            raise InputError(
-                f"systems {first.name!r} and {other.name!r} were scored against different "
-                "references (after detokenisation): not the same test set, or different "
-                "--remove-bpe/--detok-moses settings"
-            )
+            raise InputError(f"systems {first.name!r} and {other.name!r} were scored against different "
+                             "references (after detokenisation): not the same test set, or different "
+                             "--remove-bpe/--detok-moses settings")
 
 
 def compare_with_baseline(system: SystemScore, baseline: SystemScore, n_bootstrap: int = DEFAULT_N_BOOTSTRAP,
@@ -287,18 +250,10 @@ def compare_with_baseline(system: SystemScore, baseline: SystemScore, n_bootstra
     comparison = compare_systems([(baseline.name, baseline.hypotheses), (system.name, system.hypotheses)],
                                  system.references, system.result.settings, n_bootstrap, n_trials, seed)
     base, row = comparison.rows
-    return {
-        "baseline": baseline.name,
-        "baseline_bleu": base.score,
-        "difference": row.score - base.score,
-        "p_bootstrap": row.p_bootstrap,
-        "p_randomization": row.p_randomization,
-        "n_bootstrap": n_bootstrap,
-        "n_trials": n_trials,
-        "seed": seed,
-        "signature": comparison.signature,
-        "definition": PAIRED_TESTS_DEFINITION,
-    }
+    return {"baseline": baseline.name, "baseline_bleu": base.score, "difference": row.score - base.score,
+            "p_bootstrap": row.p_bootstrap, "p_randomization": row.p_randomization, "n_bootstrap": n_bootstrap,
+            "n_trials": n_trials, "seed": seed, "signature": comparison.signature,
+            "definition": PAIRED_TESTS_DEFINITION}
 
 
 # --------------------------------------------------------------------------- formatting
@@ -409,20 +364,11 @@ class Report:
     title: Optional[str] = None
 
     def to_dict(self) -> Dict:
-        return {
-            "format": REPORT_FORMAT,
-            "title": self.title,
-            "baseline": self.baseline,
-            "n_bootstrap": self.n_bootstrap,
-            "n_trials": self.n_trials,
-            "seed": self.seed,
-            "n_sentences": self.n_sentences,
-            "signature": self.signature,
-            "interval": INTERVAL_DEFINITION,
-            "paired_tests": PAIRED_TESTS_DEFINITION,
-            "systems": [vars(row) for row in self.rows],
-            "partial": self.partial,
-        }
+        return {"format": REPORT_FORMAT, "title": self.title, "baseline": self.baseline,
+                "n_bootstrap": self.n_bootstrap, "n_trials": self.n_trials, "seed": self.seed,
+                "n_sentences": self.n_sentences, "signature": self.signature, "interval": INTERVAL_DEFINITION,
+                "paired_tests": PAIRED_TESTS_DEFINITION, "systems": [vars(row) for row in self.rows],
+                "partial": self.partial}
 
 
 def build_report(systems: Sequence[SystemScore], baseline: Optional[str] = None,
@@ -516,11 +462,9 @@ def report_markdown(report: Report) -> str:
     if report.n_bootstrap:
         lines.append(f"{INTERVAL_DEFINITION}, {report.n_bootstrap} resamples, seed {report.seed}.")
     if report.baseline:
-        lines.append(
-            f"{PAIRED_TESTS_DEFINITION} Against {report.baseline}: {report.n_bootstrap} resamples, "
-            f"{report.n_trials} trials. Re-check: SACREBLEU_SEED={report.seed} sacrebleu REF -i "
-            f"{report.baseline} OTHERS... --paired-bs (or --paired-ar) on the detokenised text."
-        )
+        lines.append(f"{PAIRED_TESTS_DEFINITION} Against {report.baseline}: {report.n_bootstrap} resamples, "
+                     f"{report.n_trials} trials. Re-check: SACREBLEU_SEED={report.seed} sacrebleu REF -i "
+                     f"{report.baseline} OTHERS... --paired-bs (or --paired-ar) on the detokenised text.")
     return "\n".join(lines) + "\n"
 
 
