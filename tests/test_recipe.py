@@ -166,7 +166,7 @@ def test_every_method_is_a_valid_fairseq_train_command(tmp_path, pair_name):
         assert args.fp16 and args.distributed_world_size == 2 and args.update_freq == [update_freq]
         # Data and teacher.
         assert args.task == "translation_kd"
-        assert args.data.endswith("data-seqkd" if method.data == "seqkd" else "data-bin")
+        assert args.data.endswith("data-bin" if method.data == "original" else "data-" + method.data.replace("_", "-"))
         if method.uses_teacher:
             assert args.teacher_checkpoint == str(decoded)
         else:

@@ -34,7 +34,7 @@ from fairseq_kd.teacher_pass.common import replace_atomically
 from .benchmark import PRECISIONS as PRECISION_FLAGS
 from .benchmark import _quiet_env
 from .execute import console_script, python_module
-from .methods import METHODS, TEACHER
+from .methods import METHODS, SEQKD_DATA, TEACHER
 from .plan import RecipeOptions, step_planner, with_placement
 
 PAIR = "multi30k_fr_en"
@@ -148,9 +148,11 @@ def plan_trainings(data: Path, workdir: Path, methods: Sequence[str], precisions
     planner.add_teacher()
     teacher_args = _fairseq_train_args(planner.steps[-1].settings["commands"][0])
     passes = {}
-    for name, add in (("teacher-cache", planner.add_teacher_cache), ("seqkd-data", planner.add_seqkd)):
-        add()
-        passes[name] = planner.steps[-1].commands[0]
+    planner.add_teacher_cache()
+    passes["teacher-cache"] = planner.steps[-1].commands[0]
+    for kind in SEQKD_DATA:
+        planner.add_seqkd(kind)
+        passes[planner.steps[-1].name] = planner.steps[-1].commands[0]
     trainings = []
     for method_name in methods:
         method = METHODS[method_name]
@@ -357,7 +359,8 @@ def say(line: str) -> None:
 def teacher_pass_read(method_name: str) -> Optional[str]:
     """The offline teacher pass a method's training reads (its cache or its distilled corpus), if any."""
     method = METHODS[method_name]
-    return "teacher-cache" if method.teacher_cache else "seqkd-data" if method.data == "seqkd" else None
+    return "teacher-cache" if method.teacher_cache else None if method.data == "original" else (
+        method.data.replace("_", "-") + "-data")
 
 
 def run_step(report: Report, name: str, command: List[str], log: Path, env: dict, deadline: float) -> bool:
@@ -416,7 +419,8 @@ def check(out: Path, data: Path, workdir: Path, methods: Sequence[str], precisio
         return report.data
     # The teacher passes run beside the trainings that do not read them; those that do wait for theirs
     # (submitted after both passes, so a pass has always started when one waits for it).
-    outputs = {"teacher-cache": planner.teacher_cache, "seqkd-data": planner.seqkd_data}
+    outputs = {"teacher-cache": planner.teacher_cache,
+               **{kind.replace("_", "-") + "-data": planner.seqkd_folder(kind) for kind in SEQKD_DATA}}
 
     def teacher_pass(name: str) -> bool:
         shutil.rmtree(outputs[name], ignore_errors=True)

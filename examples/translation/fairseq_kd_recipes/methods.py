@@ -12,8 +12,8 @@ listed flag value parses with fairseq-train's parser for its criterion.
 
 A :class:`Method` names the student it trains (a *role*, which each pair maps to an architecture
 in :mod:`fairseq_kd_recipes.pairs`), the registered fairseq criterion with the flags that select
-the paper's variant, and the training data (the original corpus, or the teacher's beam outputs for
-sequence-level KD). Weights not written here are the criterions' own defaults, which are the
+the paper's variant, and the training data (the original corpus, or a sequence-level KD corpus of
+:data:`SEQKD_DATA`). Weights not written here are the criterions' own defaults, which are the
 papers' values (see each criterion's config dataclass); a pair adds flags only where its paper
 differs (e.g. A2D's lambda = 0.1 on WMT'14).
 
@@ -31,7 +31,15 @@ from dataclasses import dataclass
 from typing import Mapping
 
 STUDENT_ROLES = ("student", "student_4h", "student_8h", "student_2l")
-DATA_KINDS = ("original", "seqkd")
+#: each sequence-level KD corpus: the fairseq-kd-seqkd flags beside the profile's beam and length
+#: limits (with ``--select``, the recipe adds ``--nbest`` = the beam and the pair's ``--remove-bpe``);
+#: its folder is ``WORKDIR/data-<kind>``, ``_`` written ``-``. Values: docs/methods/seq_kd.md
+SEQKD_DATA: Mapping[str, tuple[str, ...]] = {
+    "seqkd": (),
+    "seqkd_nbest": ("--select", "chrf", "--filter-keep-share", "0.95"),
+    "seqkd_mbr": ("--select", "mbr", "--filter-keep-share", "0.95"),
+}
+DATA_KINDS = ("original", *SEQKD_DATA)
 #: figures a method's training checkpoint can be drawn as (``fairseq-kd-plot`` sub-commands)
 FIGURES = ("alignment", "alp")
 
@@ -90,6 +98,13 @@ _METHOD_LIST = (
            "over the teacher's top 5, a = 0.5", "student", "tie_kd"),
     Method("seq_kd", "sequence-level KD (Kim & Rush 2016): CE on the teacher's beam-5 outputs",
            "student", "label_smoothed_cross_entropy", data="seqkd", uses_teacher=False),
+    Method("seq_kd_nbest", "sequence-level KD on the teacher's n-best: per source the hypothesis of highest "
+           "sentence chrF against the reference, the 5% of pairs of highest teacher cross-entropy removed "
+           "(mozilla/translations)", "student", "label_smoothed_cross_entropy", data="seqkd_nbest",
+           uses_teacher=False),
+    Method("seq_kd_mbr", "sequence-level KD on the teacher's n-best: per source the MBR hypothesis (mean chrF "
+           "against the others, Finkelstein et al. 2023), the 5% of highest cross-entropy removed",
+           "student", "label_smoothed_cross_entropy", data="seqkd_mbr", uses_teacher=False),
     Method("selective_kd", "selective KD (Wang et al. 2021), batch-level, word rate 0.5 (A2D Sec. 5.3)",
            "student", "selective_kd", ("--word-rate", "0.5", "--selection", "batch"), benchmarked=True),
     # global selection adds the FIFO queue of recent CE values (Wang et al. 2021: 30k tokens)

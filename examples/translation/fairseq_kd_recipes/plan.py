@@ -20,7 +20,7 @@ from .cluster import DEFAULT_PORT, Launch, resolve_launch
 from .execute import (MANIFEST_NAME, TRAIN_RECORD_NAME, CommandExecutor, RecipeError, check_checkpoint_folder,
                       console_script, python_module)
 from .hf_teacher import RAW_TEXT, HuggingFaceTeacher, method_problems, read_teacher
-from .methods import BASELINE, METHODS, TEACHER, Method, baseline_of
+from .methods import BASELINE, METHODS, SEQKD_DATA, TEACHER, Method, baseline_of
 from .pairs import BEAM, EVAL_BLEU_ARGS, LABEL_SMOOTHING, PAIRS, PairRecipe
 from .profiles import PROFILES, Profile
 from .systems import SystemDecoding, write_systems_sidecar
@@ -268,7 +268,7 @@ class _Planner:
         #: what every model trains on and is decoded from: the corpus, or its text in a Hugging Face
         #: teacher's vocabulary
         self.data = workdir / "data-hf" if hf_teacher is not None else self.corpus
-        self.seqkd_data = workdir / "data-seqkd"
+        self.seqkd_data = self.seqkd_folder("seqkd")
         self.teacher_cache = workdir / "teacher-cache"
         self.sidecar = workdir / "report" / "systems.json"
         self.steps: list[RecipeStep] = []
@@ -339,8 +339,8 @@ class _Planner:
         if self.options.teacher is None:
             self.add_teacher()
         self.add_evaluation(TEACHER)
-        if any(method.data == "seqkd" for method in self.methods):
-            self.add_seqkd()
+        for kind in dict.fromkeys(method.data for method in self.methods if method.data != "original"):
+            self.add_seqkd(kind)
         if any(method.teacher_cache for method in self.methods):
             self.add_teacher_cache()
         for method in self.methods:
@@ -509,7 +509,7 @@ class _Planner:
                           [self.data], False, "train the teacher")
 
     def add_student(self, method: Method) -> None:
-        data = self.seqkd_data if method.data == "seqkd" else self.data
+        data = self.data if method.data == "original" else self.seqkd_folder(method.data)
         task_args = ["--task", "translation_kd"]
         inputs = [data]
         if method.uses_teacher:
@@ -537,11 +537,19 @@ class _Planner:
         self.add(name, command, [self.data, self.checkpoint(TEACHER)], [output], description, self.device_flags,
                  self.launch.teacher_pass, array_command=with_placement(command, self.device_flags))
 
-    def add_seqkd(self) -> None:
+    def seqkd_folder(self, kind: str = "seqkd") -> Path:
+        return self.workdir / ("data-" + kind.replace("_", "-"))
+
+    def add_seqkd(self, kind: str = "seqkd") -> None:
         # the profile's output length limits, in fairseq-kd-seqkd's spelling (as fairseq-generate's)
-        self.add_teacher_pass("seqkd-data", "fairseq_kd.cli.seqkd_decode", self.seqkd_data,
-                              ["--beam", str(self.profile.beam or BEAM), *self.profile.generate_args],
-                              "decode the training set with the teacher (sequence-level KD)")
+        beam, flags = str(self.profile.beam or BEAM), list(SEQKD_DATA[kind])
+        if "--select" in flags:  # the n-best of the whole beam, compared as text without subwords
+            scheme = "sentencepiece" if self.hf_teacher is not None else self.pair.remove_bpe
+            flags += ["--nbest", beam, "--remove-bpe", scheme]
+        self.add_teacher_pass(f"{kind.replace('_', '-')}-data", "fairseq_kd.cli.seqkd_decode", self.seqkd_folder(kind),
+                              ["--beam", beam, *self.profile.generate_args, *flags],
+                              "decode the training set with the teacher (sequence-level KD"
+                              + (f", {kind})" if flags else ")"))
 
     def add_teacher_cache(self) -> None:
         self.add_teacher_pass("teacher-cache", "fairseq_kd.cli.teacher_cache", self.teacher_cache,
