@@ -84,6 +84,29 @@ def test_each_selection_picks_the_brute_force_arg_max_ties_by_teacher_rank(selec
     assert ranking(utilities("best", ["b", "a", "c"], "a")) == [0, 1, 2]
 
 
+def test_the_texts_compared_are_the_dictionary_strings_without_subwords():
+    """--remove-bpe subword_nmt: 'the ca@@ t' is the reference 'the cat'; none: 'the cats' is closer."""
+    from types import SimpleNamespace
+
+    from fairseq_kd.teacher_pass.selection import choose
+
+    dictionary = Dictionary()
+    ids = {symbol: dictionary.add_symbol(symbol) for symbol in ("the", "cats", "ca@@", "t", "cat", "a")}
+
+    def tokens(*symbols):
+        return torch.tensor([ids[symbol] for symbol in symbols] + [dictionary.eos()])
+
+    scored = [(tokens("a", "cat"), 0.5), (tokens("the", "ca@@", "t"), 0.25), (tokens("the", "cats"), 0.75)]
+    reference = tokens("the", "cat")
+    for scheme, expected in (("subword_nmt", [1, 2]), ("none", [2, 1])):
+        settings = SimpleNamespace(select="chrf", remove_bpe=scheme, keep_hypotheses=2)
+        chosen = choose(settings, dictionary, scored, reference)
+        assert [rank for rank, _, _ in chosen] == expected
+        assert all(torch.equal(t, scored[rank][0]) and ce == scored[rank][1] for rank, t, ce in chosen)
+    best = choose(SimpleNamespace(select="best", remove_bpe=None, keep_hypotheses=3), dictionary, scored, None)
+    assert [rank for rank, _, _ in best] == [0, 1, 2]
+
+
 def test_the_filter_keeps_under_the_threshold_or_the_share_of_lowest_cross_entropy():
     rng = random.Random(0)
     for _ in range(50):
@@ -213,7 +236,8 @@ def test_threshold_filter_removes_the_pairs_above_it(tiny_data_bin, tiny_teacher
                        log=quiet)
     expected = [hypotheses[0][0] for _, hypotheses in sorted(nbest_reference.items()) if hypotheses[0][1] <= threshold]
     assert read_split(output, "tgt") == expected
-    assert result.summary["filtered_pairs"] == SENTENCES - 301 and result.summary["kept_cross_entropy"]["max"] <= threshold
+    assert result.summary["filtered_pairs"] == SENTENCES - 301
+    assert result.summary["kept_cross_entropy"]["max"] <= threshold
 
 
 def test_the_record_holds_every_choice_and_a_rerun_with_another_is_refused_naming_it(tiny_data_bin, tiny_teacher,
@@ -282,9 +306,10 @@ def test_resumed_and_job_array_runs_write_the_straight_runs_bytes(tiny_data_bin,
 
 
 # ------------------------------------------------------------------------ the other engines
-def test_ctranslate2_and_transformers_engines_select_and_filter_alike(tiny_data_bin, tiny_teacher, runs, tmp_path):
-    """Each engine's n-best through the same selection and the same teacher-forced cross-entropy:
-    with the teacher's order its top hypothesis is the engine's 1-best, and the filter keeps its share."""
+def test_ctranslate2_and_transformers_engines_give_their_nbest_with_a_cross_entropy(tiny_data_bin, tiny_teacher,
+                                                                                     tmp_path):
+    """Each engine's n-best, kept whole in the teacher's order: every source's first hypothesis is
+    the engine's 1-best, and the filter's teacher-forced cross-entropy is computed for every pair."""
     pytest.importorskip("ctranslate2")
     pytest.importorskip("transformers")
     from fairseq_kd.cli import export_student
@@ -292,15 +317,36 @@ def test_ctranslate2_and_transformers_engines_select_and_filter_alike(tiny_data_
     hf_teacher = tmp_path / "teacher_hf"
     export_student.cli_main([str(tiny_teacher), str(hf_teacher), "--format", "hf"])
     for engine, teacher in (("ctranslate2", tiny_teacher), ("transformers", hf_teacher)):
-        one_best = seqkd.run(config(tiny_data_bin, teacher, tmp_path / f"{engine}1", engine=engine, beam=4),
-                             log=quiet)
-        nbest = seqkd.run(config(tiny_data_bin, teacher, tmp_path / f"{engine}4", engine=engine, beam=4, nbest=4,
-                                 keep_hypotheses=4, filter_keep_share=0.5), log=quiet)
-        assert one_best.status == nbest.status == "complete"
-        targets = read_split(tmp_path / f"{engine}4", "tgt")
-        assert len(targets) == nbest.summary["distilled_pairs"] == 800 == nbest.summary["filtered_pairs"]
-        ranked = seqkd.run(config(tiny_data_bin, teacher, tmp_path / f"{engine}4best", engine=engine, beam=4,
-                                  nbest=4), log=quiet)
-        assert ranked.summary["mean_chosen_rank"] == 1.0
-        for name in FILES:
-            assert filecmp.cmp(tmp_path / f"{engine}1" / name, tmp_path / f"{engine}4best" / name, shallow=False)
+        seqkd.run(config(tiny_data_bin, teacher, tmp_path / f"{engine}1", engine=engine, beam=2), log=quiet)
+        nbest = seqkd.run(config(tiny_data_bin, teacher, tmp_path / f"{engine}2", engine=engine, beam=2, nbest=2,
+                                 keep_hypotheses=2, filter_max_ce=1e9), log=quiet)
+        targets = read_split(tmp_path / f"{engine}2", "tgt")
+        assert len(targets) == 2 * SENTENCES and targets[::2] == read_split(tmp_path / f"{engine}1", "tgt")
+        assert read_split(tmp_path / f"{engine}2", "src")[::2] == read_split(tiny_data_bin, "src")
+        assert all(a != b for a, b in zip(targets[::2], targets[1::2]))  # two hypotheses, not one twice
+        assert nbest.summary["filtered_pairs"] == 0 and nbest.summary["mean_chosen_rank"] == 1.0
+        assert 0 < nbest.summary["kept_cross_entropy"]["mean"] <= nbest.summary["kept_cross_entropy"]["max"] < 50
+
+
+# ------------------------------------------------------------------------ the recipe's rows
+def test_each_recipe_row_runs_its_own_teacher_pass_with_the_rows_settings(tmp_path):
+    """fairseq-kd-recipe --methods seq_kd,seq_kd_nbest,seq_kd_mbr: three passes, each a command
+    fairseq-kd-seqkd accepts (the n-best of the profile's whole beam, the pair's subword scheme),
+    each student on its own pass's folder."""
+    from fairseq_kd.cli.seqkd_decode import build_parser
+    from fairseq_kd.teacher_pass.selection import selection_problem
+    from fairseq_kd_recipes.plan import RecipeOptions, build_plan
+
+    plan = build_plan(RecipeOptions(pair="iwslt14_de_en", methods=["seq_kd", "seq_kd_nbest", "seq_kd_mbr"],
+                                    profile="smoke", workdir=tmp_path / "work"), device_count=lambda: 0)
+    expected = {"seq_kd": ("seqkd", 1, "best", None), "seq_kd_nbest": ("seqkd-nbest", 2, "chrf", "subword_nmt"),
+                "seq_kd_mbr": ("seqkd-mbr", 2, "mbr", "subword_nmt")}
+    for method, (kind, nbest, select, scheme) in expected.items():
+        command = plan.step(f"{kind}-data").commands[0]
+        assert command[1:3] == ["-m", "fairseq_kd.cli.seqkd_decode"]
+        args = build_parser().parse_args(command[3:])
+        assert (args.beam, args.nbest, args.select, args.remove_bpe) == (2, nbest, select, scheme)
+        assert args.filter_keep_share == (None if method == "seq_kd" else 0.95) and args.output.endswith(f"data-{kind}")
+        assert selection_problem(args) is None
+        train = plan.step(f"train-{method}").commands[0]
+        assert str(tmp_path / "work" / f"data-{kind}") in train

@@ -8,11 +8,35 @@ teacher's order. Rationale and references: ``docs/design/teacher_passes.md``.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from ..scoring.detok import BPE_SCHEMES, remove_bpe
+
 SELECTIONS = ("best", "chrf", "bleu", "mbr")
+
+
+def selection_problem(config) -> Optional[str]:
+    """What is wrong with the n-best flags of a ``SeqKDConfig``, in one line (None: nothing)."""
+    if not 1 <= config.nbest <= config.beam:
+        return f"--nbest must be between 1 and --beam ({config.beam}), got {config.nbest}"
+    if config.select not in SELECTIONS:
+        return f"--select {config.select!r}: choose one of {', '.join(SELECTIONS)}"
+    if config.select != "best" and config.nbest < 2:
+        return f"--select {config.select} chooses among the n-best: give --nbest 2 or more"
+    if config.select != "best" and config.remove_bpe not in BPE_SCHEMES:
+        return (f"--select {config.select} compares text: give --remove-bpe, one of {', '.join(BPE_SCHEMES)} "
+                f"(how --data's subwords are undone), got {config.remove_bpe}")
+    if not 1 <= config.keep_hypotheses <= config.nbest:
+        return f"--keep-hypotheses must be between 1 and --nbest ({config.nbest}), got {config.keep_hypotheses}"
+    if config.filter_max_ce is not None and config.filter_keep_share is not None:
+        return "give --filter-max-ce or --filter-keep-share, not both"
+    if config.filter_max_ce is not None and not 0 <= config.filter_max_ce < math.inf:
+        return f"--filter-max-ce must be a cross-entropy >= 0, got {config.filter_max_ce}"
+    if config.filter_keep_share is not None and not 0 < config.filter_keep_share <= 1:
+        return f"--filter-keep-share must be in (0, 1], got {config.filter_keep_share}"
+    return None
 
 
 def utilities(select: str, hypotheses: Sequence[str], reference: Optional[str] = None) -> List[float]:
@@ -34,6 +58,21 @@ def utilities(select: str, hypotheses: Sequence[str], reference: Optional[str] =
 def ranking(values: Sequence[float]) -> List[int]:
     """Indices by decreasing utility, ties in increasing index (the teacher's rank)."""
     return sorted(range(len(values)), key=lambda i: (-values[i], i))
+
+
+def choose(config, dictionary, scored: Sequence[Tuple[torch.Tensor, float]], reference=None) -> list:
+    """``(teacher rank, tokens, cross-entropy)`` of the ``config.keep_hypotheses`` best of one
+    source's n-best ``scored`` (``(tokens, cross-entropy)`` in the teacher's order) by
+    ``config.select``, best first; texts are ``dictionary``'s strings (``reference``: the pair's
+    target ids), subwords undone by ``config.remove_bpe``."""
+    order = range(len(scored))
+    if config.select != "best":
+        def text(tokens):
+            return remove_bpe(dictionary.string(tokens), config.remove_bpe)
+
+        order = ranking(utilities(config.select, [text(tokens) for tokens, _ in scored],
+                                  text(reference) if config.select != "mbr" else None))
+    return [(rank, *scored[rank]) for rank in list(order)[:config.keep_hypotheses]]
 
 
 def kept_by_cross_entropy(cross_entropy: Sequence[float], max_ce: Optional[float] = None,

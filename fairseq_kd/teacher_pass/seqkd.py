@@ -32,14 +32,14 @@ from ..deploy.export_ctranslate2 import QUANTIZATIONS
 from ..errors import FOLDER, OUTPUT_FOLDER, InputError, PathError, require_path
 from ..fingerprint import fingerprint, fingerprint_files, record_sha256, write_json
 from ..models.teacher import is_hugging_face_folder, teacher_file_problem
-from ..scoring.detok import BPE_SCHEMES, remove_bpe
-from .selection import SELECTIONS, kept_by_cross_entropy, ranking, teacher_cross_entropy, utilities
+from ..scoring.detok import BPE_SCHEMES
 from .common import (JOB_ARRAY, MERGED, MERGED_BEFORE, SHARDS_REMAIN, Workers, check_max_tokens, create_record,
                      device_kind, identity, identity_differences, infer_languages, is_temporary, job_array_worker,
                      length_ordered_indices, load_split, load_teacher, merge_lock, merge_when_complete,
                      num_shards_field, on_device, pick_device, rank_group, read_record, refuse_shard, shard_batches,
                      shard_id_field, shard_problem, shard_progress, shard_range, split_files, teacher_fingerprint,
                      translation_task, user_folders, wait_for_ranks, workers_for, write_shard)
+from .selection import SELECTIONS, choose, kept_by_cross_entropy, selection_problem, teacher_cross_entropy
 
 MANIFEST_NAME = "seqkd.json"
 WORK_DIR_NAME = "seqkd_work"
@@ -270,28 +270,9 @@ def _check_flags(config: SeqKDConfig) -> None:
         raise SeqKDError(f"--max-shards must be >= 1, got {config.max_shards}")
     if config.fp16 and (config.cpu or not torch.cuda.is_available()):
         raise SeqKDError("--fp16 needs a CUDA device (and no --cpu)")
-    _check_selection_flags(config)
-
-
-def _check_selection_flags(config: SeqKDConfig) -> None:
-    if not 1 <= config.nbest <= config.beam:
-        raise SeqKDError(f"--nbest must be between 1 and --beam ({config.beam}), got {config.nbest}")
-    if config.select not in SELECTIONS:
-        raise SeqKDError(f"--select {config.select!r}: choose one of {', '.join(SELECTIONS)}")
-    if config.select != "best" and config.nbest < 2:
-        raise SeqKDError(f"--select {config.select} chooses among the n-best: give --nbest 2 or more")
-    if config.select != "best" and config.remove_bpe not in BPE_SCHEMES:
-        raise SeqKDError(f"--select {config.select} compares text: give --remove-bpe, one of {', '.join(BPE_SCHEMES)} "
-                         f"(how --data's subwords are undone), got {config.remove_bpe}")
-    if not 1 <= config.keep_hypotheses <= config.nbest:
-        raise SeqKDError(f"--keep-hypotheses must be between 1 and --nbest ({config.nbest}), got "
-                         f"{config.keep_hypotheses}")
-    if config.filter_max_ce is not None and config.filter_keep_share is not None:
-        raise SeqKDError("give --filter-max-ce or --filter-keep-share, not both")
-    if config.filter_max_ce is not None and not 0 <= config.filter_max_ce < math.inf:
-        raise SeqKDError(f"--filter-max-ce must be a cross-entropy >= 0, got {config.filter_max_ce}")
-    if config.filter_keep_share is not None and not 0 < config.filter_keep_share <= 1:
-        raise SeqKDError(f"--filter-keep-share must be in (0, 1], got {config.filter_keep_share}")
+    problem = selection_problem(config)
+    if problem is not None:
+        raise SeqKDError(problem)
 
 
 def plan(config: SeqKDConfig) -> _Plan:
@@ -467,7 +448,8 @@ def _load(plan_: _Plan, workers: Workers):
             raise SeqKDError("--engine ctranslate2: this CTranslate2 build sees no CUDA device; pass --cpu "
                              "or install a CUDA build of CTranslate2")
         # the torch model stays on the CPU, unused, unless it computes the filter's cross-entropy
-        return task, dataset, on_device(teacher.model, device, False) if plan_.config.filtering else teacher.model, device
+        model = on_device(teacher.model, device, False) if plan_.config.filtering else teacher.model
+        return task, dataset, model, device
     if plan_.config.engine == "transformers":
         from ..deploy.hf_engine import HuggingFaceDecodingError, first_target_symbol
 
@@ -589,7 +571,9 @@ def _decode_shard(plan_: _Plan, dataset, decode: Decoder, ordered, index: int,
         scored = decode(sample)
         if len(scored) != len(sentence_ids):
             raise RuntimeError(f"shard {index}: {len(scored)} hypotheses for a batch of {len(sentence_ids)}")
-        chosen.update((i, _choose(plan_.config, dataset, i, hypotheses)) for i, hypotheses in zip(sentence_ids, scored))
+        for i, hypotheses in zip(sentence_ids, scored):
+            reference = None if dataset.tgt is None else dataset.tgt[i]
+            chosen[i] = choose(plan_.config, dataset.tgt_dict, hypotheses, reference)
         on_batch(len(batch))
     ids = list(range(first, last))
     if sorted(chosen) != ids:
@@ -609,19 +593,6 @@ def _decode_shard(plan_: _Plan, dataset, decode: Decoder, ordered, index: int,
     torch.save(shard, payload)
     write_shard(plan_.shard_path(index), payload.getvalue(), plan_.identity_digest, index, (first, last))
     return len(ids)
-
-
-def _choose(config: SeqKDConfig, dataset, sentence_id: int, scored: List[Tuple[torch.Tensor, float]]) -> list:
-    """``(teacher rank, tokens, cross-entropy)`` of the ``--keep-hypotheses`` best of one sentence's
-    n-best by ``--select``, best first; texts are the dictionary's strings, subwords undone."""
-    order = range(len(scored))
-    if config.select != "best":
-        def text(tokens):
-            return remove_bpe(dataset.tgt_dict.string(tokens), config.remove_bpe)
-
-        reference = text(dataset.tgt[sentence_id]) if config.select != "mbr" else None
-        order = ranking(utilities(config.select, [text(tokens) for tokens, _ in scored], reference))
-    return [(rank, *scored[rank]) for rank in list(order)[:config.keep_hypotheses]]
 
 
 def _read_shard(plan_: _Plan, index: int, sentences: int) -> dict:
@@ -701,9 +672,9 @@ def _binarize(plan_: _Plan, dataset, task, shard_count: int) -> dict:
     for lang in (plan_.src, plan_.tgt):
         for suffix in (".bin", ".idx"):
             os.replace(str(staging / plan_.output_prefix(lang).name) + suffix, str(plan_.output_prefix(lang)) + suffix)
-    summary = {"pairs": distilled + (sentences if plan_.config.mix_original else 0), "distilled_pairs": distilled,
-               "filtered_pairs": pair - distilled, "original_pairs": sentences if plan_.config.mix_original else 0,
-               "mean_chosen_rank": 1 + sum(first_ranks) / sentences}
+    original = sentences if plan_.config.mix_original else 0
+    summary = {"pairs": distilled + original, "distilled_pairs": distilled, "filtered_pairs": pair - distilled,
+               "original_pairs": original, "mean_chosen_rank": 1 + sum(first_ranks) / sentences}
     if kept is not None:
         summary["kept_cross_entropy"] = {"mean": sum(kept_ce) / max(len(kept_ce), 1), "max": max(kept_ce, default=None)}
     return {**stats, "summary": summary}
