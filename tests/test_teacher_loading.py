@@ -170,6 +170,8 @@ def test_a_file_that_is_no_fairseq_checkpoint_is_one_line_and_a_bug_keeps_its_tr
     """A teacher file cut short, text, a pickle of something else and another program's dict are one
     line naming the file, from the errors torch's reader and fairseq's upgrade of old checkpoints
     raise for them; any other error of the loading code (a bug) keeps its own class and traceback."""
+    import pickle
+
     import pytest
 
     import fairseq_kd.models.from_checkpoint as from_checkpoint
@@ -181,10 +183,11 @@ def test_a_file_that_is_no_fairseq_checkpoint_is_one_line_and_a_bug_keeps_its_tr
     (tmp_path / "empty.pt").write_bytes(b"")
     (tmp_path / "text.pt").write_bytes("a text file\n".encode())
     torch.save([1, 2, 3], tmp_path / "a_list.pt")
+    (tmp_path / "plain_pickle.pt").write_bytes(pickle.dumps({"cfg": None, "model": {}}))
     torch.save({"state_dict": {"weight": torch.zeros(2)}}, tmp_path / "foreign_dict.pt")
     torch.save({"cfg": {"task": {}}, "model": {}, "optimizer_history": [{"best_loss": 1.0}],
                 "extra_state": {"train_iterator": None}}, tmp_path / "no_model_config.pt")
-    for name in ("cut_short", "empty", "text", "a_list", "foreign_dict", "no_model_config"):
+    for name in ("cut_short", "empty", "text", "a_list", "plain_pickle", "foreign_dict", "no_model_config"):
         path = str(tmp_path / f"{name}.pt")
         with pytest.raises(TeacherCheckpointError) as refused:
             FrozenTeacher.load(path, kd_task)

@@ -124,7 +124,7 @@ def _get(container, key, default=None):
         return container.get(key, default)
     try:
         return container.get(key, default)
-    except Exception:  # noqa: BLE001
+    except (AttributeError, TypeError):  # a Namespace (no get), or another get
         return getattr(container, key, default)
 
 
@@ -168,14 +168,15 @@ def _peek(path: str) -> dict:
 
 def _option_differences(saved_cfg, current_cfg) -> list:
     """``--flag: X in the checkpoint, Y in this run`` for every criterion option that differs."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     saved = {k: v for k, v in dict(saved_cfg or {}).items()}
     try:
-        from omegaconf import OmegaConf
-
         current = OmegaConf.to_container(current_cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(current_cfg) else dict(current_cfg or {})
         if OmegaConf.is_config(saved_cfg):
             saved = OmegaConf.to_container(saved_cfg, resolve=True, enum_to_str=True)
-    except Exception:  # noqa: BLE001
+    except OmegaConfBaseException:  # a ${...} that does not resolve in a config saved apart from its root
         current = dict(current_cfg or {})
     differences = []
     if saved.get("_name") != current.get("_name"):
