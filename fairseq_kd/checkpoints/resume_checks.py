@@ -90,8 +90,7 @@ def check_resumed_binding(recorded: Optional[dict], current: dict, allow_teacher
                 f"was trained with (sha256 {_short(recorded.get(key))}, "
                 f"{(recorded.get('dictionary_sizes') or ['?', '?'])[side == 'target']} symbols): the "
                 "student's embeddings index the old symbols. Resume with the original data folder "
-                "or start a new run (another --save-dir)."
-            )
+                "or start a new run (another --save-dir).")
     if recorded.get("teacher_sha256") == current["teacher_sha256"]:
         return list(recorded.get("teacher_changes") or [])
     was = (f"{recorded.get('teacher_path')!r} (sha256 {_short(recorded.get('teacher_sha256'))})"
@@ -103,12 +102,10 @@ def check_resumed_binding(recorded: Optional[dict], current: dict, allow_teacher
             f"resume refused: the checkpoint was trained with teacher {was}, but this run's "
             f"--teacher-checkpoint is {now}; continuing would mix two teachers in one run. Pass "
             "the original teacher, start a new run (another --save-dir), or pass "
-            "--allow-teacher-change to switch teachers on purpose."
-        )
+            "--allow-teacher-change to switch teachers on purpose.")
     logger.warning(f"--allow-teacher-change: resuming a run trained with teacher {was} with teacher {now}")
     return list(recorded.get("teacher_changes") or []) + [
-        {"teacher_sha256": recorded.get("teacher_sha256"), "teacher_path": recorded.get("teacher_path")}
-    ]
+        {"teacher_sha256": recorded.get("teacher_sha256"), "teacher_path": recorded.get("teacher_path")}]
 
 
 # --------------------------------------------------------------------------- best checkpoint and resume
@@ -228,8 +225,7 @@ def check_criterion_state_fits(state: dict, criterion, current_criterion_cfg, pa
     raise ResumeMismatchError(
         f"resume refused: the criterion state in {path} does not fit this run's criterion "
         f"({'; '.join(problems)}); {options}. Resume with the checkpoint's options, or start a new run "
-        "(another --save-dir)."
-    )
+        "(another --save-dir).")
 
 
 def _guarded_load_checkpoint(original, cfg, trainer, **kwargs):
@@ -264,8 +260,7 @@ def _guarded_load_checkpoint(original, cfg, trainer, **kwargs):
                 f"best would be overwritten. Keep it under another name first (mv {best_path} "
                 f"{best_path[:-3]}.{best_file_selection.get('criterion')}-{best_file_selection['metric']}.pt), "
                 "use another --save-dir, or select by a metric both runs share (--best-checkpoint-metric "
-                "nll_loss)."
-            )
+                "nll_loss).")
 
     real_loader = checkpoint_utils.load_checkpoint_to_cpu
     fallback = {}

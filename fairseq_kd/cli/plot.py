@@ -58,8 +58,7 @@ def figure_weights_from_checkpoint(figure: str, checkpoint: Path) -> dict:
         raise InputError(
             f"--checkpoint {str(checkpoint)!r} has no criterion parameters; alignment weights exist only "
             "in checkpoints written by fairseq-train --criterion a2d_kd (with --a2d-lambda > 0), not "
-            "in exported students or teachers"
-        )
+            "in exported students or teachers")
     try:
         return alignment_weights_from_state(criterion_state)
     except AlignmentShapeError as error:

@@ -35,11 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a system and its score record JSON or fairseq-generate output; repeat per system "
                              "(table rows keep this order)")
     parser.add_argument(
-        "--baseline",
-        metavar="NAME",
-        default=None,
-        help="system that every other one is compared with (difference and sacreBLEU's paired p-values)",
-    )
+        "--baseline", metavar="NAME", default=None,
+        help="system that every other one is compared with (difference and sacreBLEU's paired p-values)")
     parser.add_argument("--params", action="append", default=[], metavar="NAME=N",
                         help="parameter count of a system (shipped model, without training-only modules); repeat")
     parser.add_argument("--speed", action="append", default=[], metavar="NAME=SENTS_PER_SEC",

@@ -42,14 +42,11 @@ def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
                        help="Moses-detokenise for target language LANG (sacremoses) after removing BPE; only for "
                             "recipes that Moses-tokenised the text (IWSLT'14), never for SentencePiece recipes")
     group.add_argument(
-        "--detok-hf",
-        metavar="DIR",
-        default=None,
+        "--detok-hf", metavar="DIR", default=None,
         help="the output's data was binarised in the vocabulary of the Hugging Face model in DIR "
-        "(fairseq-kd-hf-data --teacher DIR): its tokenizer turns the tokens into text (target side; "
-        "language tags and </s> dropped), instead of --remove-bpe and --detok-moses. Needs pip install "
-        "'fairseq-kd[hf]'",
-    )
+             "(fairseq-kd-hf-data --teacher DIR): its tokenizer turns the tokens into text (target side; "
+             "language tags and </s> dropped), instead of --remove-bpe and --detok-moses. Needs pip install "
+             "'fairseq-kd[hf]'")
     group.add_argument("--ref-is-plain", action="store_true",
                        help="the --ref file is already plain detokenised text: apply --remove-bpe and "
                             "--detok-moses to the hypotheses only")
@@ -65,12 +62,9 @@ def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"shuffles of the paired approximate randomisation test (sacrebleu --paired-ar-n), 0 to "
                             f"skip it (default: {DEFAULT_N_TRIALS})")
     group.add_argument(
-        "--seed",
-        type=int,
-        default=DEFAULT_SEED,
+        "--seed", type=int, default=DEFAULT_SEED,
         help=f"sacreBLEU's SACREBLEU_SEED for the resampling; the default {DEFAULT_SEED} is sacreBLEU's, "
-        "so every number matches the sacrebleu command run on the same text",
-    )
+             "so every number matches the sacrebleu command run on the same text")
 
 
 def scoring_settings(args: argparse.Namespace) -> Tuple[TextProcessing, BleuSettings]:
@@ -131,8 +125,7 @@ def check_outputs_are_not_inputs(outputs, inputs) -> None:
             if out_path is not None and in_path is not None and same_file(out_path, in_path):
                 raise InputError(
                     f"{out_flag} {str(out_path)!r} is the {in_flag} input file; writing it would destroy "
-                    "the input. Choose another output path."
-                )
+                    "the input. Choose another output path.")
 
 
 def split_name_and_path(value: str, flag: str) -> tuple:
@@ -153,9 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--ref", type=Path, metavar="FILE",
         help="references, one line per test sentence: line-parallel to --hyp, or, with "
-        "--generate-output, line i for sentence id i (e.g. the untouched raw/test.LANG a preparation "
-        "keeps), used instead of the T- lines",
-    )
+             "--generate-output, line i for sentence id i (e.g. the untouched raw/test.LANG a preparation "
+             "keeps), used instead of the T- lines")
     add_scoring_arguments(parser)
     add_completeness_arguments(parser)
     parser.add_argument("--system", default=None,
@@ -231,8 +223,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         if args.generate_output is not None:
             system = score_generate_output(
                 args.system, args.generate_output, processing, args.settings, args.bootstrap, args.seed,
-                args.expected, args.allow_partial, args.ref, args.ref_is_plain,
-            )
+                args.expected, args.allow_partial, args.ref, args.ref_is_plain)
         else:
             system = score_text_files(args.system, args.hyp, args.ref, processing, args.settings, args.bootstrap,
                                       args.seed, ref_is_plain=args.ref_is_plain)

@@ -440,8 +440,7 @@ def word_level_kd(student_logits: Tensor, teacher_logits: Tensor, target_mask: T
 
 def topk_word_level_kd(
     student_logits: Tensor, teacher_topk_logprobs: Tensor, teacher_topk_ids: Tensor, target_mask: Tensor,
-    temperature: float = 1.0, rows: Optional[int] = None,
-) -> Tensor:
+    temperature: float = 1.0, rows: Optional[int] = None) -> Tensor:
     """Word-level KD from a cached teacher (:mod:`fairseq_kd.teacher_pass.teacher_cache`):
     ``tau^2 * sum_t sum_i q_i (log q_i - log p_S^tau(id_i | t))``, where ``q`` is the softmax of the
     teacher's ``k`` stored log-probabilities divided by ``tau`` (the teacher renormalised to its top

@@ -91,8 +91,7 @@ def masked_row_kl(student_log_probs: Tensor, mask: Tensor, teacher_probs: Tensor
 def projected_mse_sum(
     student_states: Tensor, student_layers: Tensor, weight: Tensor, bias: Optional[Tensor],
     teacher_states: Tensor, teacher_layers: Tensor, padding_mask: Tensor, pair_weight: Optional[Tensor] = None,
-    rows: Optional[int] = None,
-) -> Tensor:
+    rows: Optional[int] = None) -> Tensor:
     """``sum_p w_p sum_t mean_k ((h_S^{s_p}[t] W_p + b_p) - h_T^{t_p}[t])_k^2`` over layer pairs ``p``
     and real positions ``t``: the student's states mapped to the teacher's width and compared
     with the teacher's, the MSE of two vectors a mean over the ``d_T`` features (CKD's student-side

@@ -204,12 +204,10 @@ def build_spec(loaded: LoadedTransformer):
     model = loaded.model
     encoder, decoder = model.encoder, model.decoder
     spec = transformer_spec.TransformerSpec.from_config(
-        (len(encoder.layers), len(decoder.layers)),
-        encoder.layers[0].self_attn.num_heads,
+        (len(encoder.layers), len(decoder.layers)), encoder.layers[0].self_attn.num_heads,
         pre_norm=bool(encoder.layers[0].normalize_before),
         activation=getattr(common_spec.Activation, _ACTIVATIONS[loaded.activation_fn]),
-        layernorm_embedding=getattr(encoder, "layernorm_embedding", None) is not None,
-    )
+        layernorm_embedding=getattr(encoder, "layernorm_embedding", None) is not None)
     with torch.no_grad():
         ct2_fairseq.set_transformer_encoder(spec.encoder, encoder)
         ct2_fairseq.set_transformer_decoder(spec.decoder, decoder)

@@ -115,15 +115,13 @@ def _config(transformers, family: str, loaded: LoadedTransformer):
         decoder_attention_heads=decoder.layers[0].self_attn.num_heads,
         encoder_ffn_dim=encoder.layers[0].fc1.out_features, decoder_ffn_dim=decoder.layers[0].fc1.out_features,
         activation_function=ACTIVATIONS[loaded.activation_fn], max_position_embeddings=max_positions,
-        scale_embedding=encoder.embed_scale != 1.0,
-        dropout=float(getattr(encoder.dropout_module, "p", 0.0)),
+        scale_embedding=encoder.embed_scale != 1.0, dropout=float(getattr(encoder.dropout_module, "p", 0.0)),
         attention_dropout=float(encoder.layers[0].self_attn.dropout_module.p),
         activation_dropout=float(getattr(encoder.layers[0].activation_dropout_module, "p", 0.0)),
         encoder_layerdrop=0.0, decoder_layerdrop=0.0,
         bos_token_id=dictionary.bos(), pad_token_id=dictionary.pad(), eos_token_id=dictionary.eos(),
         decoder_start_token_id=dictionary.eos(), forced_eos_token_id=None,
-        tie_word_embeddings=shared_all, is_encoder_decoder=True,
-    )
+        tie_word_embeddings=shared_all, is_encoder_decoder=True)
     if family == "marian":
         return transformers.MarianConfig(**common, decoder_vocab_size=len(dictionary),
                                          share_encoder_decoder_embeddings=shared_all)
@@ -138,8 +136,7 @@ def _generation_config(transformers, config, loaded: LoadedTransformer):
         decoder_start_token_id=dictionary.eos(), bos_token_id=dictionary.bos(), eos_token_id=dictionary.eos(),
         pad_token_id=dictionary.pad(), forced_eos_token_id=None, num_beams=1, do_sample=False,
         max_new_tokens=min(200, int(loaded.model.max_positions()[1]) - 1), min_new_tokens=1,
-        suppress_tokens=[dictionary.pad()],
-    )
+        suppress_tokens=[dictionary.pad()])
 
 
 def hf_state_dict(family: str, loaded: LoadedTransformer, max_positions: int) -> dict:

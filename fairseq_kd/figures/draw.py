@@ -189,8 +189,7 @@ def plot_training_curves(
     missing = [key for key in extra_keys if key not in present]
     if missing:
         raise InputError(
-            f"--keys {', '.join(missing)}: not in the log; it has {', '.join(sorted(present)) or 'no statistics'}"
-        )
+            f"--keys {', '.join(missing)}: not in the log; it has {', '.join(sorted(present)) or 'no statistics'}")
     keys = curve_keys(records, extra_keys)
     if not keys:
         raise InputError("the log has no statistic ending in 'loss'; name some with --keys")

@@ -92,8 +92,7 @@ def _check_embedding_sizes(path: str, state: dict, dictionaries: Dict[str, Dicti
         if rows is not None and rows != len(dictionaries[side]):
             raise TeacherCheckpointError(
                 f"{FLAG} {path!r}: the teacher's {side} embedding has {rows} symbols but the data's "
-                f"{side} dictionary has {len(dictionaries[side])}. {HOW_TO_FIX}"
-            )
+                f"{side} dictionary has {len(dictionaries[side])}. {HOW_TO_FIX}")
 
 
 def _compare_dictionary_files(path: str, folder: str, origin: str, dictionaries: Dict[str, Dictionary],
@@ -128,8 +127,7 @@ def _compare_dictionary_files(path: str, folder: str, origin: str, dictionaries:
             raise TeacherCheckpointError(
                 f"{FLAG} {path!r}: the teacher's {side} dictionary ({files[side]}, {origin}) differs "
                 f"from the data's ({len(teacher_dict)} vs {len(dictionary)} symbols, first difference "
-                f"at index {_first_difference(teacher_dict.symbols, dictionary.symbols)}). {HOW_TO_FIX}"
-            )
+                f"at index {_first_difference(teacher_dict.symbols, dictionary.symbols)}). {HOW_TO_FIX}")
     return f"compared symbol for symbol with {origin} {folder}"
 
 
@@ -146,8 +144,7 @@ def _compare_with_teacher_data(path: str, teacher_data: str, dictionaries: Dict[
     except _Unverifiable as err:
         raise TeacherCheckpointError(
             f"{TEACHER_DATA_FLAG}: {err}; pass the folder holding the teacher's dictionaries "
-            "(its fairseq-preprocess --destdir)."
-        ) from None
+            "(its fairseq-preprocess --destdir).") from None
 
 
 def _compare_with_recorded_hashes(path: str, binding: dict, dictionaries: Dict[str, Dictionary]) -> str:
@@ -158,8 +155,7 @@ def _compare_with_recorded_hashes(path: str, binding: dict, dictionaries: Dict[s
             raise TeacherCheckpointError(
                 f"{FLAG} {path!r}: the teacher's {side} dictionary (sha256 {recorded[:12]}, recorded in "
                 f"the checkpoint) differs from the data's (sha256 {dictionary_sha256(dictionary)[:12]}). "
-                f"{HOW_TO_FIX}"
-            )
+                f"{HOW_TO_FIX}")
     return "compared with the dictionary hashes the checkpoint records"
 
 

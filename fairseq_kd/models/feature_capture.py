@@ -222,8 +222,7 @@ def attention_modules(model: nn.Module, kind: str) -> List[nn.Module]:
     except AttributeError as err:
         raise NotATransformerError(
             f"{type(model).__name__} does not have the layout of a fairseq encoder-decoder "
-            f"Transformer (encoder.layers[i].self_attn, decoder.layers[i].self_attn/encoder_attn): {err}"
-        ) from err
+            f"Transformer (encoder.layers[i].self_attn, decoder.layers[i].self_attn/encoder_attn): {err}") from err
     raise ValueError(f"unknown attention kind {kind!r}")
 
 
@@ -280,11 +279,9 @@ class FeatureCapture:
             for module in (modules[index] for index in indices):
                 if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
                     raise NotATransformerError(
-                        "attention capture does not support add_bias_kv / add_zero_attn attention"
-                    )
+                        "attention capture does not support add_bias_kv / add_zero_attn attention")
                 self._handles.append(
-                    module.register_forward_pre_hook(self._make_attention_hook(records), with_kwargs=True)
-                )
+                    module.register_forward_pre_hook(self._make_attention_hook(records), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._make_map_hook(records)))
                 if self.request.attention_values:
                     self._handles.append(module.v_proj.register_forward_hook(

@@ -347,8 +347,7 @@ class HuggingFaceTeacherModel(nn.Module):
         except (AttributeError, TypeError) as err:
             raise NotATransformerError(
                 f"the {type(model).__name__} model does not have the layer layout whose attention and hidden "
-                f"states the adapter reads (encoder/decoder .layers[i].self_attn, .encoder_attn): {err}"
-            ) from None
+                f"states the adapter reads (encoder/decoder .layers[i].self_attn, .encoder_attn): {err}") from None
         return encoder, decoder
 
     def transformer_shape(self) -> TransformerShape:

@@ -125,8 +125,7 @@ class FrozenTeacher:
         verified = check_dictionaries(
             path, state, task.source_dictionary, task.target_dictionary, cfg,
             teacher_data=teacher_data if teacher_data is not None else getattr(task_cfg, "teacher_data", None),
-            data_langs=(getattr(task_cfg, "source_lang", None), getattr(task_cfg, "target_lang", None)),
-        )
+            data_langs=(getattr(task_cfg, "source_lang", None), getattr(task_cfg, "target_lang", None)))
         logger.info(f"{FLAG} {path}: dictionaries {verified}")
         try:
             model = build_checkpoint_model(state, task)
@@ -186,8 +185,7 @@ def _read_teacher_checkpoint(path: str) -> dict:
     except NotATransformerCheckpointError as err:
         raise TeacherCheckpointError(
             f"{FLAG} {path!r} holds a {err.model_type!r} model, not an encoder-decoder Transformer "
-            "(fairseq's transformer family); distillation needs a Transformer teacher."
-        ) from None
+            "(fairseq's transformer family); distillation needs a Transformer teacher.") from None
     except UnreadableCheckpointError as err:
         raise TeacherCheckpointError(f"{FLAG} {path!r} is not a readable fairseq checkpoint: {err.reason}") from err
     except OSError as err:  # the system's, reading a file that passed teacher_file_problem

@@ -111,14 +111,12 @@ class AttentionAlignment(nn.Module):
             raise AlignmentShapeError(
                 f"the checkpoint's attention alignment module combines the student maps as "
                 f"{saved_combination!r} but this run asks for {self.combination!r} (--a2d-normalization "
-                "differs); resume with the same A2D options or start a new --save-dir"
-            )
+                "differs); resume with the same A2D options or start a new --save-dir")
         if saved != self.sizes():
             raise AlignmentShapeError(
                 f"the checkpoint's attention alignment module was trained for {describe(saved)}, but "
                 f"this run's student and teacher give {describe(self.sizes())}; resume with the "
-                "same student architecture and --teacher-checkpoint, or start a new --save-dir"
-            )
+                "same student architecture and --teacher-checkpoint, or start a new --save-dir")
 
     def extra_repr(self) -> str:
         return describe(self.sizes())
@@ -149,14 +147,12 @@ def alignment_weights_from_state(criterion_state: Mapping[str, object], prefix: 
             if not isinstance(sizes, Mapping) or any(k not in sizes for k in SIZE_KEYS):
                 raise AlignmentShapeError(
                     f"criterion state has {key} but no sizes ({prefix}{kind}._extra_state); it was not "
-                    "written by this version of fairseq-kd's a2d_kd criterion"
-                )
+                    "written by this version of fairseq-kd's a2d_kd criterion")
             if sizes.get("combination") == "mixture":
                 value = torch.softmax(value.float(), dim=1)
             found[kind] = heatmap_entry(value, sizes)
     if not found:
         raise AlignmentShapeError(
             "the criterion state holds no attention alignment module (keys "
-            f"{sorted(criterion_state)[:8]}...); was the checkpoint trained with --criterion a2d_kd?"
-        )
+            f"{sorted(criterion_state)[:8]}...); was the checkpoint trained with --criterion a2d_kd?")
     return found

@@ -43,8 +43,7 @@ def parse_mapping(text: str, flag: str) -> LayerMapping:
             raise LayerMappingError(
                 f"{flag} {text!r}: group {position} (student layer {position}) is empty; write one "
                 "comma-separated list of teacher layers per student layer, groups separated by '|', "
-                "e.g. '1,2,3|4,5,6'"
-            )
+                "e.g. '1,2,3|4,5,6'")
         try:
             groups.append(tuple(int(item) for item in items))
         except ValueError:
@@ -60,8 +59,7 @@ def validate_mapping(mapping: Sequence[Sequence[int]], teacher_layers: int, stud
     if len(mapping) != student_layers:
         raise LayerMappingError(
             f"{flag}: the mapping has {len(mapping)} group(s) but the student has {student_layers} "
-            f"layer(s); give exactly one group per student layer"
-        )
+            f"layer(s); give exactly one group per student layer")
     for student_layer, group in enumerate(mapping, start=1):
         if not group:
             raise LayerMappingError(f"{flag}: student layer {student_layer} maps to no teacher layer")
@@ -69,8 +67,7 @@ def validate_mapping(mapping: Sequence[Sequence[int]], teacher_layers: int, stud
         if bad:
             raise LayerMappingError(
                 f"{flag}: student layer {student_layer} names teacher layer(s) {bad}; valid teacher "
-                f"layers are 1..{teacher_layers}"
-            )
+                f"layers are 1..{teacher_layers}")
         if len(set(group)) != len(group):
             raise LayerMappingError(f"{flag}: student layer {student_layer} repeats a teacher layer: {group}")
     return mapping
@@ -80,13 +77,11 @@ def _check_depths(teacher_layers: int, student_layers: int, flag: str = "") -> N
     prefix = f"{flag}: " if flag else ""
     if student_layers < 1 or teacher_layers < 1:
         raise LayerMappingError(
-            f"{prefix}both models need at least one layer (teacher {teacher_layers}, student {student_layers})"
-        )
+            f"{prefix}both models need at least one layer (teacher {teacher_layers}, student {student_layers})")
     if student_layers > teacher_layers:
         raise LayerMappingError(
             f"{prefix}this mapping needs a teacher at least as deep as the student (teacher {teacher_layers} "
-            f"layers, student {student_layers}); valid student depths are 1..{teacher_layers}"
-        )
+            f"layers, student {student_layers}); valid student depths are 1..{teacher_layers}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,7 +217,6 @@ def draw_layers(seed: int, epoch: int, num_candidates: int, count: int, stream: 
     if not 1 <= count <= num_candidates:
         raise LayerMappingError(
             f"cannot draw {count} distinct layer(s) from {num_candidates} candidate(s); the count must "
-            f"be in 1..{num_candidates}"
-        )
+            f"be in 1..{num_candidates}")
     rng = random.Random(f"rail-kd|{stream}|seed={seed}|epoch={epoch}")
     return tuple(sorted(rng.sample(range(1, num_candidates + 1), count)))

@@ -32,8 +32,7 @@ PAIRED_TESTS_DEFINITION = (
     "bootstrap-hypothesis-difference-significance.pl); p (ar): sacreBLEU's paired approximate "
     "randomisation (sacrebleu --paired-ar; Riezler & Maxwell 2005). Both are two-sided, test "
     "the absolute BLEU difference against the baseline and add one to numerator and "
-    "denominator, so the smallest possible p is 1/(n+1)."
-)
+    "denominator, so the smallest possible p is 1/(n+1).")
 INTERVAL_DEFINITION = ("μ ± CI: mean of the bootstrap resamples and half the width of their 95% percentile "
                        "interval (sacrebleu --confidence)")
 

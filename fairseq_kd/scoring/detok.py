@@ -208,8 +208,7 @@ def read_generate_output(path: Path, expected_sentences: Optional[int] = None,
             f"{how_many}; " + "; ".join(problems) + ". Decode the whole test set again (fairseq-generate "
             "--required-batch-size-multiple 1, no --skip-invalid-size-inputs-valid-test), or pass "
             "--allow-partial to score only these sentences (the score is then marked partial, with "
-            "the counts)."
-        )
+            "the counts).")
     return GenerateOutput(ids=ids, hypotheses=[chosen[i] for i in ids],
                           references=[scanned.references[i] for i in ids], hypothesis_source=source,
                           n_expected=n_expected, problems=problems)
@@ -266,8 +265,7 @@ def _paired_sentences(path: Path, scanned: _GenerateLines):
         raise IncompleteGenerateOutputError(
             f"{path}:{duplicated[first_id]}: a second T- line for sentence id {first_id} "
             f"({len(duplicated)} sentence ids appear more than once: {_first(duplicated)}); is this "
-            "the output of several fairseq-generate runs concatenated? Score one complete run."
-        )
+            "the output of several fairseq-generate runs concatenated? Score one complete run.")
     source = "D" if scanned.hypotheses["D"] else "H"
     chosen = scanned.hypotheses[source]
     if not chosen:

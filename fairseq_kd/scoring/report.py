@@ -89,8 +89,7 @@ def score_texts(name: str, hypotheses: Sequence[str], references: Sequence[str],
 def score_generate_output(
     name: str, path: Path, processing: TextProcessing, settings: BleuSettings, n_bootstrap: int, seed: int,
     expected_sentences: Optional[int] = None, allow_partial: bool = False, ref_path: Optional[Path] = None,
-    ref_is_plain: bool = False,
-) -> SystemScore:
+    ref_is_plain: bool = False) -> SystemScore:
     """Score a fairseq-generate output file (see :func:`~.detok.read_generate_output`); an
     incomplete one is refused unless ``allow_partial`` (the score then says it is partial).
 
