@@ -71,6 +71,27 @@ def test_plain_and_limit_are_always_measured(child_calls, tmp_path):
     assert "| limit |" in (tmp_path / "benchmark.md").read_text()
 
 
+def test_on_policy_rows_are_measured_with_word_kd_and_reported_against_it(child_calls, tmp_path):
+    """An on-policy row (word KD's flags, every batch generated) brings word_kd into the same run,
+    and the report gives its step time and memory as multiples of word_kd's."""
+    row = benchmark.METHODS["word_kd_on_policy"]
+    assert row[:len(benchmark.METHODS["word_kd"])] == benchmark.METHODS["word_kd"]
+    assert row[len(benchmark.METHODS["word_kd"]):] == ["--on-policy-rate", "1"]
+    benchmark.cli_main(["--methods", "word_kd_on_policy", "--configs", "tiny", "--repeats", "1",
+                        "--output-dir", str(tmp_path)])
+    assert child_calls == [("plain", False), ("limit", True), ("word_kd", False), ("word_kd_on_policy", False)]
+    rows = {"word_kd": {"step_ms": 20.0, "peak_mb": 4.0}, "word_kd_on_policy": {"step_ms": 50.0, "peak_mb": 5.0},
+            "a2d_kd": {"step_ms": 30.0, "peak_mb": 1.0}}
+    benchmark.add_ratios(rows, {})
+    assert rows["word_kd_on_policy"]["time_ratio_vs_word_kd"] == pytest.approx(2.5)
+    assert rows["word_kd_on_policy"]["memory_ratio_vs_word_kd"] == pytest.approx(1.25)
+    assert "time_ratio_vs_word_kd" not in rows["a2d_kd"]
+    markdown = benchmark.to_markdown({"tiny": {"config": benchmark.CONFIGS["tiny"], "methods": rows,
+                                               "decoding": {"teacher": 1.0, "student": 2.0, "student_speedup": 2.0}}})
+    assert "word_kd_on_policy (every batch on-policy, generation included) against word_kd in the same rounds: " \
+           "2.50x its step time, 1.25x its peak memory." in markdown
+
+
 def test_paired_rows_time_against_the_limit_in_their_own_process(child_calls):
     """--paired: the limit row runs alone (its own memory and step time); every other row's child
     also builds the limit, and its time against the limit is the median of its per-batch ratios
@@ -157,6 +178,9 @@ def test_a_real_vocabulary_configuration_runs_a_step_and_records_its_shapes(tmp_
     flags = benchmark.training_flags("d64_8k", paths, "word_kd", "bf16")
     assert flags[-2:] == ["--bf16", "--cpu"] and benchmark.training_flags("d64_8k", paths, "word_kd")[-1] != "--cpu"
     assert benchmark.measure_training(flags, steps=1, warmup=0)["step_ms"] > 0
+    # an on-policy step (the student generates, then word KD on its outputs) runs through the trainer
+    on_policy = benchmark.training_flags("d64_8k", paths, "word_kd_on_policy")
+    assert benchmark.measure_training(on_policy, steps=1, warmup=0)["step_ms"] > 0
     # --paired: the row and the limit (plain step + teacher forward) built in one process, two
     # batches each, one ratio per batch
     paired = benchmark.measure_paired(benchmark.training_flags("d64_8k", paths, "word_kd"),

@@ -302,25 +302,50 @@ def test_a_hugging_face_teacher_scores_the_generated_sequences(hf_task):
         torch.testing.assert_close(got[name], gradient, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_a2d_takes_its_attention_terms_on_the_generated_sequences(kd_task, tiny_batch):
-    from test_a2d_kd import build_a2d, randomize_alignments
+def _feature_method(name, task):
+    """(criterion with --on-policy-rate 1 and greedy targets, a student it accepts, the term that
+    reads the decoder's features)."""
+    on_policy = dict(on_policy_rate=1.0, on_policy_sampling="greedy")
+    if name == "a2d_kd":
+        from test_a2d_kd import build_a2d, randomize_alignments
 
-    from fairseq_kd.criterions.on_policy import OnPolicy
+        student = _sharp_student(task)  # first: the task records its shape, which the criterion reads
+        criterion = build_a2d(task, **on_policy)
+        randomize_alignments(criterion)
+        return criterion, student, "dec_self_att"
+    if name == "pkd":
+        from test_pkd import make_pkd
 
-    student = _sharp_student(kd_task)
-    criterion = build_a2d(kd_task, on_policy_rate=1.0, on_policy_sampling="greedy")
-    randomize_alignments(criterion)
-    _, _, on_policy = criterion(student, tiny_batch)
+        student = _sharp_student(task)
+        return make_pkd(task, **on_policy), student, "pkd"
+    from test_minilm import FOUR_HEADS, build_minilm
+
+    torch.manual_seed(0)
+    student = build_tiny_student(task, **FOUR_HEADS)
+    return build_minilm(task, **on_policy), student, "attention_kl"
+
+
+@pytest.mark.parametrize("name", ["a2d_kd", "pkd", "minilm"])
+def test_feature_methods_take_their_terms_on_the_generated_sequences(kd_task, tiny_batch, name):
+    """An on-policy batch is the method's batch with the generated sequences as targets, without
+    CE: every term as the same criterion computes it when given those sequences."""
+    criterion, student, decoder_term = _feature_method(name, kd_task)
+    loss, sample_size, on_policy = criterion(student, tiny_batch)
+    loss.backward()
     generated = criterion.on_policy.generated_sample(student, tiny_batch)
-    assert isinstance(criterion.on_policy, OnPolicy)
     criterion.on_policy = None  # the same criterion, given the generated sequences as its batch
-    _, _, direct = criterion(student, generated)
+    _, size, direct = criterion(student, generated)
     _, _, reference = criterion(student, tiny_batch)
-    for term in ("enc_self_att", "dec_self_att", "dec_cross_att", "word_kd"):
+    assert sample_size == size == generated["ntokens"] != tiny_batch["ntokens"]
+    assert on_policy["on_policy"] == 3 and float(on_policy["ce_loss"]) == 0 < float(direct["ce_loss"])
+    weights = criterion.loss_weights()
+    expected = sum(weights[term] * direct[f"{term}_loss"].item() for term in criterion.TERM_NAMES)
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    for term in criterion.TERM_NAMES:
         assert on_policy[f"{term}_loss"].item() == pytest.approx(direct[f"{term}_loss"].item(), rel=1e-5), term
-    assert on_policy["dec_self_att_loss"].item() != pytest.approx(reference["dec_self_att_loss"].item(), rel=1e-3)
-    # the encoder sees the same sources either way
-    assert on_policy["enc_self_att_loss"].item() == pytest.approx(reference["enc_self_att_loss"].item(), rel=1e-5)
+    assert on_policy[f"{decoder_term}_loss"].item() != pytest.approx(reference[f"{decoder_term}_loss"].item(),
+                                                                     rel=1e-3)
+    assert all(torch.isfinite(p.grad).all() for p in student.parameters() if p.grad is not None)
 
 
 def test_refusals_name_the_flag(kd_task, monkeypatch):
@@ -367,3 +392,4 @@ def test_fairseq_train_with_update_freq_and_resume(tiny_data_bin, tiny_teacher, 
     for update in (3, 4):  # fairseq's own resume is not bit-exact on CPU (tests/test_end_to_end.py)
         loss = [float(re.search(r"\bloss=([\d.]+)", fields).group(1)) for fields in (expected[update], after[update])]
         assert loss[0] == pytest.approx(loss[1], abs=0.05), update
+
