@@ -108,10 +108,11 @@ def write_reverse_corpus(folder: Path, sizes=(("train", 400), ("valid", 40), ("t
 
 @pytest.fixture
 def warm_recipe_children(monkeypatch):
-    """The recipe's fairseq-train and fairseq-generate commands (CommandExecutor's children) run in
-    children of the warm interpreter (:func:`run_warm`), with the environment and log file a new
-    process gets; the recipe's other children, and any child with a terminal to draw on, run as
-    new processes. For recipe tests whose claim is the steps' work; scripts/quality_benchmark.sh's
+    """The recipe's children (CommandExecutor's) that are console scripts of fairseq or the plugin
+    (fairseq-train, fairseq-generate) or ``python -m`` of their modules (preparation, systems,
+    translation) run in children of the warm interpreter (:func:`run_warm`), with the environment
+    and log file a new process gets; any other child, and any child with a terminal to draw on, runs
+    as a new process. For recipe tests whose claim is the steps' work; scripts/quality_benchmark.sh's
     test runs the recipe with every child a new process."""
     from fairseq_kd.progress import child_progress
     from fairseq_kd_recipes.execute import CommandExecutor
@@ -173,6 +174,77 @@ def tiny_teacher(tiny_data_bin, tmp_path_factory) -> Path:
         *COMMON_TRAIN_ARGS, "--max-update", "40", "--save-dir", save, "--user-dir", USER_DIR, warm=True,
     )
     return save / "checkpoint_last.pt"
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_teachers(tmp_path_factory):
+    """Tiny Hugging Face teachers on a synthetic corpus, for the test files of Hugging Face teachers:
+    ``make(families, seed, sizes=(train, valid, test), **model_sizes)`` gives ``raw`` (the de -> en
+    corpus of fairseq_kd.data.synthetic.write_corpus), ``teachers`` ({family: folder}, built from
+    configs by tests/test_hf_teacher.py's save_teachers: nothing downloaded) and ``data`` ({family:
+    the train and valid text binarised by fairseq-kd-hf-data in its vocabulary}). Each corpus and
+    teacher is made once per worker for the same arguments and shared by the files asking for it:
+    tests read them, and copy a teacher before changing it."""
+    from types import SimpleNamespace
+
+    made = {}
+
+    def make(families, seed, sizes, **model_sizes):
+        from test_hf_teacher import LANGUAGE_CODES, SRC, TGT, save_teachers
+
+        from fairseq_kd.cli import hf_data
+        from fairseq_kd.data.synthetic import write_corpus
+
+        corpus = (seed, tuple(sizes))
+        if corpus not in made:
+            made[corpus] = tmp_path_factory.mktemp("hf_raw")
+            train, valid, test = sizes
+            write_corpus(made[corpus], seed=seed, train_size=train, valid_size=valid, test_size=test,
+                         source_lang=SRC, target_lang=TGT)
+        raw, teachers, data = made[corpus], {}, {}
+        for family in families:
+            key = (corpus, family, tuple(sorted(model_sizes.items())))
+            if key not in made:
+                root = tmp_path_factory.mktemp(f"hf_{family}")
+                teacher = save_teachers((family,), raw, root, **model_sizes)[family]
+                codes = LANGUAGE_CODES.get(family)
+                languages = ["--teacher-source-lang", codes[0], "--teacher-target-lang", codes[1]] if codes else []
+                hf_data.cli_main(["--teacher", str(teacher), "-s", SRC, "-t", TGT, "--trainpref", str(raw / "train"),
+                                  "--validpref", str(raw / "valid"), "--destdir", str(root / "data-bin"), *languages])
+                made[key] = teacher, root / "data-bin"
+            teachers[family], data[family] = made[key]
+        return SimpleNamespace(raw=raw, teachers=teachers, data=data)
+
+    return make
+
+
+def seqkd_config(data, teacher, output, **overrides):
+    """An in-process sequence-level KD run's config with tests/test_seqkd.py's settings: short length
+    limits keep the tiny teacher fast; the 400 training sentences in 7 shards of 64."""
+    from fairseq_kd.teacher_pass import seqkd
+
+    values = dict(data=str(data), teacher_checkpoint=str(teacher), output=str(output), max_len_a=1.2,
+                  max_len_b=10, shard_size=64)
+    values.update(overrides)
+    return seqkd.SeqKDConfig(**values)
+
+
+@pytest.fixture(scope="session")
+def seqkd_fairseq_runs(tiny_data_bin, tiny_teacher, tmp_path_factory):
+    """{beam: finished output} of the tiny teacher's sequence-level KD data by the fairseq engine, in
+    process, with beams 1 and 5 (:func:`seqkd_config`): the reference the other engines' tests
+    compare with (tests/test_seqkd_ctranslate2.py, tests/test_seqkd_hf.py), made once per worker;
+    they read it."""
+    from fairseq_kd.teacher_pass import seqkd
+
+    root = tmp_path_factory.mktemp("seqkd_fairseq")
+    folders = {}
+    for beam in (1, 5):
+        folders[beam] = root / f"fairseq_beam{beam}"
+        result = seqkd.run(seqkd_config(tiny_data_bin, tiny_teacher, folders[beam], engine="fairseq", beam=beam),
+                           log=lambda _line: None)
+        assert result.status == "complete" and result.sentences == 400
+    return folders
 
 
 @pytest.fixture

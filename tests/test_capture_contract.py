@@ -33,26 +33,13 @@ MAPS_ONLY = CaptureRequest(attention_kinds=ATTENTION_KINDS)
 
 
 @pytest.fixture(scope="module")
-def hf_setup(tmp_path_factory):
-    """{family: (teacher folder, data-bin)} of the Hugging Face teachers, binarised by fairseq-kd-hf-data."""
+def hf_setup(tiny_hf_teachers):
+    """{family: (teacher folder, data-bin)} of the Hugging Face teachers, binarised by fairseq-kd-hf-data
+    (conftest's tiny_hf_teachers)."""
     pytest.importorskip("transformers")
     pytest.importorskip("sentencepiece")
-    from test_hf_teacher import LANGUAGE_CODES, SRC, TGT, save_teachers
-
-    from fairseq_kd.cli import hf_data
-    from fairseq_kd.data.synthetic import write_corpus
-
-    corpus = tmp_path_factory.mktemp("contract_raw")
-    write_corpus(corpus, seed=5, train_size=120, valid_size=12, test_size=12, source_lang=SRC, target_lang=TGT)
-    teachers = save_teachers(HF_FAMILIES, corpus, tmp_path_factory.mktemp("contract_teachers"),
-                             encoder_layers=3, decoder_layers=3)
-    root = tmp_path_factory.mktemp("contract_bin")
-    for family, folder in teachers.items():
-        codes = LANGUAGE_CODES.get(family)
-        languages = ["--teacher-source-lang", codes[0], "--teacher-target-lang", codes[1]] if codes else []
-        hf_data.cli_main(["--teacher", str(folder), "-s", SRC, "-t", TGT, "--trainpref", str(corpus / "train"),
-                          "--validpref", str(corpus / "valid"), "--destdir", str(root / family), *languages])
-    return {family: (teachers[family], root / family) for family in HF_FAMILIES}
+    made = tiny_hf_teachers(HF_FAMILIES, seed=5, sizes=(120, 12, 12), encoder_layers=3, decoder_layers=3)
+    return {family: (made.teachers[family], made.data[family]) for family in HF_FAMILIES}
 
 
 _HF_TEACHERS = {}

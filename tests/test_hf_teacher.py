@@ -24,7 +24,6 @@ spm = pytest.importorskip("sentencepiece")
 from conftest import SHARED_DATA, train_student  # noqa: E402
 from fairseq.data import Dictionary, LanguagePairDataset, data_utils  # noqa: E402
 from fairseq_kd.cli import hf_data  # noqa: E402
-from fairseq_kd.data.synthetic import write_corpus  # noqa: E402
 from fairseq_kd.models.feature_capture import CaptureRequest  # noqa: E402
 from fairseq_kd.models.hf_teacher import (  # noqa: E402
     HuggingFaceTeacher,
@@ -138,10 +137,14 @@ def save_teacher(family: str, lines, folder: Path, seed: int = 0, target_lines=N
 
 
 @pytest.fixture(scope="module")
-def raw_corpus(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("hf_raw")
-    write_corpus(folder, seed=3, train_size=160, valid_size=16, test_size=16, source_lang=SRC, target_lang=TGT)
-    return folder
+def hf(tiny_hf_teachers):
+    """The corpus, teachers and data of this file (conftest's tiny_hf_teachers)."""
+    return tiny_hf_teachers(FAMILIES, seed=3, sizes=(160, 16, 16))
+
+
+@pytest.fixture(scope="module")
+def raw_corpus(hf) -> Path:
+    return hf.raw
 
 
 def save_teachers(families, raw: Path, root: Path, **sizes) -> dict:
@@ -158,19 +161,13 @@ def save_teachers(families, raw: Path, root: Path, **sizes) -> dict:
 
 
 @pytest.fixture(scope="module")
-def teachers(raw_corpus, tmp_path_factory) -> dict:
-    return save_teachers(FAMILIES, raw_corpus, tmp_path_factory.mktemp("hf_teachers"))
+def teachers(hf) -> dict:
+    return hf.teachers
 
 
 @pytest.fixture(scope="module")
-def data_bins(raw_corpus, teachers, tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("hf_bin")
-    for family, folder in teachers.items():
-        codes = LANGUAGE_CODES.get(family)
-        languages = ["--teacher-source-lang", codes[0], "--teacher-target-lang", codes[1]] if codes else []
-        hf_data.cli_main(["--teacher", str(folder), "-s", SRC, "-t", TGT, "--trainpref", str(raw_corpus / "train"),
-                          "--validpref", str(raw_corpus / "valid"), "--destdir", str(root / family), *languages])
-    return {family: root / family for family in FAMILIES}
+def data_bins(hf) -> dict:
+    return hf.data
 
 
 def data_task(data_bin: Path):

@@ -19,16 +19,12 @@ pytest.importorskip("sentencepiece")
 from conftest import build_tiny_student, kd_criterions, train_student  # noqa: E402
 from hidden_kd_support import COMMON, build_criterion  # noqa: E402
 from test_hf_teacher import (  # noqa: E402
-    LANGUAGE_CODES,
     SRC,
     STUDENT_ARGS,
     TGT,
     data_task,
-    save_teachers,
     split_batch,
 )
-from fairseq_kd.cli import hf_data  # noqa: E402
-from fairseq_kd.data.synthetic import write_corpus  # noqa: E402
 from fairseq_kd.models.feature_capture import (  # noqa: E402
     ATTENTION_KINDS,
     DECODER_CROSS,
@@ -47,26 +43,24 @@ EVERYTHING = CaptureRequest(encoder_hidden=True, decoder_hidden=True, attention_
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("hf_features_raw")
-    write_corpus(folder, seed=5, train_size=120, valid_size=12, test_size=12, source_lang=SRC, target_lang=TGT)
-    return folder
+def hf(tiny_hf_teachers):
+    """The teachers and data of tests/test_capture_contract.py (conftest's tiny_hf_teachers)."""
+    return tiny_hf_teachers(FAMILIES, seed=5, sizes=(120, 12, 12), **SIZES)
 
 
 @pytest.fixture(scope="module")
-def teachers(corpus, tmp_path_factory) -> dict:
-    return save_teachers(FAMILIES, corpus, tmp_path_factory.mktemp("hf_features_teachers"), **SIZES)
+def corpus(hf):
+    return hf.raw
 
 
 @pytest.fixture(scope="module")
-def data_bins(corpus, teachers, tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("hf_features_bin")
-    for family, folder in teachers.items():
-        codes = LANGUAGE_CODES.get(family)
-        languages = ["--teacher-source-lang", codes[0], "--teacher-target-lang", codes[1]] if codes else []
-        hf_data.cli_main(["--teacher", str(folder), "-s", SRC, "-t", TGT, "--trainpref", str(corpus / "train"),
-                          "--validpref", str(corpus / "valid"), "--destdir", str(root / family), *languages])
-    return {family: root / family for family in FAMILIES}
+def teachers(hf) -> dict:
+    return hf.teachers
+
+
+@pytest.fixture(scope="module")
+def data_bins(hf) -> dict:
+    return hf.data
 
 
 def right_padded(src_tokens: torch.Tensor, pad: int) -> torch.Tensor:
