@@ -191,11 +191,11 @@ def popen_warm(command, env, folder: Path, name: str):
     """``command`` started as a child of this worker's warm interpreter (:func:`run_warm`), its
     stdout and stderr in files ``folder/name.stdout`` and ``.stderr``: a :class:`WarmChild`, or a
     ``subprocess.Popen`` (output piped, text) when it must run as a new process."""
-    from warm_interpreter import warm_entry
+    from warm_interpreter import warm_name
 
-    path = Path(str(command[0]))
-    if path.parent == BIN and warm_entry(path.name) is not None:
-        server = WarmInterpreter.for_script(path.name, env)
+    name = warm_name(command, BIN)
+    if name is not None:
+        server = WarmInterpreter.for_script(name, env)
         out, err = folder / f"{name}.stdout", folder / f"{name}.stderr"
         try:
             pid = server.start(command, env, out, err)
@@ -208,16 +208,17 @@ def popen_warm(command, env, folder: Path, name: str):
 
 def run_warm(command, env, stdout: Path, stderr: Path, cwd=None, timeout=None):
     """``command``, a command line of a console script of fairseq or of the plugin in this
-    environment, in a child of this worker's warm interpreter of that script for ``env``
-    (tests/warm_interpreter.py), its output appended to the files ``stdout`` and ``stderr``: its exit
-    status, or None when it must run as a new process (another program, or no server)."""
-    from warm_interpreter import warm_entry
+    environment or ``python -m`` of one of their modules, in a child of this worker's warm interpreter
+    of that script or module for ``env`` (tests/warm_interpreter.py), its output appended to the files
+    ``stdout`` and ``stderr``: its exit status, or None when it must run as a new process (another
+    program, or no server)."""
+    from warm_interpreter import warm_name
 
-    path = Path(str(command[0]))
-    if path.parent != BIN or warm_entry(path.name) is None:
+    name = warm_name(command, BIN)
+    if name is None:
         return None
     try:
-        server = WarmInterpreter.for_script(path.name, env)
+        server = WarmInterpreter.for_script(name, env)
         pid = server.start(command, env, stdout, stderr, cwd=cwd)
     except (ConnectionError, BrokenPipeError):
         return None
@@ -260,10 +261,13 @@ def _run_warm_captured(cmd, cwd, timeout):
         return subprocess.CompletedProcess(cmd, status, read(out), read(err))
 
 
-def run_module(module: str, *args, check=True, cwd=None, timeout=600) -> subprocess.CompletedProcess:
-    """Run ``python -m module`` in the environment."""
+def run_module(module: str, *args, check=True, cwd=None, timeout=600, warm=False) -> subprocess.CompletedProcess:
+    """Run ``python -m module`` in the environment; ``warm``: in a child of the warm interpreter, as
+    :func:`run_cli` does."""
     cmd = [sys.executable, "-m", module, *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=QUIET_ENV, cwd=cwd, timeout=timeout)
+    proc = _run_warm_captured(cmd, cwd, timeout) if warm else None
+    if proc is None:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=QUIET_ENV, cwd=cwd, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{module} failed ({proc.returncode}):\n{' '.join(cmd)}\n--- stdout ---\n{proc.stdout[-4000:]}"

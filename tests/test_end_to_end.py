@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from conftest import TINY_STUDENT_ARGS, USER_DIR, run_cli, run_module, train_student
+from conftest import TINY_STUDENT_ARGS, USER_DIR, run_cli, run_cli_here, train_student
 from fairseq_kd.checkpoints import safe_load
 
 
@@ -58,7 +58,9 @@ def test_generate_with_user_dir_and_exported_student_without(word_kd_run, tiny_d
     assert len(hyps) == 40
 
     exported = tmp_path / "student.pt"
-    summary = json.loads(run_module("fairseq_kd.cli.export_student", save / "checkpoint_last.pt", exported).stdout)
+    # the plugin's commands in children of the warm interpreter (their command lines as new processes:
+    # test_ctranslate2_export, test_promises)
+    summary = json.loads(run_cli("fairseq-kd-export", save / "checkpoint_last.pt", exported, warm=True).stdout)
     from conftest import build_tiny_student
 
     assert summary["encoder_layers"] == 2
@@ -75,12 +77,12 @@ def test_generate_with_user_dir_and_exported_student_without(word_kd_run, tiny_d
     out = tmp_path / "gen.txt"
     out.write_text(stock.stdout)
     score = tmp_path / "score.json"
-    run_module("fairseq_kd.cli.score", "--generate-output", out, "--system", "word_kd",
-               "--bootstrap", "200", "--output-json", score)
+    run_cli("fairseq-kd-score", "--generate-output", out, "--system", "word_kd",
+            "--bootstrap", "200", "--output-json", score, warm=True)
     result = json.loads(score.read_text())
     assert result["mean"] >= 0 and result["ci"] >= 0 and result["n_bootstrap"] == 200
     # refuses to overwrite an existing export
-    proc = run_module("fairseq_kd.cli.export_student", save / "checkpoint_last.pt", exported, check=False)
+    proc = run_cli_here("fairseq-kd-export", save / "checkpoint_last.pt", exported)
     assert proc.returncode != 0 and "--overwrite" in proc.stderr
 
 
@@ -156,7 +158,7 @@ checkpoint:
   no_epoch_checkpoints: true
 """)
     proc = run_cli("fairseq-hydra-train", "--config-dir", config, "--config-name", "word_kd",
-                   f"hydra.run.dir={tmp_path / 'hydra'}")
+                   f"hydra.run.dir={tmp_path / 'hydra'}", warm=True)
     log = proc.stdout + proc.stderr
     assert re.search(r"'criterion': \{'_name': 'word_kd'.*'kd_weight': 0\.25, 'kd_temperature': 2\.0", log)
     assert "word_kd_loss" in log and (tmp_path / "save" / "checkpoint_last.pt").exists()

@@ -12,11 +12,12 @@ and 2 replaced), its environment, working folder and ``sys.argv``/``sys.path[0]`
 script's, its exit status is what the script's ``sys.exit(cli_main())`` gives (an uncaught
 exception goes through ``sys.excepthook`` and gives 1; its traceback, if the hook prints one, starts
 at this module's frame instead of the script's) and its exit handlers run. Only scripts
-whose entry point is in ``fairseq_cli`` or ``fairseq_kd.cli`` run here (:func:`warm_entry`; not
-``python -m``, which runs its module as ``__main__``), and only under the startup environment the
-server was started with (:func:`startup_environment`: what an interpreter, torch or OpenMP read
-when they start); the caller runs anything else as a new process (``tests/conftest.py``,
-``run_warm``).
+whose entry point is in ``fairseq_cli`` or ``fairseq_kd.cli`` run here (:func:`warm_entry`), and
+``python -m MODULE`` of fairseq's or the project's modules (the server imports the module, as ``python
+-m`` does first; the child runs its code anew as ``__main__`` with ``python -m``'s ``sys.argv`` and
+``sys.path[0]``, the working folder), and only under the startup environment the server was started
+with (:func:`startup_environment`: what an interpreter, torch or OpenMP read when they start); the
+caller runs anything else as a new process (``tests/command_runners.py``, :func:`warm_name`).
 
 Protocol (JSON lines on the server's stdin and stdout): first the environment the server was
 started with, then requests ``{"argv", "env", "cwd", "stdout", "stderr"}`` (paths, opened for
@@ -44,6 +45,9 @@ def startup_environment(env) -> dict:
 
 #: the modules whose console scripts run in a warm interpreter: fairseq's commands and the plugin's
 WARM_MODULES = ("fairseq_cli.", "fairseq_kd.cli.")
+#: the packages whose modules run as ``python -m MODULE`` in a warm interpreter (the server imports
+#: the module, as ``python -m`` does before running it; each child runs it anew as ``__main__``)
+WARM_PACKAGES = ("fairseq_cli.", "fairseq_kd.", "fairseq_kd_recipes.")
 
 
 def warm_entry(name: str):
@@ -53,6 +57,29 @@ def warm_entry(name: str):
 
     found = list(entry_points(group="console_scripts", name=name))
     return found[0] if found and found[0].value.startswith(WARM_MODULES) else None
+
+
+def warm_name(command, bin_folder):
+    """The server that runs ``command``: a console script of ``bin_folder`` (:func:`warm_entry`) by its
+    name, ``python -m MODULE`` of this interpreter and :data:`WARM_PACKAGES` as ``-m MODULE``; None
+    for anything else (it runs as a new process)."""
+    from pathlib import Path
+
+    program = Path(str(command[0]))
+    if program.parent == Path(bin_folder) and warm_entry(program.name) is not None:
+        return program.name
+    if (str(program) == sys.executable and len(command) > 2 and command[1] == "-m"
+            and str(command[2]).startswith(WARM_PACKAGES)):
+        return f"-m {command[2]}"
+    return None
+
+
+def _run_as_main(module: str) -> None:
+    """``python -m module`` after its imports: the module's code run anew as ``__main__``."""
+    import runpy
+
+    sys.modules.pop(module, None)  # (the server's import of it ran its imports; its own code runs here)
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def _exit_status(code) -> int:
@@ -84,7 +111,10 @@ def _run_child(main, request: dict, threads: int) -> None:
         if request.get("cwd"):
             os.chdir(request["cwd"])
         sys.argv = list(request["argv"])
-        sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # a script's own folder
+        if sys.argv[1:2] == ["-m"]:  # python -m: the module's arguments (runpy sets argv[0]), the folder it runs in
+            sys.argv, sys.path[0] = sys.argv[2:], os.getcwd()
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # a script's own folder
         if threads is not None:  # what the server's start made of OMP_NUM_THREADS, if it imported torch
             sys.modules["torch"].set_num_threads(threads)
         try:
@@ -136,7 +166,8 @@ class _Lines:
 def serve(name: str) -> None:
     """Answer requests until stdin ends; children run at the same time (their statuses come as
     they end, each ``{"pid", "status"}``)."""
-    entry = warm_entry(name)
+    module = name[3:] if name.startswith("-m ") else None
+    entry = warm_entry(name) if module is None else None
     answers = sys.stdout
 
     def answer(message: dict) -> None:
@@ -145,13 +176,22 @@ def serve(name: str) -> None:
 
     requests = _Lines(sys.stdin.fileno())
     started = json.loads(requests.next())
-    if entry is None:
-        answer({"error": f"{name} is not a console script of fairseq or the plugin"})
+    if module is not None and module.startswith(WARM_PACKAGES):
+        import importlib
+
+        sys.argv, sys.path[0] = ["-m"], os.getcwd()  # what python -m has while it imports
+        importlib.import_module(module)  # the module's imports, in its order
+
+        def main():
+            _run_as_main(module)
+    elif entry is not None:
+        # what a console script of this environment has while it imports: its path, its folder first
+        sys.argv = [os.path.join(os.path.dirname(sys.executable), name)]
+        sys.path[0] = os.path.dirname(sys.argv[0])
+        main = entry.load()  # the console script's own imports: torch, fairseq, the module's logging
+    else:
+        answer({"error": f"{name} is neither a console script nor a module of fairseq or the plugin"})
         return
-    # what a console script of this environment has while it imports: its path, its folder first
-    sys.argv = [os.path.join(os.path.dirname(sys.executable), name)]
-    sys.path[0] = os.path.dirname(sys.argv[0])
-    main = entry.load()  # the console script's own imports: torch, fairseq, the module's logging
     threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
     # What the interpreter added to the environment at its start (LC_CTYPE, when it coerces a C
     # locale) a new process would add too.
