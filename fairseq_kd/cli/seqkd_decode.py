@@ -53,7 +53,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"{result.worker}{stopped}{result.shards_done}/{result.shards_total} shards done; "
               "re-run the same command to continue")
     elif result.status == "complete":
-        print(f"wrote {result.sentences} sentence pairs to {result.output}")
+        print(f"wrote {result.summary['pairs'] if result.summary else result.sentences} sentence pairs to {result.output}")
     if result.summary and result.summary["pairs"] != result.sentences:  # n-best, filtered or mixed
         summary = result.summary
         print(f"{summary['pairs']} training pairs: {summary['distilled_pairs']} distilled (mean chosen rank "

@@ -49,15 +49,16 @@ ENGINES = ("fairseq", "ctranslate2", "transformers")
 AUTO_ENGINE = "auto"
 #: the CTranslate2 teacher's folder inside the work folder
 CT2_TEACHER_DIR = "ctranslate2_teacher"
+#: the settings that change the output's bytes, each its flag's value (with the languages, the
+#: device and the engine's own, :func:`plan`)
+SETTINGS = ("split", "beam", "max_len_a", "max_len_b", "lenpen", "fp16", "shard_size", "engine", "max_tokens",
+            "batch_size", "nbest", "select", "keep_hypotheses", "filter_max_ce", "filter_keep_share", "mix_original")
 #: how a refusal names each parameter and input of the identity
-LABELS = {"split": "--split", "source_lang": "--source-lang", "target_lang": "--target-lang", "beam": "--beam",
-          "max_len_a": "--max-len-a", "max_len_b": "--max-len-b", "lenpen": "--lenpen", "fp16": "--fp16",
-          "shard_size": "--shard-size", "engine": "--engine", "ct2_quantization": "--ct2-quantization",
-          "ct2_batch_parts": "the batch split of --threads", "max_tokens": "--max-tokens",
-          "batch_size": "--batch-size", "device": "the device (--cpu)", "split_files": "the split's files (--data)",
-          "dictionaries": "the dictionaries (--data)", "teacher": "--teacher-checkpoint",
-          **{name: "--" + name.replace("_", "-") for name in ("nbest", "select", "remove_bpe", "keep_hypotheses",
-                                                                "filter_max_ce", "filter_keep_share", "mix_original")}}
+LABELS = {**{name: "--" + name.replace("_", "-") for name in
+             SETTINGS + ("source_lang", "target_lang", "ct2_quantization", "remove_bpe")},
+          "ct2_batch_parts": "the batch split of --threads", "device": "the device (--cpu)",
+          "split_files": "the split's files (--data)", "dictionaries": "the dictionaries (--data)",
+          "teacher": "--teacher-checkpoint"}
 INPUTS = ("split_files", "dictionaries", "teacher")
 
 
@@ -313,23 +314,8 @@ def plan(config: SeqKDConfig) -> _Plan:
     dictionaries = [data / f"dict.{src}.txt", data / f"dict.{tgt}.txt"]
     teacher = Path(config.teacher_checkpoint)
     # what the output is a function of: contents, not paths (a moved folder still resumes)
-    parameters = {
-        "split": config.split,
-        "source_lang": src,
-        "target_lang": tgt,
-        "beam": config.beam,
-        "max_len_a": config.max_len_a,
-        "max_len_b": config.max_len_b,
-        "lenpen": config.lenpen,
-        "fp16": config.fp16,
-        "shard_size": config.shard_size,
-        "engine": config.engine,
-        "max_tokens": config.max_tokens,
-        "batch_size": config.batch_size,
-        "device": device_kind(config.cpu),
-        **{name: getattr(config, name) for name in ("nbest", "select", "keep_hypotheses", "filter_max_ce",
-                                                    "filter_keep_share", "mix_original")},
-    }
+    parameters = {**{name: getattr(config, name) for name in SETTINGS}, "source_lang": src, "target_lang": tgt,
+                  "device": device_kind(config.cpu)}
     if config.select != "best":
         parameters["remove_bpe"] = config.remove_bpe
     if config.engine == "ctranslate2":
