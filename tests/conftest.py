@@ -108,11 +108,11 @@ def write_reverse_corpus(folder: Path, sizes=(("train", 400), ("valid", 40), ("t
 
 @pytest.fixture
 def warm_recipe_children(monkeypatch):
-    """The recipe's children (CommandExecutor's) that are console scripts of fairseq or the plugin
-    (fairseq-train, fairseq-generate) or ``python -m`` of their modules (preparation, systems,
-    translation) run in children of the warm interpreter (:func:`run_warm`), with the environment
-    and log file a new process gets; any other child, and any child with a terminal to draw on, runs
-    as a new process. For recipe tests whose claim is the steps' work; scripts/quality_benchmark.sh's
+    """The recipe's fairseq-train and fairseq-generate commands (CommandExecutor's children) run in
+    children of the warm interpreter (:func:`run_warm`), with the environment and log file a new
+    process gets; the recipe's other children (its ``python -m`` steps each run once: a warm server
+    would cost the imports a new process costs), and any child with a terminal to draw on, run as
+    new processes. For recipe tests whose claim is the steps' work; scripts/quality_benchmark.sh's
     test runs the recipe with every child a new process."""
     from fairseq_kd.progress import child_progress
     from fairseq_kd_recipes.execute import CommandExecutor
@@ -121,7 +121,7 @@ def warm_recipe_children(monkeypatch):
 
     def run_child(command, log, step):
         with child_progress() as (env, terminal):
-            if not terminal:
+            if not terminal and command[1:2] != ["-m"]:
                 log.flush()
                 status = run_warm(command, env, Path(log.name), Path(log.name))
                 if status is not None:

@@ -14,6 +14,7 @@ import time
 
 import pytest
 from conftest import BIN, QUIET_ENV, run_cli, run_cli_here
+from conftest import seqkd_config as config
 
 pytest.importorskip("ctranslate2")
 
@@ -36,14 +37,6 @@ def quiet(_line):
     pass
 
 
-def config(data, teacher, output, **overrides):
-    """test_seqkd.py's settings: short length limits keep the tiny teacher fast; 7 shards of 64."""
-    values = dict(data=str(data), teacher_checkpoint=str(teacher), output=str(output), max_len_a=1.2,
-                  max_len_b=10, shard_size=64)
-    values.update(overrides)
-    return seqkd.SeqKDConfig(**values)
-
-
 def read_targets(folder):
     data = indexed_dataset.MMapIndexedDataset(str(folder / "train.src-tgt.tgt"))
     return [data[i].tolist() for i in range(len(data))]
@@ -54,11 +47,11 @@ def manifest_of(folder):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_data_bin, tiny_teacher, tmp_path_factory):
-    """Finished outputs, in process: {(engine, beam): folder}."""
+def runs(tiny_data_bin, tiny_teacher, seqkd_fairseq_runs, tmp_path_factory):
+    """Finished outputs, in process: {(engine, beam): folder} (the fairseq engine's: conftest's)."""
     root = tmp_path_factory.mktemp("seqkd_ct2")
-    folders = {}
-    for engine in ("fairseq", "ctranslate2"):
+    folders = {("fairseq", beam): folder for beam, folder in seqkd_fairseq_runs.items()}
+    for engine in ("ctranslate2",):
         for beam in (1, 5):
             folders[engine, beam] = root / f"{engine}_beam{beam}"
             result = seqkd.run(config(tiny_data_bin, tiny_teacher, folders[engine, beam], engine=engine, beam=beam),

@@ -18,11 +18,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
 
 from conftest import USER_DIR, run_cli, run_cli_here, train_student  # noqa: E402
+from conftest import seqkd_config as config  # noqa: E402
 import fairseq_kd  # noqa: E402
 from fairseq.data import Dictionary, indexed_dataset  # noqa: E402
 from fairseq_kd.deploy.hf_engine import HuggingFaceDecodingError, first_target_symbol  # noqa: E402
 from fairseq_kd.teacher_pass import seqkd  # noqa: E402
-from test_hf_teacher import SRC, STUDENT_ARGS, TGT, save_teachers  # noqa: E402
+from test_hf_teacher import SRC, STUDENT_ARGS, TGT  # noqa: E402
 
 fairseq_kd.register()
 
@@ -33,14 +34,6 @@ SOURCE_FILES = ("train.src-tgt.src.bin", "train.src-tgt.src.idx")
 
 def quiet(_line):
     pass
-
-
-def config(data, teacher, output, **overrides):
-    """tests/test_seqkd.py's settings: short length limits keep the tiny teacher fast; 7 shards of 64."""
-    values = dict(data=str(data), teacher_checkpoint=str(teacher), output=str(output), max_len_a=1.2,
-                  max_len_b=10, shard_size=64)
-    values.update(overrides)
-    return seqkd.SeqKDConfig(**values)
 
 
 def read_split(folder, name):
@@ -59,12 +52,12 @@ def exported_teacher(tiny_teacher, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_data_bin, tiny_teacher, exported_teacher, tmp_path_factory):
-    """{(engine, beam): finished output}: the fairseq engine on the checkpoint, the default engine on
-    the exported folder (which must choose transformers)."""
+def runs(tiny_data_bin, exported_teacher, seqkd_fairseq_runs, tmp_path_factory):
+    """{(engine, beam): finished output}: the fairseq engine on the checkpoint (conftest's), the
+    default engine on the exported folder (which must choose transformers)."""
     root = tmp_path_factory.mktemp("seqkd_hf_runs")
-    folders = {}
-    for engine, teacher in (("fairseq", tiny_teacher), ("transformers", exported_teacher)):
+    folders = {("fairseq", beam): folder for beam, folder in seqkd_fairseq_runs.items()}
+    for engine, teacher in (("transformers", exported_teacher),):
         for beam in (1, 5):
             folders[engine, beam] = root / f"{engine}_beam{beam}"
             result = seqkd.run(config(tiny_data_bin, teacher, folders[engine, beam], beam=beam), log=quiet)
@@ -150,22 +143,13 @@ def test_refusals_are_one_line(tiny_data_bin, tiny_teacher, exported_teacher, tm
 
 # ------------------------------------------- a multilingual teacher, and one with two vocabularies
 @pytest.fixture(scope="module")
-def hf_teachers(tmp_path_factory):
+def hf_teachers(tiny_hf_teachers):
     """Tiny M2M100 and separate-vocabulary Marian teachers (SentencePiece on the synthetic corpus)
     and their data, binarised by fairseq-kd-hf-data in each one's vocabulary (M2M100: every target
-    sentence starts with ``__en__``)."""
-    from fairseq_kd.cli import hf_data
-    from fairseq_kd.data.synthetic import write_corpus
-
-    root = tmp_path_factory.mktemp("seqkd_hf_teachers")
-    write_corpus(root / "raw", seed=3, train_size=48, valid_size=8, test_size=8, source_lang=SRC, target_lang=TGT)
-    teachers = save_teachers(("m2m_100", "marian_separate"), root / "raw", root / "teachers")
-    for family, folder in teachers.items():
-        languages = ["--teacher-source-lang", "de", "--teacher-target-lang", "en"] if family == "m2m_100" else []
-        hf_data.cli_main(["--teacher", str(folder), "-s", SRC, "-t", TGT, "--trainpref", str(root / "raw" / "train"),
-                          "--validpref", str(root / "raw" / "valid"), "--destdir", str(root / family), *languages])
-    return {family: SimpleNamespace(root=root, teacher=folder, data=root / family)
-            for family, folder in teachers.items()}
+    sentence starts with ``__en__``; conftest's tiny_hf_teachers)."""
+    made = tiny_hf_teachers(("m2m_100", "marian_separate"), seed=3, sizes=(48, 8, 8))
+    return {family: SimpleNamespace(raw=made.raw, teacher=folder, data=made.data[family])
+            for family, folder in made.teachers.items()}
 
 
 @pytest.mark.parametrize("family", ("m2m_100", "marian_separate"))
@@ -191,7 +175,7 @@ def test_teacher_decodes_as_its_own_generate(family, hf_teachers, tmp_path):
     forced = dict(forced_bos_token_id=tokenizer.convert_tokens_to_ids("__en__")) if family == "m2m_100" else {}
     target_tokens = ({i: t for t, i in tokenizer.target_encoder.items()} if family == "marian_separate"
                      else None)  # transformers' convert_ids_to_tokens reads the target vocabulary
-    sources = (case.root / "raw" / f"train.{SRC}").read_text().splitlines()
+    sources = (case.raw / f"train.{SRC}").read_text().splitlines()
     for sentence, hypothesis in zip(sources, got):
         encoded = tokenizer(sentence, return_tensors="pt")
         with torch.no_grad():
