@@ -4,7 +4,7 @@ import subprocess
 import pytest
 
 from conftest import (BIN, COMMON_TRAIN_ARGS, QUIET_ENV, TINY_STUDENT_ARGS, USER_DIR, WarmInterpreter, build_tiny_student,
-                      run_cli)
+                      run_cli, run_module)
 
 
 def test_fixtures_build_teacher_student_and_batch(kd_task, tiny_batch):
@@ -47,3 +47,27 @@ def test_a_warm_child_does_what_a_new_process_does(tiny_data_bin, tiny_teacher, 
     with pytest.raises(subprocess.TimeoutExpired):
         run_cli("fairseq-generate", tiny_data_bin, "--path", tiny_teacher, "--gen-subset", "train", "--beam", "50",
                 "--cpu", "--user-dir", USER_DIR, warm=True, timeout=0.5)
+
+
+def test_a_warm_python_m_child_does_what_python_m_does(tmp_path):
+    """run_module(..., warm=True): ``python -m MODULE`` run anew as ``__main__`` in a warm interpreter's
+    child writes the same files and prints the same output, with the same exit status, as a new
+    ``python -m`` process, for work and for a refusal (relative paths: each in a folder of its own)."""
+    runs = {}
+    for warm in (False, True):
+        folder = tmp_path / ("warm" if warm else "new")
+        folder.mkdir()
+        runs[warm] = [
+            run_module("fairseq_kd.cli.make_corpus", "--output-dir", "corpus", "--train-size", "20", "--valid-size", "4",
+                       "--test-size", "4", cwd=folder, warm=warm),
+            run_module("fairseq_kd.cli.score", "--hyp", "corpus/test.tgt", "--ref", "corpus/valid.tgt", cwd=folder,
+                       warm=warm, check=False),
+            run_module("fairseq_kd.cli.score", "--hyp", "absent.txt", "--ref", "corpus/test.tgt", cwd=folder,
+                       warm=warm, check=False)]
+    for new, warm in zip(runs[False], runs[True]):
+        assert (new.returncode, new.stdout, new.stderr) == (warm.returncode, warm.stdout, warm.stderr)
+    assert [run.returncode for run in runs[True]] == [0, 0, 2] and "absent.txt" in runs[True][2].stderr
+    untimed = lambda path: re.sub(rb'"mtime_ns": \d+', b"", path.read_bytes())  # noqa: E731 - corpus.json's times
+    made = {warm: {path.relative_to(tmp_path / name): untimed(path) for path in (tmp_path / name).rglob("*")
+                   if path.is_file()} for warm, name in ((False, "new"), (True, "warm"))}
+    assert len(made[True]) > 6 and made[True] == made[False]
