@@ -10,7 +10,8 @@ weights (:meth:`~KDCriterionBase.loss_weights`) and computes its own terms from 
 logits, or from the cached top-k teacher (``--teacher-cache``), at :meth:`~KDCriterionBase.kd_positions`.
 Every term is a sum over real target tokens (``SENTENCE_TERMS``: over sentences, made a mean over
 sentences), divided by fairseq's ``sample_size`` as CE is, and logged unweighted as
-``<name>_loss``. ``--kd-divergence`` replaces word-level KD's KL (``docs/methods/divergences.md``).
+``<name>_loss``. ``--kd-divergence`` replaces word-level KD's KL (``docs/methods/divergences.md``);
+``--on-policy-rate`` trains a share of the batches on the student's own outputs (:mod:`.on_policy`).
 The weight convention and the rest of the protocol: ``docs/methods/README.md``.
 """
 
