@@ -218,6 +218,18 @@ def tiny_hf_teachers(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="module")
+def teachers(hf) -> dict:
+    """{family: teacher folder} of the module's ``hf`` fixture (its :func:`tiny_hf_teachers`' result)."""
+    return hf.teachers
+
+
+@pytest.fixture(scope="module")
+def data_bins(hf) -> dict:
+    """{family: data-bin} of the module's ``hf`` fixture (its :func:`tiny_hf_teachers`' result)."""
+    return hf.data
+
+
 def seqkd_config(data, teacher, output, **overrides):
     """An in-process sequence-level KD run's config with tests/test_seqkd.py's settings: short length
     limits keep the tiny teacher fast; the 400 training sentences in 7 shards of 64."""

@@ -160,16 +160,6 @@ def save_teachers(families, raw: Path, root: Path, **sizes) -> dict:
     return teachers
 
 
-@pytest.fixture(scope="module")
-def teachers(hf) -> dict:
-    return hf.teachers
-
-
-@pytest.fixture(scope="module")
-def data_bins(hf) -> dict:
-    return hf.data
-
-
 def data_task(data_bin: Path):
     """What the teacher reads of a task: its dictionaries and config."""
     return SimpleNamespace(source_dictionary=Dictionary.load(str(data_bin / f"dict.{SRC}.txt")),

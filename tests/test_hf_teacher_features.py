@@ -53,16 +53,6 @@ def corpus(hf):
     return hf.raw
 
 
-@pytest.fixture(scope="module")
-def teachers(hf) -> dict:
-    return hf.teachers
-
-
-@pytest.fixture(scope="module")
-def data_bins(hf) -> dict:
-    return hf.data
-
-
 def right_padded(src_tokens: torch.Tensor, pad: int) -> torch.Tensor:
     """The same sentences padded on the right (fairseq's --left-pad-source False)."""
     rows = [row[row.ne(pad)] for row in src_tokens]
