@@ -96,6 +96,13 @@ _METHOD_LIST = (
            teacher_cache=True, benchmarked=True),
     Method("tie_kd", "TIE-KD's top-1 term (Zhang et al. 2023): word-level KD plus the hierarchical ranking loss "
            "over the teacher's top 5, a = 0.5", "student", "tie_kd"),
+    Method("on_policy_kd", "on-policy word-level KD (GKD, Agarwal et al. 2024): half the batches are the "
+           "student's own samples (temperature 1, at most 1.2 x source + 10 tokens), on which it learns the "
+           "teacher's distributions without CE; the other half word_kd's (1-a) CE + a KL, a = 0.5",
+           "student", "word_kd", ("--kd-weight", "0.5", "--on-policy-rate", "0.5")),
+    Method("on_policy_kd_jsd", "on_policy_kd with GKD's generalised JSD (beta 0.5) as the divergence of "
+           "both kinds of batch", "student", "word_kd",
+           ("--kd-weight", "0.5", "--on-policy-rate", "0.5", "--kd-divergence", "jsd")),
     Method("seq_kd", "sequence-level KD (Kim & Rush 2016): CE on the teacher's beam-5 outputs",
            "student", "label_smoothed_cross_entropy", data="seqkd", uses_teacher=False),
     Method("seq_kd_nbest", "sequence-level KD on the teacher's n-best: per source the hypothesis of highest "
@@ -147,6 +154,9 @@ _METHOD_LIST = (
     Method("a2d_kd_4h", "Align-to-Distill (Jin et al. 2024), head-wise AAM, 4-head student, the criterion's "
            "defaults (mixture normalisation, KL averaged over the teacher's maps)", "student_4h",
            "a2d_kd", ("--a2d-granularity", "head", "--a2d-attention-kinds", "all"), figure="alignment"),
+    Method("a2d_kd_on_policy", "a2d_kd_4h with half its batches the student's own samples (its attention "
+           "terms and word-level KD on them, no CE)", "student_4h", "a2d_kd",
+           ("--a2d-granularity", "head", "--a2d-attention-kinds", "all", "--on-policy-rate", "0.5")),
     Method("a2d_kd", "Align-to-Distill, the criterion's defaults", "student_4h", "a2d_kd", in_recipes=False,
            benchmarked=True),
     Method("a2d_kd_cached", "Align-to-Distill after its attention epochs (--a2d-attention-epochs 1, timed "
