@@ -193,9 +193,9 @@ def popen_warm(command, env, folder: Path, name: str):
     ``subprocess.Popen`` (output piped, text) when it must run as a new process."""
     from warm_interpreter import warm_name
 
-    name = warm_name(command, BIN)
-    if name is not None:
-        server = WarmInterpreter.for_script(name, env)
+    script = warm_name(command, BIN)
+    if script is not None:
+        server = WarmInterpreter.for_script(script, env)
         out, err = folder / f"{name}.stdout", folder / f"{name}.stderr"
         try:
             pid = server.start(command, env, out, err)
