@@ -93,8 +93,10 @@ def test_two_ranks_equal_one_rank_with_update_freq_2(name, tiny_data_bin, tiny_t
 
     skip = SELECTION_DEPENDENT.get(name, set())
     for m, s in zip(multi_records, single_records):
-        compared = [k for k in s.values if k.endswith("_loss") or k in ("loss", "wpb", "bsz", "gnorm")]
+        compared = [k for k in s.values if k.endswith("_loss") or k in ("loss", "wpb", "bsz", "gnorm", "gen_len")]
         assert {"loss", "wpb", "bsz"} <= set(compared)
+        if "--on-policy-rate" in criterion_args:  # every sentence generated, in both runs
+            assert m.values["on_policy"] == s.values["on_policy"] == 1 and "gen_len" in compared, (m, s)
         for key in compared:
             if key in skip:
                 continue

@@ -15,7 +15,9 @@ from fairseq_kd.criterions.word_kd import WordKDCriterion
 
 #: tests/test_multirank.py's runs of this criterion (2 CPU ranks equal 1 rank with --update-freq 2):
 #: run name -> flags after --criterion NAME
-MULTI_RANK_RUNS = {"word_kd": []}
+# on-policy at rate 1: every micro-batch generated, so two ranks must make the samples one rank
+# makes with --update-freq 2 (the draw is keyed on the update's seed and the batch's ids)
+MULTI_RANK_RUNS = {"word_kd": [], "word_kd_on_policy": ["--on-policy-rate", "1", "--kd-divergence", "jsd"]}
 
 
 def _criterion(task, kd_weight=0.5, temperature=1.0):
