@@ -100,6 +100,11 @@ _METHOD_LIST = (
            "student's own samples (temperature 1, at most 1.2 x source + 10 tokens), on which it learns the "
            "teacher's distributions without CE; the other half word_kd's (1-a) CE + a KL, a = 0.5",
            "student", "word_kd", ("--kd-weight", "0.5", "--on-policy-rate", "0.5")),
+    Method("word_kd_on_policy", "word_kd with every batch the student's own samples (--on-policy-rate 1): an "
+           "on-policy step's cost, generation included", "student", "word_kd",
+           ("--kd-weight", "0.5", "--on-policy-rate", "1"), in_recipes=False),
+    Method("word_kd_on_policy_greedy", "word_kd_on_policy with greedy generation", "student", "word_kd",
+           ("--kd-weight", "0.5", "--on-policy-rate", "1", "--on-policy-sampling", "greedy"), in_recipes=False),
     Method("on_policy_kd_jsd", "on_policy_kd with GKD's generalised JSD (beta 0.5) as the divergence of "
            "both kinds of batch", "student", "word_kd",
            ("--kd-weight", "0.5", "--on-policy-rate", "0.5", "--kd-divergence", "jsd")),
