@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (fairseq_kd_recipes.gpu_check) on a lent GPU machine, from the kit that
 # scripts/gpu_kit.sh gathered: its wheels installed into /tmp, fairseq-fixed built there from its
-# sdist (C++/Cython extensions for the CPU only, in parallel), then the check on the kit's corpus,
+# sdist (C++/Cython extensions for the CPU only), then the check on the kit's corpus,
 # given what is left of GPU_CHECK_SECONDS (default 540: the check's 9 minutes, install included).
 #
 #   bash scripts/gpu_check.sh OUT [gpu_check flags]      # on the GPU machine (Python 3.12, CUDA torch)
@@ -32,8 +32,11 @@ else
         echo "[gpu_check.sh] building fairseq-fixed from its sdist in $SOURCE (log: $OUT/fairseq_build.log)"
         rm -rf "$SOURCE" && mkdir -p "$SOURCE"
         tar xzf "$KIT"/wheels/fairseq_fixed-*.tar.gz -C "$SOURCE" --strip-components 1
-        # CUDA_HOME unset: no CUDA extensions (only non-autoregressive models use them)
-        (cd "$SOURCE" && env -u CUDA_HOME "$PY" setup.py build_ext --inplace -j "$(nproc)") \
+        # CUDA_HOME unset: no CUDA extensions (only non-autoregressive models use them). Not
+        # build_ext -j: torch's BuildExtension writes one build.ninja per build dir, so parallel
+        # extensions overwrite each other's (first lease: "ninja: no work to do", then ld found no
+        # .o); ninja compiles each extension's files in parallel instead (MAX_JOBS).
+        (cd "$SOURCE" && env -u CUDA_HOME MAX_JOBS="$(nproc)" "$PY" setup.py build_ext --inplace) \
             >"$OUT/fairseq_build.log" 2>&1 || { tail -n 20 "$OUT/fairseq_build.log" >&2; exit 1; }
     fi
     export PYTHONPATH="$SITE:$SOURCE${PYTHONPATH:+:$PYTHONPATH}"
