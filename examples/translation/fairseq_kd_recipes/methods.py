@@ -91,6 +91,12 @@ _METHOD_LIST = (
     Method("word_kd", "word-level KD (Hinton et al. 2015), (1-a) CE + a KL; a = 0.5 as A2D's code "
            "(0.1 on the CKD paper's pairs)",
            "student", "word_kd", ("--kd-weight", "0.5"), benchmarked=True),
+    *(Method(f"word_kd_{divergence}", f"word_kd with --kd-divergence {divergence} ({label}) in place of the "
+             "forward KL", "student", "word_kd", ("--kd-weight", "0.5", "--kd-divergence", divergence))
+      for divergence, label in (("reverse_kl", "KL(q||p)"), ("jsd", "GKD's generalised JSD, beta 0.5"),
+                                ("skew_kl", "DistiLLM's skew KL, alpha 0.1"),
+                                ("skew_reverse_kl", "DistiLLM's skew reverse KL, alpha 0.1"),
+                                ("tvd", "total variation distance"))),
     Method("word_kd_cached", "word-level KD as word_kd, the teacher read from its top-8 cache "
            "(fairseq-kd-teacher-cache) instead of run at every step", "student", "word_kd", ("--kd-weight", "0.5"),
            teacher_cache=True, benchmarked=True),
