@@ -101,6 +101,12 @@ def test_the_dry_run_trains_resumes_and_reports_every_row(dry_run):
     markdown = (dry_run / "gpu_check.md").read_text()
     for method in DRY_RUN_METHODS:
         assert f"| {method} | bf16 | ok |" in markdown
+    assert markdown.startswith(f"Covered (commit {report['header']['commit']}): 2 of 2 trainings ok, 2 of them "
+                               "resumed bit-identically, 0 failed or unfinished, 0 not run;")
+    # every log directly in OUT: the device tool returns no deeply nested folder
+    for name in ("log_teacher", "log_teacher-cache", *(f"{m}-bf16-{run}" for m in DRY_RUN_METHODS
+                                                       for run in ("first", "resumed"))):
+        assert (dry_run / f"{name}.log").stat().st_size > 0, name
 
 
 def test_the_resume_starts_half_way_and_the_methods_own_terms_are_logged(dry_run):
@@ -188,7 +194,8 @@ def test_the_benchmark_rows_run_in_each_precision_through_the_benchmarks_own_com
     report = gpu_check.Report(tmp_path / "out", {"device": "x"}, "gpu", 200, 6, [])
     gpu_check.run_benchmark(report, "bf16", gpu_check.BENCHMARK_ROWS, False, tmp_path, tmp_path / "out", {},
                             deadline=float("inf"))
-    assert asked == {"configs": ["small"], "methods": ["plain", "limit", "word_kd", "a2d_kd"], "repeats": 1,
+    assert asked == {"configs": ["small"], "methods": ["plain", "limit", "word_kd", "a2d_kd", "word_kd_on_policy"],
+                     "repeats": 1,
                      "precision": "bf16"}
     entry = json.loads((tmp_path / "out" / "gpu_check.json").read_text())["benchmark"]["bf16"]
     assert entry["status"] == "ok" and entry["report"]["small"]["precision"] == "bf16"
@@ -203,3 +210,46 @@ def test_gpu_check_sh_refuses_a_missing_kit_in_one_line(tmp_path):
         f"gpu_check.sh: no kit in {tmp_path / 'kit'}: run bash scripts/gpu_kit.sh first"]
     for script in ("gpu_check.sh", "gpu_kit.sh"):
         assert subprocess.run(["bash", "-n", str(REPO / "scripts" / script)]).returncode == 0
+
+
+def test_the_rows_no_earlier_gpu_check_saw_ok_run_first(tmp_path):
+    """A row counts as checked when an earlier report has it ok with an identical resume (not when it
+    failed, was cut or its resume was); unchecked rows keep the table's order, those reading no
+    teacher pass before those that wait for one."""
+    earlier = [("no_kd", "fp16", "ok", True), ("word_kd", "bf16", "ok", False), ("tie_kd", "fp16", "not run: x", None),
+               ("seq_kd", "bf16", "ok", True)]
+    (tmp_path / "gpu_check_x_2026-01-01.json").write_text(json.dumps({"trainings": [
+        {"method": m, "precision": p, "result": {"status": st, **({"resume": {"identical": same}} if same is not None
+                                                                 else {})}} for m, p, st, same in earlier]}))
+    (tmp_path / "gpu_check_broken.json").write_text("{")
+    seen = gpu_check.checked_before(tmp_path)
+    assert seen == {("no_kd", "fp16"), ("seq_kd", "bf16")}
+    rows = [gpu_check.Training(m, p, [], tmp_path) for m in ("no_kd", "seq_kd", "word_kd", "tie_kd") for p in ("fp16", "bf16")]
+    names = [t.name for t in gpu_check.in_order(rows, seen)]
+    assert names == ["no_kd/bf16", "word_kd/fp16", "word_kd/bf16", "tie_kd/fp16", "tie_kd/bf16", "seq_kd/fp16",
+                     "no_kd/fp16", "seq_kd/bf16"]
+
+
+def test_the_pass_subset_is_the_first_pairs_with_the_other_splits_and_dictionaries_as_they_were(fr_en_data_bin, tmp_path):
+    from fairseq.data import data_utils, Dictionary
+
+    subset = gpu_check.subset_data(fr_en_data_bin, tmp_path / "subset", 3)
+    for lang in ("fr", "en"):
+        dictionary = Dictionary.load(str(fr_en_data_bin / f"dict.{lang}.txt"))
+        full = data_utils.load_indexed_dataset(str(fr_en_data_bin / f"train.fr-en.{lang}"), dictionary)
+        cut = data_utils.load_indexed_dataset(str(subset / f"train.fr-en.{lang}"), dictionary)
+        assert len(full) > 3 and len(cut) == 3
+        assert [cut[i].tolist() for i in range(3)] == [full[i].tolist() for i in range(3)]
+    others = sorted(p.name for p in fr_en_data_bin.iterdir() if not p.name.startswith("train."))
+    assert sorted(p.name for p in subset.iterdir() if not p.name.startswith("train.")) == others
+    for name in others:
+        assert (subset / name).read_bytes() == (fr_en_data_bin / name).read_bytes()
+
+
+def test_the_plan_estimate_counts_waves_of_jobs():
+    rate = gpu_check.ESTIMATE
+    phases = gpu_check.estimate(trainings=31, jobs=16, updates=40, teacher_updates=200, passes=1, benchmarks=2)
+    per_training = rate["startup"] + rate["update"] * (40 + 20)  # the first run and its resume's 20
+    assert phases["passes_and_trainings"] == round(2 * per_training + rate["pass"])  # 32 slots: two waves
+    assert phases["teacher"] == round(rate["startup"] / 2 + 200 * rate["teacher_update"])
+    assert phases["benchmark"] == round(2 * rate["benchmark"])

@@ -12,7 +12,11 @@ peak memory (CUDA: ``torch.cuda.max_memory_allocated``; CPU: peak resident set) 
 differences. ``--jobs`` trainings share the device, so their tokens per second are shared-device
 figures; the benchmark rows run alone. ``OUT/gpu_check.md`` and ``.json`` are rewritten as each
 step ends, and a line is printed, so a run cut by its time limit keeps what it finished. ``--cpu``
-trains the smoke profile's tiny models for a handful of updates (the suite runs it).
+trains the smoke profile's tiny models for a handful of updates (the suite runs it). To fit 540 s
+(docs/DEVELOPING.md "The GPU check" has the first lease's timings): 40 updates resumed from 20 (enough
+for fp16 overflows, finiteness and a bit-identical resume), 16 trainings at a time with one thread
+each (CPU-bound), seq-KD passes on the first ``--pass-sentences`` training pairs only, and the rows no
+earlier ``docs/results/gpu_check_*.json`` saw ok first, so that a cut run still adds coverage.
 """
 from __future__ import annotations
 
@@ -39,9 +43,14 @@ from .plan import RecipeOptions, step_planner, with_placement
 
 PAIR = "multi30k_fr_en"
 #: the benchmark's rows measured after the trainings, per precision
-BENCHMARK_ROWS = ("plain", "limit", "word_kd", "a2d_kd")
+BENCHMARK_ROWS = ("plain", "limit", "word_kd", "a2d_kd", "word_kd_on_policy")
+#: seconds per training's two start-ups, per update with 16 at a time, per teacher update, per teacher
+#: pass and per benchmark precision: the plan's estimate, from the first H200 lease's rates
+ESTIMATE = {"startup": 20.0, "update": 0.5, "teacher_update": 0.18, "pass": 45.0, "benchmark": 45.0}
 #: statistics of a log line that time the run instead of computing the model (not compared on resume)
 TIMING_KEYS = frozenset({"wps", "ups", "train_wall", "gb_free", "wall"})
+#: seconds a step started before the limit may run past it before it is stopped
+GRACE = 15.0
 OVERFLOW_MARK = "overflow detected"
 REPORT_NAME = "gpu_check"
 
@@ -170,9 +179,56 @@ def plan_trainings(data: Path, workdir: Path, methods: Sequence[str], precisions
 
 
 def child_environment(cpu: bool) -> dict:
-    # Several trainings share the machine's cores: two threads each keeps them from oversubscribing.
-    threads = "1" if cpu else "2"
-    return {**_quiet_env(), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    # Many trainings share the machine's cores; each is bound by its one Python thread's dispatch.
+    return {**_quiet_env(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def subset_data(data: Path, dest: Path, sentences: int) -> Path:
+    """``data`` with its training split cut to the first ``sentences`` pairs (the teacher passes'
+    input: they are checked for running on the device, not for the corpus they make)."""
+    from fairseq.data import indexed_dataset
+
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for path in data.iterdir():
+        if path.is_file() and not path.name.startswith("train."):
+            shutil.copyfile(path, dest / path.name)
+    for idx in sorted(data.glob("train.*.idx")):
+        prefix = str(idx.with_suffix(""))
+        source = indexed_dataset.MMapIndexedDataset(prefix)
+        builder = indexed_dataset.MMapIndexedDatasetBuilder(str(dest / (idx.stem + ".bin")), dtype=source._index.dtype)
+        for i in range(min(sentences, len(source))):
+            builder.add_item(source[i])
+        builder.finalize(str(dest / idx.name))
+    return dest
+
+
+def checked_before(results: Path) -> set:
+    """(method, precision) of the rows an earlier GPU check's report shows ok with an identical resume."""
+    done = set()
+    for path in sorted(results.glob("gpu_check_*.json")):
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))["trainings"]
+        except (OSError, ValueError, KeyError):
+            continue
+        done |= {(row["method"], row["precision"]) for row in rows if row["result"].get("status") == "ok"
+                 and (row["result"].get("resume") or {}).get("identical")}
+    return done
+
+
+def in_order(trainings: List[Training], seen: set) -> List[Training]:
+    """Rows no earlier GPU check saw ok first; within each group, those reading no teacher pass before
+    those waiting for one (a cut run then still adds coverage; otherwise the table's order)."""
+    return sorted(trainings, key=lambda t: ((t.method, t.precision) in seen, teacher_pass_read(t.method) is not None))
+
+
+def estimate(trainings: int, jobs: int, updates: int, teacher_updates: int, passes: int, benchmarks: int) -> dict:
+    """Seconds of each phase on the GPU at the first lease's rates (ESTIMATE)."""
+    per_training = ESTIMATE["startup"] + ESTIMATE["update"] * (updates + updates - max(1, updates // 2))
+    waves = -(-(trainings + passes) // jobs)
+    return {"teacher": round(ESTIMATE["startup"] / 2 + ESTIMATE["teacher_update"] * teacher_updates),
+            "passes_and_trainings": round(waves * per_training + (ESTIMATE["pass"] if passes else 0)),
+            "benchmark": round(ESTIMATE["benchmark"] * benchmarks)}
 
 
 def run_logged(command: List[str], log: Path, env: dict, timeout: Optional[float]) -> Optional[str]:
@@ -261,7 +317,14 @@ def compare_resume(first: Path, resumed: Path) -> dict:
             "max_loss_diff": loss_diff, "max_param_diff": param_diff}
 
 
-def run_training(training: Training, updates: int, env: dict, deadline: float) -> dict:
+def keep_log(source: Path, logs: Optional[Path], name: str) -> None:
+    """A copy of a log in ``logs`` itself (the device tool returns no deeply nested folder)."""
+    if logs is not None and source.is_file():
+        logs.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, logs / f"{name.replace('/', '-')}.log")
+
+
+def run_training(training: Training, updates: int, env: dict, deadline: float, logs: Optional[Path] = None) -> dict:
     """The first run, then the resume from its half-way checkpoint into a second folder."""
     if time.monotonic() > deadline:
         return {"status": "not run: time limit"}
@@ -270,7 +333,8 @@ def run_training(training: Training, updates: int, env: dict, deadline: float) -
     shutil.rmtree(training.save_dir, ignore_errors=True)
     first_args = with_placement(training.args, ["--save-dir", str(first), "--log-file", str(first / "train.log")])
     failure = run_logged(train_command(first_args, first / "peak.json"), first / "run.log", env,
-                         max(1.0, deadline - time.monotonic()) + 60)
+                         max(1.0, deadline - time.monotonic()) + GRACE)
+    keep_log(first / "run.log", logs, f"{training.name}-first")
     result = {"status": "ok", **log_findings(first / "run.log")}
     if failure:
         return {**result, "status": f"failed: {failure}", "seconds": round(time.monotonic() - started, 1)}
@@ -284,7 +348,8 @@ def run_training(training: Training, updates: int, env: dict, deadline: float) -
         resume_args = with_placement(training.args, ["--save-dir", str(resumed),
                                                      "--log-file", str(resumed / "train.log")])
         failure = run_logged(train_command(resume_args, resumed / "peak.json"), resumed / "run.log", env,
-                             max(1.0, deadline - time.monotonic()) + 60)
+                             max(1.0, deadline - time.monotonic()) + GRACE)
+        keep_log(resumed / "run.log", logs, f"{training.name}-resumed")
         result["resume"] = ({"identical": False, "note": f"resume failed: {failure}"} if failure
                             else compare_resume(first, resumed))
         result["resume_finite"] = log_findings(resumed / "run.log")["finite"]
@@ -311,12 +376,26 @@ def resume_text(resume: Optional[dict]) -> str:
     return f"differs: loss {resume['max_loss_diff']:.3g}, parameters {resume['max_param_diff']:.3g}"
 
 
+def coverage(report: dict) -> str:
+    """The preface: the commit and what the run covered, counted from its rows and steps."""
+    rows = [row["result"] for row in report["trainings"]]
+    ok = [r for r in rows if r.get("status") == "ok"]
+    same = sum(bool((r.get("resume") or {}).get("identical")) for r in ok)
+    unrun = sum(str(r.get("status", "not run")).startswith("not run") for r in rows)
+    steps = ", ".join(f"{step['name']} {step['status']}" for step in report["steps"]) or "none"
+    bench = ", ".join(f"{p} {b.get('status')}" for p, b in report["benchmark"].items()) or "not reached"
+    return (f"Covered (commit {report['header'].get('commit')}): {len(ok)} of {len(rows)} trainings ok, "
+            f"{same} of them resumed bit-identically, {len(rows) - len(ok) - unrun} failed or unfinished, {unrun} not run; "
+            f"steps: {steps}; benchmark: {bench}.")
+
+
 def to_markdown(report: dict) -> str:
     header = report["header"]
-    lines = [f"# GPU check: {header.get('device')}", "",
+    lines = [coverage(report), "", f"# GPU check: {header.get('device')}", "",
              "; ".join(f"{key} {value}" for key, value in header.items()), "",
              f"Trainings: the recipe's commands for {PAIR} ({report['profile']} profile), {report['updates']} updates, "
-             f"resumed from update {max(1, report['updates'] // 2)}; {report['jobs']} at a time on the device.", "",
+             f"resumed from update {max(1, report['updates'] // 2)}; {report['jobs']} at a time on the device; "
+             f"teacher passes on {report.get('pass_sentences') or 'all'} training pairs.", "",
              "| method | precision | status | updates logged | loss terms finite | overflows (last scale) | "
              "target tok/s | peak MB | resume | s |",
              "|---|---|---|---:|---|---:|---:|---:|---|---:|"]
@@ -339,9 +418,11 @@ def to_markdown(report: dict) -> str:
 class Report:
     """The check's JSON and Markdown, rewritten whole after every step (a cut run keeps what ended)."""
 
-    def __init__(self, out: Path, header: dict, profile: str, updates: int, jobs: int, trainings: List[Training]):
+    def __init__(self, out: Path, header: dict, profile: str, updates: int, jobs: int, trainings: List[Training],
+                 pass_sentences: Optional[int] = None):
         self.out, self._lock = out, threading.Lock()
         self.data = {"header": header, "profile": profile, "updates": updates, "jobs": jobs, "steps": [],
+                     "pass_sentences": pass_sentences,
                      "trainings": [{"method": t.method, "precision": t.precision, "result": t.result}
                                    for t in trainings], "benchmark": {}}
 
@@ -366,7 +447,7 @@ def teacher_pass_read(method_name: str) -> Optional[str]:
 def run_step(report: Report, name: str, command: List[str], log: Path, env: dict, deadline: float) -> bool:
     started = time.monotonic()
     failure = ("not run: time limit" if time.monotonic() > deadline
-               else run_logged(command, log, env, max(1.0, deadline - time.monotonic()) + 60))
+               else run_logged(command, log, env, max(1.0, deadline - time.monotonic()) + GRACE))
     status = failure or "ok"
     report.data["steps"].append({"name": name, "status": status, "seconds": round(time.monotonic() - started, 1),
                                  "log": str(log)})
@@ -378,14 +459,15 @@ def run_step(report: Report, name: str, command: List[str], log: Path, env: dict
 def run_benchmark(report: Report, precision: str, rows: Sequence[str], cpu: bool, workdir: Path, out: Path,
                   env: dict, deadline: float) -> None:
     config = "tiny" if cpu else "small"
-    bench_out = out / f"benchmark-{precision}"
+    bench_out = workdir / f"benchmark-{precision}"
     steps = ["--steps", "2", "--warmup", "1"] if cpu else ["--steps", "20", "--warmup", "5"]
     command = [*python_module("fairseq_kd_recipes.benchmark"), "--configs", config, "--methods", *rows,
                "--precision", precision, "--repeats", "1", *steps, "--workdir", str(workdir / "benchmark"),
                "--output-dir", str(bench_out)]
     started = time.monotonic()
     failure = ("not run: time limit" if time.monotonic() > deadline
-               else run_logged(command, bench_out / "benchmark.log", env, max(1.0, deadline - time.monotonic()) + 60))
+               else run_logged(command, out / f"log_benchmark-{precision}.log", env,
+                                max(1.0, deadline - time.monotonic()) + GRACE))
     entry = {"config": config, "status": failure or "ok", "seconds": round(time.monotonic() - started, 1)}
     if failure is None:
         entry["markdown"] = (bench_out / "benchmark.md").read_text(encoding="utf-8")
@@ -397,17 +479,29 @@ def run_benchmark(report: Report, precision: str, rows: Sequence[str], cpu: bool
 
 def check(out: Path, data: Path, workdir: Path, methods: Sequence[str], precisions: Sequence[str], updates: int,
           teacher_updates: int, jobs: int, cpu: bool, time_limit: float, benchmark_reserve: float,
-          benchmark_rows: Sequence[str] = BENCHMARK_ROWS, commit: Optional[str] = None) -> dict:
+          benchmark_rows: Sequence[str] = BENCHMARK_ROWS, commit: Optional[str] = None,
+          pass_sentences: Optional[int] = None, results: Optional[Path] = None) -> dict:
     started = time.monotonic()
     deadline = started + time_limit
     training_deadline = deadline - benchmark_reserve
     env = child_environment(cpu)
     planner, teacher_args, passes, trainings = plan_trainings(data.resolve(), workdir.resolve(), methods, precisions,
                                                               updates, cpu)
-    report = Report(out, machine_header(cpu, commit), "smoke" if cpu else "gpu", updates, jobs, trainings)
+    logs = out.resolve()  # logs flat in OUT: the device tool returns no deeply nested folder
+    report = Report(out, machine_header(cpu, commit), "smoke" if cpu else "gpu", updates, jobs, trainings,
+                    pass_sentences)  # the table in the method table's order, run in in_order's
+    seen = checked_before(results) if results is not None else set()
+    trainings = in_order(trainings, seen)
     report.write()
-    say(f"{len(trainings)} trainings ({len(methods)} methods x {', '.join(precisions)}), {jobs} at a time; "
+    needed = {teacher_pass_read(t.method) for t in trainings} - {None}
+    phases = estimate(len(trainings), jobs, updates, teacher_updates, len(needed),
+                      len(precisions) if benchmark_rows else 0)
+    say(f"{len(trainings)} trainings ({len(methods)} methods x {', '.join(precisions)}), {jobs} at a time, "
+        f"{len(trainings) - sum((t.method, t.precision) in seen for t in trainings)} never checked on a GPU first; "
         f"report in {out}/{REPORT_NAME}.md")
+    say(f"estimate on a GPU at the first lease's rates: {phases} = {sum(phases.values())} s of {time_limit:.0f} s "
+        f"(benchmark reserve {benchmark_reserve:.0f} s); rows still waiting at the limit are reported 'not run: "
+        f"time limit'")
 
     teacher_dir = planner.save_dir(TEACHER)
     shutil.rmtree(teacher_dir, ignore_errors=True)
@@ -415,31 +509,36 @@ def check(out: Path, data: Path, workdir: Path, methods: Sequence[str], precisio
     teacher = check_flags(teacher_args, teacher_dir, teacher_updates,
                           placement(planner, False, "fp32", cpu) + teacher_precision)
     if not run_step(report, f"teacher ({teacher_updates} updates)", train_command(teacher, teacher_dir / "peak.json"),
-                    workdir / "logs" / "teacher.log", env, training_deadline):
+                    logs / "log_teacher.log", env, training_deadline):
         return report.data
     # The teacher passes run beside the trainings that do not read them; those that do wait for theirs
     # (submitted after both passes, so a pass has always started when one waits for it).
     outputs = {"teacher-cache": planner.teacher_cache,
                **{kind.replace("_", "-") + "-data": planner.seqkd_folder(kind) for kind in SEQKD_DATA}}
 
+    pass_data = None
+    if pass_sentences and needed - {"teacher-cache"}:  # the cache must cover the corpus its rows train on
+        pass_data = subset_data(planner.data, workdir.resolve() / "data-pass-subset", pass_sentences)
+
     def teacher_pass(name: str) -> bool:
         shutil.rmtree(outputs[name], ignore_errors=True)
-        return run_step(report, name, passes[name], workdir / "logs" / f"{name}.log", env, training_deadline)
+        command = list(passes[name])
+        if pass_data is not None and name != "teacher-cache":
+            command[command.index("--data") + 1] = str(pass_data)
+        return run_step(report, name, command, logs / f"log_{name}.log", env, training_deadline)
 
     def one(training: Training, needs=None) -> Training:
         if needs is not None and not needs.result():
             training.result["status"] = "not run: its teacher pass failed"
         else:
-            training.result.update(run_training(training, updates, env, training_deadline))
+            training.result.update(run_training(training, updates, env, training_deadline, logs))
         return training
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         pending = {name: pool.submit(teacher_pass, name) for name in outputs
                    if any(teacher_pass_read(t.method) == name for t in trainings)}
-        independent = [pool.submit(one, t) for t in trainings if teacher_pass_read(t.method) is None]
-        dependent = [pool.submit(one, t, pending[teacher_pass_read(t.method)]) for t in trainings
-                     if teacher_pass_read(t.method) is not None]
-        for done, future in enumerate(independent + dependent, 1):
+        futures = [pool.submit(one, t, pending.get(teacher_pass_read(t.method))) for t in trainings]
+        for done, future in enumerate(futures, 1):
             training = future.result()
             r = training.result
             report.write()
@@ -465,13 +564,18 @@ def cli_main(argv=None):
                         help="rows of the method table (default: all)")
     parser.add_argument("--precisions", nargs="+", choices=list(PRECISION_FLAGS),
                         help="default: fp16 bf16 (--cpu: bf16)")
-    parser.add_argument("--updates", type=int, help="updates per training (default: 200; --cpu: 4)")
-    parser.add_argument("--teacher-updates", type=int, help="updates of the teacher (default: 400; --cpu: 4)")
-    parser.add_argument("--jobs", type=int, help="trainings at once (default: 8, two CPU cores each on a 16-core GPU machine; --cpu: 1)")
+    parser.add_argument("--updates", type=int, help="updates per training (default: 40; --cpu: 4)")
+    parser.add_argument("--teacher-updates", type=int, help="updates of the teacher (default: 200; --cpu: 4)")
+    parser.add_argument("--jobs", type=int, help="trainings at once (default: 16, one CPU core each on a 16-core "
+                        "GPU machine; --cpu: 1)")
+    parser.add_argument("--pass-sentences", type=int, help="training pairs the seq-KD passes decode, the first "
+                        "ones (default: 2000; --cpu: all); the top-k cache always covers the whole split")
+    parser.add_argument("--results", type=Path, default=Path(__file__).resolve().parents[3] / "docs" / "results",
+                        help="earlier gpu_check_*.json reports: the rows none saw ok run first (default: %(default)s)")
     parser.add_argument("--time-limit", type=float, default=510.0,
                         help="seconds for the whole check; nothing starts after it (default: %(default)s)")
     parser.add_argument("--benchmark-reserve", type=float, help="seconds of the limit kept for the benchmark rows "
-                        "(default: 75; --cpu: 0)")
+                        "(default: 90; --cpu: 0)")
     parser.add_argument("--benchmark-rows", nargs="*", default=list(BENCHMARK_ROWS), metavar="ROW",
                         help="rows of fairseq_kd_recipes.benchmark timed after the trainings, per precision, at "
                              "the IWSLT shape (--cpu: the tiny one); none: no benchmark (default: %(default)s)")
@@ -489,8 +593,8 @@ def cli_main(argv=None):
 
     check_prepared_data(PAIRS[PAIR], args.data)
     cpu = args.cpu
-    updates = args.updates or (4 if cpu else 200)
-    for flag, value in (("--updates", updates), ("--jobs", args.jobs or 1),
+    updates = args.updates or (4 if cpu else 40)
+    for flag, value in (("--updates", updates), ("--jobs", args.jobs or 1), ("--pass-sentences", args.pass_sentences or 1),
                         ("--teacher-updates", args.teacher_updates or 1), ("--time-limit", args.time_limit)):
         if value <= 0:
             parser.error(f"{flag} must be positive, got {value}")
@@ -501,9 +605,9 @@ def cli_main(argv=None):
             parser.error("no GPU that torch can use (torch.cuda.is_available() is False); add --cpu for the dry run")
     check(args.output_dir, args.data, args.workdir or args.output_dir / "work", args.methods or list(METHODS),
           args.precisions or (["bf16"] if cpu else ["fp16", "bf16"]), updates,
-          args.teacher_updates or (4 if cpu else 400), args.jobs or (1 if cpu else 8), cpu, args.time_limit,
-          args.benchmark_reserve if args.benchmark_reserve is not None else (0.0 if cpu else 75.0),
-          args.benchmark_rows, args.commit)
+          args.teacher_updates or (4 if cpu else 200), args.jobs or (1 if cpu else 16), cpu, args.time_limit,
+          args.benchmark_reserve if args.benchmark_reserve is not None else (0.0 if cpu else 90.0),
+          args.benchmark_rows, args.commit, args.pass_sentences or (None if cpu else 2000), args.results)
 
 
 if __name__ == "__main__":
