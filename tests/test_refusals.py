@@ -174,6 +174,12 @@ def _user_error(proc, *fragments):
         assert fragment in proc.stderr, proc.stderr
 
 
+def _warm_module(module, *args):
+    """``python -m module`` refused, in a child of the warm interpreter: the same command line and
+    output without importing torch and fairseq once per call."""
+    return run_module(module, *args, check=False, warm=True)
+
+
 def test_command_line_tools_print_one_line_for_user_errors(tmp_path):
     folder = tmp_path / "a_folder"
     folder.mkdir()
@@ -183,16 +189,16 @@ def test_command_line_tools_print_one_line_for_user_errors(tmp_path):
     good.write_text("cafe\n")
     longer = tmp_path / "hyp2.txt"
     longer.write_text("a\nb\n")
-    _user_error(run_module("fairseq_kd.cli.score", "--hyp", folder, "--ref", good, check=False), "is a folder")
-    _user_error(run_module("fairseq_kd.cli.score", "--generate-output", folder, check=False), "is a folder")
-    _user_error(run_module("fairseq_kd.cli.score", "--hyp", bad, "--ref", good, check=False), str(bad), "UTF-8")
-    _user_error(run_module("fairseq_kd.cli.score", "--hyp", longer, "--ref", good, check=False), "2 lines", "1")
-    _user_error(run_module("fairseq_kd.cli.report", "--system", f"a={folder}", "--system", f"b={good}", check=False),
+    _user_error(_warm_module("fairseq_kd.cli.score", "--hyp", folder, "--ref", good), "is a folder")
+    _user_error(_warm_module("fairseq_kd.cli.score", "--generate-output", folder), "is a folder")
+    _user_error(_warm_module("fairseq_kd.cli.score", "--hyp", bad, "--ref", good), str(bad), "UTF-8")
+    _user_error(_warm_module("fairseq_kd.cli.score", "--hyp", longer, "--ref", good), "2 lines", "1")
+    _user_error(_warm_module("fairseq_kd.cli.report", "--system", f"a={folder}", "--system", f"b={good}"),
                 "is a folder")
-    _user_error(run_module("fairseq_kd.cli.report", "--system", f"a={bad}", "--system", f"b={bad}", check=False),
+    _user_error(_warm_module("fairseq_kd.cli.report", "--system", f"a={bad}", "--system", f"b={bad}"),
                 str(bad), "UTF-8")
-    _user_error(run_module("fairseq_kd.cli.plot", "curves", "--log", folder, "--output", tmp_path / "c.png",
-                           check=False), "is a folder")
+    _user_error(_warm_module("fairseq_kd.cli.plot", "curves", "--log", folder, "--output", tmp_path / "c.png"),
+                "is a folder")
     _user_error(run_cli_here("fairseq-kd-export", bad, tmp_path / "out.pt"))
 
 
@@ -212,9 +218,9 @@ def test_preparation_recipe_and_seqkd_print_one_line_for_user_errors(tmp_path):
                 "prepare.py: error:", "--archives", "missing")
     _user_error(run([*prepare, "--archives", empty, "--dest", tmp_path / "d2"]), "--archives", "missing from")
     _user_error(run([*prepare, "--archives", empty, "--dest", a_file]), "--dest", "not a directory")
-    _user_error(run_module("fairseq_kd_recipes.recipe", "multi30k_fr_en", "--teacher", tmp_path / "none.pt", check=False),
+    _user_error(_warm_module("fairseq_kd_recipes.recipe", "multi30k_fr_en", "--teacher", tmp_path / "none.pt"),
                 "fairseq-kd-recipe: error:", "--teacher", "no such checkpoint file")
-    _user_error(run_module("fairseq_kd_recipes.recipe", "multi30k_fr_en", "--archives", tmp_path / "missing", check=False),
+    _user_error(_warm_module("fairseq_kd_recipes.recipe", "multi30k_fr_en", "--archives", tmp_path / "missing"),
                 "fairseq-kd-recipe: error:", "--archives")
     _user_error(run_cli_here("fairseq-kd-seqkd", "--data", tmp_path / "missing", "--teacher-checkpoint", a_file,
                              "--output", tmp_path / "out"), "fairseq-kd-seqkd: error:", "--data")
