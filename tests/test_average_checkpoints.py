@@ -22,7 +22,8 @@ def test_average_of_the_last_epochs_is_their_mean_and_decodes(tiny_data_bin, tin
             *EPOCH_ARGS, "--max-epoch", "3", "--save-dir", save, warm=True)
     assert sorted(p.name for p in save.glob("checkpoint[0-9]*.pt")) == ["checkpoint1.pt", "checkpoint2.pt", "checkpoint3.pt"]
     output = tmp_path / "avg.pt"
-    printed = run_module("fairseq_kd.cli.average_checkpoints", save, "--last", "2", "--output", output).stdout
+    printed = run_module("fairseq_kd.cli.average_checkpoints", save, "--last", "2", "--output", output,
+                         warm=True).stdout
     assert "checkpoint2.pt, checkpoint3.pt" in printed
 
     averaged = load(output)
@@ -59,7 +60,7 @@ def test_bad_requests_are_refused_before_writing(tmp_path):
     existing.write_bytes(b"keep me")
 
     def refused(*args):
-        proc = run_module("fairseq_kd.cli.average_checkpoints", *args, check=False)
+        proc = run_module("fairseq_kd.cli.average_checkpoints", *args, check=False, warm=True)
         assert proc.returncode == 2, proc.stderr
         return proc.stderr
 
