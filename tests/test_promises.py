@@ -169,14 +169,15 @@ def test_export_into_a_folder_writes_a_named_file(tiny_teacher, tmp_path):
     folder = tmp_path / "export"
     folder.mkdir()
     summary = json.loads(run_module("fairseq_kd.cli.export_student", tiny_teacher, str(folder) + "/",
-                                    "--overwrite").stdout)
+                                    "--overwrite", warm=True).stdout)
     written = folder / tiny_teacher.name
     assert summary["output"] == str(written) and written.is_file()
     # an existing folder given without the trailing slash: the same file, which now exists
-    proc = run_module("fairseq_kd.cli.export_student", tiny_teacher, folder, check=False)
+    proc = run_module("fairseq_kd.cli.export_student", tiny_teacher, folder, check=False, warm=True)
     assert proc.returncode != 0 and str(written) in proc.stderr and "--overwrite" in proc.stderr
-    run_module("fairseq_kd.cli.export_student", tiny_teacher, folder, "--overwrite")
+    run_module("fairseq_kd.cli.export_student", tiny_teacher, folder, "--overwrite", warm=True)
     # never onto its input
-    proc = run_module("fairseq_kd.cli.export_student", tiny_teacher, tiny_teacher.parent, "--overwrite", check=False)
+    proc = run_module("fairseq_kd.cli.export_student", tiny_teacher, tiny_teacher.parent, "--overwrite",
+                      check=False, warm=True)
     assert proc.returncode != 0 and "is the input checkpoint" in proc.stderr
     assert "Traceback" not in proc.stderr
