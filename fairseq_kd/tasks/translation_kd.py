@@ -161,6 +161,19 @@ class TranslationKDTask(TranslationTask):
             if self.kd_criterion is not None:
                 self.kd_criterion.is_dummy_batch = False
 
+    def get_batch_iterator(self, dataset, *args, epoch=1, **kwargs):
+        # fairseq after 0.12.2 (fairseq-fixed) breaks length ties with seed + the epoch the iterator
+        # is built in: epoch 1 in a run, reused after, but epoch k in a run resumed at epoch k, so
+        # that run trained on other batches. Building it as at epoch 1 gives it the run's batches.
+        fresh = (epoch > 1 and self.can_reuse_epoch_itr(dataset) and dataset not in self.dataset_to_epoch_iter
+                 and not kwargs.get("disable_iterator_cache") and not kwargs.get("update_epoch_batch_itr")
+                 and not getattr(self.cfg, "rebuild_batches", False))
+        iterator = super().get_batch_iterator(dataset, *args, epoch=1 if fresh else epoch, **kwargs)
+        if fresh:
+            iterator.epoch = epoch
+            dataset.set_epoch(epoch)
+        return iterator
+
     def begin_epoch(self, epoch, model):
         super().begin_epoch(epoch, model)
         if self.kd_criterion is not None:
