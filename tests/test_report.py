@@ -332,6 +332,32 @@ def test_report_intervals_and_p_values_equal_slow_loop(test_set, tmp_path, capsy
     assert report["signature"].startswith("nrefs:1|bs:50|seed:21|") and "ar:200" in report["signature"]
 
 
+def test_lead_closed_is_the_share_of_the_teachers_lead_over_the_baseline(test_set, tmp_path, capsys):
+    references, systems, files = test_set
+    bleu = {name: sacrebleu.corpus_bleu(hypotheses, [references]).score for name, hypotheses in systems.items()}
+    assert bleu["teacher"] > bleu["word_kd"] > bleu["no_kd"]  # the fixture's order, so the share is in (0, 1)
+    both = [f"--system={name}={files[name]}" for name in ("teacher", "no_kd", "word_kd")] + DETOK
+    capsys.readouterr()
+    run_report(*both, "--baseline", "no_kd", "--teacher", "teacher", "--bootstrap", "40", "--ar-trials", "100",
+               "--out-prefix", tmp_path / "t")
+    markdown = capsys.readouterr().out
+    rows = {row["system"]: row for row in json.loads((tmp_path / "t.json").read_text())["systems"]}
+    share = (bleu["word_kd"] - bleu["no_kd"]) / (bleu["teacher"] - bleu["no_kd"])
+    assert rows["word_kd"]["lead_closed"] == pytest.approx(share, rel=1e-12) and 0 < share < 1
+    assert rows["teacher"]["lead_closed"] is None and rows["no_kd"]["lead_closed"] is None
+    table = [line for line in markdown.splitlines() if line.startswith("|")]
+    assert "| p (ar) | Lead closed | Params |" in table[0] and len(table[1].split("|")) == len(table[0].split("|"))
+    assert f"| {100 * share:.0f}% |" in table[4] and "Lead closed: (BLEU - no_kd's) / (teacher's - no_kd's)" in markdown
+    # the roles swapped: a "teacher" below the baseline has no lead, so no share (and no refusal)
+    run_report(*both, "--baseline", "teacher", "--teacher", "no_kd", "--bootstrap", "40", "--ar-trials", "100")
+    assert "(none here: no_kd does not beat teacher)" in capsys.readouterr().out
+    # without --teacher the table keeps its columns
+    run_report(*both, "--baseline", "no_kd", "--bootstrap", "40", "--ar-trials", "100")
+    assert "Lead closed" not in capsys.readouterr().out
+    for argv in (both + ["--teacher", "teacher"], both + ["--baseline", "no_kd", "--teacher", "nobody"]):
+        expect_error(capsys, argv, "--teacher", "needs --baseline", runner=run_report)
+
+
 def test_report_errors(test_set, tmp_path, capsys):
     references, systems, files = test_set
     both = ["--system", f"a={files['no_kd']}", "--system", f"b={files['word_kd']}", *DETOK]

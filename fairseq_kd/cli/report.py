@@ -5,7 +5,7 @@ randomisation p-values, parameter count and decoding speed.
 Example::
 
     fairseq-kd-report --system teacher=scores/teacher.json --system no_kd=scores/no_kd.json \\
-        --system word_kd=gen/word_kd.txt --detok-moses en --baseline no_kd \\
+        --system word_kd=gen/word_kd.txt --detok-moses en --baseline no_kd --teacher teacher \\
         --params teacher=31500000 --speed teacher=41.2 --sidecar sizes.json --out-prefix results/iwslt14_3layer
 
 Each ``--system`` file is a score record or a fairseq-generate output (scored here). Intervals and
@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--baseline", metavar="NAME", default=None,
         help="system that every other one is compared with (difference and sacreBLEU's paired p-values)")
+    parser.add_argument(
+        "--teacher", metavar="NAME", default=None,
+        help="with --baseline: add each other system's share of this system's BLEU lead over the baseline "
+             "((BLEU - baseline's) / (teacher's - baseline's))")
     parser.add_argument("--params", action="append", default=[], metavar="NAME=N",
                         help="parameter count of a system (shipped model, without training-only modules); repeat")
     parser.add_argument("--speed", action="append", default=[], metavar="NAME=SENTS_PER_SEC",
@@ -101,6 +105,9 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         speeds.update(parse_named_numbers(args.speed, "--speed", float))
         if args.baseline is not None and args.baseline not in names:
             raise InputError(f"--baseline {args.baseline!r} is not one of the --system names {names}")
+        if args.teacher is not None and (args.baseline is None or args.teacher not in names):
+            raise InputError(f"--teacher {args.teacher!r} needs --baseline and must be one of the --system names "
+                             f"{names}")
         expected = expected_sentence_count(args)
         if args.out_prefix is not None:
             inputs = [(f"--system {name}", path) for name, path in named_paths]
@@ -115,7 +122,8 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
                         args.ref, args.ref_is_plain)
             for name, path in named_paths
         ]
-        report = build_report(systems, args.baseline, params, speeds, args.bootstrap, args.seed, args.ar_trials)
+        report = build_report(systems, args.baseline, params, speeds, args.bootstrap, args.seed, args.ar_trials,
+                              args.teacher)
         report.title = args.title
     except (argparse.ArgumentTypeError, UserError) as error:
         parser.error(str(error))

@@ -342,6 +342,8 @@ class ReportRow:
     difference: Optional[float]
     p_bootstrap: Optional[float]
     p_randomization: Optional[float]
+    #: (bleu - baseline's) / (teacher's - baseline's): the share of the teacher's lead this system closes
+    lead_closed: Optional[float]
     params: Optional[int]
     sents_per_sec: Optional[float]
     chrf: Optional[float] = None
@@ -361,10 +363,12 @@ class Report:
     partial: Dict[str, Dict] = field(default_factory=dict)
     #: what the table measures (printed above it), e.g. which BLEU a paper used
     title: Optional[str] = None
+    #: the system whose lead over the baseline the others' ``lead_closed`` is a share of
+    teacher: Optional[str] = None
 
     def to_dict(self) -> Dict:
         return {"format": REPORT_FORMAT, "title": self.title, "baseline": self.baseline,
-                "n_bootstrap": self.n_bootstrap, "n_trials": self.n_trials, "seed": self.seed,
+                "teacher": self.teacher, "n_bootstrap": self.n_bootstrap, "n_trials": self.n_trials, "seed": self.seed,
                 "n_sentences": self.n_sentences, "signature": self.signature, "interval": INTERVAL_DEFINITION,
                 "paired_tests": PAIRED_TESTS_DEFINITION, "systems": [vars(row) for row in self.rows],
                 "partial": self.partial}
@@ -373,11 +377,12 @@ class Report:
 def build_report(systems: Sequence[SystemScore], baseline: Optional[str] = None,
                  params: Optional[Dict[str, int]] = None, sents_per_sec: Optional[Dict[str, float]] = None,
                  n_bootstrap: int = DEFAULT_N_BOOTSTRAP, seed: int = DEFAULT_SEED,
-                 n_trials: int = DEFAULT_N_TRIALS) -> Report:
+                 n_trials: int = DEFAULT_N_TRIALS, teacher: Optional[str] = None) -> Report:
     """Results table for ``systems`` on one test set. One call of sacreBLEU's paired tests
     (:func:`~.bleu.compare_systems`) gives every system its interval (those stored in score records
     are recomputed, so the whole table shares one seed) and, against ``baseline``, the paired
-    bootstrap and approximate randomisation p-values; BLEU itself is the full-corpus score."""
+    bootstrap and approximate randomisation p-values; BLEU itself is the full-corpus score. With
+    ``teacher``, each other system's share of the teacher's BLEU lead over the baseline."""
     if not systems:
         raise InputError("no systems given")
     names = [system.name for system in systems]
@@ -391,6 +396,9 @@ def build_report(systems: Sequence[SystemScore], baseline: Optional[str] = None,
             raise InputError(f"{flag} names unknown systems {unknown}; systems are {names}")
     if baseline is not None and baseline not in names:
         raise InputError(f"--baseline {baseline!r} is not one of the systems {names}")
+    if teacher is not None:
+        if baseline is None or teacher not in names or teacher == baseline:
+            raise InputError(f"--teacher {teacher!r} needs --baseline and must be another of the systems {names}")
     check_n_bootstrap(n_bootstrap)
     check_n_trials(n_trials)
     if baseline is not None and not n_bootstrap:
@@ -401,7 +409,7 @@ def build_report(systems: Sequence[SystemScore], baseline: Optional[str] = None,
     rows = {
         system.name: ReportRow(system=system.name, is_baseline=system.name == baseline, bleu=system.result.score,
                                mean=None, ci=None, difference=None, p_bootstrap=None, p_randomization=None,
-                               params=params.get(system.name), sents_per_sec=sents_per_sec.get(system.name),
+                               lead_closed=None, params=params.get(system.name), sents_per_sec=sents_per_sec.get(system.name),
                                **system.chrf())
         for system in systems
     }
@@ -421,9 +429,15 @@ def build_report(systems: Sequence[SystemScore], baseline: Optional[str] = None,
     else:
         first = systems[0]
         signature = score_corpus(first.hypotheses, first.references, first.result.settings, n_bootstrap=0).signature
+    if teacher is not None:
+        lead = rows[teacher].bleu - rows[baseline].bleu
+        for name, row in rows.items():  # without a lead (a teacher no better than the baseline) no share
+            if name not in (teacher, baseline) and lead > 0:
+                row.lead_closed = (row.bleu - rows[baseline].bleu) / lead
     return Report(rows=[rows[name] for name in names], baseline=baseline, n_bootstrap=n_bootstrap,
                   n_trials=n_trials if baseline else 0, seed=seed, n_sentences=systems[0].result.n_sentences,
-                  signature=signature, partial={system.name: system.partial for system in systems if system.partial})
+                  signature=signature, partial={system.name: system.partial for system in systems if system.partial},
+                  teacher=teacher)
 
 
 def format_params(params: Optional[int]) -> str:
@@ -441,15 +455,20 @@ def report_markdown(report: Report) -> str:
     """The table in Markdown, followed by the signature and the definitions used."""
     difference_header = f"Δ vs {report.baseline}" if report.baseline else "Δ"
     lines = [report.title, ""] if report.title else []
+    lead_header = " Lead closed |" if report.teacher else ""
     lines += [
-        f"| System | BLEU | μ ± 95% CI | {difference_header} | p (bs) | p (ar) | Params | Speed (sent/s) | chrF | chrF++ |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| System | BLEU | μ ± 95% CI | {difference_header} | p (bs) | p (ar) |{lead_header} Params | Speed (sent/s) "
+        "| chrF | chrF++ |",
+        "|---|---:|---:|---:|---:|---:|" + ("---:|" if report.teacher else "") + "---:|---:|---:|---:|",
     ]
     for row in report.rows:
         name = _cell(f"{row.system} (baseline)" if row.is_baseline else row.system)
         cells = [name, f"{row.bleu:.2f}", format_mean_ci(row.mean, row.ci),
                  "-" if row.difference is None else f"{row.difference:+.2f}", format_p_value(row.p_bootstrap),
-                 format_p_value(row.p_randomization), format_params(row.params),
+                 format_p_value(row.p_randomization)]
+        if report.teacher:
+            cells.append("-" if row.lead_closed is None else f"{100 * row.lead_closed:.0f}%")
+        cells += [format_params(row.params),
                  "-" if row.sents_per_sec is None else f"{row.sents_per_sec:.1f}",
                  "-" if row.chrf is None else f"{row.chrf:.2f}", "-" if row.chrfpp is None else f"{row.chrfpp:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -464,6 +483,11 @@ def report_markdown(report: Report) -> str:
         lines.append(f"{PAIRED_TESTS_DEFINITION} Against {report.baseline}: {report.n_bootstrap} resamples, "
                      f"{report.n_trials} trials. Re-check: SACREBLEU_SEED={report.seed} sacrebleu REF -i "
                      f"{report.baseline} OTHERS... --paired-bs (or --paired-ar) on the detokenised text.")
+    if report.teacher:
+        lines.append(f"Lead closed: (BLEU - {report.baseline}'s) / ({report.teacher}'s - {report.baseline}'s), the "
+                     f"share of {report.teacher}'s lead over {report.baseline} that a system closes"
+                     + ("." if any(row.lead_closed is not None for row in report.rows)
+                        else f" (none here: {report.teacher} does not beat {report.baseline})."))
     return "\n".join(lines) + "\n"
 
 

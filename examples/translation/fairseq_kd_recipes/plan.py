@@ -665,6 +665,8 @@ class _Planner:
             command += ["--system", f"{system}={self.score(system, tokenized)}"]
         if baseline in systems:
             command += ["--baseline", baseline]
+            if TEACHER in systems:
+                command += ["--teacher", TEACHER]
         if tokenized:
             title = (f"{self.pair.title}: the paper's BLEU, sacreBLEU (13a) on the tokenised, lowercased text "
                      "with BPE removed and the T- lines as references (what fairseq-generate --scoring sacrebleu "
