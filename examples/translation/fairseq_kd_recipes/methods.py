@@ -168,6 +168,9 @@ _METHOD_LIST = (
     Method("a2d_kd_on_policy", "a2d_kd_4h with half its batches the student's own samples (its attention "
            "terms and word-level KD on them, no CE)", "student_4h", "a2d_kd",
            ("--a2d-granularity", "head", "--a2d-attention-kinds", "all", "--on-policy-rate", "0.5")),
+    Method("a2d_kd_seqkd_nbest", "a2d_kd_4h on seq_kd_nbest's distilled corpus (the teacher's chrF-selected, "
+           "filtered n-best as targets; its attention and distributions on them)", "student_4h", "a2d_kd",
+           ("--a2d-granularity", "head", "--a2d-attention-kinds", "all"), data="seqkd_nbest"),
     Method("a2d_kd", "Align-to-Distill, the criterion's defaults", "student_4h", "a2d_kd", in_recipes=False,
            benchmarked=True),
     Method("a2d_kd_cached", "Align-to-Distill after its attention epochs (--a2d-attention-epochs 1, timed "
