@@ -67,11 +67,7 @@ class Case:
 
     def attention(self, kind):
         """The attention module of every layer of ``kind``."""
-        if not self.hugging_face:
-            return attention_modules(self.teacher.model, kind)
-        encoder, decoder = self.teacher.model.layer_stacks()
-        layers = (encoder if kind == ENCODER_SELF else decoder).layers
-        return [layer.encoder_attn if kind == DECODER_CROSS else layer.self_attn for layer in layers]
+        return attention_modules(self.teacher.model, kind)
 
     def hooked(self, kind):
         """Per layer of ``kind``: whether the capture hooked its attention (fairseq: the module;
@@ -191,7 +187,9 @@ def test_shapes_and_masks(case, padding):
 @pytest.mark.parametrize("padding", ["left", "right"])
 def test_rows_sum_to_one_and_masked_entries_are_zero(case, padding):
     """Every row, padded queries included, is a distribution over the keys it may reach: padded
-    keys (and, for decoder self-attention, future keys) get exactly zero probability."""
+    keys (and, for decoder self-attention, future keys) get exactly zero probability; the entries
+    that take part in a loss (``attendable``) are exactly a real query's reachable keys, and the
+    scores are zero outside them."""
     _, feats = case.capture(EVERYTHING, padded_input(case, padding))
     for kind, maps in feats.attention.items():
         attendable = maps.attendable.unsqueeze(0).expand_as(maps.probs)
@@ -204,6 +202,9 @@ def test_rows_sum_to_one_and_masked_entries_are_zero(case, padding):
         if kind == DECODER_SELF:
             reachable &= torch.ones(maps.probs.shape[-2:], dtype=torch.bool).tril()
         assert float(maps.probs.masked_fill(reachable[None], 0).abs().max()) == 0.0, kind
+        # attendable: a real query and a key it may reach; the scores are 0 everywhere else
+        assert torch.equal(maps.attendable, reachable & ~maps.query_padding_mask[:, None, :, None]), kind
+        assert float(maps.scores.masked_fill(maps.attendable[None], 0).abs().max()) == 0.0, kind
         torch.testing.assert_close(sums, torch.ones_like(sums))
     causal = feats.attention[DECODER_SELF].probs
     upper = torch.triu(torch.ones(causal.shape[-2:], dtype=torch.bool), diagonal=1)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from conftest import build_tiny_student
+from test_capture_contract import EVERYTHING, MAPS_ONLY
 from fairseq_kd.models.feature_capture import (
     ATTENTION_KINDS,
     DECODER_SELF,
@@ -13,10 +14,6 @@ from fairseq_kd.models.feature_capture import (
     FeatureCapture,
     attention_modules,
 )
-
-EVERYTHING = CaptureRequest(encoder_hidden=True, decoder_hidden=True, attention_kinds=ATTENTION_KINDS,
-                            attention_scores=True, attention_values=True)
-
 
 def _capture(model, batch, request=EVERYTHING):
     with FeatureCapture(model, request) as capture:
@@ -45,9 +42,6 @@ def _fairseq_per_head_weights(model, batch):
                 module.skip_embed_dim_check = False
     # fairseq: (heads, batch, tgt, src) per layer -> (layers, batch, heads, tgt, src)
     return {kind: torch.stack(maps).transpose(1, 2) for kind, maps in recorded.items()}
-
-
-MAPS_ONLY = CaptureRequest(attention_kinds=ATTENTION_KINDS)
 
 
 @pytest.mark.parametrize("request_", [EVERYTHING, MAPS_ONLY], ids=["everything", "maps_only"])

@@ -25,6 +25,7 @@ from test_hf_teacher import (  # noqa: E402
     data_task,
     split_batch,
 )
+from test_capture_contract import EVERYTHING, right_padded  # noqa: E402
 from fairseq_kd.models.feature_capture import (  # noqa: E402
     ATTENTION_KINDS,
     DECODER_CROSS,
@@ -38,8 +39,6 @@ from fairseq_kd.tasks.translation_kd import TranslationKDTask  # noqa: E402
 #: post-norm without, and pre-norm with, final layer norms; marian_separate: a source and a target vocabulary
 FAMILIES = ("marian", "marian_separate", "m2m_100")
 SIZES = dict(encoder_layers=3, decoder_layers=3)
-EVERYTHING = CaptureRequest(encoder_hidden=True, decoder_hidden=True, attention_kinds=ATTENTION_KINDS,
-                            attention_scores=True, attention_values=True)
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +50,6 @@ def hf(tiny_hf_teachers):
 @pytest.fixture(scope="module")
 def corpus(hf):
     return hf.raw
-
-
-def right_padded(src_tokens: torch.Tensor, pad: int) -> torch.Tensor:
-    """The same sentences padded on the right (fairseq's --left-pad-source False)."""
-    rows = [row[row.ne(pad)] for row in src_tokens]
-    out = src_tokens.new_full(src_tokens.shape, pad)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = row
-    return out
 
 
 def own_outputs(teacher, source, target):

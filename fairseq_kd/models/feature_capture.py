@@ -1,18 +1,18 @@
 """Hidden states and per-head attention maps of one forward pass, for teacher and student alike.
 
-:class:`FeatureCapture` works on stock fairseq Transformers through hooks that exist only inside its
-``with`` block (a request for nothing installs none): the encoder's ``encoder_states`` and the
-decoder's ``inner_states`` (index 0 the embedding output), and, from fairseq's explicit attention
-path, the per-head, pre-dropout float32 probabilities, the pre-softmax scores ``q k^T / sqrt(d_head)``
-and the values, when asked. A model that satisfies the contract itself (the Hugging Face teacher,
-:mod:`.hf_teacher`) defines ``feature_capture(request)``, to which :class:`FeatureCapture` delegates;
-both assemble their maps with :func:`attention_maps`. All tensors are batch-first; padding masks are
-True at padded positions. Why fairseq's fused path is avoided and how the scores are taken:
-``docs/design/teachers.md``.
+The capture contract: :class:`CaptureRequest` says which signals a criterion needs,
+:class:`CapturedFeatures` and :class:`AttentionMaps` their layouts (batch-first; padding masks True
+at padded positions; index 0 of the hidden states the embedding output). ``FeatureCapture(model,
+request)`` records them inside its ``with`` block, through hooks that exist only there (none for an
+empty request); the base class keeps that bookkeeping and assembles the features, each kind of
+model (:class:`FairseqFeatureCapture` for stock fairseq Transformers,
+:class:`.hf_teacher.HuggingFaceFeatureCapture`) only says how its modules are read.
+How fairseq's fused attention path is avoided and the scores taken: ``docs/design/teachers.md``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -207,23 +207,23 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def attention_modules(model: nn.Module, kind: str) -> List[nn.Module]:
-    """The ``MultiheadAttention`` module of every layer for one attention kind, bottom-up."""
+    """The attention module of every layer of one kind, bottom-up: ``layers[i].self_attn`` /
+    ``.encoder_attn`` of the encoder and decoder (``model.layer_stacks()`` where the model defines
+    it, as the Hugging Face teacher does; fairseq's ``model.encoder`` / ``model.decoder`` otherwise)."""
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"unknown attention kind {kind!r}")
     model = unwrap_model(model)
     try:
-        if kind == ENCODER_SELF:
-            return [layer.self_attn for layer in model.encoder.layers]
-        if kind == DECODER_SELF:
-            return [layer.self_attn for layer in model.decoder.layers]
-        if kind == DECODER_CROSS:
-            modules = [layer.encoder_attn for layer in model.decoder.layers]
-            if any(m is None for m in modules):
-                raise NotATransformerError("decoder layers have no encoder attention")
-            return modules
+        encoder, decoder = model.layer_stacks() if hasattr(model, "layer_stacks") else (model.encoder, model.decoder)
+        layers = (encoder if kind == ENCODER_SELF else decoder).layers
+        modules = [layer.encoder_attn if kind == DECODER_CROSS else layer.self_attn for layer in layers]
     except AttributeError as err:
         raise NotATransformerError(
             f"{type(model).__name__} does not have the layout of a fairseq encoder-decoder "
             f"Transformer (encoder.layers[i].self_attn, decoder.layers[i].self_attn/encoder_attn): {err}") from err
-    raise ValueError(f"unknown attention kind {kind!r}")
+    if any(module is None for module in modules):
+        raise NotATransformerError("decoder layers have no encoder attention")
+    return modules
 
 
 class FeatureCapture:
@@ -233,179 +233,177 @@ class FeatureCapture:
     ...     net_output = model(**sample["net_input"])
     >>> features = capture.features()
 
-    An empty request installs no hook at all.
+    ``FeatureCapture(model, request)`` is the capture of the model's kind: the class its
+    ``capture_class`` names (the Hugging Face teacher's) or :class:`FairseqFeatureCapture`. This
+    base holds the contract's bookkeeping: hooks and attribute changes (:meth:`hook`,
+    :meth:`assign`) exist only inside the block (none for an empty request, none left by a refused
+    one), the layers each kind's maps come from, and the assembly of :class:`CapturedFeatures`. A
+    kind of model says how it is read:
+
+    - ``_hook_attention(kind, index, module)``: hook the attention module of 0-based layer
+      ``index`` of ``kind`` (called for each layer whose maps the request computes);
+    - ``_install()``: hook what the request needs beyond the attention modules;
+    - after the forward pass, ``_masks()``: a :class:`CapturedFeatures` holding only the padding
+      masks (None before a forward pass); ``_hidden(side, features)``: ``(layers + 1, batch, len,
+      dim)``; ``_maps(kind, indices, features)``: ``(probs, future, scores, values)`` of those
+      layers, as :func:`attention_maps` takes them.
     """
+
+    def __new__(cls, model: nn.Module, request: CaptureRequest):
+        if cls is FeatureCapture:
+            cls = getattr(unwrap_model(model), "capture_class", FairseqFeatureCapture)
+        return super().__new__(cls)
 
     def __init__(self, model: nn.Module, request: CaptureRequest):
         self.model = unwrap_model(model)
         self.request = request
-        self._handles: list = []
-        self._attention_records: Dict[str, List[dict]] = {}
-        self._captured_layers: Dict[str, Tuple[int, ...]] = {}  # kind -> 1-based layers hooked
-        self._encoder_out: Optional[dict] = None
-        self._decoder_inner_states: Optional[List[Tensor]] = None
-        self._source_padding_mask: Optional[Tensor] = None
-        self._prev_output_tokens: Optional[Tensor] = None
-        self._padding_idx: Optional[int] = None
-        # each module's skip_embed_dim_check before the block (docs/design/teachers.md)
-        self._skip_embed_dim_check: Dict[nn.Module, bool] = {}
-        self._wrapped_score_modules: List[nn.Module] = []
-        # the model's own capture, for a model that defines feature_capture (docs/design/teachers.md)
-        self._delegate = None
+        self._undo: list = []  # what __exit__ undoes, last first
+        self._layers: Dict[str, Tuple[int, ...]] = {}  # kind -> 0-based layers whose maps are computed
+        self._records: Dict[Tuple[str, int], dict] = {}  # (kind, 0-based layer) -> what its call left
 
-    # ------------------------------------------------------------------ hooks
     def __enter__(self) -> "FeatureCapture":
+        if self.request.is_empty:
+            return self
         try:
-            return self._install()
+            for kind in self.request.attention_kinds:
+                modules = attention_modules(self.model, kind)
+                self._layers[kind] = self.request.layer_indices(kind, len(modules))
+                for index in self._layers[kind]:
+                    self._hook_attention(kind, index, modules[index])
+            self._install()
         except BaseException:
             self.__exit__(None, None, None)  # no hook of a refused request stays on the model
             raise
-
-    def _install(self) -> "FeatureCapture":
-        if self.request.is_empty:
-            return self
-        model = self.model
-        own_capture = getattr(model, "feature_capture", None)
-        if callable(own_capture):
-            self._delegate = own_capture(self.request)
-            self._delegate.__enter__()
-            return self
-        for kind in self.request.attention_kinds:
-            records: List[dict] = []
-            self._attention_records[kind] = records
-            modules = attention_modules(model, kind)
-            indices = self.request.layer_indices(kind, len(modules))
-            self._captured_layers[kind] = tuple(index + 1 for index in indices)
-            for module in (modules[index] for index in indices):
-                if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
-                    raise NotATransformerError(
-                        "attention capture does not support add_bias_kv / add_zero_attn attention")
-                self._handles.append(
-                    module.register_forward_pre_hook(self._make_attention_hook(records), with_kwargs=True))
-                self._handles.append(module.register_forward_hook(self._make_map_hook(records)))
-                if self.request.attention_values:
-                    self._handles.append(module.v_proj.register_forward_hook(
-                        self._make_value_hook(records, module)))
-                if self.request.attention_scores and "apply_sparse_mask" not in vars(module):
-                    module.apply_sparse_mask = self._make_score_recorder(records, module)
-                    self._wrapped_score_modules.append(module)
-                self._skip_embed_dim_check.setdefault(module, module.skip_embed_dim_check)
-                module.skip_embed_dim_check = True
-        self._handles.append(model.encoder.register_forward_pre_hook(self._encoder_pre_hook, with_kwargs=True))
-        self._handles.append(model.encoder.register_forward_hook(self._encoder_hook))
-        self._handles.append(model.decoder.register_forward_pre_hook(self._decoder_pre_hook, with_kwargs=True))
-        if self.request.decoder_hidden:
-            self._handles.append(model.decoder.register_forward_hook(self._decoder_hook))
-        self._padding_idx = model.decoder.padding_idx if hasattr(model.decoder, "padding_idx") else None
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._delegate is not None:
-            self._delegate.__exit__(*exc)  # its features() stay readable after the block
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        for module, value in self._skip_embed_dim_check.items():
-            module.skip_embed_dim_check = value
-        self._skip_embed_dim_check.clear()
-        for module in self._wrapped_score_modules:
-            del module.apply_sparse_mask  # the class's method again
-        self._wrapped_score_modules.clear()
+        while self._undo:
+            self._undo.pop()()
 
-    @staticmethod
-    def _make_attention_hook(records: List[dict]):
-        def hook(module, args, kwargs):
-            names = ("query", "key", "value", "key_padding_mask")
-            call = dict(zip(names, args))
+    def hook(self, module: nn.Module, hook, pre: bool = False) -> None:
+        """``hook`` on ``module`` inside the block: a forward pre-hook (given the keyword
+        arguments) when ``pre``, a forward hook otherwise."""
+        handle = module.register_forward_pre_hook(hook, with_kwargs=True) if pre else module.register_forward_hook(hook)
+        self._undo.append(handle.remove)
+
+    def assign(self, owner, name: str, value) -> None:
+        """``owner.name = value`` inside the block."""
+        self._undo.append(partial(setattr, owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def features(self) -> CapturedFeatures:
+        """Assemble the captured tensors. Call after the forward pass, inside or after the block."""
+        if self.request.is_empty:
+            return CapturedFeatures()
+        features = self._masks()
+        if features is None:
+            raise RuntimeError(f"{type(self).__name__}.features() called before a forward pass of the model")
+        if self.request.encoder_hidden:
+            features.encoder_hidden = self._hidden("encoder", features)
+        if self.request.decoder_hidden:
+            features.decoder_hidden = self._hidden("decoder", features)
+        for kind, indices in self._layers.items():
+            probs, future, scores, values = self._maps(kind, indices, features)
+            features.attention[kind] = attention_maps(kind, probs, features, future, scores, values,
+                                                      tuple(index + 1 for index in indices))
+        return features
+
+
+class FairseqFeatureCapture(FeatureCapture):
+    """The capture of a stock fairseq Transformer: the encoder's ``encoder_states`` (asked for with
+    ``return_all_hiddens``) and the decoder's ``inner_states``; per hooked attention module, its
+    explicit path's per-head probabilities, the scores it hands to ``apply_sparse_mask`` and its
+    ``v_proj`` output (docs/design/teachers.md)."""
+
+    def __init__(self, model: nn.Module, request: CaptureRequest):
+        super().__init__(model, request)
+        self._open: Dict[nn.Module, dict] = {}  # attention module -> the record of its call in progress
+        self._encoder_out: Optional[dict] = None
+        self._decoder_inner_states: Optional[List[Tensor]] = None
+        self._prev_output_tokens: Optional[Tensor] = None
+
+    def _hook_attention(self, kind: str, index: int, module: nn.Module) -> None:
+        if getattr(module, "bias_k", None) is not None or getattr(module, "add_zero_attn", False):
+            raise NotATransformerError("attention capture does not support add_bias_kv / add_zero_attn attention")
+
+        def before(module, args, kwargs):
+            call = dict(zip(("query", "key", "value", "key_padding_mask"), args))
             call.update(kwargs)
             if call.get("incremental_state") is not None:
                 # Incremental decoding (generation) is never distilled; recording it would be wrong.
                 return None
-            records.append({"module": module, "attn_mask": call.get("attn_mask")})
+            self._open[module] = self._records[kind, index] = {"attn_mask": call.get("attn_mask")}
             return args, dict(kwargs, need_weights=True, need_head_weights=True)
 
-        return hook
+        def after(module, args, output):
+            record = self._open.pop(module, None)
+            if record is not None and isinstance(output, tuple) and output[1] is not None:
+                record["probs"] = output[1]  # (heads, batch, query_len, key_len), float32
 
-    @staticmethod
-    def _make_map_hook(records: List[dict]):
-        def hook(module, args, output):
-            if records and records[-1]["module"] is module and "probs" not in records[-1]:
-                weights = output[1] if isinstance(output, tuple) else None
-                if weights is not None:
-                    records[-1]["probs"] = weights  # (heads, batch, query_len, key_len), float32
+        self.hook(module, before, pre=True)
+        self.hook(module, after)
+        if self.request.attention_values:  # (len, batch, embed_dim); fairseq only reshapes it
+            self.hook(module.v_proj, lambda projection, args, output: self._note(module, "v", output))
+        if self.request.attention_scores and "apply_sparse_mask" not in vars(module):
+            module.apply_sparse_mask = self._score_recorder(module)
+            self._undo.append(partial(delattr, module, "apply_sparse_mask"))  # the class's method again
+        self.assign(module, "skip_embed_dim_check", True)  # (docs/design/teachers.md)
 
-        return hook
+    def _note(self, module: nn.Module, key: str, tensor: Tensor) -> None:
+        record = self._open.get(module)
+        if record is not None:
+            record[key] = tensor
 
-    @staticmethod
-    def _make_value_hook(records: List[dict], attention: nn.Module):
-        def hook(projection, args, output):
-            if records and records[-1]["module"] is attention and "probs" not in records[-1]:
-                records[-1]["v"] = output  # (len, batch, embed_dim); fairseq only reshapes it
-
-        return hook
-
-    @staticmethod
-    def _make_score_recorder(records: List[dict], attention: nn.Module):
-        apply_sparse_mask = attention.apply_sparse_mask  # the class's (bound) method
+    def _score_recorder(self, module: nn.Module):
+        apply_sparse_mask = module.apply_sparse_mask  # the class's (bound) method
 
         def record(attn_weights, tgt_len: int, src_len: int, bsz: int):
             attn_weights = apply_sparse_mask(attn_weights, tgt_len, src_len, bsz)
-            if records and records[-1]["module"] is attention and "probs" not in records[-1]:
-                # (batch * heads, tgt, src). fairseq then adds a causal attn_mask in place (-inf at
-                # future keys); _attention_maps zeroes every entry outside ``attendable``.
-                records[-1]["scores"] = attn_weights
+            # (batch * heads, tgt, src). fairseq then adds a causal attn_mask in place (-inf at
+            # future keys); attention_maps zeroes every entry outside ``attendable``.
+            self._note(module, "scores", attn_weights)
             return attn_weights
 
         return record
 
-    def _encoder_pre_hook(self, module, args, kwargs):
+    def _install(self) -> None:
+        encoder, decoder = self.model.encoder, self.model.decoder
         if self.request.encoder_hidden:
-            return args, dict(kwargs, return_all_hiddens=True)
-        return None
+            self.hook(encoder, lambda module, args, kwargs: (args, dict(kwargs, return_all_hiddens=True)), pre=True)
+        self.hook(encoder, self._encoder_hook)
+        self.hook(decoder, self._decoder_pre_hook, pre=True)
+        if self.request.decoder_hidden:
+            self.hook(decoder, self._decoder_hook)
 
     def _encoder_hook(self, module, args, output):
         self._encoder_out = output
-        masks = output.get("encoder_padding_mask") or []
-        if masks:
-            self._source_padding_mask = masks[0]
 
     def _decoder_pre_hook(self, module, args, kwargs):
         self._prev_output_tokens = args[0] if args else kwargs.get("prev_output_tokens")
-        return None
 
     def _decoder_hook(self, module, args, output):
         extra = output[1] if isinstance(output, tuple) and len(output) > 1 else None
         if isinstance(extra, dict):
             self._decoder_inner_states = extra.get("inner_states")
 
-    # --------------------------------------------------------------- results
-    def features(self) -> CapturedFeatures:
-        """Assemble the captured tensors. Call after the forward pass, inside or after the block."""
-        features = CapturedFeatures()
-        if self.request.is_empty:
-            return features
-        if self._delegate is not None:
-            return self._delegate.features()
+    def _masks(self) -> Optional[CapturedFeatures]:
         if self._encoder_out is None or self._prev_output_tokens is None:
-            raise RuntimeError("FeatureCapture.features() called before a forward pass of the model")
-        features.source_padding_mask = self._source_padding_mask
-        features.target_padding_mask = self._prev_output_tokens.eq(self._padding_idx)
-        if self.request.encoder_hidden:
-            states = self._encoder_out.get("encoder_states") or []
-            if not states:
-                raise RuntimeError("the encoder returned no encoder_states although they were requested")
-            features.encoder_hidden = torch.stack(states, 0).transpose(1, 2)
-        if self.request.decoder_hidden:
-            if not self._decoder_inner_states:
-                raise RuntimeError("the decoder returned no inner_states although they were requested")
-            features.decoder_hidden = torch.stack(self._decoder_inner_states, 0).transpose(1, 2)
-        for kind, records in self._attention_records.items():
-            # (only the selected layers' modules are hooked, see CaptureRequest.layer_indices)
-            features.attention[kind] = self._attention_maps(kind, records, features)
-        return features
+            return None
+        source_masks = self._encoder_out.get("encoder_padding_mask") or []
+        padding_idx = getattr(self.model.decoder, "padding_idx", None)
+        return CapturedFeatures(source_padding_mask=source_masks[0] if source_masks else None,
+                                target_padding_mask=self._prev_output_tokens.eq(padding_idx))
 
-    def _attention_maps(self, kind: str, records: List[dict], features: CapturedFeatures) -> AttentionMaps:
-        if not records:
+    def _hidden(self, side: str, features: CapturedFeatures) -> Tensor:
+        name, states = (("encoder_states", self._encoder_out.get("encoder_states")) if side == "encoder"
+                        else ("inner_states", self._decoder_inner_states))
+        if not states:
+            raise RuntimeError(f"the {side} returned no {name} although they were requested")
+        return torch.stack(states, 0).transpose(1, 2)
+
+    def _maps(self, kind: str, indices: Tuple[int, ...], features: CapturedFeatures) -> tuple:
+        records = [self._records.get((kind, index)) for index in indices]
+        if not all(records):
             raise RuntimeError(f"no {kind} attention call was recorded during the forward pass")
         if not all("probs" in r for r in records):
             raise RuntimeError(f"{kind} attention did not return per-head weights: it did not take "
@@ -426,4 +424,4 @@ class FeatureCapture:
             # (layers, len, batch, C) -> (layers, batch, heads, len, d_head)
             stacked = torch.stack([r["v"] for r in records], 0)
             values = stacked.view(num_layers, stacked.size(1), bsz, num_heads, -1).permute(0, 2, 3, 1, 4)
-        return attention_maps(kind, probs, features, future, scores, values, self._captured_layers[kind])
+        return probs, future, scores, values

@@ -28,8 +28,8 @@ from torch import nn
 from ..errors import InputError, MissingDependencyError
 from ..fingerprint import file_sha256
 from . import hf_folder
-from .feature_capture import (DECODER_CROSS, DECODER_SELF, ENCODER_SELF, AttentionMaps, CapturedFeatures,
-                              CaptureRequest, NotATransformerError, attention_maps)
+from .feature_capture import (DECODER_CROSS, DECODER_SELF, ENCODER_SELF, CapturedFeatures, CaptureRequest,
+                              FeatureCapture, NotATransformerError, attention_modules)
 from .hf_vocabulary import NO_ID, VocabularyError, VocabularyMap, tokenizer_maps
 from .shape import TransformerShape
 from .dictionary_check import FLAG, TeacherCheckpointError, TeacherFileError, check_data_dictionaries
@@ -250,8 +250,8 @@ class HuggingFaceTeacherModel(nn.Module):
     ``forward(src_tokens, src_lengths, prev_output_tokens)`` gives ``(logits, {})`` with logits over
     the fairseq dictionary of ``vocabulary``, the target side's map (decoder inputs, logits, target
     ids); ``source_vocabulary`` is the source side's (encoder inputs), the same object when the
-    tokenizer has one vocabulary. :meth:`feature_capture` is what
-    :class:`.feature_capture.FeatureCapture` uses for it."""
+    tokenizer has one vocabulary. ``FeatureCapture(model, request)`` is its
+    :class:`HuggingFaceFeatureCapture`."""
 
     def __init__(self, hf_model: nn.Module, vocabulary: VocabularyMap, fairseq_pad: int = 1,
                  source_vocabulary: Optional[VocabularyMap] = None):
@@ -360,13 +360,10 @@ class HuggingFaceTeacherModel(nn.Module):
             cross_heads=decoder.layers[0].encoder_attn.num_heads, encoder_embed_dim=d_model, decoder_embed_dim=d_model,
         )
 
-    def feature_capture(self, request: CaptureRequest) -> "HuggingFaceFeatureCapture":
-        """The capture :class:`.feature_capture.FeatureCapture` delegates to for this model."""
-        return HuggingFaceFeatureCapture(self, request)
-
-
-def _layer_output(output) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output
+    @property
+    def capture_class(self):
+        """What ``FeatureCapture(model, request)`` builds for this model."""
+        return HuggingFaceFeatureCapture
 
 
 def _split_heads(projected: torch.Tensor, heads: int) -> torch.Tensor:
@@ -374,68 +371,46 @@ def _split_heads(projected: torch.Tensor, heads: int) -> torch.Tensor:
     return projected.view(*projected.shape[:2], heads, -1).transpose(1, 2)
 
 
-class HuggingFaceFeatureCapture:
-    """The features of one forward pass of a :class:`HuggingFaceTeacherModel`, under the contract
-    of :class:`.feature_capture.FeatureCapture` (the mapping: docs/design/teachers.md).
+class HuggingFaceFeatureCapture(FeatureCapture):
+    """The capture of a :class:`HuggingFaceTeacherModel` (the mapping: docs/design/teachers.md).
 
     Inside the block the model asks its Hugging Face model for exactly what the request needs
-    (``output_attentions`` on the eager attention path, ``output_hidden_states``); hooks exist only
-    for what those outputs lack: the pre-softmax scores and values (``q_proj`` / ``k_proj`` /
-    ``v_proj`` outputs) and, for a stack with a final layer norm, its top layer's own output.
+    (:meth:`model_kwargs`: ``output_attentions`` on the eager attention path,
+    ``output_hidden_states``) and hands its outputs over (:meth:`collect`); hooks exist only for
+    what those outputs lack: the pre-softmax scores and values (``q_proj`` / ``k_proj`` / ``v_proj``
+    outputs) and, for a stack with a final layer norm, its top layer's own output.
     """
 
     def __init__(self, model: HuggingFaceTeacherModel, request: CaptureRequest):
-        self.model = model
-        self.request = request
-        self._handles: list = []
-        self._projections: dict = {}  # (kind, layer, "q"/"k"/"v") -> projection output
+        super().__init__(model, request)
         self._top_outputs: dict = {}  # "encoder"/"decoder" -> the top layer's output
-        self._attention_implementations: list = []
-        self._features: Optional[CapturedFeatures] = None
+        self._output = self._masks_of = self._slot = None  # what the forward pass left
 
-    def __enter__(self) -> "HuggingFaceFeatureCapture":
-        request = self.request
+    def _hook_attention(self, kind: str, index: int, module: nn.Module) -> None:
+        keys = (("q", "k") if self.request.attention_scores else ()) + (("v",) if self.request.attention_values else ())
+        for key in keys:
+            self._keep(getattr(module, f"{key}_proj"), self._records.setdefault((kind, index), {}), key)
+
+    def _install(self) -> None:
         encoder, decoder = self.model.layer_stacks()
-        modules = {ENCODER_SELF: [layer.self_attn for layer in encoder.layers],
-                   DECODER_SELF: [layer.self_attn for layer in decoder.layers],
-                   DECODER_CROSS: [layer.encoder_attn for layer in decoder.layers]}
-        projections = (("q", "q_proj"), ("k", "k_proj")) if request.attention_scores else ()
-        projections += (("v", "v_proj"),) if request.attention_values else ()
-        for kind in request.attention_kinds:
-            for index in request.layer_indices(kind, len(modules[kind])):
-                for key, name in projections:
-                    self._handles.append(getattr(modules[kind][index], name).register_forward_hook(
-                        self._recorder(self._projections, (kind, index, key))))
-        for side, stack, wanted in (("encoder", encoder, request.encoder_hidden),
-                                    ("decoder", decoder, request.decoder_hidden)):
+        for side, stack, wanted in (("encoder", encoder, self.request.encoder_hidden),
+                                    ("decoder", decoder, self.request.decoder_hidden)):
             if wanted and isinstance(getattr(stack, "layer_norm", None), nn.Module):
                 # Hugging Face's hidden_states[n] is after this final layer norm; fairseq's is before
-                self._handles.append(stack.layers[-1].register_forward_hook(self._recorder(self._top_outputs, side)))
-        if request.attention_kinds:
+                self._keep(stack.layers[-1], self._top_outputs, side)
+        if self.request.attention_kinds:
             # only the eager path returns the attention weights (sdpa returns none)
             configs = {id(m.config): m.config for m in self.model.hf_model.modules()
                        if hasattr(getattr(m, "config", None), "_attn_implementation")}
             for config in configs.values():
-                self._attention_implementations.append((config, config._attn_implementation))
-                config._attn_implementation = "eager"
-        self._features = None
-        self.model.active_capture = self
-        return self
+                self.assign(config, "_attn_implementation", "eager")
+        self.assign(self.model, "active_capture", self)
 
-    def __exit__(self, *exc) -> None:
-        self.model.active_capture = None
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        for config, implementation in self._attention_implementations:
-            config._attn_implementation = implementation
-        self._attention_implementations.clear()
-
-    @staticmethod
-    def _recorder(store: dict, key):
+    def _keep(self, module: nn.Module, store: dict, key) -> None:
+        """``store[key]``: ``module``'s output (its first element when a tuple) in the block."""
         def hook(module, args, output):
-            store[key] = _layer_output(output)
-        return hook
+            store[key] = output[0] if isinstance(output, tuple) else output
+        self.hook(module, hook)
 
     def model_kwargs(self, prev_output_tokens: torch.Tensor) -> dict:
         """What the Hugging Face model is asked for in this forward pass. The decoder's padded keys
@@ -448,79 +423,61 @@ class HuggingFaceFeatureCapture:
             kwargs["output_hidden_states"] = True
         return kwargs
 
-    def features(self) -> CapturedFeatures:
-        if self._features is None:
-            raise RuntimeError("HuggingFaceFeatureCapture.features() called before a forward pass of the model")
-        return self._features
-
-    # --------------------------------------------------------------- assembling
     def collect(self, output, src_tokens: torch.Tensor, prev_output_tokens: torch.Tensor) -> None:
-        """Build the :class:`CapturedFeatures` of ``output`` in fairseq's positions."""
-        request, pad = self.request, self.model.fairseq_pad
+        """Keep what :meth:`features` reads of the forward pass: its outputs and fairseq's inputs."""
+        pad = self.model.fairseq_pad
+        self._output, self._masks_of = output, (src_tokens.eq(pad), prev_output_tokens.eq(pad))
         # slot of each fairseq position in the right-padded source
-        slot = self.model.source_order(src_tokens).argsort(1)
-        features = CapturedFeatures(source_padding_mask=src_tokens.eq(pad),
-                                    target_padding_mask=prev_output_tokens.eq(pad))
-        if request.encoder_hidden:
-            states = self._hidden_states(output.encoder_hidden_states, "encoder")
-            states = states.gather(2, slot[None, :, :, None].expand_as(states))
-            features.encoder_hidden = self._zero_padded_embedding(states, features.source_padding_mask)
-        if request.decoder_hidden:
-            states = self._hidden_states(output.decoder_hidden_states, "decoder")
-            features.decoder_hidden = self._zero_padded_embedding(states, features.target_padding_mask)
-        maps = {ENCODER_SELF: output.encoder_attentions, DECODER_SELF: output.decoder_attentions,
-                DECODER_CROSS: output.cross_attentions}
-        for kind in request.attention_kinds:
-            features.attention[kind] = self._attention_maps(kind, maps[kind], features, slot)
-        self._features = features
+        self._slot = self.model.source_order(src_tokens).argsort(1)
 
-    def _hidden_states(self, states, side: str) -> torch.Tensor:
-        """``(layers + 1, batch, len, dim)``: Hugging Face's states, the top one before a final
-        layer norm (docs/design/teachers.md)."""
-        states = list(states)
+    def _masks(self) -> Optional[CapturedFeatures]:
+        if self._output is None:
+            return None
+        source, target = self._masks_of
+        return CapturedFeatures(source_padding_mask=source, target_padding_mask=target)
+
+    def _hidden(self, side: str, features: CapturedFeatures) -> torch.Tensor:
+        """Hugging Face's states, the top one before a final layer norm (docs/design/teachers.md),
+        the source's in fairseq's positions."""
+        states = list(getattr(self._output, f"{side}_hidden_states"))
         if side in self._top_outputs:
             states[-1] = self._top_outputs[side]
-        return torch.stack(states, 0)
-
-    @staticmethod
-    def _zero_padded_embedding(states: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
-        """fairseq's embedding output is 0 at padded positions (the encoder zeroes them; the
-        decoder's pad embedding and pad position are 0); Hugging Face's position embeddings are not."""
-        states[0] = states[0].masked_fill(padding_mask[..., None], 0.0)
+        states = torch.stack(states, 0)
+        if side == "encoder":
+            states = states.gather(2, self._slot[None, :, :, None].expand_as(states))
+        # fairseq's embedding output is 0 at padded positions (the encoder zeroes them; the decoder's
+        # pad embedding and pad position are 0); Hugging Face's position embeddings are not
+        states[0] = states[0].masked_fill(features.padding_mask(side)[..., None], 0.0)
         return states
 
-    def _attention_maps(self, kind: str, per_layer, features: CapturedFeatures, slot: torch.Tensor) -> AttentionMaps:
+    def _maps(self, kind: str, indices: Tuple[int, ...], features: CapturedFeatures) -> tuple:
+        per_layer = getattr(self._output, {ENCODER_SELF: "encoder_attentions", DECODER_SELF: "decoder_attentions",
+                                           DECODER_CROSS: "cross_attentions"}[kind])
         if not per_layer:
             raise RuntimeError(f"the Hugging Face model returned no {kind} attention weights")
-        # Hugging Face returns every layer's maps; a request's selection keeps some of them
-        indices = self.request.layer_indices(kind, len(per_layer))
+        # Hugging Face returns every layer's maps; the request's selection keeps some of them
         probs = torch.stack([per_layer[i] for i in indices], 0).float()  # (layers, batch, heads, query, key)
         num_layers, bsz, num_heads, tq, tk = probs.shape
         source_queries, source_keys = kind == ENCODER_SELF, kind in (ENCODER_SELF, DECODER_CROSS)
-        probs = self._to_fairseq_positions(probs, slot, source_queries, source_keys)
+        probs = self._to_fairseq_positions(probs, source_queries, source_keys)
         future = torch.ones(tq, tk, dtype=torch.bool, device=probs.device).triu(1) if kind == DECODER_SELF else None
         scores = values = None
         if self.request.attention_scores:
-            scaling = [self._module(kind, i).scaling for i in indices]
+            modules = attention_modules(self.model, kind)
             scores = torch.stack([
-                _split_heads(self._projections[kind, i, "q"], num_heads)
-                @ _split_heads(self._projections[kind, i, "k"], num_heads).transpose(-1, -2) * scale
-                for i, scale in zip(indices, scaling)], 0)
-            scores = self._to_fairseq_positions(scores, slot, source_queries, source_keys)
+                _split_heads(self._records[kind, i]["q"], num_heads)
+                @ _split_heads(self._records[kind, i]["k"], num_heads).transpose(-1, -2) * modules[i].scaling
+                for i in indices], 0)
+            scores = self._to_fairseq_positions(scores, source_queries, source_keys)
         if self.request.attention_values:
-            values = torch.stack([_split_heads(self._projections[kind, i, "v"], num_heads) for i in indices], 0)
+            values = torch.stack([_split_heads(self._records[kind, i]["v"], num_heads) for i in indices], 0)
             if source_keys:  # (layers, batch, heads, key, d_head): the key axis is the source's
-                values = values.gather(3, slot[None, :, None, :, None].expand_as(values))
-        return attention_maps(kind, probs, features, future, scores, values, tuple(index + 1 for index in indices))
+                values = values.gather(3, self._slot[None, :, None, :, None].expand_as(values))
+        return probs, future, scores, values
 
-    def _module(self, kind: str, index: int) -> nn.Module:
-        encoder, decoder = self.model.layer_stacks()
-        layer = (encoder if kind == ENCODER_SELF else decoder).layers[index]
-        return layer.encoder_attn if kind == DECODER_CROSS else layer.self_attn
-
-    @staticmethod
-    def _to_fairseq_positions(maps: torch.Tensor, slot: torch.Tensor, queries: bool, keys: bool) -> torch.Tensor:
+    def _to_fairseq_positions(self, maps: torch.Tensor, queries: bool, keys: bool) -> torch.Tensor:
         """``(layers, batch, heads, query, key)`` maps with source axes put back in fairseq's positions."""
+        slot = self._slot
         if queries:
             maps = maps.gather(3, slot[None, :, None, :, None].expand_as(maps))
         if keys:
@@ -572,7 +529,7 @@ class HuggingFaceTeacher(FrozenTeacher):
             self._sha256 = readable(folder_sha256, self.path)
         return self._sha256
 
-    # forward: FrozenTeacher's; its FeatureCapture delegates to HuggingFaceTeacherModel.feature_capture
+    # forward: FrozenTeacher's; its FeatureCapture is the model's HuggingFaceFeatureCapture
 
 
 def check_model_fits(path, model, vocabulary: VocabularyMap,
