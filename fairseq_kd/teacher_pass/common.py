@@ -43,9 +43,7 @@ ORDER_SEED = 1
 # ----------------------------------------------------------------------------- set-up
 def infer_languages(data: Path, source_lang: Optional[str], target_lang: Optional[str],
                     error: Type[Exception]) -> Tuple[str, str]:
-    """``(source, target)``: the languages given, or, when either is missing, fairseq's own rule
-    (TranslationTask.setup_task: the first ``<split>.<a>-<b>.*`` file found); ``error`` when the
-    folder tells none."""
+    """The languages given, else fairseq's TranslationTask.setup_task rule; ``error`` when none."""
     if source_lang and target_lang:
         return source_lang, target_lang
     from fairseq.data import data_utils
@@ -58,8 +56,6 @@ def infer_languages(data: Path, source_lang: Optional[str], target_lang: Optiona
 
 
 def translation_task(data: Path, src: str, tgt: str, split: str):
-    """fairseq's translation task over the binarised folder ``data`` (dictionaries loaded; the
-    split read by :func:`load_split`)."""
     from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
     return TranslationTask.setup_task(TranslationConfig(
@@ -68,27 +64,19 @@ def translation_task(data: Path, src: str, tgt: str, split: str):
 
 
 def load_split(task, split: str):
-    """``split`` of ``task``'s data (continuation parts included), as a LanguagePairDataset."""
     task.load_dataset(split, combine=True)
     return task.dataset(split)
 
 
 def load_teacher(task, checkpoint, teacher_data: Optional[str], sha256: Optional[str]):
-    """The frozen teacher of ``checkpoint`` for ``task``'s dictionaries, through training's loader
-    (:func:`fairseq_kd.models.teachers.load_teacher`: a fairseq checkpoint or a Hugging Face
-    folder); ``sha256``: the checkpoint's digest when the caller has just fingerprinted it."""
     from ..models.teachers import load_teacher as load  # registers the architectures
 
     return load(str(checkpoint), task, teacher_data=teacher_data, sha256=sha256)
 
 
 def teacher_fingerprint(path: Path, recorded: Optional[dict] = None) -> Optional[dict]:
-    """The fingerprint (:mod:`fairseq_kd.fingerprint`) of a teacher, with ``sha256`` its content
-    digest: a checkpoint file's SHA-256, or for a Hugging Face folder its files' fingerprints and
-    :func:`fairseq_kd.models.hf_teacher.folder_sha256` of them (the digest that binds a training run
-    to the teacher), so that a folder's files are read once. ``recorded``: the fingerprint a previous
-    run wrote, whose checksums are reused for unchanged files. None for a path that is neither a
-    readable file nor a folder (the teacher's loader says why)."""
+    """A teacher's fingerprint, ``sha256`` its digest (a folder's: ``folder_sha256``, as training
+    binds it); ``recorded``'s checksums reused; None when unreadable (the loader says why)."""
     from ..fingerprint import fingerprint
 
     path = Path(path)
@@ -104,15 +92,11 @@ def teacher_fingerprint(path: Path, recorded: Optional[dict] = None) -> Optional
 
 
 def device_kind(cpu: bool) -> str:
-    """``"cuda"`` when torch sees a GPU and ``cpu`` is not asked, else ``"cpu"``: the device a pass
-    runs on, part of its identity (the same teacher computes other floating-point bytes on each)."""
     return "cpu" if cpu or not torch.cuda.is_available() else "cuda"
 
 
 def pick_device(cpu: bool, workers: Optional["Workers"] = None) -> torch.device:
-    """The device of :func:`device_kind`; a rank of ``torchrun`` or ``srun`` takes GPU
-    ``LOCAL_RANK`` (modulo the GPUs it sees: one each when the launcher gives each rank its own, as
-    ``srun --gpus-per-task=1`` does)."""
+    """A rank takes GPU ``LOCAL_RANK`` modulo the GPUs it sees (``--gpus-per-task=1``: one)."""
     if device_kind(cpu) == "cpu":
         return torch.device("cpu")
     if workers is None or not workers.ranks:
@@ -123,7 +107,6 @@ def pick_device(cpu: bool, workers: Optional["Workers"] = None) -> torch.device:
 
 
 def on_device(model, device: torch.device, fp16: bool):
-    """``model`` on ``device``, in half precision with ``fp16``."""
     model = model.to(device)
     return model.half() if fp16 else model
 
@@ -134,7 +117,6 @@ def shard_count(sentences: int, shard_size: int) -> int:
 
 
 def shard_range(index: int, shard_size: int, sentences: int) -> Tuple[int, int]:
-    """Sentence ids ``[first, last)`` of shard ``index``."""
     first = index * shard_size
     return first, min(sentences, first + shard_size)
 
@@ -149,17 +131,14 @@ def length_ordered_indices(dataset):
 
 def shard_batches(dataset, ordered, first: int, last: int, max_tokens: Optional[int],
                   max_sentences: Optional[int] = None):
-    """fairseq's ``batch_by_size`` over the sentence ids ``first..last-1`` of a shard, taken in the
-    order ``ordered`` (:func:`length_ordered_indices`): a shard's batches do not depend on which
-    other shards are processed in the same run, so a resumed run batches as an uninterrupted one."""
+    """A shard's batches, independent of the other shards processed in the same run."""
     indices = ordered[(ordered >= first) & (ordered < last)]
     return dataset.batch_by_size(indices, max_tokens=max_tokens, max_sentences=max_sentences,
                                  required_batch_size_multiple=1)
 
 
 def check_max_tokens(dataset, max_tokens: Optional[int], split: str) -> Optional[str]:
-    """Why ``--max-tokens`` cannot batch ``dataset`` (fairseq's ``batch_by_size`` asserts that
-    every sentence fits in one batch), or None."""
+    """Why ``--max-tokens`` cannot batch ``dataset`` (``batch_by_size`` would assert), or None."""
     if max_tokens is None or len(dataset) == 0:
         return None
     lengths = dataset.num_tokens_vec(np.arange(len(dataset)))
@@ -174,10 +153,7 @@ def check_max_tokens(dataset, max_tokens: Optional[int], split: str) -> Optional
 def shard_progress(shards: List[int], shard_size: int, sentences: int, desc: str,
                    log: Callable[[str], None], shown: bool = True
                    ) -> Iterator[Tuple[Callable[[int], None], Callable[[str], None]]]:
-    """``(on_batch, log_line)`` for a pass over ``shards``: a per-sentence progress bar with rate
-    and time left on stderr, only when it is a terminal and ``shown`` (ranks other than 0 show
-    none: :attr:`Workers.reports`; ``on_batch(n)`` after each batch of ``n`` sentences), and
-    ``log`` printing above it."""
+    """``(on_batch, log_line)``: a per-sentence bar on a terminal when ``shown``, ``log`` above it."""
     total = sum(last - first for first, last in (shard_range(i, shard_size, sentences) for i in shards))
     silent = None if shown else io.StringIO()  # not a terminal: the bar stays off
     with progress_bar(total=total, desc=desc, unit="sent", stream=silent) as bar:
@@ -186,22 +162,18 @@ def shard_progress(shards: List[int], shard_size: int, sentences: int, desc: str
 
 # ----------------------------------------------------------------------------- the resumable record
 def read_record(path: Path) -> Optional[dict]:
-    """A job's record (manifest), or None when there is none (or an unreadable one)."""
     path = Path(path)
     return read_json(path) if path.is_file() else None
 
 
 def identity(settings: Mapping, inputs: Mapping) -> dict:
-    """What a job's output is a function of: its settings and its inputs' contents (not the
-    files' modification times)."""
+    """What a job's output is a function of: its settings and its inputs' contents (not times)."""
     return {**settings, **{name: content(recorded) for name, recorded in inputs.items()}}
 
 
 def identity_differences(recorded: Mapping, current: Mapping, labels: Mapping[str, str],
                          inputs: Iterable[str]) -> List[str]:
-    """For each key on which two identities (:func:`identity`) differ, sorted: ``--max-tokens 4096
-    here, 2048 in the record`` for a setting (``labels``: its flag), ``--teacher-checkpoint: other
-    content here than in the record`` for one of the ``inputs``."""
+    """A phrase per differing key, sorted, naming it by ``labels``: ``--beam 4 here, 5 in the record``."""
     inputs = set(inputs)
     phrases = []
     for key in sorted(set(recorded) | set(current)):
@@ -223,10 +195,8 @@ def _shown(value) -> str:
 
 
 def create_record(path: Path, record: dict) -> Optional[dict]:
-    """Write ``record`` as ``path`` unless a record is there: None when this process wrote it, else
-    the record found (``{}`` when unreadable). Workers that start at once cannot both write it: a
-    complete temporary file of this process is hard-linked to the name, which fails when it exists
-    (where the filesystem has no hard links, the name is created with ``O_EXCL`` and written)."""
+    """Write ``record`` as ``path`` unless one is there: None when written here, else the one found
+    (``{}`` when unreadable); hard link of a complete temporary file, else ``O_EXCL``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = (json.dumps(record, indent=1, sort_keys=True) + "\n").encode("utf-8")
@@ -250,9 +220,7 @@ def create_record(path: Path, record: dict) -> Optional[dict]:
 
 
 def _settled_record(path: Path, attempts: int = 50) -> dict:
-    """The record at ``path``, waiting a little while it is unreadable (only a record created
-    without hard links can be seen half-written); ``{}`` when it stays unreadable."""
-    for _attempt in range(attempts):
+    for _attempt in range(attempts):  # only a record created without hard links is seen half-written
         record = read_json(path)
         if isinstance(record, dict):
             return record
@@ -262,9 +230,7 @@ def _settled_record(path: Path, attempts: int = 50) -> dict:
 
 # ----------------------------------------------------------------------------- files several workers write
 def replace_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` through a temporary file of this process (``write(handle)``), renamed over it
-    once complete: a reader sees the whole file or none, a kill leaves only a temporary file (an
-    error, none), and workers writing into one folder never share a temporary file."""
+    """Write ``path`` (``write(handle)``) through this process's temporary file, renamed over it."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
     try:
@@ -278,15 +244,13 @@ def replace_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
 
 
 def is_temporary(path: Path) -> bool:
-    """Whether ``path`` is a temporary file of :func:`replace_atomically` (left by a killed worker)."""
     return path.name.startswith(".") and path.name.endswith(".tmp")
 
 
 @contextlib.contextmanager
 def user_folders(folders: Mapping[str, Path]) -> Iterator[None]:
-    """The system's refusal to read or write a file inside one of ``folders`` (``{"--output":
-    folder}``), or a full disk, as a :class:`~fairseq_kd.errors.FileAccessError` naming the flag
-    and folder; any other OSError keeps its traceback."""
+    """An OSError on a file in one of ``folders`` (``{flag: folder}``), or a full disk, as a
+    FileAccessError naming the flag and folder; any other keeps its traceback."""
     try:
         yield
     except UserError:
@@ -300,8 +264,7 @@ def user_folders(folders: Mapping[str, Path]) -> Iterator[None]:
 
 
 def _flag_of(error: OSError, folders: Mapping[str, Path]) -> Optional[str]:
-    """The flag of the folder ``error``'s file lies in; the output's for a full disk or quota."""
-    if error.filename is None:
+    if error.filename is None:  # a full disk or quota: the output's
         return next(iter(folders)) if error.errno in (errno.ENOSPC, errno.EDQUOT) else None
     path = Path(os.path.abspath(os.fsdecode(error.filename)))
     for flag, folder in folders.items():
@@ -315,27 +278,17 @@ def _flag_of(error: OSError, folders: Mapping[str, Path]) -> Optional[str]:
 SHARD_RECORD_FORMAT = "fairseq-kd-teacher-pass-shard/1"
 
 
-def shard_record_path(shard: Path) -> Path:
-    """The record beside a shard file: ``shard000003.npz`` -> ``shard000003.json``."""
-    return Path(shard).with_suffix(".json")
-
-
 def write_shard(path: Path, payload: bytes, pass_identity: str, index: int, sentences: Tuple[int, int]) -> None:
-    """Write shard ``index`` (sentence ids ``sentences``, ``[first, last)``) of the pass whose
-    identity digest is ``pass_identity``: its record first (the bytes' size and SHA-256), then the
-    shard, each atomically; the shard's presence marks it done, so a done shard always has its
-    record (a kill between the two leaves a record without a shard: not done)."""
-    write_json(shard_record_path(path), {
+    """Shard ``index`` (sentences ``[first, last)``) of pass ``pass_identity``: its record, then it."""
+    write_json(Path(path).with_suffix(".json"), {
         "format": SHARD_RECORD_FORMAT, "pass": pass_identity, "shard": index, "sentences": list(sentences),
         "size": len(payload), "sha256": bytes_sha256(payload)})
     replace_atomically(path, lambda handle: handle.write(payload))
 
 
 def shard_problem(path: Path, pass_identity: str, index: int, sentences: Tuple[int, int]) -> Optional[str]:
-    """Why the done shard ``path`` is not what this pass wrote there (its record missing or of
-    another pass or shard, its bytes truncated or changed since: the whole file is hashed, as a
-    disk error keeps the size and the modification time), or None."""
-    record_path = shard_record_path(path)
+    """Why the done shard ``path`` is not what this pass wrote there (hashed whole), or None."""
+    record_path = Path(path).with_suffix(".json")
     record = read_json(record_path)
     if not isinstance(record, dict) or record.get("format") != SHARD_RECORD_FORMAT:
         found = "missing" if not record_path.exists() else "unreadable or of another format"
@@ -354,24 +307,49 @@ def shard_problem(path: Path, pass_identity: str, index: int, sentences: Tuple[i
 
 
 def refuse_shard(path: Path, problem: str, what: str, error: Type[Exception]) -> None:
-    """Delete a shard that :func:`shard_problem` refuses, and its record, then raise ``error`` in
-    one line naming it (``what``: the flag and folder, and the shard's path inside it): the same
-    command computes it again."""
+    """Delete a refused shard and its record; ``error`` naming it (``what``) and the fix."""
     Path(path).unlink(missing_ok=True)
-    shard_record_path(path).unlink(missing_ok=True)
+    Path(path).with_suffix(".json").unlink(missing_ok=True)
     raise error(f"{what} {problem}; it was deleted: re-run the same command to compute it again")
+
+
+def missing_shards(path_of: Callable[[int], Path], count: int) -> List[int]:
+    return [index for index in range(count) if not path_of(index).is_file()]
+
+
+def check_shards(path_of: Callable[[int], Path], shards: Iterable[int], pass_identity: str, shard_size: int,
+                 sentences: int, where: str, error: Type[Exception], vanished_ok: bool = False) -> None:
+    """Refuse the first of these done shards that is not what its record says this pass wrote
+    (``where``: the flag, folder and work folder); ``vanished_ok``: skip one removed meanwhile."""
+    for index in shards:
+        path = path_of(index)
+        try:
+            problem = shard_problem(path, pass_identity, index, shard_range(index, shard_size, sentences))
+        except FileNotFoundError:  # removed meanwhile by a merge of another worker
+            if vanished_ok:
+                continue
+            raise
+        if problem is not None:
+            refuse_shard(path, problem, f"{where}/{path.name}", error)
+
+
+def own_pending_shards(workers: "Workers", count: int, path_of: Callable[[int], Path], merged: Callable[[], bool],
+                       check: Callable[[List[int]], None]) -> List[int]:
+    """This worker's shards not written yet, once those done pass ``check``; none once ``merged()``."""
+    owned = workers.owned(range(count))
+    if merged():
+        return []
+    check([index for index in owned if path_of(index).is_file()])
+    return [index for index in owned if not path_of(index).is_file()]
 
 
 # ----------------------------------------------------------------------------- workers
 ONE_PROCESS, JOB_ARRAY, TORCHRUN, SRUN = "one process", "job array", "torchrun", "srun"
-#: how long a rank waits for the others at the barrier: a resumed pass may leave one rank with no
-#: shard to decode while the others decode theirs
 BARRIER_TIMEOUT = datetime.timedelta(days=2)
 MERGE_LOCK = "merge.lock"
 
 
 def num_shards_field():
-    """``--num-shards``, one field of each teacher pass's config."""
     return field(default=None, metadata={"help": (
         "split the pass over N workers of a job array (fairseq's --num-shards), all writing into the same "
         "--output on a shared filesystem with the same flags (a worker whose settings or N differ from the "
@@ -381,7 +359,6 @@ def num_shards_field():
 
 
 def shard_id_field():
-    """``--shard-id``, one field of each teacher pass's config."""
     return field(default=None, metadata={"help": (
         "with --num-shards N: this worker's index, 0 <= I < N (e.g. $SLURM_ARRAY_TASK_ID of an array "
         "counted from 0)"), "metavar": "I"})
@@ -389,10 +366,7 @@ def shard_id_field():
 
 @dataclass(frozen=True)
 class Workers:
-    """This process's part of a pass split over ``count`` workers: the shards ``i`` with
-    ``i % count == index``. ``launcher``: how the workers were started; torchrun's and srun's
-    ranks meet at a barrier (``init_method``) before rank 0 merges, a job array's workers do not
-    meet (the one that writes the last shard merges)."""
+    """This process's part of a pass over ``count`` workers: the shards ``i % count == index``."""
 
     index: int = 0
     count: int = 1
@@ -406,7 +380,6 @@ class Workers:
 
     @property
     def reports(self) -> bool:
-        """Whether this process prints its progress: all but the ranks other than 0."""
         return not self.ranks or self.index == 0
 
     def owned(self, shards: Iterable[int]) -> List[int]:
@@ -414,21 +387,17 @@ class Workers:
 
     @property
     def label(self) -> str:
-        """The prefix of this worker's own lines ('' for one process)."""
         if self.count == 1:
             return ""
         return f"{'rank' if self.ranks else 'worker'} {self.index} of {self.count} ({self.launcher}): "
 
     def log(self, log: Callable[[str], None]) -> Callable[[str], None]:
-        """``log`` for a process that reports, else a printer of nothing."""
         return log if self.reports else (lambda line: None)
 
 
 def workers_for(num_shards: Optional[int], shard_id: Optional[int], error: Type[Exception],
                 environ: Optional[Mapping[str, str]] = None) -> Workers:
-    """This process's :class:`Workers`, from ``--num-shards/--shard-id`` or the launcher's
-    environment; a combination that cannot work is refused with ``error``, in one line naming the
-    flag or variable, before any work."""
+    """This process's :class:`Workers`, from ``--num-shards/--shard-id`` or the launcher's environment."""
     environ = os.environ if environ is None else environ
     ranks = _ranks_of(environ, error)
     if shard_id is not None and num_shards is None:
@@ -449,9 +418,7 @@ def workers_for(num_shards: Optional[int], shard_id: Optional[int], error: Type[
 
 
 def _ranks_of(environ: Mapping[str, str], error: Type[Exception]) -> Optional[Workers]:
-    """The ranks of torchrun (``RANK``/``WORLD_SIZE``, checked first: torchrun may run inside a
-    SLURM job) or of srun (``SLURM_STEP_NUM_TASKS`` > 1: set for the tasks of an srun step only,
-    not for a batch script whose job has several tasks), or None for one process."""
+    """The ranks of torchrun (checked first: it may run inside SLURM) or srun, or None."""
     def number(name: str, default: Optional[int] = None) -> int:
         value = environ.get(name)
         if value is None and default is not None:
@@ -477,8 +444,6 @@ def _ranks_of(environ: Mapping[str, str], error: Type[Exception]) -> Optional[Wo
 
 
 def _srun_init_method(environ: Mapping[str, str], error: Type[Exception]) -> str:
-    """Where srun's ranks meet: ``MASTER_ADDR`` (default 127.0.0.1 when the step runs on one node)
-    and ``MASTER_PORT`` (default: from the job and step ids, so that two steps on one node differ)."""
     address = environ.get("MASTER_ADDR")
     if address is None:
         if environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES", "1")) != "1":
@@ -495,8 +460,7 @@ def _srun_init_method(environ: Mapping[str, str], error: Type[Exception]) -> str
 
 @contextlib.contextmanager
 def rank_group(workers: Workers) -> Iterator[None]:
-    """torch.distributed (gloo: CPU or GPU, no NCCL needed) among the ranks for the duration of
-    the block; nothing for one process or a job array's worker."""
+    """torch.distributed (gloo) among the ranks for the block; nothing for other workers."""
     if not workers.ranks:
         yield
         return
@@ -514,7 +478,6 @@ def rank_group(workers: Workers) -> Iterator[None]:
 
 
 def wait_for_ranks(workers: Workers) -> None:
-    """The barrier after which rank 0 merges (inside :func:`rank_group`)."""
     if workers.ranks:
         import torch.distributed as dist
 
@@ -526,12 +489,8 @@ JOB_ARRAY_RECORD = "job_array.json"
 
 @contextlib.contextmanager
 def job_array_worker(folder: Path, workers: Workers, error: Type[Exception]) -> Iterator[None]:
-    """For the block (the worker's own shards; not the merge, which removes ``folder``), this
-    job-array worker's place in ``folder``, the pass's work folder, checked before any work: its
-    ``--num-shards`` recorded, or refused when the array's record holds another (some shards would
-    belong to no worker, and every worker would exit 0 while none merges); its ``--shard-id``
-    claimed, or refused while another running worker holds it (a duplicated array index: some
-    other index has no worker). One process and torchrun's or srun's ranks are not concerned."""
+    """For the block (not the merge, which removes ``folder``), a job-array worker's ``--num-shards``
+    recorded in the work ``folder`` and its ``--shard-id`` claimed, or refused."""
     if workers.launcher != JOB_ARRAY:
         yield
         return
@@ -558,13 +517,8 @@ MERGED, MERGED_BEFORE, SHARDS_REMAIN, MERGING_ELSEWHERE, RANK_ZERO_MERGES = (
 
 def merge_when_complete(folder: Path, workers: Workers, total: int, missing: Callable[[], List[int]],
                         merged: Callable[[], bool], merge: Callable[[], None], log: Callable[[str], None]) -> str:
-    """Merge the shards into the final output (``merge()``) when every shard exists, in one worker
-    only, and say what happened: one of :data:`MERGED` ... :data:`RANK_ZERO_MERGES`.
-
-    Shards are only added (each complete, :func:`replace_atomically`) until the merge, which
-    removes them after the output is complete (``merged()``): so a worker that finds shards
-    missing and the output not complete leaves the merge to the one that writes the last shard,
-    and the lock (:func:`merge_lock`) is taken only once every shard exists."""
+    """``merge()`` once every shard exists, in one worker only; one of :data:`MERGED` ...
+    :data:`RANK_ZERO_MERGES`. A worker finding shards missing leaves it to the last writer."""
     if workers.ranks and workers.index != 0:
         return RANK_ZERO_MERGES
     absent = missing()
@@ -589,8 +543,7 @@ def merge_when_complete(folder: Path, workers: Workers, total: int, missing: Cal
 
 @contextlib.contextmanager
 def merge_lock(folder: Path) -> Iterator[Optional[str]]:
-    """Hold ``folder``'s merge lock for the block (yields None), or yield who holds it and what to
-    do, in words (:func:`held_lock`)."""
+    """Hold ``folder``'s merge lock (yields None), or yield who holds it and what to do."""
     path = Path(folder) / MERGE_LOCK
     with held_lock(path) as holder:
         yield None if holder is None else (f"another worker merges ({holder}: {path}); if no worker is running, "
@@ -599,12 +552,7 @@ def merge_lock(folder: Path) -> Iterator[Optional[str]]:
 
 @contextlib.contextmanager
 def held_lock(path: Path) -> Iterator[Optional[str]]:
-    """Hold the lock file ``path`` for the block (yields None), or yield who holds it (a phrase).
-
-    The lock is a file created with ``O_EXCL`` (atomic on local and network filesystems), holding
-    its holder's host and pid, and ``flock``-ed while held. A lock left by a killed process is taken
-    over when its holder ran on this host and is gone (its ``flock`` released, or, where the
-    filesystem has none, its pid dead); one of another host is reported, with what to do."""
+    """Hold the lock file ``path`` for the block (yields None), or yield who holds it (a phrase)."""
     path = Path(path)
     handle = _take_lock(path)
     if handle is None:
@@ -620,7 +568,6 @@ def held_lock(path: Path) -> Iterator[Optional[str]]:
 
 
 def _take_lock(path: Path) -> Optional[int]:
-    """An open, locked handle of ``path`` when this process now holds it, else None."""
     for _attempt in range(3):
         try:
             handle = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
@@ -642,8 +589,7 @@ def _take_lock(path: Path) -> Optional[int]:
 
 
 def _stale_lock(path: Path) -> Optional[int]:
-    """A handle of the existing lock ``path`` when its holder is gone (taken over), None when it
-    is held, -1 when it vanished meanwhile."""
+    """A handle of lock ``path`` whose holder is gone, None when held, -1 when it vanished."""
     try:
         handle = os.open(path, os.O_RDWR)
     except FileNotFoundError:
