@@ -1,8 +1,6 @@
-"""Training's side of the teacher cache (``--teacher-cache DIR``): :meth:`TeacherCache.open` checks a
-finished cache against the run before training starts, and :meth:`TeacherCache.lookup` serves a
-batch's top-k teacher log-probabilities and token ids. Written by
-:mod:`fairseq_kd.teacher_pass.teacher_cache`, which checks a finished cache with the same
-:func:`check_cache` on a re-run.
+"""Training's side of the teacher cache (``--teacher-cache DIR``, written by
+:mod:`fairseq_kd.teacher_pass.teacher_cache`): :meth:`TeacherCache.open` checks it against the run
+before training starts, :meth:`TeacherCache.lookup` serves a batch's top-k log-probabilities and ids.
 
 The teacher distribution at temperature tau is the stored top-k one renormalised,
 ``q_i = exp(l_i / tau) / sum_j exp(l_j / tau)``: exact when the teacher's mass lies within its top
@@ -24,7 +22,6 @@ from ..fingerprint import content, dictionary_sha256, fingerprint, fingerprint_f
 from .binarised import split_files
 
 CACHE_FORMAT = "fairseq-kd-teacher-cache/4"
-#: what a cache is made with besides its inputs: every setting that changes its bytes
 SETTINGS = ("format", "k", "split", "source_lang", "target_lang", "source_dictionary_sha256",
             "target_dictionary_sha256", "max_tokens", "shard_size", "fp16", "device")
 MANIFEST = "cache.json"
@@ -32,13 +29,9 @@ PROGRESS = "progress.json"
 OFFSETS, LOGPROBS, TOKEN_IDS = "offsets.npy", "topk_logprobs.npy", "topk_ids.npy"
 ARRAYS = (OFFSETS, LOGPROBS, TOKEN_IDS)
 DTYPES = {OFFSETS: np.dtype(np.int64), LOGPROBS: np.dtype(np.float32), TOKEN_IDS: np.dtype(np.int32)}
-#: keys every cache.json holds
 REQUIRED = SETTINGS + ("inputs", "n_sentences", "n_tokens", "arrays")
-#: how far above 0 a stored log-probability may be: log_softmax in float32 gives at most 0; the
-#: margin spares a teacher whose kernels round differently
-LOGPROB_TOLERANCE = 1e-4
-#: rows per chunk of the value checks (a chunk of a k = 8 array: 32 MB)
-CHECK_ROWS = 1 << 20
+LOGPROB_TOLERANCE = 1e-4  # above 0: spares a teacher whose kernels round differently
+CHECK_ROWS = 1 << 20  # rows per chunk of the value checks (k = 8: 32 MB)
 FLAG = "--teacher-cache"
 REBUILD = "rebuild the cache with fairseq-kd-teacher-cache"
 
@@ -48,7 +41,6 @@ class TeacherCacheError(InputError):
 
 
 def cache_split_files(data: Path, split: str, src: str, tgt: str) -> List[Path]:
-    """The split's binarised files (both languages, continuation parts included)."""
     files = split_files(Path(data), split, src, tgt)
     if not files:
         raise TeacherCacheError(f"--data {data}: no binarised {split} split for {src}-{tgt}")
@@ -56,9 +48,7 @@ def cache_split_files(data: Path, split: str, src: str, tgt: str) -> List[Path]:
 
 
 def read_manifest(folder: Path, what: str, fix: str = REBUILD) -> dict:
-    """``folder``'s ``cache.json``, a JSON object with every key
-    (:data:`REQUIRED`), or a one-line :class:`TeacherCacheError` starting with ``what`` (the flag
-    and the folder) and ending with ``fix``."""
+    """``folder``'s ``cache.json`` with every key, else an error starting with ``what``, ending with ``fix``."""
     path = Path(folder) / MANIFEST
     if not path.is_file():
         why = ("an interrupted build: run fairseq-kd-teacher-cache again to finish it"
@@ -77,7 +67,6 @@ def read_manifest(folder: Path, what: str, fix: str = REBUILD) -> dict:
 
 
 def _manifest_problem(manifest: dict) -> Optional[str]:
-    """What a cache.json lacks or holds wrongly, or None."""
     missing = [key for key in REQUIRED if key not in manifest]
     if missing:
         return f"lacks the key{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}"
@@ -99,14 +88,8 @@ def _manifest_problem(manifest: dict) -> Optional[str]:
 
 def check_cache(folder: Path, manifest: dict, vocabulary: int, what: str, fix: str = REBUILD
                 ) -> Tuple[Dict[str, np.ndarray], Dict[str, dict]]:
-    """``({name: memory-mapped array}, {name: its fingerprint now})`` of a cache whose
-    ``manifest`` :func:`read_manifest` accepted, once every check passes (each array a plain
-    ``.npy`` of the recorded dtype and shape and of its header's size, read without unpickling;
-    offsets from 0 to ``n_tokens``, never decreasing; ids in the target dictionary; finite
-    log-probabilities at most :data:`LOGPROB_TOLERANCE`; the recorded SHA-256, hashed again only
-    when size or time changed) (``vocabulary``: the target dictionary's size), else a one-line
-    :class:`TeacherCacheError` starting with ``what`` that names the file and what is wrong, and
-    ends with ``fix``. Training's start-up and a re-run of the build check alike."""
+    """``({name: memory-mapped array}, {name: its fingerprint now})`` once every check of
+    ``docs/design/teacher_passes.md`` passes, else an error starting with ``what``, ending with ``fix``."""
     folder = Path(folder)
     k, n_sentences, n_tokens = manifest["k"], manifest["n_sentences"], manifest["n_tokens"]
     shapes = {OFFSETS: (n_sentences + 1,), LOGPROBS: (n_tokens, k), TOKEN_IDS: (n_tokens, k)}
@@ -129,8 +112,7 @@ def check_cache(folder: Path, manifest: dict, vocabulary: int, what: str, fix: s
 
 
 def _open_array(path: Path, record: dict, shape: tuple, what: str, fix: str) -> np.ndarray:
-    """``path`` memory-mapped, once its header (read without unpickling) gives the dtype and shape
-    the cache needs and the manifest records, and the file is the size its header announces."""
+    """``path`` memory-mapped, once its header and size agree with the cache and the manifest."""
     name, dtype = path.name, DTYPES[path.name]
     if not path.is_file():
         raise TeacherCacheError(f"{what}: {name} missing; {fix}")
@@ -152,8 +134,7 @@ def _open_array(path: Path, record: dict, shape: tuple, what: str, fix: str) -> 
 
 
 def _npy_header(path: Path, what: str, fix: str) -> Tuple[tuple, np.dtype, int]:
-    """``(shape, dtype, offset of the data)`` from a ``.npy`` header, parsed as a literal (never
-    unpickled); a file that is no plain numeric ``.npy`` is refused."""
+    """``(shape, dtype, offset of the data)`` of a plain numeric ``.npy``, never unpickled."""
     with open(path, "rb") as handle:
         try:
             version = np.lib.format.read_magic(handle)
@@ -173,7 +154,6 @@ def _npy_header(path: Path, what: str, fix: str) -> Tuple[tuple, np.dtype, int]:
 
 
 def _offsets_problem(offsets: np.ndarray, n_tokens: int) -> Optional[str]:
-    """Offsets must start at 0, never decrease and end at ``n_tokens``."""
     values = np.asarray(offsets)
     if len(values) and values.min() < 0:
         return f"holds a negative offset ({int(values.min())}, sentence {int(values.argmin())})"
@@ -188,34 +168,32 @@ def _offsets_problem(offsets: np.ndarray, n_tokens: int) -> Optional[str]:
     return None
 
 
-def _logprob_problem(logprobs: np.ndarray) -> Optional[str]:
-    """Log-probabilities must be finite and at most :data:`LOGPROB_TOLERANCE`."""
-    for start in range(0, len(logprobs), CHECK_ROWS):
-        chunk = np.asarray(logprobs[start:start + CHECK_ROWS])
-        bad = ~np.isfinite(chunk) | (chunk > LOGPROB_TOLERANCE)
-        if bad.any():
-            row, column = np.argwhere(bad)[0]
-            value = float(chunk[row, column])
-            kind = "not a finite number" if not np.isfinite(value) else "a log-probability above 0"
-            return f"holds {value:g} at row {start + int(row)} ({kind})"
+def _first_bad(array: np.ndarray, is_bad) -> Optional[tuple]:
+    """``(row, value)`` of the first value ``is_bad`` marks, read ``CHECK_ROWS`` rows at a time."""
+    for start in range(0, len(array), CHECK_ROWS):
+        chunk = np.asarray(array[start:start + CHECK_ROWS])
+        bad = np.argwhere(is_bad(chunk))
+        if len(bad):
+            return start + int(bad[0][0]), chunk[tuple(bad[0])]
     return None
+
+
+def _logprob_problem(logprobs: np.ndarray) -> Optional[str]:
+    found = _first_bad(logprobs, lambda chunk: ~np.isfinite(chunk) | (chunk > LOGPROB_TOLERANCE))
+    if found is None:
+        return None
+    kind = "not a finite number" if not np.isfinite(found[1]) else "a log-probability above 0"
+    return f"holds {float(found[1]):g} at row {found[0]} ({kind})"
 
 
 def _token_id_problem(token_ids: np.ndarray, vocabulary: int) -> Optional[str]:
-    """Token ids must index the target dictionary: ``0 <= id < vocabulary``."""
-    for start in range(0, len(token_ids), CHECK_ROWS):
-        chunk = np.asarray(token_ids[start:start + CHECK_ROWS])
-        bad = (chunk < 0) | (chunk >= vocabulary)
-        if bad.any():
-            row, column = np.argwhere(bad)[0]
-            return (f"holds token id {int(chunk[row, column])} at row {start + int(row)}, outside the target "
-                    f"dictionary (0..{vocabulary - 1})")
-    return None
+    found = _first_bad(token_ids, lambda chunk: (chunk < 0) | (chunk >= vocabulary))
+    return None if found is None else (f"holds token id {int(found[1])} at row {found[0]}, outside the target "
+                                       f"dictionary (0..{vocabulary - 1})")
 
 
 def _same_data(manifest: dict, files: List[Path]) -> bool:
-    """Whether ``files`` hold the data the cache was built from: other sizes are refused without
-    reading a file; only files of the recorded sizes whose modification times differ are hashed."""
+    """Whether ``files`` hold the data the cache was built from (only changed times are hashed)."""
     recorded = manifest["inputs"]["data"]
     sizes = {path.name: path.stat().st_size for path in files}
     if {name: fp.get("size") for name, fp in recorded["files"].items()} != sizes:
@@ -234,13 +212,11 @@ class TeacherCache:
 
     @property
     def teacher_sha256(self) -> str:
-        """The teacher checkpoint's SHA-256 (the digest of its fingerprint)."""
         return self.manifest["inputs"]["teacher"]["sha256"]
 
     @classmethod
     def open(cls, path: str, task, teacher_sha256: Optional[str] = None) -> "TeacherCache":
-        """Open ``path`` for ``task``'s training data: refuse another teacher, data or dictionaries
-        and a damaged cache (:func:`check_cache`), in one line, before training starts."""
+        """Open ``path`` for ``task``'s data; refuse another teacher, data or dictionaries, or damage."""
         folder, what = Path(path), f"{FLAG} {path}"
         try:
             manifest = read_manifest(folder, what)
@@ -269,8 +245,7 @@ class TeacherCache:
             raise FileAccessError(f"{what}: {message_of(error)}") from error
 
     def lookup(self, sentence_ids: torch.Tensor, target_mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The teacher's top-k ``(log-probabilities, token ids)`` at every target position:
-        ``(batch, tgt_len, k)`` each, zeros (ids 0) at padding. ``target_mask``: True at real tokens."""
+        """The top-k ``(log-probabilities, token ids)``, ``(batch, tgt_len, k)`` each, zeros at padding."""
         ids = sentence_ids.cpu().numpy()
         mask = target_mask.cpu().numpy()
         lengths = self.offsets[ids + 1] - self.offsets[ids]

@@ -2,24 +2,20 @@
 set (Tan et al. 2019, ICLR, arXiv:1902.10461, and Wang et al. 2021, ACL-IJCNLP, arXiv:2105.12967,
 distil from the top 8).
 
-:func:`build_cache` runs the teacher once over a binarised split with teacher forcing (the
-references as decoder input, as in KD training) and stores, per target token in sentence-id order,
-the ``k`` largest log-probabilities (float32, temperature 1) and their token ids (int32) as plain
-``.npy`` arrays (``offsets.npy``: sentence i's rows are ``offsets[i]:offsets[i+1]``;
-``topk_logprobs.npy``; ``topk_ids.npy``) beside ``cache.json``: every setting that changes the
-bytes, the inputs' and the arrays' fingerprints. Resumable and splittable over workers in shards
-(:mod:`.common`); ``cache.json`` is written last. Training reads it through
-:mod:`fairseq_kd.data.teacher_cache_reader`. The layout and its checks:
-``docs/design/teacher_passes.md``.
+:func:`build_cache` runs the teacher once over a binarised split with teacher forcing and stores,
+per target token in sentence-id order, the ``k`` largest log-probabilities (float32, temperature 1)
+and their token ids (int32) as ``.npy`` arrays beside ``cache.json``, written last. Resumable and
+splittable over workers in shards (:mod:`.common`). Training reads it through
+:mod:`fairseq_kd.data.teacher_cache_reader`. Layout and checks: ``docs/design/teacher_passes.md``.
 """
 from __future__ import annotations
 
 import io
-import logging
 import os
 import shutil
 import zipfile
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
@@ -30,15 +26,14 @@ from ..data.teacher_cache_reader import (  # noqa: F401  (TeacherCache: the read
     ARRAYS, CACHE_FORMAT, DTYPES, LOGPROBS, MANIFEST, OFFSETS, PROGRESS, SETTINGS, TOKEN_IDS, TeacherCache,
     TeacherCacheError, _logprob_problem, _token_id_problem, cache_split_files, check_cache, read_manifest)
 from ..fingerprint import dictionary_sha256, fingerprint, fingerprint_files, record_sha256, write_json
-from .common import (Workers, check_max_tokens, create_record, device_kind, identity, identity_differences,
-                     infer_languages, is_temporary, job_array_worker, length_ordered_indices, load_split,
-                     load_teacher, merge_lock, merge_when_complete, num_shards_field, on_device, pick_device,
-                     rank_group, read_record, refuse_shard, shard_batches, shard_count, shard_id_field,
-                     shard_problem, shard_progress, shard_range, translation_task, user_folders, wait_for_ranks,
-                     workers_for, write_shard)
+from .common import (Workers, check_max_tokens, check_shards, create_record, device_kind, identity,
+                     identity_differences, infer_languages, is_temporary, job_array_worker, length_ordered_indices,
+                     load_split, load_teacher, merge_lock, merge_when_complete, missing_shards, num_shards_field,
+                     on_device, own_pending_shards, pick_device, rank_group, read_record, refuse_shard, shard_batches,
+                     shard_count, shard_id_field, shard_progress, shard_range, translation_task, user_folders,
+                     wait_for_ranks, workers_for, write_shard)
 from .common import teacher_fingerprint as fingerprint_of_teacher
 
-#: how a refusal names each setting and input of the identity
 LABELS = {"format": "the format", "k": "--k", "split": "--split", "source_lang": "--source-lang",
           "target_lang": "--target-lang", "source_dictionary_sha256": "the source dictionary (--data)",
           "target_dictionary_sha256": "the target dictionary (--data)", "max_tokens": "--max-tokens",
@@ -46,14 +41,12 @@ LABELS = {"format": "the format", "k": "--k", "split": "--split", "source_lang":
           "teacher": "--teacher-checkpoint", "data": "the split's files (--data)"}
 INPUTS = ("teacher", "data")
 SHARDS = "shards"
-#: what a re-run of the build on a damaged finished cache says to do
 BUILD_ANEW = "delete the folder (or choose another --output) and run again to build the cache anew"
-logger = logging.getLogger(__name__)
 
 
 @dataclass
 class CacheConfig:
-    """Inputs of :func:`build_cache`, one flag of ``fairseq-kd-teacher-cache`` each (``--field-name``)."""
+    """Inputs of :func:`build_cache`, one flag of ``fairseq-kd-teacher-cache`` each."""
 
     data: Path = field(metadata={"help": "fairseq-preprocess --destdir of the training data"})
     teacher_checkpoint: Path = field(metadata={"help": "the teacher: a fairseq checkpoint, or a Hugging Face "
@@ -76,14 +69,10 @@ class CacheConfig:
 
 
 def _identity(record: dict) -> dict:
-    """What a cache (``cache.json``, or ``progress.json``'s parameters) is a function of: its
-    settings and its inputs' contents, not the files' times."""
     return identity({key: record.get(key) for key in SETTINGS}, record.get("inputs") or {})
 
 
 def _refuse_other_identity(recorded: dict, parameters: dict, what: str, path: Path) -> None:
-    """Refuse, naming each setting that differs, a record (``path``) of another cache than
-    ``parameters`` describe."""
     differences = identity_differences(_identity(recorded), _identity(parameters), LABELS, INPUTS)
     if differences:
         raise TeacherCacheError(f"{what} made with other settings or inputs: {'; '.join(differences)} ({path}); "
@@ -97,8 +86,7 @@ def _shard_path(output: Path, shard: int) -> Path:
 
 # ----------------------------------------------------------------------------- building
 def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path:
-    """Run the teacher over ``config.split`` of ``config.data`` and write the cache (resumably;
-    this worker's shards of it when the pass is split, and the arrays once every shard exists)."""
+    """Write the cache of ``config`` (this worker's shards; the arrays once every shard exists)."""
     workers = workers_for(config.num_shards, config.shard_id, TeacherCacheError)
     log = workers.log(log)
     if config.k < 1:
@@ -118,12 +106,12 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
             raise TeacherCacheError(too_small)
         offsets = np.zeros(len(dataset) + 1, dtype=np.int64)
         np.cumsum(np.asarray(dataset.tgt_sizes, dtype=np.int64), out=offsets[1:])
-        n_shards = shard_count(len(dataset), config.shard_size)
+        n_shards, shard_path = shard_count(len(dataset), config.shard_size), partial(_shard_path, output)
         with rank_group(workers):
             with job_array_worker(output / SHARDS, workers, TeacherCacheError):  # --shard-id claimed until done
                 _cache_own_shards(config, workers, task, teacher, dataset, offsets, pass_identity, log)
             wait_for_ranks(workers)
-            merge_when_complete(output, workers, n_shards, missing=lambda: _missing_shards(output, n_shards),
+            merge_when_complete(output, workers, n_shards, missing=lambda: missing_shards(shard_path, n_shards),
                                 merged=lambda: (output / MANIFEST).is_file(),
                                 merge=lambda: _merge(config, parameters, offsets, vocabulary, pass_identity, log),
                                 log=log)
@@ -131,8 +119,7 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
 
 
 def _set_up(config: CacheConfig):
-    """``(task, teacher, parameters, existing cache.json, interrupted progress.json)``, every input
-    checked; the recorded fingerprints are reused for unchanged inputs."""
+    """``(task, teacher, parameters, existing cache.json, interrupted progress.json)``, inputs checked."""
     data, output = Path(config.data), Path(config.output)
     src, tgt = infer_languages(data, config.source_lang, config.target_lang, TeacherCacheError)
     data_files = cache_split_files(data, config.split, src, tgt)
@@ -162,9 +149,7 @@ def _set_up(config: CacheConfig):
 
 def _start_or_resume(output: Path, parameters: dict, existing: Optional[dict], interrupted: Optional[dict],
                      vocabulary: int, log: Callable[[str], None]) -> bool:
-    """Whether shards remain to be made or merged: False when ``output`` holds this cache,
-    complete and sound; refuses a folder that holds anything else, and a worker whose settings
-    differ from those recorded by the first."""
+    """Whether shards remain to be made or merged (False: this cache, complete and sound)."""
     if existing is not None:
         _refuse_other_identity(existing, parameters, f"--output {output}: holds a cache", output / MANIFEST)
         _confirm_complete(output, existing, parameters, vocabulary)
@@ -186,8 +171,7 @@ def _start_or_resume(output: Path, parameters: dict, existing: Optional[dict], i
 
 
 def _confirm_complete(output: Path, manifest: dict, parameters: dict, vocabulary: int) -> None:
-    """A re-run on a finished cache: check it as training would, record the fingerprints as
-    they are now, and remove what a merge killed after writing ``cache.json`` left."""
+    """Check a finished cache as training would, refresh its fingerprints, tidy a killed merge's rest."""
     _, array_fingerprints = check_cache(output, manifest, vocabulary, f"--output {output}", fix=BUILD_ANEW)
     arrays = {name: {**record, "fingerprint": array_fingerprints[name]} for name, record in manifest["arrays"].items()}
     refreshed = {**manifest, **parameters, "arrays": arrays}
@@ -200,24 +184,15 @@ def _confirm_complete(output: Path, manifest: dict, parameters: dict, vocabulary
                 (output / PROGRESS).unlink(missing_ok=True)
 
 
-def _missing_shards(output: Path, n_shards: int) -> List[int]:
-    return [shard for shard in range(n_shards) if not _shard_path(output, shard).is_file()]
-
-
 def _cache_own_shards(config: CacheConfig, workers: Workers, task, teacher, dataset, offsets: np.ndarray,
                       pass_identity: str, log: Callable[[str], None]) -> None:
-    """Run the teacher over this worker's shards not written yet, each written whole with its
-    record (:func:`fairseq_kd.teacher_pass.common.write_shard`) once computed; those done are
-    checked against their records first."""
+    """Run the teacher over this worker's shards not written yet (those done checked first)."""
     output = Path(config.output)
     n_sentences = len(offsets) - 1
     n_shards = shard_count(n_sentences, config.shard_size)
-    owned = workers.owned(range(n_shards))
-    if (output / MANIFEST).is_file():  # merged meanwhile by another worker
-        return
-    _check_shards([shard for shard in owned if _shard_path(output, shard).is_file()], output, n_sentences,
-                  config.shard_size, pass_identity)
-    pending = [shard for shard in owned if not _shard_path(output, shard).is_file()]
+    pending = own_pending_shards(workers, n_shards, partial(_shard_path, output), (output / MANIFEST).is_file,
+                                 lambda done: _check_shards(done, output, n_sentences, config.shard_size,
+                                                            pass_identity))
     if not pending:
         return
     (output / SHARDS).mkdir(exist_ok=True)
@@ -239,7 +214,7 @@ def _cache_own_shards(config: CacheConfig, workers: Workers, task, teacher, data
 
 def _teacher_on_shard(model, dataset, ordered, offsets, pad: int, device, config: CacheConfig, shard: int,
                       on_batch: Callable[[int], None]) -> Tuple[np.ndarray, np.ndarray]:
-    """The top-k rows of the sentences of shard ``shard``: ``(log-probabilities, token ids)``."""
+    """Shard ``shard``'s top-k ``(log-probabilities, token ids)``."""
     first, last = shard_range(shard, config.shard_size, len(offsets) - 1)
     base, rows = int(offsets[first]), int(offsets[last] - offsets[first])
     logprobs = np.zeros((rows, config.k), dtype=np.float32)
@@ -260,20 +235,14 @@ def _teacher_on_shard(model, dataset, ordered, offsets, pad: int, device, config
 
 
 def _check_shards(shards: List[int], output: Path, n_sentences: int, shard_size: int, pass_identity: str) -> None:
-    """Refuse (:func:`fairseq_kd.teacher_pass.common.refuse_shard`) the first of these done
-    shards that is not what its record says this cache wrote."""
-    for shard in shards:
-        path = _shard_path(output, shard)
-        problem = shard_problem(path, pass_identity, shard, shard_range(shard, shard_size, n_sentences))
-        if problem is not None:
-            refuse_shard(path, problem, f"--output {output}: {SHARDS}/{path.name}", TeacherCacheError)
+    check_shards(partial(_shard_path, output), shards, pass_identity, shard_size, n_sentences,
+                 f"--output {output}: {SHARDS}", TeacherCacheError)
 
 
 def _merge(config: CacheConfig, parameters: dict, offsets: np.ndarray, vocabulary: int, pass_identity: str,
            log: Callable[[str], None]) -> None:
-    """Every shard exists: check each against its record, assemble the three arrays (staged in
-    ``shards/``, renamed into place), write ``cache.json`` with their fingerprints, then delete
-    the shards and ``progress.json`` (one worker, under the merge lock)."""
+    """Every shard exists (one worker, under the merge lock): check them, write the arrays (staged in
+    ``shards/``), then ``cache.json``, then delete the shards and ``progress.json``."""
     output, k = Path(config.output), config.k
     staging = output / SHARDS
     n_sentences, n_tokens = len(offsets) - 1, int(offsets[-1])
@@ -301,8 +270,7 @@ def _merge(config: CacheConfig, parameters: dict, offsets: np.ndarray, vocabular
 
 
 def _read_shard(output: Path, shard: int, rows: int, k: int, vocabulary: int) -> Tuple[np.ndarray, np.ndarray]:
-    """A shard's ``(log-probabilities, token ids)``, checked like a cache's arrays; a damaged shard
-    is deleted (the next run computes it again) and refused."""
+    """A shard's ``(log-probabilities, token ids)``, checked like a cache's arrays, else refused."""
     path = _shard_path(output, shard)
     try:
         with np.load(path, allow_pickle=False) as stored:
