@@ -61,10 +61,8 @@ def ranking(values: Sequence[float]) -> List[int]:
 
 
 def choose(config, dictionary, scored: Sequence[Tuple[torch.Tensor, float]], reference=None) -> list:
-    """``(teacher rank, tokens, cross-entropy)`` of the ``config.keep_hypotheses`` best of one
-    source's n-best ``scored`` (``(tokens, cross-entropy)`` in the teacher's order) by
-    ``config.select``, best first; texts are ``dictionary``'s strings (``reference``: the pair's
-    target ids), subwords undone by ``config.remove_bpe``."""
+    """``(teacher rank, tokens, cross-entropy)`` of the ``--keep-hypotheses`` best by ``--select``
+    of one source's ``scored`` n-best (``(tokens, cross-entropy)``, the teacher's order)."""
     order = range(len(scored))
     if config.select != "best":
         def text(tokens):

@@ -3,12 +3,9 @@ Distillation", EMNLP, arXiv:1606.07947): the teacher beam-decodes every training
 and the student is trained on (source, teacher hypothesis) pairs with any criterion.
 
 :func:`run` decodes a binarised split (fairseq's ``SequenceGenerator``, CTranslate2, or a Hugging
-Face teacher's ``generate``: ``engine``) and writes a binarised folder ``fairseq-train`` reads as
-it is: the source ids unchanged, the best hypotheses as targets (ids straight from the decoder,
-ending in ``</s>``; or n-best ones chosen and filtered by :mod:`.selection`), the other splits and
-dictionaries copied, and ``seqkd.json``, the record of
-what was decoded from what (every setting that changes the hypotheses' bytes, the inputs'
-fingerprints) and, once complete, of the output files' fingerprints, checked by a re-run.
+Face teacher's ``generate``) and writes a binarised folder ``fairseq-train`` reads as it is: the
+source ids unchanged, the best hypotheses as targets (or n-best ones chosen and filtered by
+:mod:`.selection`), the other splits and dictionaries copied, and ``seqkd.json``, its record.
 Resumable and splittable over workers in shards (:mod:`.common`); every check happens before
 decoding. Details and the engines' differences: ``docs/design/teacher_passes.md``.
 """
@@ -33,27 +30,24 @@ from ..errors import FOLDER, OUTPUT_FOLDER, InputError, PathError, require_path
 from ..fingerprint import fingerprint, fingerprint_files, record_sha256, write_json
 from ..models.teacher import is_hugging_face_folder, teacher_file_problem
 from ..scoring.detok import BPE_SCHEMES
-from .common import (JOB_ARRAY, MERGED, MERGED_BEFORE, SHARDS_REMAIN, Workers, check_max_tokens, create_record,
-                     device_kind, identity, identity_differences, infer_languages, is_temporary, job_array_worker,
-                     length_ordered_indices, load_split, load_teacher, merge_lock, merge_when_complete,
-                     num_shards_field, on_device, pick_device, rank_group, read_record, refuse_shard, shard_batches,
-                     shard_id_field, shard_problem, shard_progress, shard_range, split_files, teacher_fingerprint,
-                     translation_task, user_folders, wait_for_ranks, workers_for, write_shard)
+from .common import (JOB_ARRAY, MERGED, MERGED_BEFORE, SHARDS_REMAIN, Workers, check_max_tokens, check_shards,
+                     create_record, device_kind, identity, identity_differences, infer_languages, is_temporary,
+                     job_array_worker, length_ordered_indices, load_split, load_teacher, merge_lock,
+                     merge_when_complete, missing_shards, num_shards_field, on_device, own_pending_shards, pick_device,
+                     rank_group, read_record, refuse_shard, shard_batches, shard_id_field, shard_progress, shard_range,
+                     split_files, teacher_fingerprint, translation_task, user_folders, wait_for_ranks, workers_for,
+                     write_shard)
 from .selection import SELECTIONS, choose, kept_by_cross_entropy, selection_problem, teacher_cross_entropy
 
 MANIFEST_NAME = "seqkd.json"
 WORK_DIR_NAME = "seqkd_work"
 FORMAT_VERSION = 5  # seqkd.json's "format"
-#: decoding engines (``--engine``); ``auto`` is ``transformers`` for a Hugging Face folder, ``fairseq`` otherwise
 ENGINES = ("fairseq", "ctranslate2", "transformers")
 AUTO_ENGINE = "auto"
-#: the CTranslate2 teacher's folder inside the work folder
 CT2_TEACHER_DIR = "ctranslate2_teacher"
-#: the settings that change the output's bytes, each its flag's value (with the languages, the
-#: device and the engine's own, :func:`plan`)
+#: the flags that change the output's bytes (with the languages, the device and the engine's own)
 SETTINGS = ("split", "beam", "max_len_a", "max_len_b", "lenpen", "fp16", "shard_size", "engine", "max_tokens",
             "batch_size", "nbest", "select", "keep_hypotheses", "filter_max_ce", "filter_keep_share", "mix_original")
-#: how a refusal names each parameter and input of the identity
 LABELS = {**{name: "--" + name.replace("_", "-") for name in
              SETTINGS + ("source_lang", "target_lang", "ct2_quantization", "remove_bpe")},
           "ct2_batch_parts": "the batch split of --threads", "device": "the device (--cpu)",
@@ -72,7 +66,7 @@ def _help(text: str, **metadata) -> dict:
 
 @dataclass(frozen=True)
 class SeqKDConfig:
-    """Inputs of :func:`run`, one flag of ``fairseq-kd-seqkd`` each (``--field-name``)."""
+    """Inputs of :func:`run`, one flag of ``fairseq-kd-seqkd`` each."""
 
     data: str = field(metadata=_help(
         "binarised data folder (fairseq-preprocess --destdir) holding dict.*.txt and the split to decode"))
@@ -157,10 +151,7 @@ class SeqKDConfig:
 
 @dataclass
 class SeqKDResult:
-    #: "complete" (merged now, or by another worker meanwhile), "up_to_date" (nothing to do),
-    #: "partial" (stopped by max_shards) or "worker_done" (this worker's shards are done; shards of
-    #: other workers remain, or another worker merges)
-    status: str
+    status: str  # complete, up_to_date, partial (stopped by max_shards) or worker_done (others remain or merge)
     output: Path
     sentences: int  # sentences in the split
     decoded_now: int  # sentences decoded by this call
@@ -182,7 +173,6 @@ def _is_split_part(name: str, split: str) -> bool:
 
 
 def _dataset_files_of_other_splits(data: Path, split: str, src: str, tgt: str) -> List[Path]:
-    """``<name>.<src>-<tgt>.<lang>.{bin,idx}`` (either pair naming) of every split but ``split``."""
     pairs = {f"{src}-{tgt}", f"{tgt}-{src}"}
     found = []
     for path in sorted(data.iterdir()):
@@ -194,7 +184,6 @@ def _dataset_files_of_other_splits(data: Path, split: str, src: str, tgt: str) -
 
 
 def _binarised_files(folder: Path) -> List[Path]:
-    """Files in ``folder`` that fairseq would read as (part of) a binarised dataset."""
     return [p for p in folder.iterdir() if p.is_file() and (
         p.suffix in (".bin", ".idx") or re.fullmatch(r"dict\..+\.txt", p.name))]
 
@@ -210,18 +199,14 @@ class _Plan:
     parameters: dict
     inputs: dict
     manifest: Optional[dict]
-    #: engine transformers: the fairseq index every hypothesis starts with (a multilingual teacher's
-    #: target-language tag), found by _load; None for none
     first_target: Optional[int] = None
 
     @property
     def record(self) -> dict:
-        """What the manifest says the output is made of."""
         return {"format": FORMAT_VERSION, "parameters": self.parameters, "inputs": self.inputs}
 
     @property
     def identity_digest(self) -> str:
-        """The SHA-256 of this pass's identity, which each shard's record carries."""
         return record_sha256(_identity(self.record))
 
     @property
@@ -236,7 +221,6 @@ class _Plan:
 
 
 def resolve_engine(config: SeqKDConfig) -> SeqKDConfig:
-    """``config`` with ``--engine auto`` replaced by the engine it means for its teacher."""
     if config.engine != AUTO_ENGINE:
         return config
     engine = "transformers" if is_hugging_face_folder(config.teacher_checkpoint) else "fairseq"
@@ -244,34 +228,25 @@ def resolve_engine(config: SeqKDConfig) -> SeqKDConfig:
 
 
 def _check_flags(config: SeqKDConfig) -> None:
-    if config.engine not in ENGINES:
-        raise SeqKDError(f"--engine {config.engine!r}: choose one of {', '.join((AUTO_ENGINE,) + ENGINES)}")
-    if config.ct2_quantization not in QUANTIZATIONS:
-        raise SeqKDError(f"--ct2-quantization {config.ct2_quantization!r}: choose one of "
-                         f"{', '.join(QUANTIZATIONS)}")
-    if config.threads < 0:
-        raise SeqKDError(f"--threads must be >= 0 (0: CTranslate2's default), got {config.threads}")
-    if config.fp16 and config.engine == "ctranslate2":
-        raise SeqKDError("--fp16 is for --engine fairseq; with --engine ctranslate2 use --ct2-quantization "
-                         "float16 or int8_float16 on CUDA")
-    if config.beam < 1:
-        raise SeqKDError(f"--beam must be >= 1, got {config.beam}")
-    if config.shard_size < 1:
-        raise SeqKDError(f"--shard-size must be >= 1 sentence, got {config.shard_size}")
-    if config.max_len_a < 0 or config.max_len_b < 1:
-        raise SeqKDError(f"--max-len-a must be >= 0 and --max-len-b >= 1, got {config.max_len_a} and "
-                         f"{config.max_len_b}")
-    if config.max_tokens is None and config.batch_size is None:
-        raise SeqKDError("give --max-tokens or --batch-size (or both) to size the decoding batches")
-    if (config.max_tokens is not None and config.max_tokens < 1) or (
-            config.batch_size is not None and config.batch_size < 1):
-        raise SeqKDError(f"--max-tokens and --batch-size must be positive, got {config.max_tokens} and "
-                         f"{config.batch_size}")
-    if config.max_shards is not None and config.max_shards < 1:
-        raise SeqKDError(f"--max-shards must be >= 1, got {config.max_shards}")
-    if config.fp16 and (config.cpu or not torch.cuda.is_available()):
-        raise SeqKDError("--fp16 needs a CUDA device (and no --cpu)")
-    problem = selection_problem(config)
+    c = config
+    problem = next((message for bad, message in (
+        (c.engine not in ENGINES, f"--engine {c.engine!r}: choose one of {', '.join((AUTO_ENGINE,) + ENGINES)}"),
+        (c.ct2_quantization not in QUANTIZATIONS,
+         f"--ct2-quantization {c.ct2_quantization!r}: choose one of {', '.join(QUANTIZATIONS)}"),
+        (c.threads < 0, f"--threads must be >= 0 (0: CTranslate2's default), got {c.threads}"),
+        (c.fp16 and c.engine == "ctranslate2", "--fp16 is for --engine fairseq; with --engine ctranslate2 use "
+         "--ct2-quantization float16 or int8_float16 on CUDA"),
+        (c.beam < 1, f"--beam must be >= 1, got {c.beam}"),
+        (c.shard_size < 1, f"--shard-size must be >= 1 sentence, got {c.shard_size}"),
+        (c.max_len_a < 0 or c.max_len_b < 1,
+         f"--max-len-a must be >= 0 and --max-len-b >= 1, got {c.max_len_a} and {c.max_len_b}"),
+        (c.max_tokens is None and c.batch_size is None,
+         "give --max-tokens or --batch-size (or both) to size the decoding batches"),
+        (any(value is not None and value < 1 for value in (c.max_tokens, c.batch_size)),
+         f"--max-tokens and --batch-size must be positive, got {c.max_tokens} and {c.batch_size}"),
+        (c.max_shards is not None and c.max_shards < 1, f"--max-shards must be >= 1, got {c.max_shards}"),
+        (c.fp16 and (c.cpu or not torch.cuda.is_available()), "--fp16 needs a CUDA device (and no --cpu)"),
+    ) if bad), None) or selection_problem(config)
     if problem is not None:
         raise SeqKDError(problem)
 
@@ -334,8 +309,7 @@ def plan(config: SeqKDConfig) -> _Plan:
 
 
 def _check_teacher_for_engine(config: SeqKDConfig) -> None:
-    """The teacher is what the engine reads: a Hugging Face folder for ``transformers``, a readable
-    fairseq checkpoint for the others."""
+    """A Hugging Face folder for ``transformers``, a readable fairseq checkpoint for the others."""
     flag = f"--teacher-checkpoint {config.teacher_checkpoint!r}"
     folder = is_hugging_face_folder(config.teacher_checkpoint)
     if config.engine == "transformers" and not folder:
@@ -351,7 +325,6 @@ def _check_teacher_for_engine(config: SeqKDConfig) -> None:
 
 
 def _identity(record: dict) -> dict:
-    """The settings and the inputs' contents of a record."""
     return identity(record.get("parameters", {}), record.get("inputs", {}))
 
 
@@ -379,8 +352,6 @@ def _check_output_folder(plan_: _Plan, manifest: Optional[dict]) -> Optional[dic
 
 
 def _refuse_other_settings(plan_: _Plan, manifest: dict) -> None:
-    """Refuse, naming each setting that differs with both values, an output whose manifest
-    records another dataset than ``plan_``'s."""
     old, new = _identity(manifest), _identity(plan_.record)
     differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     details = "; ".join(identity_differences(old, new, LABELS, INPUTS))
@@ -391,9 +362,7 @@ def _refuse_other_settings(plan_: _Plan, manifest: dict) -> None:
 
 
 def _clear_for_force(plan_: _Plan) -> None:
-    """Before a fresh start (an empty output, or --force): remove previous seq-KD work and every
-    binarised dataset file, so that no stale split (e.g. a left-over ``train1``) is read together
-    with the new one. Other files stay."""
+    """Remove previous seq-KD work and every binarised file (no stale ``train1`` read with the new)."""
     if plan_.work.exists():
         shutil.rmtree(plan_.work)
     for path in _binarised_files(plan_.output) + [plan_.output / MANIFEST_NAME]:
@@ -403,8 +372,7 @@ def _clear_for_force(plan_: _Plan) -> None:
 
 # ------------------------------------------------------------------------------ decoding
 def _load(plan_: _Plan, workers: Workers):
-    """Task with the split loaded, the frozen teacher (dictionary checks) and the device (a rank's:
-    GPU ``LOCAL_RANK``)."""
+    """``(task, split, teacher model, device)``, checked before any work."""
     task = translation_task(plan_.data, plan_.src, plan_.tgt, plan_.config.split)
     dataset = load_split(task, plan_.config.split)
     if len(dataset) == 0:
@@ -448,11 +416,8 @@ def _load(plan_: _Plan, workers: Workers):
 
 
 def _ctranslate2_teacher(plan_: _Plan, workers: Workers) -> Path:
-    """The teacher as a CTranslate2 model folder in the work folder: the one a previous run of
-    this output converted when its record names the same checkpoint content and quantisation, else
-    converted now (:func:`fairseq_kd.deploy.export_ctranslate2`, which checks the dictionaries of
-    ``--data`` against the checkpoint and refuses what CTranslate2 cannot express). Each of
-    several workers converts its own copy, so that none replaces a folder another decodes with."""
+    """The teacher converted to CTranslate2 in the work folder (reused when its record matches; one
+    copy per worker, so that none replaces a folder another decodes with)."""
     from ..deploy.export_ctranslate2 import export_ctranslate2, read_record
 
     name = CT2_TEACHER_DIR if workers.count == 1 else f"{CT2_TEACHER_DIR}_worker{workers.index}"
@@ -477,8 +442,7 @@ Decoder = Callable[[dict], List[List[Tuple[torch.Tensor, float]]]]
 
 
 def make_decoder(plan_: _Plan, task, dataset, model, device, ct2_model: Optional[Path] = None) -> Decoder:
-    """The engine's batch decoder (:data:`Decoder`), the cross-entropy by one teacher-forced pass of
-    ``model`` whatever the engine, so that it is the same quantity for each."""
+    """The engine's :data:`Decoder`; the cross-entropy from ``model`` whatever the engine."""
     from fairseq import utils
 
     config, decode = plan_.config, _engine_decoder(plan_, task, dataset, model, device, ct2_model)
@@ -501,9 +465,7 @@ def make_decoder(plan_: _Plan, task, dataset, model, device, ct2_model: Optional
 
 def _engine_decoder(plan_: _Plan, task, dataset, model, device,
                     ct2_model: Optional[Path]) -> Callable[[dict], List[List[torch.Tensor]]]:
-    """fairseq's ``SequenceGenerator`` over ``model``, CTranslate2 over the converted teacher
-    folder ``ct2_model`` or the Hugging Face engine, with the same search settings: each sentence's
-    ``--nbest`` hypotheses."""
+    """Each sentence's ``--nbest`` hypotheses by the engine, with the same search settings."""
     config = plan_.config
     if config.engine in ("ctranslate2", "transformers"):
         from ..deploy.ctranslate2_engine import CTranslate2Engine, DecodingSettings
@@ -545,9 +507,7 @@ def _engine_decoder(plan_: _Plan, task, dataset, model, device,
 
 def _decode_shard(plan_: _Plan, dataset, decode: Decoder, ordered, index: int,
                   on_batch: Callable[[int], None] = lambda sentences: None) -> int:
-    """Decode sentences ``[index * shard_size, (index + 1) * shard_size)`` with ``decode``
-    (:func:`make_decoder`), keep each one's hypotheses chosen by ``--select`` and write the shard;
-    ``on_batch(n)`` after each batch of ``n`` sentences (the progress bar)."""
+    """Decode shard ``index``, keep each sentence's hypotheses chosen by ``--select``, write it."""
     first, last = shard_range(index, plan_.config.shard_size, len(dataset))
     batches = shard_batches(dataset, ordered, first, last, plan_.config.max_tokens, plan_.config.batch_size)
     chosen: Dict[int, list] = {}
@@ -582,9 +542,7 @@ def _decode_shard(plan_: _Plan, dataset, decode: Decoder, ordered, index: int,
 
 
 def _read_shard(plan_: _Plan, index: int, sentences: int) -> dict:
-    """A finished shard (checked against its record by :func:`_check_shards`): ``hypotheses`` (its
-    pairs' targets), with n-best or a filter their ``ranks`` and ``cross_entropy``; one that does
-    not hold them is deleted and refused (a shard of a faulty decoder: re-run)."""
+    """A checked shard's ``hypotheses`` (and ``ranks``, ``cross_entropy`` unless one-best), else refused."""
     path = plan_.shard_path(index)
     first, last = shard_range(index, plan_.config.shard_size, sentences)
     pairs = (last - first) * plan_.config.keep_hypotheses
@@ -606,7 +564,6 @@ def _read_shard(plan_: _Plan, index: int, sentences: int) -> dict:
 
 
 def _kept_pairs(plan_: _Plan, shard_count: int, sentences: int) -> Optional[List[bool]]:
-    """Whether the filter keeps each distilled pair, in output order (None: no filter)."""
     config = plan_.config
     if not config.filtering:
         return None
@@ -615,8 +572,7 @@ def _kept_pairs(plan_: _Plan, shard_count: int, sentences: int) -> Optional[List
 
 
 def _binarize(plan_: _Plan, dataset, task, shard_count: int) -> dict:
-    """Write the new split (source copied token for token, target = the kept hypotheses, then the
-    original pairs with ``--mix-original``), in id order; its summary."""
+    """Write the new split (the kept pairs, then with ``--mix-original`` the original ones); its summary."""
     from fairseq.data import indexed_dataset
 
     staging = plan_.work / "binarised"
@@ -680,9 +636,7 @@ def _copy_other_splits(plan_: _Plan) -> List[str]:
 
 
 def _checked_output_files(plan_: _Plan) -> dict:
-    """The output files' fingerprints now, once each is the file the merge wrote: of its recorded
-    size, and of its recorded SHA-256 (hashed again only when its modification time changed, the
-    fingerprints' rule); else a one-line refusal naming the file."""
+    """The output files' fingerprints now, once each is of its recorded size and SHA-256."""
     recorded = plan_.manifest.get("files")
     entries = recorded.get("files") if isinstance(recorded, dict) else None
     what = f"--output {plan_.output}: {MANIFEST_NAME} says complete but"
@@ -706,41 +660,16 @@ def _checked_output_files(plan_: _Plan) -> dict:
 
 
 def _is_complete(plan_: _Plan) -> bool:
-    """Whether the output's manifest says complete now (another worker may have merged)."""
     return (read_record(plan_.output / MANIFEST_NAME) or {}).get("status") == "complete"
 
 
-def _missing_shards(plan_: _Plan, shard_count: int) -> List[int]:
-    return [index for index in range(shard_count) if not plan_.shard_path(index).is_file()]
-
-
 def _check_shards(plan_: _Plan, shards: List[int], sentences: int) -> None:
-    """Refuse (:func:`fairseq_kd.teacher_pass.common.refuse_shard`) the first of these done shards
-    that is not what its record says this pass wrote."""
-    for index in shards:
-        path = plan_.shard_path(index)
-        try:
-            problem = shard_problem(path, plan_.identity_digest, index,
-                                    shard_range(index, plan_.config.shard_size, sentences))
-        except FileNotFoundError:  # removed meanwhile by a merge of another worker
-            continue
-        if problem is not None:
-            refuse_shard(path, problem, f"--output {plan_.output}: {WORK_DIR_NAME}/{path.name}", SeqKDError)
-
-
-def _own_pending_shards(plan_: _Plan, workers: Workers, sentences: int, shard_count: int) -> List[int]:
-    """This worker's shards not decoded yet, once those done are checked against their records."""
-    owned = workers.owned(range(shard_count))
-    if _is_complete(plan_):  # merged meanwhile by another worker
-        return []
-    _check_shards(plan_, [index for index in owned if plan_.shard_path(index).is_file()], sentences)
-    return [index for index in owned if not plan_.shard_path(index).is_file()]
+    check_shards(plan_.shard_path, shards, plan_.identity_digest, plan_.config.shard_size, sentences,
+                 f"--output {plan_.output}: {WORK_DIR_NAME}", SeqKDError, vanished_ok=True)
 
 
 def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
-    """Decode, resume or confirm the sequence-KD dataset described by ``config``: all of it, or
-    this worker's shards when the pass is split (``--num-shards/--shard-id``, torchrun, srun; see
-    :mod:`.common`), and the binaries once every shard exists."""
+    """Decode, resume or confirm the dataset of ``config`` (this worker's shards; the binaries once all exist)."""
     workers = workers_for(config.num_shards, config.shard_id, SeqKDError)
     if config.force and workers.count > 1:
         raise SeqKDError(f"--force with {workers.count} workers ({workers.launcher}): each would delete the others' "
@@ -756,7 +685,8 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
         manifest = _start_manifest(plan_, workers, sentences, shard_count)
         with contextlib.ExitStack() as claim:
             claim.enter_context(job_array_worker(plan_.work, workers, SeqKDError))
-            pending = _own_pending_shards(plan_, workers, sentences, shard_count)
+            pending = own_pending_shards(workers, shard_count, plan_.shard_path, lambda: _is_complete(plan_),
+                                         lambda done: _check_shards(plan_, done, sentences))
             ct2_model = (_prepare_ctranslate2(plan_, workers, output_existed)
                          if plan_.config.engine == "ctranslate2" else None)
             decode = make_decoder(plan_, task, dataset, model, device, ct2_model)
@@ -766,23 +696,21 @@ def run(config: SeqKDConfig, log: Callable[[str], None] = print) -> SeqKDResult:
                 claim.close()  # this --shard-id's shards are done; the merge removes the work folder
                 wait_for_ranks(workers)
                 outcome = None if left else merge_when_complete(
-                    plan_.work, workers, shard_count, missing=lambda: _missing_shards(plan_, shard_count),
+                    plan_.work, workers, shard_count, missing=lambda: missing_shards(plan_.shard_path, shard_count),
                     merged=lambda: _is_complete(plan_), merge=lambda: _merge(plan_, dataset, task, manifest, device),
                     log=log)
     if outcome in (MERGED, MERGED_BEFORE):
         status, done = "complete", shard_count
     else:
         status = "partial" if left or (outcome == SHARDS_REMAIN and workers.launcher != JOB_ARRAY) else "worker_done"
-        done = shard_count - len(_missing_shards(plan_, shard_count))
+        done = shard_count - len(missing_shards(plan_.shard_path, shard_count))
     summary = (read_record(plan_.output / MANIFEST_NAME) or {}).get("summary") if status == "complete" else None
     return SeqKDResult(status, plan_.output, sentences, decoded_now, seconds, done, shard_count,
                        workers.label, workers.reports, summary)
 
 
 def _confirm_complete(plan_: _Plan, log: Callable[[str], None]) -> SeqKDResult:
-    """A re-run on a complete output: check its files against their recorded digests, record the
-    inputs' and the files' fingerprints as they are now, tidy the work folder a merge killed after
-    completing left."""
+    """Check a complete output's files, refresh its fingerprints, tidy a killed merge's work folder."""
     files = _checked_output_files(plan_)
     refreshed = {**plan_.manifest, **plan_.record, "files": files}
     if refreshed != plan_.manifest:
@@ -799,10 +727,8 @@ def _confirm_complete(plan_: _Plan, log: Callable[[str], None]) -> SeqKDResult:
 
 
 def _start_manifest(plan_: _Plan, workers: Workers, sentences: int, shard_count: int) -> dict:
-    """The manifest of a decoding in progress, then the work folder, written first (a run killed
-    while converting resumes) unless the same is there (several workers start alike): the first
-    of several workers starting at once writes the manifest, the others are refused by name
-    when their settings differ from it."""
+    """Write the manifest of a decoding in progress (the first of several workers; the others
+    refused when their settings differ), then the work folder."""
     manifest = {**plan_.record, "status": "decoding", "sentences": sentences, "shards": shard_count,
                 "data": str(plan_.data), "teacher_checkpoint": str(Path(plan_.config.teacher_checkpoint).resolve())}
     if plan_.manifest is None and plan_.config.force:
@@ -819,8 +745,7 @@ def _start_manifest(plan_: _Plan, workers: Workers, sentences: int, shard_count:
 
 
 def _prepare_ctranslate2(plan_: _Plan, workers: Workers, output_existed: bool) -> Path:
-    """This worker's CTranslate2 teacher; a refused conversion of one process's fresh start leaves
-    no trace (--force has cleared already; several workers leave the folder to each other)."""
+    """This worker's CTranslate2 teacher; a refused conversion of one process's fresh start leaves no trace."""
     try:
         return _ctranslate2_teacher(plan_, workers)
     except Exception:
@@ -835,9 +760,7 @@ def _prepare_ctranslate2(plan_: _Plan, workers: Workers, output_existed: bool) -
 
 def _decode_own_shards(plan_: _Plan, dataset, decode: Decoder, workers: Workers, device, pending: List[int],
                        log: Callable[[str], None]) -> Tuple[int, float, List[int]]:
-    """Decode ``pending``, this worker's shards not written yet (:func:`_own_pending_shards`; at
-    most ``max_shards``): ``(sentences decoded, seconds, own shards left undecoded)``; nothing
-    when another worker has merged meanwhile."""
+    """Decode ``pending`` (at most ``max_shards``): ``(sentences decoded, seconds, shards left)``."""
     if _is_complete(plan_):
         return 0, 0.0, []
     config, sentences = plan_.config, len(dataset)
@@ -863,8 +786,7 @@ def _decode_own_shards(plan_: _Plan, dataset, decode: Decoder, workers: Workers,
 
 
 def _merge(plan_: _Plan, dataset, task, manifest: dict, device) -> None:
-    """Every shard exists: write the binaries and the other splits, mark the manifest complete
-    and delete the shards (one worker, under the merge lock)."""
+    """Every shard exists (one worker, under the merge lock): write the output, then mark it complete."""
     shard_count = manifest["shards"]
     _check_shards(plan_, list(range(shard_count)), len(dataset))
     stats = _binarize(plan_, dataset, task, shard_count)
