@@ -24,8 +24,8 @@ from fairseq_kd.cli.score import (add_completeness_arguments, add_scoring_argume
 from fairseq_kd.errors import FILE, OUTPUT_FILE, FileAccessError, InputError, UserError, message_of, require_path
 from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
-from fairseq_kd.scoring.report import (build_report, check_outputs_free, load_system, read_sidecar, report_markdown,
-                                       report_paths, write_report)
+from fairseq_kd.scoring.report import (build_report, check_outputs_free, check_teacher, load_system, read_sidecar,
+                                       report_markdown, report_paths, write_report)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,9 +105,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         speeds.update(parse_named_numbers(args.speed, "--speed", float))
         if args.baseline is not None and args.baseline not in names:
             raise InputError(f"--baseline {args.baseline!r} is not one of the --system names {names}")
-        if args.teacher is not None and (args.baseline is None or args.teacher not in names):
-            raise InputError(f"--teacher {args.teacher!r} needs --baseline and must be one of the --system names "
-                             f"{names}")
+        check_teacher(args.teacher, args.baseline, names)
         expected = expected_sentence_count(args)
         if args.out_prefix is not None:
             inputs = [(f"--system {name}", path) for name, path in named_paths]

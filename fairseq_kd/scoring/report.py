@@ -368,10 +368,16 @@ class Report:
 
     def to_dict(self) -> Dict:
         return {"format": REPORT_FORMAT, "title": self.title, "baseline": self.baseline,
-                "teacher": self.teacher, "n_bootstrap": self.n_bootstrap, "n_trials": self.n_trials, "seed": self.seed,
+                "teacher": self.teacher, "n_bootstrap": self.n_bootstrap, "n_trials": self.n_trials,
+                "seed": self.seed,
                 "n_sentences": self.n_sentences, "signature": self.signature, "interval": INTERVAL_DEFINITION,
                 "paired_tests": PAIRED_TESTS_DEFINITION, "systems": [vars(row) for row in self.rows],
                 "partial": self.partial}
+
+
+def check_teacher(teacher: Optional[str], baseline: Optional[str], names: Sequence[str]) -> None:
+    if teacher is not None and (baseline is None or teacher not in names or teacher == baseline):
+        raise InputError(f"--teacher {teacher!r} needs --baseline and must be another of the systems {list(names)}")
 
 
 def build_report(systems: Sequence[SystemScore], baseline: Optional[str] = None,
@@ -396,9 +402,7 @@ def build_report(systems: Sequence[SystemScore], baseline: Optional[str] = None,
             raise InputError(f"{flag} names unknown systems {unknown}; systems are {names}")
     if baseline is not None and baseline not in names:
         raise InputError(f"--baseline {baseline!r} is not one of the systems {names}")
-    if teacher is not None:
-        if baseline is None or teacher not in names or teacher == baseline:
-            raise InputError(f"--teacher {teacher!r} needs --baseline and must be another of the systems {names}")
+    check_teacher(teacher, baseline, names)
     check_n_bootstrap(n_bootstrap)
     check_n_trials(n_trials)
     if baseline is not None and not n_bootstrap:
@@ -409,7 +413,8 @@ def build_report(systems: Sequence[SystemScore], baseline: Optional[str] = None,
     rows = {
         system.name: ReportRow(system=system.name, is_baseline=system.name == baseline, bleu=system.result.score,
                                mean=None, ci=None, difference=None, p_bootstrap=None, p_randomization=None,
-                               lead_closed=None, params=params.get(system.name), sents_per_sec=sents_per_sec.get(system.name),
+                               lead_closed=None, params=params.get(system.name),
+                               sents_per_sec=sents_per_sec.get(system.name),
                                **system.chrf())
         for system in systems
     }
