@@ -42,9 +42,10 @@ PYTHONPATH="$ROOT/examples/translation${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m fair
 if [[ -f "$WORKDIR/report/results.md" && " $* " != *" --dry-run "* ]]; then
     RESULTS_DIR="${QUALITY_RESULTS_DIR:-$ROOT/docs/results}"
     mkdir -p "$RESULTS_DIR"
-    # The main table, then one per other student shape (results_2l.md: CKD's 2+2 students against no_kd_2l).
+    # The main table, then one per other student shape (results_2l.md: CKD's 2+2 students against no_kd_2l)
+    # and per further seed (results_seed2.md), then what holds on every seed (--student-seeds).
     cat "$WORKDIR/report/results.md" $(ls "$WORKDIR"/report/results_*.md 2>/dev/null | grep -v results_tokenized) \
-        > "$RESULTS_DIR/multi30k_fr_en_${PROFILE}.md"
+        $(ls "$WORKDIR"/report/seeds.md 2>/dev/null) > "$RESULTS_DIR/multi30k_fr_en_${PROFILE}.md"
     echo "report copied to $RESULTS_DIR/multi30k_fr_en_${PROFILE}.md"
     # Each system's test translations as scored (BPE removed, Moses-detokenised), one line per test
     # sentence: with them a later session can add systems and recompute the paired tests

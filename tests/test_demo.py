@@ -95,6 +95,31 @@ def test_every_seed_must_have_the_same_systems():
         demo_summary.verdict(broken)
 
 
+def test_a_recipes_seed_reports_are_read_under_their_methods_names(tmp_path):
+    """A recipe's --student-seeds tables name seed N's students METHOD-seedN; the summary compares
+    them with the same methods of the other seeds, under the reports' own names with --plain-names."""
+    def report(seed_ending, base, a2d):
+        named = lambda name: name + seed_ending
+        return {"systems": [
+            {"system": "teacher", "bleu": 90.0, "difference": None, "p_bootstrap": None, "params": 9, "ci": 1},
+            {"system": named("no_kd"), "bleu": base, "difference": None, "p_bootstrap": None, "params": 5, "ci": 1},
+            {"system": named("a2d_kd_4h"), "bleu": a2d, "difference": a2d - base, "p_bootstrap": 0.001,
+             "params": 5, "ci": 1}]}
+    paths = {}
+    for seed, ending, base, a2d in (("1", "", 30.0, 35.0), ("2", "-seed2", 29.0, 36.0)):
+        paths[seed] = tmp_path / f"results{ending}.json"
+        paths[seed].write_text(json.dumps(report(ending, base, a2d)))
+    demo_summary.cli_main(["--plain-names", *(item for seed, path in paths.items() for item in ("--report", f"{seed}={path}")),
+                           "--out-prefix", str(tmp_path / "seeds")])
+    summary = json.loads((tmp_path / "seeds.json").read_text())
+    assert summary["verdict"]["beats_no_kd"] == ["a2d_kd_4h"]
+    a2d = next(entry for entry in summary["systems"] if entry["system"] == "a2d_kd_4h")
+    assert a2d["bleu"] == [35.0, 36.0] and a2d["difference"] == [5.0, 7.0]
+    table = (tmp_path / "seeds.md").read_text()
+    assert "| no_kd |" in table and "no KD (2+2" not in table and "a2d_kd_4h beats no KD on each of the 2 seeds" in table
+    assert not (tmp_path / "readme_section.md").exists()  # the demo's README section comes with its --deploy only
+
+
 # --------------------------------------------------------------------------- the recorded full runs
 
 

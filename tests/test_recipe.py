@@ -680,6 +680,54 @@ def test_each_student_shape_is_compared_with_its_own_no_kd_system(tmp_path):
     assert report_tables(iwslt)["report-tokenized-2l"] == (["no_kd_2l", "ckd_rc"], "no_kd_2l")
 
 
+def test_student_seeds_train_every_student_again_beside_one_teacher_and_leave_the_first_run_as_it_was(tmp_path):
+    methods = ("no_kd", "seq_kd", "no_kd_2l", "ckd_rc")
+    plain = plan_for(tmp_path / "plain", "multi30k_fr_en", profile="cpu", methods=methods)
+    plan = plan_for(tmp_path / "plain", "multi30k_fr_en", profile="cpu", methods=methods, student_seeds=(3, 1, 2, 3))
+    steps = {step.name: step for step in plan.steps}
+    # The first run's steps are unchanged (their stamps stay valid: adding seeds retrains nothing) ...
+    for step in plain.steps:
+        if step.name not in ("validation-curves", "systems"):
+            assert steps[step.name].commands == step.commands, step.name
+    # ... the teacher and its passes run once, every student once more per further seed, in its own folder.
+    ordered = [method.name for method in plan.methods]
+    assert sorted(ordered) == sorted(methods) and [name for name in steps if name.startswith("train-")] == [
+        "train-teacher", *(f"train-{m}" for m in ordered), *(f"train-{m}-seed{s}" for s in (3, 2) for m in ordered)]
+    assert [name for name in steps if name.endswith("-data")] == ["seqkd-data"]
+    for seed in (3, 2):
+        args = parse_training_command(steps[f"train-seq_kd-seed{seed}"].commands[0])
+        assert args.seed == seed and args.save_dir.endswith(f"/train/seq_kd-seed{seed}")
+        assert args.data == parse_training_command(steps["train-seq_kd"].commands[0]).data
+        assert f"generate-seq_kd-seed{seed}" in steps and f"figure-seq_kd-seed{seed}" not in steps
+    # Each seed's students in tables of their own, against that seed's no-KD system, beside the teacher.
+    tables = report_tables(plan)
+    assert tables["report-seed2"] == ([TEACHER, "no_kd-seed2", "seq_kd-seed2"], "no_kd-seed2")
+    assert tables["report-2l-seed3"] == (["no_kd_2l-seed3", "ckd_rc-seed3"], "no_kd_2l-seed3")
+    assert [prefix.name for prefix in plan.report_prefixes] == [
+        "results", "results_2l", "results_seed3", "results_2l_seed3", "results_seed2", "results_2l_seed2"]
+    # What holds on every seed: the main tables (seed 1's is results.json) and the main shape's logs.
+    summary = steps["report-seeds"].commands[0]
+    reports = [summary[i + 1] for i, arg in enumerate(summary) if arg == "--report"]
+    assert [r.rsplit("/", 1)[1] for r in reports] == ["results.json", "results_seed3.json", "results_seed2.json"]
+    assert [r.split("=")[0] for r in reports] == ["1", "3", "2"] and "--plain-names" in summary
+    logs = [summary[i + 1] for i, arg in enumerate(summary) if arg == "--log"]
+    assert logs[:3] == [f"no_kd/{s}={tmp_path}/plain/multi30k_fr_en/train/{d}/train.log"
+                        for s, d in (("1", "no_kd"), ("3", "no_kd-seed3"), ("2", "no_kd-seed2"))]
+    assert not any("ckd_rc" in log for log in logs)
+    # Without no_kd there is nothing to beat: no summary.
+    alone = plan_for(tmp_path / "alone", "multi30k_fr_en", profile="cpu", methods=("word_kd",), student_seeds=(1, 2))
+    assert "report-seeds" not in {step.name for step in alone.steps} and "train-word_kd-seed2" in {
+        step.name for step in alone.steps}
+
+
+def test_student_seeds_on_the_command_line(tmp_path, capsys):
+    common = ["multi30k_fr_en", "--workdir", str(tmp_path / "w"), "--profile", "cpu", "--methods", "no_kd",
+              "--dry-run", "--data", str(tmp_path / "absent")]
+    with pytest.raises(SystemExit):
+        recipe_cli.cli_main([*common, "--student-seeds", "1,two"])
+    assert "--student-seeds: expected seeds separated by commas (1,2,3), got '1,two'" in capsys.readouterr().err
+
+
 def test_the_multi30k_benchmark_runs_ckd_against_no_kd_2l_and_tinybert_and_alp_at_their_chosen_weights(tmp_path):
     plan = plan_for(tmp_path, "multi30k_fr_en", profile="cpu")
     assert {"no_kd_2l", "ckd_rc"} <= {method.name for method in plan.methods}

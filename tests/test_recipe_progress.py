@@ -19,7 +19,13 @@ from conftest import COMMON_TRAIN_ARGS, TINY_STUDENT_ARGS, USER_DIR
 from fairseq_kd_recipes.execute import CommandExecutor, TrainingProgress, logging_into
 
 # tqdm's bar: "desc: 100%|#####| 6/6 [00:01<00:00, 4.20upd/s, epoch 2, loss 7.123]"
-BAR = re.compile(r"(\d+)/(\d+) \[[\d:]+<[\d:?]+, +[\d.?]+ ?(\w+)/s")
+# tqdm's rate: "12.5upd/s", or "3.72s/upd" when an update takes longer than a second (a loaded machine)
+BAR_PATTERN = re.compile(r"(\d+)/(\d+) \[[\d:]+<[\d:?]+, +[\d.?]+ ?(?:(\w+)/s|s/(\w+))")
+
+
+def bars(text):
+    """(done, total, unit) of every tqdm bar state drawn in ``text``."""
+    return [(done, total, unit or slow_unit) for done, total, unit, slow_unit in BAR_PATTERN.findall(text)]
 
 
 class FakeTerminal(io.StringIO):
@@ -43,7 +49,7 @@ def test_training_bar_counts_updates_of_max_update_with_the_loss(monkeypatch):
                       '"8", "valid_num_updates": "300"}\n')
         training.feed("2024-05-01 10:00:05 | INFO | fairseq_cli.train | done training\n")
     shown = terminal.getvalue()
-    assert "train-word_kd" in shown and BAR.findall(shown)[-1] == ("300", "300", "upd"), shown
+    assert "train-word_kd" in shown and bars(shown)[-1] == ("300", "300", "upd"), shown
     assert "epoch 2, loss 8.300, valid_nll 8.000" in shown, shown
     assert TrainingProgress.of(["/env/bin/fairseq-generate", "data"], "generate") is None
 
@@ -174,8 +180,8 @@ def test_a_recipes_steps_on_a_terminal_and_in_a_log(tiny_data_bin, tiny_teacher,
         os.dup2(saved, 2)
         os.close(saved)
     shown = written()
-    assert "child bar" in shown and ("5", "5", "file") in BAR.findall(shown), shown[-3000:]
-    updates = [(done, total) for done, total, unit in BAR.findall(shown) if unit == "upd"]
+    assert "child bar" in shown and ("5", "5", "file") in bars(shown), shown[-3000:]
+    updates = [(done, total) for done, total, unit in bars(shown) if unit == "upd"]
     assert updates and updates[-1] == ("6", "6") and "train-x" in shown and "loss " in shown, shown[-3000:]
     assert "num_updates" not in shown  # fairseq's own lines stay in the log
 

@@ -1,16 +1,19 @@
-"""The demo's verdict over several seeds: which students beat no KD, and in what order.
+"""A verdict over several seeds (the demo's, a recipe's --student-seeds): which students beat no
+KD, and in what order.
 
     python -m fairseq_kd_recipes.demo_summary --report 1=report_seed1.json --report 2=... \\
         --log no_kd/1=logs/no_kd_seed1.log ... --deploy deploy.json --out-prefix demo_output/summary
 
 Each ``--report`` is ``fairseq-kd-report --output-json`` for one seed: every student of that seed
-against that seed's no-KD student (sacreBLEU's paired bootstrap). A method *beats no KD* when it
+against that seed's no-KD student (sacreBLEU's paired bootstrap; a ``-seedN`` ending of the names
+in seed N's report is dropped). A method *beats no KD* when it
 does so on every seed, with p below ``--alpha``; it is *worse* when it loses on every seed with
 such a p. Of two methods that beat no KD, one is *above* the other only when its BLEU is higher
 on every seed; otherwise they are tied within the seeds' spread. One seed's p measures the test
 set's sampling only; asking for every seed asks the difference to outlast training noise too (a
 new seed, a new CPU or a new rounding all move a short training as much as each other).
-Writes PREFIX.json (every number and the verdict), PREFIX.md and the README's demo section;
+Writes PREFIX.json (every number and the verdict), PREFIX.md and, with ``--deploy``, the README's
+demo section;
 ``--record-into tests/expected/demo.json`` adds the run, with its machine, to the runs the suite
 checks (replacing an earlier run of the same machine and kernel pins).
 """
@@ -58,9 +61,9 @@ def verdict(reports: Mapping[str, Mapping[str, Mapping]], alpha: float = ALPHA) 
             "not_shown_different": [m for m in methods if m not in beats and m not in worse], "order": order}
 
 
-def verdict_sentence(result: Mapping) -> str:
+def verdict_sentence(result: Mapping, names: Mapping[str, str] = NAMES) -> str:
     """The verdict in one sentence, as the README states it."""
-    name = lambda m: NAMES.get(m, m)
+    name = lambda m: names.get(m, m)
     seeds = len(result["seeds"])
     parts = []
     if result["beats_no_kd"]:
@@ -91,9 +94,10 @@ def best_valid_nll(log: Path) -> float:
     return min(value for _, value in series)
 
 
-def summarise(reports: Mapping[str, Mapping], nll: Mapping[str, Mapping[str, float]], alpha: float = ALPHA) -> Dict:
+def summarise(reports: Mapping[str, Mapping], nll: Mapping[str, Mapping[str, float]], alpha: float = ALPHA,
+              names: Mapping[str, str] = NAMES) -> Dict:
     """``reports``: ``{seed: report.json}``; ``nll``: ``{system: {seed: best valid nll}}``."""
-    rows = {seed: {row["system"]: row for row in report["systems"]} for seed, report in reports.items()}
+    rows = {seed: {_unseeded(row["system"], seed): row for row in report["systems"]} for seed, report in reports.items()}
     result = verdict(rows, alpha)
     seeds = result["seeds"]
     systems = []
@@ -106,7 +110,12 @@ def summarise(reports: Mapping[str, Mapping], nll: Mapping[str, Mapping[str, flo
             entry["difference"] = [rows[s][system]["difference"] for s in seeds]
             entry["p_bootstrap"] = [rows[s][system]["p_bootstrap"] for s in seeds]
         systems.append(entry)
-    return {"systems": systems, "verdict": result, "sentence": verdict_sentence(result)}
+    return {"systems": systems, "verdict": result, "sentence": verdict_sentence(result, names)}
+
+
+def _unseeded(system: str, seed: str) -> str:
+    ending = f"-seed{seed}"
+    return system[:-len(ending)] if system.endswith(ending) else system
 
 
 def _range(values: Sequence[float], signed: bool = False, digits: int = 2) -> str:
@@ -115,7 +124,7 @@ def _range(values: Sequence[float], signed: bool = False, digits: int = 2) -> st
     return mean if len(values) == 1 else f"{mean} ({fmt.format(min(values))} to {fmt.format(max(values))})"
 
 
-def summary_markdown(summary: Mapping) -> str:
+def summary_markdown(summary: Mapping, names: Mapping[str, str] = NAMES) -> str:
     seeds = summary["verdict"]["seeds"]
     lines = [f"| system | parameters | BLEU, mean ({'min to max over ' + str(len(seeds)) + ' seeds' if len(seeds) > 1 else 'one seed'}) "
              "| Δ vs no KD of the same seed | largest p | best valid nll (bits) |",
@@ -126,7 +135,7 @@ def summary_markdown(summary: Mapping) -> str:
         nll = _range(row["valid_nll"], digits=3) if row["valid_nll"] else ""
         bleu = _range(row["bleu"]) if row["system"] != TEACHER else f"{row['bleu'][0]:.2f}"
         params = f"{row['params']:,}" if row["params"] else ""
-        lines.append(f"| {NAMES.get(row['system'], row['system'])} | {params} | {bleu} | {delta} | {p} | {nll} |")
+        lines.append(f"| {names.get(row['system'], row['system'])} | {params} | {bleu} | {delta} | {p} | {nll} |")
     return "\n".join(lines) + "\n\n" + summary["sentence"] + "\n"
 
 
@@ -171,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--deploy", type=Path, help="fairseq-kd-deploy-benchmark's JSON (the shipped student)")
     parser.add_argument("--alpha", type=float, default=ALPHA, help="significance level of every paired test")
     parser.add_argument("--out-prefix", type=Path, required=True, help="writes PREFIX.json, PREFIX.md, "
-                        "and readme_section.md beside them")
+                        "and with --deploy readme_section.md beside them")
+    parser.add_argument("--plain-names", action="store_true",
+                        help="name the systems as the reports do, not as the demo's README does")
     parser.add_argument("--record-into", type=Path, metavar="JSON",
                         help="add this run and its machine to the full runs of this file (tests/expected/demo.json)")
     return parser
@@ -207,14 +218,16 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
     for key, path in _pairs(args.log, "--log"):
         system, _, seed = key.partition("/")
         nll.setdefault(system, {})[seed] = best_valid_nll(path)
-    summary = summarise(reports, nll, args.alpha)
+    names = {} if args.plain_names else NAMES
+    summary = summarise(reports, nll, args.alpha, names)
     prefix = args.out_prefix
     prefix.parent.mkdir(parents=True, exist_ok=True)
     prefix.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
-    table = summary_markdown(summary)
+    table = summary_markdown(summary, names)
     prefix.with_suffix(".md").write_text(table)
-    section = table + ("\n" + deploy_markdown(json.loads(args.deploy.read_text())) if args.deploy else "")
-    (prefix.parent / "readme_section.md").write_text(section)
+    if args.deploy:
+        section = table + "\n" + deploy_markdown(json.loads(args.deploy.read_text()))
+        (prefix.parent / "readme_section.md").write_text(section)
     if args.record_into:
         record_run(args.record_into, summary, this_machine())
     print(table, end="")

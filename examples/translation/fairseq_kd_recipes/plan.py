@@ -53,6 +53,8 @@ class RecipeOptions:
     train_args: Sequence[str] = ()
     workers: int = DEFAULT_PREPARE_WORKERS
     seed: int = 1
+    #: more seeds of every student (the teacher and its passes are trained and run once, with ``seed``)
+    student_seeds: Sequence[int] = ()
     #: an already trained teacher to distil from (no train-teacher step): a fairseq checkpoint trained
     #: on the corpus, or a Hugging Face save_pretrained folder (:mod:`.hf_teacher`)
     teacher: Optional[Path] = None
@@ -353,13 +355,23 @@ class _Planner:
                          [*python_module("fairseq_kd.cli.plot"), method.figure, "--checkpoint", str(checkpoint),
                           "--weights-output", str(weights), "--output", str(figure), "--overwrite"],
                          [checkpoint], [weights, figure], f"{method.figure} weights figure")
+        for seed in self.more_seeds():
+            for method in self.methods:
+                self.add_student(method, seed)
+                self.add_evaluation(seeded(method.name, seed))
         self.add_validation_comparison()
         self.add_systems()
-        for suffix, systems, baseline in self.report_groups():
-            self.add_report(suffix, systems, baseline, tokenized=False)
+        for suffix, systems, baseline, seed in self.report_groups():
+            self.add_report(suffix, systems, baseline, seed, tokenized=False)
             if self.tokenized_bleu:
-                self.add_report(suffix, systems, baseline, tokenized=True)
+                self.add_report(suffix, systems, baseline, seed, tokenized=True)
+        if self.more_seeds() and BASELINE in {method.name for method in self.methods}:
+            self.add_seed_summary()
         return self.steps
+
+    def more_seeds(self) -> list[int]:
+        """The students' seeds besides ``--seed`` (whose students keep their plain names)."""
+        return [seed for seed in dict.fromkeys(self.options.student_seeds) if seed != self.options.seed]
 
     def add_prepare(self) -> None:
         args = [*self.pair.prepare_args]
@@ -471,7 +483,8 @@ class _Planner:
         return args
 
     def add_training(self, system: str, data: Path, task_args: list[str], role: str, criterion: str,
-                     criterion_args: Sequence[str], inputs: list[Path], distils: bool, description: str) -> None:
+                     criterion_args: Sequence[str], inputs: list[Path], distils: bool, description: str,
+                     seed: Optional[int] = None) -> None:
         """fairseq-train (its checkpoints protected: :func:`.execute.check_checkpoint_folder`), then
         the average of its last checkpoints when the pair decodes one."""
         save_dir = self.save_dir(system)
@@ -481,7 +494,8 @@ class _Planner:
             *self.architecture(role), *self.model_args(),
             "--criterion", criterion, "--label-smoothing", LABEL_SMOOTHING, *criterion_args,
             *[item for flag_value in self.training_values.items() for item in flag_value],
-            *self.schedule(), *self.selection_flags(), "--seed", str(self.options.seed),
+            *self.schedule(), *self.selection_flags(),
+            "--seed", str(self.options.seed if seed is None else seed),
             "--save-dir", str(save_dir), *self.checkpoint_flags(),
             "--log-format", "json", "--log-interval", str(self.profile.log_interval),
             "--log-file", str(save_dir / "train.log"),
@@ -508,7 +522,7 @@ class _Planner:
         self.add_training(TEACHER, self.data, ["--task", "translation"], TEACHER, "label_smoothed_cross_entropy", (),
                           [self.data], False, "train the teacher")
 
-    def add_student(self, method: Method) -> None:
+    def add_student(self, method: Method, seed: Optional[int] = None) -> None:
         data = self.data if method.data == "original" else self.seqkd_folder(method.data)
         task_args = ["--task", "translation_kd"]
         inputs = [data]
@@ -523,8 +537,9 @@ class _Planner:
         if method.teacher_cache:
             task_args += ["--teacher-cache", str(self.teacher_cache)]
             inputs.append(self.teacher_cache)
-        self.add_training(method.name, data, task_args, method.student, method.criterion,
-                          self.pair.criterion_args(method), inputs, method.uses_teacher, method.description)
+        self.add_training(seeded(method.name, seed), data, task_args, method.student, method.criterion,
+                          self.pair.criterion_args(method), inputs, method.uses_teacher,
+                          method.description + ("" if seed is None else f" (seed {seed})"), seed)
 
     def teacher_data(self) -> list[str]:
         """A teacher given with --teacher was trained on this data (--teacher's help): its
@@ -622,7 +637,8 @@ class _Planner:
                  "validation nll of every model against updates, on one axis")
 
     def add_systems(self) -> None:
-        systems = [TEACHER] + [method.name for method in self.methods]
+        systems = [TEACHER] + [seeded(method.name, seed) for seed in [None, *self.more_seeds()]
+                               for method in self.methods]
         decodings = {system: SystemDecoding(
             self.hf_teacher.folder if system == TEACHER and self.hf_teacher is not None else self.model(system),
             self.generate_output(system), self.log(f"generate-{system}")) for system in systems}
@@ -637,11 +653,11 @@ class _Planner:
                  "parameter counts of the exported models, decoding speeds", settings={"systems": systems},
                  action=lambda: write_systems_sidecar(decodings, data, test_prefix, sidecar))
 
-    def report_groups(self) -> list[tuple[str, list[str], str]]:
-        """(file suffix, systems, baseline) of each results table: the teacher and the main-shape
-        students against no_kd, then one table per other student shape whose no-KD system the
-        recipe trains (CKD's 2+2 students against no_kd_2l). A shape without its baseline stays in
-        the main table."""
+    def report_groups(self) -> list[tuple[str, list[str], str, Optional[int]]]:
+        """(file suffix, systems, baseline, further seed or None) of each results table: the teacher
+        and the main-shape students against no_kd, then one table per other student shape whose no-KD
+        system the recipe trains (CKD's 2+2 students against no_kd_2l), then the same for each further
+        seed's students. A shape without its baseline stays in the main table."""
         planned = {method.name for method in self.methods}
         groups: dict[str, list[str]] = {BASELINE: [TEACHER]}
         for method in self.methods:
@@ -655,10 +671,13 @@ class _Planner:
             prefix = BASELINE + "_"  # removed as str.removeprefix (Python >= 3.9) would
             named = baseline[len(prefix):] if baseline.startswith(prefix) else baseline
             suffix = "" if baseline == BASELINE else "_" + named
-            tables.append((suffix, systems, baseline))
+            tables.append((suffix, systems, baseline, None))
+        # each further seed's students in tables of their own, beside the same teacher
+        tables += [(f"{suffix}_seed{seed}", [name if name == TEACHER else seeded(name, seed) for name in systems],
+                    seeded(baseline, seed), seed) for seed in self.more_seeds() for suffix, systems, baseline, _ in tables]
         return tables
 
-    def add_report(self, suffix: str, systems: list[str], baseline: str, tokenized: bool) -> None:
+    def add_report(self, suffix: str, systems: list[str], baseline: str, seed: Optional[int], tokenized: bool) -> None:
         prefix = self.workdir / "report" / (("results_tokenized" if tokenized else "results") + suffix)
         command = [*python_module("fairseq_kd.cli.report")]
         for system in systems:
@@ -681,15 +700,35 @@ class _Planner:
             elif self.pair.lowercased:
                 title += ", case-insensitive (the corpus is lowercased)"
             scoring = self.scoring
-        if suffix:
+        shape = suffix[:-len(f"_seed{seed}")] if seed is not None else suffix
+        if shape:
             title += f"; students of the {baseline} shape against {baseline}"
+        if seed is not None:
+            title += f"; the students trained with seed {seed}"
         command += ["--sidecar", str(self.sidecar), *scoring, "--title", title, "--out-prefix", str(prefix),
                     "--overwrite"]
         self.add(("report-tokenized" if tokenized else "report") + suffix.replace("_", "-"), command,
                  [self.score(system, tokenized) for system in systems] + [self.sidecar],
                  [prefix.with_name(prefix.name + ending) for ending in (".md", ".csv", ".json")],
                  "results table" + (" (the paper's tokenised BLEU)" if tokenized else "")
-                 + (f" of the {baseline} shape" if suffix else ""))
+                 + (f" of the {baseline} shape" if shape else "") + (f", seed {seed}" if seed is not None else ""))
+
+    def add_seed_summary(self) -> None:
+        """What holds on every seed of the main table (:mod:`.demo_summary`): who beats no KD on
+        each, the order at the top, each system's BLEU and best validation nll over the seeds."""
+        seeds = [self.options.seed, *self.more_seeds()]
+        reports = {seed: self.workdir / "report" / ("results" + ("" if seed == self.options.seed else f"_seed{seed}")
+                                                    + ".json") for seed in seeds}
+        command = [*python_module("fairseq_kd_recipes.demo_summary"), "--plain-names"]
+        for seed, report in reports.items():
+            command += ["--report", f"{seed}={report}"]
+        logs = [(method.name, seed, self.save_dir(seeded(method.name, None if seed == self.options.seed else seed))
+                 / "train.log") for method in self.methods if baseline_of(method) == BASELINE for seed in seeds]
+        command += [item for name, seed, log in logs for item in ("--log", f"{name}/{seed}={log}")]
+        prefix = self.workdir / "report" / "seeds"
+        self.add("report-seeds", command + ["--out-prefix", str(prefix)],
+                 [*reports.values(), *(log for _, _, log in logs)], [prefix.with_suffix(".md"), prefix.with_suffix(".json")],
+                 f"what holds on each of the {len(seeds)} seeds: who beats no KD, the order at the top")
 
 
 #: log-probabilities per token in a recipe's teacher cache (the top 8, as Tan et al. 2019)
@@ -713,6 +752,11 @@ def batch_split(tokens_per_update: int, max_tokens: int, world_size: int) -> tup
                          f"{tokens_per_update}, {max_tokens}, {world_size}")
     update_freq = math.ceil(tokens_per_update / (max_tokens * world_size))
     return math.ceil(tokens_per_update / (world_size * update_freq)), update_freq
+
+
+def seeded(system: str, seed: Optional[int]) -> str:
+    """The name of ``system`` trained with a further ``seed`` (None: the run's own seed, the plain name)."""
+    return system if seed is None else f"{system}-seed{seed}"
 
 
 def with_placement(args: Sequence[str], placement: Sequence[str]) -> list[str]:
@@ -778,7 +822,7 @@ def build_plan(options: RecipeOptions, executor: Optional[Callable[[Sequence[str
     steps = planner.plan()
     return RecipePlan(pair=pair, profile=profile, world_size=launch.world_size, launch=launch, methods=methods,
                       workdir=workdir, data=planner.data, steps=steps,
-                      report_prefixes=[workdir / "report" / f"results{suffix}" for suffix, _, _ in planner.report_groups()],
+                      report_prefixes=[workdir / "report" / f"results{suffix}" for suffix, *_ in planner.report_groups()],
                       execute=execute)
 
 

@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=DEFAULT_PREPARE_WORKERS, metavar="N",
                         help="worker processes of the preparation (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=1, help="seed of training and decoding (default: %(default)s)")
+    parser.add_argument("--student-seeds", type=seed_list, default=(), metavar="N,N,...",
+                        help="train every student once per seed (the teacher and its passes once, with --seed): "
+                        "seed N's students are METHOD-seedN, their table report/results_seedN.md, and "
+                        "report/seeds.md says what holds on every seed (who beats no KD, the order at the top)")
     parser.add_argument("--teacher", type=Path, metavar="CKPT|DIR",
                         help="distil from this already trained teacher instead of training one; it is scored like "
                         "a trained teacher. A fairseq checkpoint trained on the same binarised --data, or a Hugging "
@@ -101,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --print-commands or --sbatch: tasks (one GPU each) of the teacher passes' job "
                         "array (default: the world size, --nodes x --gpus-per-node)")
     return parser
+
+
+def seed_list(text: str) -> tuple:
+    try:
+        seeds = tuple(int(item) for item in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seeds separated by commas (1,2,3), got {text!r}")
+    return seeds
 
 
 def methods_table(pair_name: str) -> str:
@@ -129,6 +141,7 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         pair=args.pair, methods=args.methods, profile=args.profile, workdir=args.workdir,
         archives=args.archives, data=args.data, gpus=args.gpus, max_update=args.max_update,
         prepare_args=args.prepare_args, train_args=args.train_args, workers=args.workers, seed=args.seed,
+        student_seeds=args.student_seeds,
         teacher=args.teacher, teacher_source_lang=args.teacher_source_lang,
         teacher_target_lang=args.teacher_target_lang, nodes=args.nodes, launcher=args.launcher,
         master_port=args.master_port,
