@@ -332,6 +332,22 @@ def test_report_intervals_and_p_values_equal_slow_loop(test_set, tmp_path, capsy
     assert report["signature"].startswith("nrefs:1|bs:50|seed:21|") and "ar:200" in report["signature"]
 
 
+def test_length_column_is_the_hypotheses_words_over_the_references_in_bleus_tokens(test_set, tmp_path, capsys):
+    from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
+
+    references, systems, files = test_set
+    words = lambda lines: sum(len(Tokenizer13a()(line).split()) for line in lines)
+    run_report(*(f"--system={name}={files[name]}" for name in ("no_kd", "word_kd")), *DETOK, "--bootstrap", "0",
+               "--out-prefix", tmp_path / "t")
+    markdown = capsys.readouterr().out
+    rows = {row["system"]: row for row in json.loads((tmp_path / "t.json").read_text())["systems"]}
+    for name in ("no_kd", "word_kd"):
+        expected = words(systems[name]) / words(references)
+        assert rows[name]["length_ratio"] == pytest.approx(expected, rel=1e-12) and expected != 1
+        assert f"| {expected:.3f} |" in next(line for line in markdown.splitlines() if line.startswith(f"| {name} "))
+    assert "| chrF | chrF++ | Length |" in markdown and "Length: the hypotheses' length over the references'" in markdown
+
+
 def test_lead_closed_is_the_share_of_the_teachers_lead_over_the_baseline(test_set, tmp_path, capsys):
     references, systems, files = test_set
     bleu = {name: sacrebleu.corpus_bleu(hypotheses, [references]).score for name, hypotheses in systems.items()}

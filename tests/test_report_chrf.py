@@ -73,4 +73,4 @@ def test_score_record_table_and_report_carry_chrf(tmp_path, capsys):
         assert (rows[name]["chrf"], rows[name]["chrfpp"]) == (chrf, chrfpp)
         assert (float(csv_rows[name]["chrf"]), float(csv_rows[name]["chrfpp"])) == (chrf, chrfpp)
         assert f"| {chrf:.2f} | {chrfpp:.2f} |" in markdown
-    assert list(csv_rows["good"])[-2:] == ["chrf", "chrfpp"]
+    assert list(csv_rows["good"])[-3:] == ["chrf", "chrfpp", "length_ratio"]

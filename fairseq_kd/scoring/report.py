@@ -72,6 +72,11 @@ class SystemScore:
         """chrF and chrF++ of the scored text (:func:`~.bleu.chrf_scores`)."""
         return chrf_scores(self.hypotheses, self.references, self.result.settings.lowercase)
 
+    def length_ratio(self) -> float:
+        """Hypothesis length over reference length in BLEU's tokens (its brevity penalty's ratio)."""
+        bleu = self.result.settings.make_metric().corpus_score(self.hypotheses, [self.references])
+        return bleu.sys_len / bleu.ref_len if bleu.ref_len else float("nan")
+
     def partial_note(self) -> Optional[str]:
         if not self.partial:
             return None
@@ -270,6 +275,8 @@ def format_mean_ci(mean: Optional[float], ci: Optional[float]) -> str:
 
 CHRF_DEFINITION = ("chrF and chrF++: sacreBLEU's CHRF of the same text (character 6-grams, beta 2; chrF++ adds word "
                    "2-grams: word_order 0 and 2).")
+LENGTH_DEFINITION = ("Length: the hypotheses' length over the references' in BLEU's tokens (the brevity penalty's "
+                     "ratio; above 1, BLEU's precisions pay for every extra word).")
 SCORE_TABLE_HEADER = ("| System | BLEU | μ ± 95% CI | Baseline | Δ BLEU | p (bs) | p (ar) | Sentences | Signature "
                       "| chrF | chrF++ |")
 SCORE_TABLE_RULE = "|---|---:|---:|---|---:|---:|---:|---:|---|---:|---:|"
@@ -348,6 +355,8 @@ class ReportRow:
     sents_per_sec: Optional[float]
     chrf: Optional[float] = None
     chrfpp: Optional[float] = None
+    #: hypothesis over reference length in BLEU's tokens: a short student's BLEU differences are often this
+    length_ratio: Optional[float] = None
 
 
 @dataclass
@@ -415,7 +424,7 @@ def build_report(systems: Sequence[SystemScore], baseline: Optional[str] = None,
                                mean=None, ci=None, difference=None, p_bootstrap=None, p_randomization=None,
                                lead_closed=None, params=params.get(system.name),
                                sents_per_sec=sents_per_sec.get(system.name),
-                               **system.chrf())
+                               length_ratio=system.length_ratio(), **system.chrf())
         for system in systems
     }
     if n_bootstrap:
@@ -463,8 +472,8 @@ def report_markdown(report: Report) -> str:
     lead_header = " Lead closed |" if report.teacher else ""
     lines += [
         f"| System | BLEU | μ ± 95% CI | {difference_header} | p (bs) | p (ar) |{lead_header} Params | Speed (sent/s) "
-        "| chrF | chrF++ |",
-        "|---|---:|---:|---:|---:|---:|" + ("---:|" if report.teacher else "") + "---:|---:|---:|---:|",
+        "| chrF | chrF++ | Length |",
+        "|---|---:|---:|---:|---:|---:|" + ("---:|" if report.teacher else "") + "---:|---:|---:|---:|---:|",
     ]
     for row in report.rows:
         name = _cell(f"{row.system} (baseline)" if row.is_baseline else row.system)
@@ -475,10 +484,12 @@ def report_markdown(report: Report) -> str:
             cells.append("-" if row.lead_closed is None else f"{100 * row.lead_closed:.0f}%")
         cells += [format_params(row.params),
                  "-" if row.sents_per_sec is None else f"{row.sents_per_sec:.1f}",
-                 "-" if row.chrf is None else f"{row.chrf:.2f}", "-" if row.chrfpp is None else f"{row.chrfpp:.2f}"]
+                 "-" if row.chrf is None else f"{row.chrf:.2f}", "-" if row.chrfpp is None else f"{row.chrfpp:.2f}",
+                 "-" if row.length_ratio is None else f"{row.length_ratio:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append(f"sacreBLEU signature: `{report.signature}`; {report.n_sentences} sentences. {CHRF_DEFINITION}")
+    lines.append(f"sacreBLEU signature: `{report.signature}`; {report.n_sentences} sentences. {CHRF_DEFINITION} "
+                 f"{LENGTH_DEFINITION}")
     for name, info in report.partial.items():
         lines.append(f"PARTIAL: {name} was scored on {info['n_sentences']} of {info['n_expected']} "
                      f"expected sentences ({'; '.join(info['problems'])}).")
