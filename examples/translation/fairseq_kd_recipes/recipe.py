@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="worker processes of the preparation (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=1, help="seed of training and decoding (default: %(default)s)")
     parser.add_argument("--student-seeds", type=seed_list, default=(), metavar="N,N,...",
-                        help="train every student once per seed (the teacher and its passes once, with --seed): "
+                        help="train every student once more per seed besides --seed (the teacher and its passes "
+                        "once, with --seed; --seed's students keep their names): "
                         "seed N's students are METHOD-seedN, their table report/results_seedN.md, and "
                         "report/seeds.md says what holds on every seed (who beats no KD, the order at the top)")
     parser.add_argument("--teacher", type=Path, metavar="CKPT|DIR",
