@@ -101,10 +101,12 @@ def test_a_recipes_seed_reports_are_read_under_their_methods_names(tmp_path):
     def report(seed_ending, base, a2d):
         named = lambda name: name + seed_ending
         return {"systems": [
-            {"system": "teacher", "bleu": 90.0, "difference": None, "p_bootstrap": None, "params": 9, "ci": 1},
-            {"system": named("no_kd"), "bleu": base, "difference": None, "p_bootstrap": None, "params": 5, "ci": 1},
+            {"system": "teacher", "bleu": 90.0, "difference": None, "p_bootstrap": None, "params": 9, "ci": 1,
+             "chrf": 80.0},
+            {"system": named("no_kd"), "bleu": base, "difference": None, "p_bootstrap": None, "params": 5, "ci": 1,
+             "chrf": base + 20},
             {"system": named("a2d_kd_4h"), "bleu": a2d, "difference": a2d - base, "p_bootstrap": 0.001,
-             "params": 5, "ci": 1}]}
+             "params": 5, "ci": 1, "chrf": a2d + 20}]}
     paths = {}
     for seed, ending, base, a2d in (("1", "", 30.0, 35.0), ("2", "-seed2", 29.0, 36.0)):
         paths[seed] = tmp_path / f"results{ending}.json"
@@ -114,8 +116,14 @@ def test_a_recipes_seed_reports_are_read_under_their_methods_names(tmp_path):
     summary = json.loads((tmp_path / "seeds.json").read_text())
     assert summary["verdict"]["beats_no_kd"] == ["a2d_kd_4h"]
     a2d = next(entry for entry in summary["systems"] if entry["system"] == "a2d_kd_4h")
-    assert a2d["bleu"] == [35.0, 36.0] and a2d["difference"] == [5.0, 7.0]
+    assert a2d["bleu"] == [35.0, 36.0] and a2d["difference"] == [5.0, 7.0] and a2d["chrf"] == [55.0, 56.0]
     table = (tmp_path / "seeds.md").read_text()
+    assert "| chrF, mean (min to max over 2 seeds) |" in table and "| 55.50 (55.00 to 56.00) |" in table
+    # a run recorded before the reports had chrF keeps its table
+    without = json.loads(json.dumps(summary))
+    for entry in without["systems"]:
+        del entry["chrf"]
+    assert "chrF" not in demo_summary.summary_markdown(without, {})
     assert "| no_kd |" in table and "no KD (2+2" not in table and "a2d_kd_4h beats no KD on each of the 2 seeds" in table
     assert not (tmp_path / "readme_section.md").exists()  # the demo's README section comes with its --deploy only
 

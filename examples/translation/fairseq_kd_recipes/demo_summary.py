@@ -106,6 +106,8 @@ def summarise(reports: Mapping[str, Mapping], nll: Mapping[str, Mapping[str, flo
         entry = {"system": system, "params": rows[seeds[0]][system].get("params"), "bleu": bleu,
                  "bleu_mean": statistics.fmean(bleu), "ci": [rows[s][system]["ci"] for s in seeds],
                  "valid_nll": [nll[system][s] for s in seeds if s in nll[system]] if system in nll else None}
+        if all("chrf" in rows[s][system] for s in seeds):  # less moved than BLEU by a student's output length
+            entry["chrf"] = [rows[s][system]["chrf"] for s in seeds]
         if system not in (BASELINE, TEACHER):
             entry["difference"] = [rows[s][system]["difference"] for s in seeds]
             entry["p_bootstrap"] = [rows[s][system]["p_bootstrap"] for s in seeds]
@@ -126,16 +128,21 @@ def _range(values: Sequence[float], signed: bool = False, digits: int = 2) -> st
 
 def summary_markdown(summary: Mapping, names: Mapping[str, str] = NAMES) -> str:
     seeds = summary["verdict"]["seeds"]
-    lines = [f"| system | parameters | BLEU, mean ({'min to max over ' + str(len(seeds)) + ' seeds' if len(seeds) > 1 else 'one seed'}) "
-             "| Δ vs no KD of the same seed | largest p | best valid nll (bits) |",
-             "|---|---:|---:|---:|---:|---:|"]
+    spread = "min to max over " + str(len(seeds)) + " seeds" if len(seeds) > 1 else "one seed"
+    chrf = all("chrf" in row for row in summary["systems"])  # (runs recorded before it have no chrF)
+    lines = [f"| system | parameters | BLEU, mean ({spread}) | Δ vs no KD of the same seed | largest p "
+             f"| best valid nll (bits) |" + (f" chrF, mean ({spread}) |" if chrf else ""),
+             "|---|---:|---:|---:|---:|---:|" + ("---:|" if chrf else "")]
     for row in summary["systems"]:
         delta = _range(row["difference"], signed=True) if "difference" in row else ""
         p = f"{max(row['p_bootstrap']):.3f}" if "p_bootstrap" in row else ""
         nll = _range(row["valid_nll"], digits=3) if row["valid_nll"] else ""
         bleu = _range(row["bleu"]) if row["system"] != TEACHER else f"{row['bleu'][0]:.2f}"
         params = f"{row['params']:,}" if row["params"] else ""
-        lines.append(f"| {names.get(row['system'], row['system'])} | {params} | {bleu} | {delta} | {p} | {nll} |")
+        cells = [names.get(row["system"], row["system"]), params, bleu, delta, p, nll]
+        if chrf:
+            cells.append(_range(row["chrf"]) if row["system"] != TEACHER else f"{row['chrf'][0]:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n\n" + summary["sentence"] + "\n"
 
 
