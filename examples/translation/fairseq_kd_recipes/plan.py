@@ -716,19 +716,20 @@ class _Planner:
     def add_seed_summary(self) -> None:
         """What holds on every seed of the main table (:mod:`.demo_summary`): who beats no KD on
         each, the order at the top, each system's BLEU and best validation nll over the seeds."""
-        seeds = [self.options.seed, *self.more_seeds()]
-        reports = {seed: self.workdir / "report" / ("results" + ("" if seed == self.options.seed else f"_seed{seed}")
-                                                    + ".json") for seed in seeds}
+        # the main-shape table of each seed (None: --seed's), as report_groups names it
+        tables = {seed: self.workdir / "report" / f"results{suffix}.json"
+                  for suffix, _, baseline, seed in self.report_groups() if baseline == seeded(BASELINE, seed)}
+        label = lambda seed: self.options.seed if seed is None else seed
         command = [*python_module("fairseq_kd_recipes.demo_summary"), "--plain-names"]
-        for seed, report in reports.items():
-            command += ["--report", f"{seed}={report}"]
-        logs = [(method.name, seed, self.save_dir(seeded(method.name, None if seed == self.options.seed else seed))
-                 / "train.log") for method in self.methods if baseline_of(method) == BASELINE for seed in seeds]
+        for seed, report in tables.items():
+            command += ["--report", f"{label(seed)}={report}"]
+        logs = [(method.name, label(seed), self.save_dir(seeded(method.name, seed)) / "train.log")
+                for method in self.methods if baseline_of(method) == BASELINE for seed in tables]
         command += [item for name, seed, log in logs for item in ("--log", f"{name}/{seed}={log}")]
         prefix = self.workdir / "report" / "seeds"
         self.add("report-seeds", command + ["--out-prefix", str(prefix)],
-                 [*reports.values(), *(log for _, _, log in logs)], [prefix.with_suffix(".md"), prefix.with_suffix(".json")],
-                 f"what holds on each of the {len(seeds)} seeds: who beats no KD, the order at the top")
+                 [*tables.values(), *(log for _, _, log in logs)], [prefix.with_suffix(".md"), prefix.with_suffix(".json")],
+                 f"what holds on each of the {len(tables)} seeds: who beats no KD, the order at the top")
 
 
 #: log-probabilities per token in a recipe's teacher cache (the top 8, as Tan et al. 2019)
