@@ -315,6 +315,21 @@ def test_smoke_and_cpu_profiles_resolve(tmp_path):
     assert args.cpu and args.max_update == 123 and args.arch == "transformer_kd_iwslt_student_3l"
 
 
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_the_test_set_is_decoded_with_the_length_limit_of_the_validation_bleu(tmp_path, profile):
+    """A student that loops stops at the same length on test as in the validation BLEU that scored it."""
+    validation = json.loads(parse_training_command(
+        plan_for(tmp_path, "iwslt14_de_en", profile=profile, methods=["no_kd"]).step("train-no_kd").commands[0]
+    ).eval_bleu_args)
+    plan = plan_for(tmp_path, "multi30k_fr_en", profile=profile, methods=["no_kd"])  # which selects by nll
+    for step in ("generate-no_kd", "generate-teacher"):
+        command = plan.step(step).commands[0]
+        flags = {command[i]: command[i + 1] for i in range(len(command) - 1) if command[i].startswith("--max-len")}
+        assert (float(flags["--max-len-a"]), int(flags["--max-len-b"])) == (
+            validation["max_len_a"], validation["max_len_b"]) == (1.2, 10)
+        assert "at most 1.2 x source + 10 tokens" in plan.step(step).description
+
+
 @pytest.mark.parametrize("profile, max_update, interval", [("cpu", None, 800), ("smoke", None, 6), ("cpu", 7, 1)])
 def test_checkpoints_to_average_exist_at_the_end_of_any_budget(tmp_path, profile, max_update, interval):
     """WMT'14 writes a checkpoint every 1,000 updates; a shorter budget of M updates writes one every

@@ -11,6 +11,7 @@ Design notes: ``docs/design/recipes.md``.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
@@ -35,8 +36,12 @@ LABEL_SMOOTHING = "0.1"
 BEAM = 5
 #: checkpoint selection: best validation nll_loss, or best validation BLEU (fairseq's --eval-bleu)
 SELECTIONS = ("nll", "bleu")
-#: fairseq's --eval-bleu decoding during validation, as its IWSLT'14 example (beam 5)
-EVAL_BLEU_ARGS = '{"beam": 5, "max_len_a": 1.2, "max_len_b": 10}'
+#: the longest output of a decoding, max_len_a * source length + max_len_b tokens, as fairseq's IWSLT'14
+#: example: the validation BLEU's decoding (where a pair selects checkpoints by BLEU) and the test
+#: decoding share it, so a student that loops stops at the same length in both
+MAX_LEN_A, MAX_LEN_B = 1.2, 10
+#: fairseq's --eval-bleu decoding during validation (beam 5)
+EVAL_BLEU_ARGS = json.dumps({"beam": BEAM, "max_len_a": MAX_LEN_A, "max_len_b": MAX_LEN_B})
 
 _LOW_RESOURCE_TEACHER = ("--arch", "transformer_kd_iwslt_teacher")
 _LOW_RESOURCE_STUDENTS = {

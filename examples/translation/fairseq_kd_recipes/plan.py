@@ -21,7 +21,7 @@ from .execute import (MANIFEST_NAME, TRAIN_RECORD_NAME, CommandExecutor, RecipeE
                       console_script, python_module)
 from .hf_teacher import RAW_TEXT, HuggingFaceTeacher, method_problems, read_teacher
 from .methods import BASELINE, METHODS, SEQKD_DATA, TEACHER, Method, baseline_of
-from .pairs import BEAM, EVAL_BLEU_ARGS, LABEL_SMOOTHING, PAIRS, PairRecipe
+from .pairs import BEAM, EVAL_BLEU_ARGS, LABEL_SMOOTHING, MAX_LEN_A, MAX_LEN_B, PAIRS, PairRecipe
 from .profiles import PROFILES, Profile
 from .systems import SystemDecoding, write_systems_sidecar
 
@@ -281,6 +281,8 @@ class _Planner:
         self.beam = profile.beam or pair.beam
         self.lenpen = ["--lenpen", str(pair.lenpen)] if pair.lenpen != 1.0 else []
         self.decoding = f"beam {self.beam}" + (f", length penalty {pair.lenpen}" if self.lenpen else "")
+        if "--max-len-b" not in profile.generate_args:  # the smoke profile's limit replaces the shared one
+            self.decoding += f", at most {MAX_LEN_A:g} x source + {MAX_LEN_B} tokens"
         #: where a teacher pass or a test decoding runs (not part of its settings)
         self.device_flags = ["--fp16"] if profile.device == "cuda" else ["--cpu"]
         # The pair's own tokenised-BLEU table reads BPE-segmented, lowercased T- lines, which data
@@ -577,6 +579,7 @@ class _Planner:
         rules and in its output format), score it and plot the training curves."""
         output = self.generate_output(system)
         decoding = ["--gen-subset", "test", "--beam", str(self.beam), *self.lenpen,
+                    "--max-len-a", f"{MAX_LEN_A:g}", "--max-len-b", str(MAX_LEN_B),
                     "--max-tokens", self.training_values["--max-tokens"]]
         if system == TEACHER and self.hf_teacher is not None:
             folder = self.hf_teacher.folder
