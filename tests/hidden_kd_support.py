@@ -12,7 +12,7 @@ import torch
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
 
 from conftest import TINY_STUDENT_ARGS, build_tiny_student, make_batch, train_student
-from fairseq_kd.criterions.base import DistillationBatch
+from fairseq_kd.criterions.method import DistillationBatch
 from fairseq_kd.models.feature_capture import FeatureCapture
 
 COMMON = dict(sentence_avg=False, label_smoothing=0.1, kd_temperature=1.0)

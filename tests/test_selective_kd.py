@@ -17,7 +17,7 @@ from hidden_kd_support import build_criterion
 
 import fairseq_kd
 from fairseq_kd.checkpoints import safe_load
-from fairseq_kd.criterions.base import DistillationBatch
+from fairseq_kd.criterions.method import DistillationBatch
 from fairseq_kd.criterions.losses import word_level_kd
 from fairseq_kd.criterions.selective_kd import (
     SelectiveKDCriterion,

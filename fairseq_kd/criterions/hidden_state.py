@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from ..models.feature_capture import CaptureRequest
 from ..errors import InputError
-from .base import DistillationBatch, KDCriterionBase
+from .base import KDCriterionBase
+from .method import DistillationBatch
 from .config import KDCriterionConfig, weight
 
 LAYER_SIDES = ChoiceEnum(["encoder", "decoder", "both"])

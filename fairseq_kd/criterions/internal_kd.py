@@ -27,7 +27,7 @@ from ..models.feature_capture import DECODER_SELF, ENCODER_SELF, CaptureRequest
 from ..modules.layer_mapping import uniform_mapping, validate_mapping
 from ..modules.projection import width_projection
 from .hidden_state import HiddenStateKDConfig, HiddenStateKDCriterion, in_param_dtype
-from .base import DistillationTerms
+from .method import DistillationTerms
 from .config import ranged, weight
 from .epoch_sums import EpochSums
 from .losses import masked_mean_pool, masked_row_kl

@@ -24,7 +24,7 @@ from fairseq.distributed import utils as distributed_utils
 from fairseq.logging import metrics
 from torch import Tensor
 
-from .base import DistillationTerms
+from .method import DistillationTerms
 from .config import ranged
 from .chunked import rows_per_chunk
 from .word_kd import WordKDConfig, WordKDCriterion
