@@ -88,7 +88,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
-# Small enough to train in seconds on 2 cores, big enough to have 4 heads and 3 layers to map.
 def write_reverse_corpus(folder: Path, sizes=(("train", 400), ("valid", 40), ("test", 40)), seed=0):
     """Source: random words; target: the words reversed and upper-cased (a reordering task)."""
     rng = random.Random(seed)

@@ -1,7 +1,7 @@
 """What a criterion's tests use: tiny models, a criterion built in process, one fairseq-train run.
 
-A criterion's test file registers its factory with :func:`criterion_factory`, through which the
-shared tests (tests/test_hidden_state_kd.py: weight 0, fp16, padding, memory) build it;
+A hidden-state criterion's test file registers its factory with :func:`criterion_factory`, through
+which the shared tests (tests/test_hidden_state_kd.py: weight 0, fp16, padding, memory) build it;
 :func:`build_tiny_student` and :func:`make_batch` (or the ``tiny_batch`` fixture) give a forward
 pass in process on the ``kd_task`` fixture (the tiny reordering corpus with its trained 3+3 teacher,
 tests/conftest.py); :func:`train_student` runs ``fairseq-train`` with the plugin.
@@ -12,6 +12,7 @@ from command_runners import REPO, run_cli, run_fairseq_train_here
 
 USER_DIR = str(REPO / "fairseq_kd")
 
+# Small enough to train in seconds on 2 cores, big enough to have 4 heads and 3 layers to map.
 TINY_TEACHER_ARGS = [
     "--arch", "transformer", "--encoder-layers", "3", "--decoder-layers", "3",
     "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",

@@ -1,4 +1,4 @@
-"""The accumulator of stateful criterions (criterions/base.py EpochSums): float64 sums that survive
+"""The accumulator of stateful criterions (criterions/epoch_sums.py EpochSums): float64 sums that survive
 a checkpoint, kept when a resumed run begins the same epoch again, emptied by a new epoch."""
 import torch
 

@@ -1,4 +1,4 @@
-"""One meaning per weight option (criterions/base.py): ``--kd-weight`` is the word-level KD weight in
+"""One meaning per weight option (criterions/method.py, criterions/base.py): ``--kd-weight`` is the word-level KD weight in
 every criterion, the papers' names for it are aliases that fairseq-train's parser and the dataclass
 both accept, the temperature lives in the base config, and the base refuses any negative weight."""
 import dataclasses

@@ -175,8 +175,9 @@ class KDCriterionBase(DistillationMethod, LabelSmoothedCrossEntropyCriterion):
         return loss, sample_size, logging_output
 
     def distillation_terms(self, batch: DistillationBatch, word_kd: bool = True) -> Dict[str, Tensor]:
-        """Every active term of a batch: the method's (:meth:`terms`) and, unless ``word_kd`` is
-        False (the base computes it with CE), word-level KD at :meth:`kd_positions`."""
+        """Every active term of a batch: the method's (:meth:`~.method.DistillationMethod.terms`) and,
+        unless ``word_kd`` is False (the base computes it with CE), word-level KD at
+        :meth:`~.method.DistillationMethod.kd_positions`."""
         weights = self.loss_weights()
         if weights.get(self.KD_TERM, 0) != 0 and batch.kd_mask is None:
             batch.kd_mask = self.kd_positions(batch)
@@ -254,7 +255,7 @@ class KDCriterionBase(DistillationMethod, LabelSmoothedCrossEntropyCriterion):
         return logging_output
 
     def checked_loss_weights(self) -> Dict[str, float]:
-        """:meth:`loss_weights`, refusing a negative weight (its flag named)."""
+        """:meth:`~.method.DistillationMethod.loss_weights`, refusing a negative weight (its flag named)."""
         weights = self.loss_weights()
         term_fields = {term: name for name, term in self.config_fields("term").items()}
         for name, weight in weights.items():

@@ -46,7 +46,7 @@ def ranged(default, low, high=None, *, help: str, meaning: str, low_open=False, 
 def weight(default, *, help: str, **metadata):
     """A config field holding a loss weight: >= 0, 0 switching its term off. Its metadata may say
     which term it weighs in an additive objective (``term="hidden"``, read by
-    :meth:`KDCriterionBase.additive_weights`), or that it is the paper's name for ``--kd-weight``
+    :meth:`.method.DistillationMethod.additive_weights`), or that it is the paper's name for ``--kd-weight``
     (``kd_weight_alias=True``: when given, it replaces it)."""
     return ranged(default, 0.0, help=help, meaning="a loss weight (0 switches the term off)", **metadata)
 

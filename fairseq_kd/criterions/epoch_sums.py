@@ -13,7 +13,7 @@ class EpochSums:
     * Data parallel: every worker sums only its own batches; nothing is reduced across workers
       here. A method that needs the pooled value passes per-step values through
       ``DistillationTerms.logs``, which fairseq gathers from every worker, and adds them in
-      :meth:`KDCriterionBase.reduce_worker_logs` (internal KD's schedule does).
+      :meth:`.method.DistillationMethod.reduce_worker_logs` (internal KD's schedule does).
       The checkpoint holds the sums of the worker that writes it (rank 0).
     * Dummy batches (a worker out of data trains on one with its loss zeroed): the caller adds
       nothing while ``is_dummy_batch`` is set.
