@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The main job end to end on data the project makes itself:
-#   synthetic corpus -> fairseq-preprocess -> teacher -> students (no KD, word-level KD, Align-to-
-#   Distill, sequence-level KD), each with three seeds -> export -> decode the test set -> BLEU
+#   synthetic corpus -> fairseq-preprocess -> teacher -> students (no KD, Align-to-Distill,
+#   sequence-level KD), each with three seeds -> export -> decode the test set -> BLEU
 #   reports with 95% intervals and paired tests against no KD, per seed -> the verdict that holds on
 #   every seed -> figures (every model's validation nll on one axis, A2D's loss
 #   terms, A2D's alignment heatmap) -> deploy table: the A2D student exported to CTranslate2 (float32,
 #   int8) against the teacher under fairseq, speed and BLEU.
-# Runs in about 20 minutes on 2 quiet cores of the AVX-512 AMD EPYC the README's run was recorded on
-# (an estimated 33 to 38 on a 2-core AVX2-only one: docs/results/demo_design.md); everything lands in
+# Runs in about 22 minutes on 2 quiet cores of a 2-core AVX2-only AMD EPYC (the teacher 9 of them; an
+# estimated 10 on an AVX-512 one: docs/results/demo_design.md); everything lands in
 # $DEMO_DIR (default demo_output/), each step's wall and CPU time (user+sys of its processes) in
 # $DEMO_DIR/steps.tsv, each training's, export's and decoding's in $DEMO_DIR/times.tsv.
 # Re-running skips finished steps; an interrupted training run resumes from its last checkpoint.
@@ -84,7 +84,7 @@ threads() {  # threads N COMMAND...: run with N intra-op threads
 # short training as much as each other.
 COMMON=(--user-dir "$USER_DIR" --share-all-embeddings --optimizer adam --adam-betas '(0.9, 0.98)'
         --lr-scheduler polynomial_decay --warmup-updates 100 --dropout 0.1 --weight-decay 1e-4
-        --max-tokens 4096 --no-epoch-checkpoints --num-workers 0
+        --no-epoch-checkpoints --num-workers 0
         --best-checkpoint-metric nll_loss --log-format json --log-interval 25)
 TEACHER_UPDATES=${TEACHER_UPDATES:-500}
 STUDENT_UPDATES=${STUDENT_UPDATES:-300}
@@ -97,7 +97,11 @@ SEEDS=(${SEEDS:-1 2 3})
 # student that repeats itself lose 20 BLEU on a few sentences.
 MAX_LEN_A=${MAX_LEN_A:-1.2}
 MAX_LEN_B=${MAX_LEN_B:-10}
-STUDENT=(--arch transformer_kd_tiny_student --lr 8e-3 --max-update "$STUDENT_UPDATES" --total-num-update "$STUDENT_UPDATES")
+# The students learn from batches of 2,048 tokens: half the teacher's, at half the cost of an update.
+# After 300 updates no student has converged (valid nll 0.26-0.63 bits, the teacher's 0.14), and
+# distillation's effect on such a student is larger than what a seed or a CPU moves (docs/results/demo_design.md).
+STUDENT=(--arch transformer_kd_tiny_student --max-tokens 2048 --lr 8e-3
+         --max-update "$STUDENT_UPDATES" --total-num-update "$STUDENT_UPDATES")
 
 step "1/8 synthetic corpus (SVO source -> SOV target with agreement; fairseq_kd/data/synthetic.py)"
 "$PY" -m fairseq_kd.cli.make_corpus --output-dir "$OUT/corpus" --seed 1 \
@@ -128,7 +132,7 @@ mkdir -p "$OUT/logs"
 
 step "3/8 teacher: transformer_kd_tiny_teacher (4+4 layers, 4 heads, d=128), plain CE"
 train teacher 2 "$OUT/data-bin" --task translation --arch transformer_kd_tiny_teacher --seed 1 \
-    --lr 3e-3 --criterion label_smoothed_cross_entropy --label-smoothing 0.1 \
+    --max-tokens 4096 --lr 3e-3 --criterion label_smoothed_cross_entropy --label-smoothing 0.1 \
     --max-update "$TEACHER_UPDATES" --total-num-update "$TEACHER_UPDATES"
 TEACHER="$OUT/checkpoints/teacher/checkpoint_best.pt"
 
@@ -137,20 +141,19 @@ timed "seqkd pass" done_or_run seqkd_data threads 2 "$BIN/fairseq-kd-seqkd" --da
     --output "$OUT/data-bin-seqkd" --beam 5 --max-tokens 8192 --max-len-a "$MAX_LEN_A" --max-len-b "$MAX_LEN_B"
 
 step "5/8 students: transformer_kd_tiny_student (2+2 layers, 2 heads, d=64), seeds ${SEEDS[*]}, two at a time"
-echo "-- no KD (label-smoothed CE), word-level KD (word_kd, a=0.5, tau=1), Align-to-Distill (a2d_kd, its"
-echo "   defaults: all three attention kinds, head-wise AAM), sequence-level KD (CE on the teacher's outputs)"
+echo "-- no KD (label-smoothed CE), Align-to-Distill (a2d_kd, its defaults: CE + word-level KD + all three"
+echo "   attention kinds, head-wise AAM), sequence-level KD (CE on the teacher's outputs)"
 TRAININGS=()
 for seed in "${SEEDS[@]}"; do  # the slowest first, so that the last pair ends together
     TRAININGS+=(
         "train a2d_kd_seed$seed 1 \"\$OUT/data-bin\" --task translation_kd --teacher-checkpoint \"\$TEACHER\" \"\${STUDENT[@]}\" --seed $seed --criterion a2d_kd"
-        "train word_kd_seed$seed 1 \"\$OUT/data-bin\" --task translation_kd --teacher-checkpoint \"\$TEACHER\" \"\${STUDENT[@]}\" --seed $seed --criterion word_kd --kd-weight 0.5"
         "train no_kd_seed$seed 1 \"\$OUT/data-bin\" --task translation \"\${STUDENT[@]}\" --seed $seed --criterion label_smoothed_cross_entropy --label-smoothing 0.1"
         "train seq_kd_seed$seed 1 \"\$OUT/data-bin-seqkd\" --task translation \"\${STUDENT[@]}\" --seed $seed --criterion label_smoothed_cross_entropy --label-smoothing 0.1")
 done
 two_at_a_time "${TRAININGS[@]}"
 
 step "6/8 export each model as a stock fairseq transformer and decode the test set (beam 5)"
-METHODS=(no_kd word_kd a2d_kd seq_kd)
+METHODS=(no_kd a2d_kd seq_kd)
 MODELS=(teacher)
 for seed in "${SEEDS[@]}"; do for method in "${METHODS[@]}"; do MODELS+=("${method}_seed$seed"); done; done
 mkdir -p "$OUT/models" "$OUT/generate"
@@ -166,16 +169,37 @@ for name in sys.argv[2:]:
 TO_EXPORT=()
 for name in "${MODELS[@]}"; do [[ -f "$OUT/models/$name.pt" ]] || TO_EXPORT+=("$name"); done
 if ((${#TO_EXPORT[@]})); then timed "export ${TO_EXPORT[*]}" threads 2 "$PY" -c "$EXPORT_PY" "$OUT" "${TO_EXPORT[@]}"; fi
+# every model not yet decoded, with stock fairseq-generate's main() (no --user-dir: the exported model is a
+# plain transformer) once per model in one interpreter: one start-up for all of them; each model's
+# hypotheses (its stdout) in generate/NAME.txt, its log in generate/NAME.log, as the command writes them
+DECODE_PY='import contextlib, logging, os, sys
+from fairseq import options
+from fairseq_cli.generate import main
+out, data, split = sys.argv[1], sys.argv[2], sys.argv.index("--")
+flags, names, root = sys.argv[3:split], sys.argv[split + 1:], logging.getLogger()
+for name in names:
+    parser = options.get_generation_parser()
+    parser.add_argument("--arch", "-a", default="wav2vec2")  # as fairseq-generate does
+    args = options.parse_args_and_arch(parser, [data, "--path", f"{out}/models/{name}.pt", *flags])
+    log = logging.FileHandler(f"{out}/generate/{name}.log", mode="w")
+    log.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(name)s | %(message)s", "%Y-%m-%d %H:%M:%S"))
+    saved, root.handlers = root.handlers, [log]
+    try:
+        with open(f"{out}/generate/{name}.tmp", "w") as hypotheses, contextlib.redirect_stdout(hypotheses):
+            main(args)
+    finally:
+        root.handlers = saved
+        log.close()
+    os.replace(f"{out}/generate/{name}.tmp", f"{out}/generate/{name}.txt")'
+TO_DECODE=()
+for name in "${MODELS[@]}"; do [[ -s "$OUT/generate/$name.txt" ]] || TO_DECODE+=("$name"); done
+if ((${#TO_DECODE[@]})); then
+    timed "decode ${TO_DECODE[*]}" threads 2 "$PY" -c "$DECODE_PY" "$OUT" "$OUT/data-bin" --task translation --gen-subset test \
+        --beam 5 --batch-size 100 --required-batch-size-multiple 1 --max-len-a "$MAX_LEN_A" --max-len-b "$MAX_LEN_B" \
+        -- "${TO_DECODE[@]}"
+fi
 declare -A PARAMS
 for name in "${MODELS[@]}"; do
-    model="$OUT/models/$name.pt"
-    if [[ ! -s "$OUT/generate/$name.txt" ]]; then
-        # stock fairseq-generate, no --user-dir: the exported model is a plain transformer
-        timed "decode $name" threads 2 "$BIN/fairseq-generate" "$OUT/data-bin" --task translation --path "$model" --gen-subset test \
-            --beam 5 --batch-size 100 --required-batch-size-multiple 1 --max-len-a "$MAX_LEN_A" --max-len-b "$MAX_LEN_B" \
-            >"$OUT/generate/$name.tmp" 2>"$OUT/generate/$name.log"
-        mv "$OUT/generate/$name.tmp" "$OUT/generate/$name.txt"
-    fi
     PARAMS[$name]=$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["parameters"])' "$OUT/models/$name.json")
     echo "$name: $(grep -o 'Translated.*sentences' "$OUT/generate/$name.log")"
 done
@@ -193,7 +217,7 @@ for seed in "${SEEDS[@]}"; do
         SUMMARY+=(--log "$method/$seed=$OUT/logs/${method}_seed$seed.log")
     done
     timed "report seed$seed" "$PY" -m fairseq_kd.cli.report "${ARGS[@]}" --baseline no_kd --bootstrap 1000 --out-prefix "$OUT/report_seed$seed" \
-        --overwrite --title "Demo, seed $seed: synthetic SVO->SOV corpus, $TRAIN_SIZE training pairs; teacher 4+4 d128 ($TEACHER_UPDATES updates), students 2+2 d64 ($STUDENT_UPDATES updates)" \
+        --overwrite --title "Demo, seed $seed: synthetic SVO->SOV corpus, $TRAIN_SIZE training pairs; teacher 4+4 d128 ($TEACHER_UPDATES updates of 4,096 tokens), students 2+2 d64 ($STUDENT_UPDATES updates of 2,048 tokens)" \
         2> >(grep -v -e "tokenized period" -e "forgot to detokenize" -e "suppress this message" >&2) >/dev/null
     SUMMARY+=(--report "$seed=$OUT/report_seed$seed.json")
 done
