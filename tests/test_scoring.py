@@ -188,6 +188,43 @@ def test_an_output_equal_to_the_baseline_is_not_a_significant_difference(tmp_pat
     assert other.p_bootstrap < 1.0
 
 
+def exact_randomisation_p(base, system, references):
+    """The exact paired randomisation test (Riezler & Maxwell 2005, every shuffle enumerated): the
+    share of the 2^k ways to swap the k differing sentences between the two systems whose corpus
+    BLEU difference is at least the observed one in absolute value."""
+    differing = [i for i in range(len(base)) if base[i] != system[i]]
+    bleu = lambda hypotheses: BLEU().corpus_score(hypotheses, [references]).score
+    observed = abs(bleu(base) - bleu(system))
+    at_least = 0
+    for mask in range(2 ** len(differing)):
+        a, b = list(base), list(system)
+        for bit, i in enumerate(differing):
+            if mask >> bit & 1:
+                a[i], b[i] = b[i], a[i]
+        at_least += abs(bleu(a) - bleu(b)) >= observed
+    return at_least / 2 ** len(differing)
+
+
+@pytest.mark.parametrize("differing", [1, 3, 6])
+def test_randomisation_p_counts_the_shuffles_that_reproduce_the_observed_difference(tmp_path, differing):
+    """With few sentences differing, many shuffles reproduce the observed difference exactly (for one
+    sentence every shuffle does: it is swapped or not); they count, and p approaches the exact test's.
+    sacreBLEU counts only shuffles strictly beyond and prints its smallest p for one sentence."""
+    references = make_references(60, seed=9)
+    base = perturb(references, 0.30, seed=3)
+    other = perturb(references, 0.30, seed=4)
+    changed = [i for i in range(len(base)) if other[i] != base[i]][:differing]
+    system = [other[i] if i in changed else base[i] for i in range(len(base))]
+    row = compare_systems([("base", base), ("system", system)], references, n_bootstrap=100, n_trials=2000).rows[1]
+    exact = exact_randomisation_p(base, system, references)
+    assert abs(row.p_randomization - exact) < 0.05, (row.p_randomization, exact)  # 2,000 shuffles: sd <= 0.012
+    if differing == 1:
+        assert exact == 1.0 and row.p_randomization == 1.0
+        cli = sacrebleu_cli(tmp_path, references, [("base", base), ("system", system)], "--paired-ar",
+                            "--paired-ar-n", "2000", seed=12345)
+        assert cli[1]["p_value"] == 1 / 2001  # what the count is for
+
+
 def test_compare_systems_needs_resampling_and_parallel_text():
     references = make_references(20, seed=10)
     with pytest.raises(ValueError, match="--bootstrap 1000, not 0"):

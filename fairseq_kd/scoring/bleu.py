@@ -1,13 +1,16 @@
 """Corpus BLEU, its bootstrap confidence interval and paired significance tests, all by sacreBLEU.
 
-Nothing here re-implements sacreBLEU (Post 2018) or calls its private methods: the score and its
-signature are ``BLEU.corpus_score`` and ``BLEU.get_signature``; the interval and both paired tests
-are ``sacrebleu.significance.PairedTest``, the code behind ``sacrebleu --paired-bs`` (Koehn 2004)
-and ``--paired-ar`` (Riezler & Maxwell 2005); the interval is sacreBLEU's ``mu +- half-width`` of
-the 95% percentile interval (``sacrebleu --confidence``). Added here: the seed as an argument
+Nothing here re-implements sacreBLEU (Post 2018): the score and its signature are
+``BLEU.corpus_score`` and ``BLEU.get_signature``; the interval and both paired tests are
+``sacrebleu.significance.PairedTest``, the code behind ``sacrebleu --paired-bs`` (Koehn 2004) and
+``--paired-ar`` (Riezler & Maxwell 2005); the interval is sacreBLEU's ``mu +- half-width`` of the
+95% percentile interval (``sacrebleu --confidence``). Added here: the seed as an argument
 (:func:`sacrebleu_seed`) and one call that gives every system of a table its interval and both
 p-values against one baseline, equal to ``sacrebleu REF -i BASELINE SYSTEM... --paired-bs`` (and
-``--paired-ar``) on the same text, seed and counts. Details: ``docs/design/scoring.md``.
+``--paired-ar``) on the same text, seed and counts, but for one deviation: p counts the resamples
+and shuffles at least as far from 0 as the observed difference, as Riezler & Maxwell define it
+(sacreBLEU counts those strictly beyond, which gives its smallest p to equal outputs and, in the
+randomisation, to outputs that differ on a few sentences). Details: ``docs/design/scoring.md``.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
+import numpy
+import sacrebleu.significance
 from sacrebleu.metrics.bleu import BLEU
 from sacrebleu.metrics.chrf import CHRF
 from sacrebleu.significance import PairedTest
@@ -30,9 +35,10 @@ MIN_N_BOOTSTRAP = 40  # a 95% percentile interval cuts 1 in 40 resamples on each
 PAIRED_TESTS_DEFINITION = (
     "p (bs): sacreBLEU's paired bootstrap resampling (sacrebleu --paired-bs; Koehn 2004, as Moses' "
     "bootstrap-hypothesis-difference-significance.pl); p (ar): sacreBLEU's paired approximate "
-    "randomisation (sacrebleu --paired-ar; Riezler & Maxwell 2005). Both are two-sided, test "
-    "the absolute BLEU difference against the baseline and add one to numerator and "
-    "denominator, so the smallest possible p is 1/(n+1).")
+    "randomisation (sacrebleu --paired-ar; Riezler & Maxwell 2005). Both are two-sided, test the "
+    "absolute BLEU difference against the baseline, count the resamples or shuffles at least as far "
+    "from 0 as it (sacreBLEU: strictly beyond) and add one to numerator and denominator, so the "
+    "smallest possible p is 1/(n+1).")
 INTERVAL_DEFINITION = ("μ ± CI: mean of the bootstrap resamples and half the width of their 95% percentile "
                        "interval (sacrebleu --confidence)")
 
@@ -160,9 +166,29 @@ class Comparison:
     seed: int
 
 
+def _p_counting_ties(statistics: numpy.ndarray, observed: float) -> float:
+    """(resamples or shuffles whose statistic is >= the observed difference, + 1) / (their number + 1).
+    sacreBLEU counts those strictly beyond; the two differ only where a statistic can equal the
+    observed difference exactly: outputs that score alike on every resample (equal outputs: p 1),
+    and shuffles of few differing sentences (a shuffle that swaps none or all of k of them reproduces
+    the difference, about 2^(1-k) of them: for k = 1 every shuffle, and p is 1)."""
+    return (int(numpy.sum(statistics >= observed)) + 1) / (len(statistics) + 1)
+
+
+@contextmanager
+def _counting_ties() -> Iterator[None]:
+    """sacreBLEU's paired tests (its resamples, shuffles, seed and scores) with :func:`_p_counting_ties`."""
+    strictly_beyond = sacrebleu.significance._compute_p_value
+    sacrebleu.significance._compute_p_value = _p_counting_ties
+    try:
+        yield
+    finally:
+        sacrebleu.significance._compute_p_value = strictly_beyond
+
+
 def _paired_test(named_systems, references, settings, test_type: str, n_samples: int, seed: int):
     metric = settings.make_metric()
-    with sacrebleu_seed(seed):
+    with sacrebleu_seed(seed), _counting_ties():
         signatures, scores = PairedTest(named_systems, {"BLEU": metric}, [list(references)],
                                         test_type=test_type, n_samples=n_samples)()
     (name,) = signatures
@@ -192,19 +218,10 @@ def compare_systems(named_systems: Sequence[Tuple[str, Sequence[str]]], referenc
     if n_trials and len(named_systems) > 1:
         ar_signature, randomization = _paired_test(named_systems, references, settings, "ar", n_trials, seed)
         signature = f"{signature} (ar: {ar_signature})"
-    baseline_hypotheses = named_systems[0][1]
-
-    def p_value(index: int, hypotheses: List[str], test) -> Optional[float]:
-        if index == 0 or test is None:
-            return None
-        # An output equal to the baseline's differs by exactly 0, and P(|difference| >= 0) = 1 under
-        # the null; sacreBLEU counts only resamples strictly beyond the observed difference and would
-        # print its smallest p, 1/(n+1), as if the systems differed significantly.
-        return 1.0 if hypotheses == baseline_hypotheses else test.p_value
-
+    p_value = lambda index, test: None if index == 0 or test is None else test.p_value
     rows = [
         ComparisonRow(system=name, score=bs.score, mean=float(bs.mean), ci=float(bs.ci),
-                      p_bootstrap=p_value(index, hypotheses, bs), p_randomization=p_value(index, hypotheses, ar))
-        for index, ((name, hypotheses), bs, ar) in enumerate(zip(named_systems, bootstrap, randomization))
+                      p_bootstrap=p_value(index, bs), p_randomization=p_value(index, ar))
+        for index, ((name, _), bs, ar) in enumerate(zip(named_systems, bootstrap, randomization))
     ]
     return Comparison(rows=rows, signature=signature, n_bootstrap=n_bootstrap, n_trials=n_trials, seed=seed)
