@@ -9,7 +9,7 @@
 # Runs in about 22 minutes on 2 quiet cores of a 2-core AVX2-only AMD EPYC (the teacher 9 of them; an
 # estimated 10 on an AVX-512 one: docs/results/demo_design.md); everything lands in
 # $DEMO_DIR (default demo_output/), each step's wall and CPU time (user+sys of its processes) in
-# $DEMO_DIR/steps.tsv, each training's, export's and decoding's in $DEMO_DIR/times.tsv.
+# $DEMO_DIR/steps.tsv, each training's and the merged export's and decoding's in $DEMO_DIR/times.tsv.
 # Re-running skips finished steps; an interrupted training run resumes from its last checkpoint.
 #
 # The same numbers from the same commit run after run on one machine: every process runs with a
@@ -98,8 +98,8 @@ SEEDS=(${SEEDS:-1 2 3})
 MAX_LEN_A=${MAX_LEN_A:-1.2}
 MAX_LEN_B=${MAX_LEN_B:-10}
 # The students learn from batches of 2,048 tokens: half the teacher's, at half the cost of an update.
-# After 300 updates no student has converged (valid nll 0.26-0.63 bits, the teacher's 0.14), and
-# distillation's effect on such a student is larger than what a seed or a CPU moves (docs/results/demo_design.md).
+# After 300 updates no student has converged (valid nll 0.26-0.70 bits, the teacher's 0.14), and
+# distillation lifts such a student on every seed and CPU rounding (docs/results/demo_design.md).
 STUDENT=(--arch transformer_kd_tiny_student --max-tokens 2048 --lr 8e-3
          --max-update "$STUDENT_UPDATES" --total-num-update "$STUDENT_UPDATES")
 
@@ -158,7 +158,7 @@ MODELS=(teacher)
 for seed in "${SEEDS[@]}"; do for method in "${METHODS[@]}"; do MODELS+=("${method}_seed$seed"); done; done
 mkdir -p "$OUT/models" "$OUT/generate"
 # every model not yet exported, from one interpreter (fairseq-kd-export's cli_main once per model:
-# one start-up instead of thirteen); each model's summary (its parameter count) in models/NAME.json
+# one start-up for all of them); each model's summary (its parameter count) in models/NAME.json
 EXPORT_PY='import contextlib, os, sys
 from fairseq_kd.cli.export_student import cli_main
 out = sys.argv[1]
@@ -171,12 +171,13 @@ for name in "${MODELS[@]}"; do [[ -f "$OUT/models/$name.pt" ]] || TO_EXPORT+=("$
 if ((${#TO_EXPORT[@]})); then timed "export ${TO_EXPORT[*]}" threads 2 "$PY" -c "$EXPORT_PY" "$OUT" "${TO_EXPORT[@]}"; fi
 # every model not yet decoded, with stock fairseq-generate's main() (no --user-dir: the exported model is a
 # plain transformer) once per model in one interpreter: one start-up for all of them; each model's
-# hypotheses (its stdout) in generate/NAME.txt, its log in generate/NAME.log, as the command writes them
+# hypotheses (what the command prints on stdout) in generate/NAME.txt, fairseq's log lines in generate/NAME.log
 DECODE_PY='import contextlib, logging, os, sys
 from fairseq import options
 from fairseq_cli.generate import main
 out, data, split = sys.argv[1], sys.argv[2], sys.argv.index("--")
 flags, names, root = sys.argv[3:split], sys.argv[split + 1:], logging.getLogger()
+root.setLevel(os.environ.get("LOGLEVEL", "INFO").upper())  # fairseq-generate logs at INFO
 for name in names:
     parser = options.get_generation_parser()
     parser.add_argument("--arch", "-a", default="wav2vec2")  # as fairseq-generate does

@@ -51,7 +51,8 @@ for engine in "${ENGINES[@]}"; do
 done
 
 if [[ "$TRAIN_STUDENTS" == 1 ]]; then
-    # the demo's sequence-level KD student, once on each engine's data (scripts/demo.sh's settings)
+    # the demo's sequence-level KD student of 2026-11-28 (4,096-token batches; the demo's students now
+    # learn from 2,048), once on each engine's data
     COMMON=(--user-dir "$ROOT/fairseq_kd" --share-all-embeddings --optimizer adam --adam-betas '(0.9, 0.98)'
             --lr-scheduler polynomial_decay --warmup-updates 100 --dropout 0.1 --weight-decay 1e-4
             --max-tokens 4096 --seed 1 --no-epoch-checkpoints --num-workers 0

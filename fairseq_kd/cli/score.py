@@ -64,7 +64,8 @@ def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--seed", type=int, default=DEFAULT_SEED,
         help=f"sacreBLEU's SACREBLEU_SEED for the resampling; the default {DEFAULT_SEED} is sacreBLEU's, "
-             "so every number matches the sacrebleu command run on the same text")
+             "so every number matches the sacrebleu command run on the same text, but for p where a resample "
+             "reaches the observed difference exactly (counted here; docs/design/scoring.md)")
 
 
 def scoring_settings(args: argparse.Namespace) -> Tuple[TextProcessing, BleuSettings]:

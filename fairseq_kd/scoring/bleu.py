@@ -8,13 +8,14 @@ Nothing here re-implements sacreBLEU (Post 2018): the score and its signature ar
 (:func:`sacrebleu_seed`) and one call that gives every system of a table its interval and both
 p-values against one baseline, equal to ``sacrebleu REF -i BASELINE SYSTEM... --paired-bs`` (and
 ``--paired-ar``) on the same text, seed and counts, but for one deviation: p counts the resamples
-and shuffles at least as far from 0 as the observed difference, as Riezler & Maxwell define it
-(sacreBLEU counts those strictly beyond, which gives its smallest p to equal outputs and, in the
-randomisation, to outputs that differ on a few sentences). Details: ``docs/design/scoring.md``.
+and shuffles whose statistic is at least the observed |difference|, as Riezler & Maxwell define it
+(sacreBLEU counts those strictly beyond: its smallest p for equal outputs and, in the randomisation,
+for outputs that differ on one sentence, too small a p on a few). Details: ``docs/design/scoring.md``.
 """
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -36,8 +37,8 @@ PAIRED_TESTS_DEFINITION = (
     "p (bs): sacreBLEU's paired bootstrap resampling (sacrebleu --paired-bs; Koehn 2004, as Moses' "
     "bootstrap-hypothesis-difference-significance.pl); p (ar): sacreBLEU's paired approximate "
     "randomisation (sacrebleu --paired-ar; Riezler & Maxwell 2005). Both are two-sided, test the "
-    "absolute BLEU difference against the baseline, count the resamples or shuffles at least as far "
-    "from 0 as it (sacreBLEU: strictly beyond) and add one to numerator and denominator, so the "
+    "absolute BLEU difference against the baseline, count the resamples or shuffles whose statistic "
+    "is at least that difference (sacreBLEU: strictly above) and add one to numerator and denominator, so the "
     "smallest possible p is 1/(n+1).")
 INTERVAL_DEFINITION = ("μ ± CI: mean of the bootstrap resamples and half the width of their 95% percentile "
                        "interval (sacrebleu --confidence)")
@@ -175,15 +176,19 @@ def _p_counting_ties(statistics: numpy.ndarray, observed: float) -> float:
     return (int(numpy.sum(statistics >= observed)) + 1) / (len(statistics) + 1)
 
 
+_SWAP = threading.Lock()  # one swap at a time: a second thread would restore the strict count
+
+
 @contextmanager
 def _counting_ties() -> Iterator[None]:
     """sacreBLEU's paired tests (its resamples, shuffles, seed and scores) with :func:`_p_counting_ties`."""
-    strictly_beyond = sacrebleu.significance._compute_p_value
-    sacrebleu.significance._compute_p_value = _p_counting_ties
-    try:
-        yield
-    finally:
-        sacrebleu.significance._compute_p_value = strictly_beyond
+    with _SWAP:
+        strictly_beyond = sacrebleu.significance._compute_p_value
+        sacrebleu.significance._compute_p_value = _p_counting_ties
+        try:
+            yield
+        finally:
+            sacrebleu.significance._compute_p_value = strictly_beyond
 
 
 def _paired_test(named_systems, references, settings, test_type: str, n_samples: int, seed: int):

@@ -498,7 +498,7 @@ def report_markdown(report: Report) -> str:
     if report.baseline:
         lines.append(f"{PAIRED_TESTS_DEFINITION} Against {report.baseline}: {report.n_bootstrap} resamples, "
                      f"{report.n_trials} trials. Re-check: SACREBLEU_SEED={report.seed} sacrebleu REF -i "
-                     f"{report.baseline} OTHERS... --paired-bs (or --paired-ar) on the detokenised text.")
+                     f"{report.baseline} OTHERS... --paired-bs (or --paired-ar) on the detokenised text (it counts no ties).")
     if report.teacher:
         lines.append(f"Lead closed: (BLEU - {report.baseline}'s) / ({report.teacher}'s - {report.baseline}'s), the "
                      f"share of {report.teacher}'s lead over {report.baseline} that a system closes"

@@ -782,7 +782,7 @@ def notes(args) -> List[str]:
     return [
         f"BLEU: sacreBLEU ({args.settings.tokenize}{', lowercased' if args.settings.lowercase else ''}) on the output "
         f"at {first}; 95% CI: μ ± half-width of the {args.bootstrap}-resample bootstrap interval.",
-        "Δ, p: BLEU of the row minus its baseline's and sacreBLEU's paired bootstrap p; baseline: the same student "
+        "Δ, p: BLEU of the row minus its baseline's and sacreBLEU's paired bootstrap p (ties counted); baseline: the same student "
         f"under fairseq ({weights[0]}) for CTranslate2 rows, the first student under fairseq for the teacher"
         f"{precisions}.",
         f"Decoding: beam {args.beam}, lenpen {args.lenpen}, max length {args.max_len_a}·S + {args.max_len_b}, "
