@@ -328,6 +328,19 @@ def test_the_test_set_is_decoded_with_the_length_limit_of_the_validation_bleu(tm
         assert (float(flags["--max-len-a"]), int(flags["--max-len-b"])) == (
             validation["max_len_a"], validation["max_len_b"]) == (1.2, 10)
         assert "at most 1.2 x source + 10 tokens" in plan.step(step).description
+    assert not any(flag.startswith("--max-len") for flag in plan_for(
+        tmp_path, "multi30k_fr_en", profile=profile, methods=["seq_kd"]).step("seqkd-data").commands[0])
+
+
+def test_the_smoke_profile_limits_every_decoding_to_its_own_length(tmp_path):
+    """Untrained models repeat a piece until the limit: the smoke profile's limit (0 x source + 20)
+    replaces the shared one in the test decoding and bounds the teacher passes too, once each."""
+    plan = plan_for(tmp_path, "multi30k_fr_en", profile="smoke", methods=["no_kd", "seq_kd"])
+    for step in ("generate-no_kd", "generate-teacher", "seqkd-data"):
+        command = plan.step(step).commands[0]
+        limits = [(command[i], command[i + 1]) for i in range(len(command) - 1) if command[i].startswith("--max-len")]
+        assert limits == [("--max-len-a", "0"), ("--max-len-b", "20")], (step, limits)
+    assert "at most 0 x source + 20 tokens" in plan.step("generate-no_kd").description
 
 
 @pytest.mark.parametrize("profile, max_update, interval", [("cpu", None, 800), ("smoke", None, 6), ("cpu", 7, 1)])

@@ -281,8 +281,10 @@ class _Planner:
         self.beam = profile.beam or pair.beam
         self.lenpen = ["--lenpen", str(pair.lenpen)] if pair.lenpen != 1.0 else []
         self.decoding = f"beam {self.beam}" + (f", length penalty {pair.lenpen}" if self.lenpen else "")
-        if "--max-len-b" not in profile.generate_args:  # the smoke profile's limit replaces the shared one
-            self.decoding += f", at most {MAX_LEN_A:g} x source + {MAX_LEN_B} tokens"
+        limit_a, limit_b = profile.length_limit or (MAX_LEN_A, MAX_LEN_B)
+        self.test_length_flags = ["--max-len-a", f"{limit_a:g}", "--max-len-b", str(limit_b)]
+        self.teacher_pass_length_flags = self.test_length_flags if profile.length_limit else []
+        self.decoding += f", at most {limit_a:g} x source + {limit_b} tokens"
         #: where a teacher pass or a test decoding runs (not part of its settings)
         self.device_flags = ["--fp16"] if profile.device == "cuda" else ["--cpu"]
         # The pair's own tokenised-BLEU table reads BPE-segmented, lowercased T- lines, which data
@@ -564,7 +566,7 @@ class _Planner:
             scheme = "sentencepiece" if self.hf_teacher is not None else self.pair.remove_bpe
             flags += ["--nbest", beam, "--remove-bpe", scheme]
         self.add_teacher_pass(f"{kind.replace('_', '-')}-data", "fairseq_kd.cli.seqkd_decode", self.seqkd_folder(kind),
-                              ["--beam", beam, *self.profile.generate_args, *flags],
+                              ["--beam", beam, *self.teacher_pass_length_flags, *flags],
                               "decode the training set with the teacher (sequence-level KD"
                               + (f", {kind})" if flags else ")"))
 
@@ -578,13 +580,12 @@ class _Planner:
         """Decode the test set (a Hugging Face teacher with its own generate, under fairseq-generate's
         rules and in its output format), score it and plot the training curves."""
         output = self.generate_output(system)
-        decoding = ["--gen-subset", "test", "--beam", str(self.beam), *self.lenpen,
-                    "--max-len-a", f"{MAX_LEN_A:g}", "--max-len-b", str(MAX_LEN_B),
+        decoding = ["--gen-subset", "test", "--beam", str(self.beam), *self.lenpen, *self.test_length_flags,
                     "--max-tokens", self.training_values["--max-tokens"]]
         if system == TEACHER and self.hf_teacher is not None:
             folder = self.hf_teacher.folder
             command = [*python_module("fairseq_kd.cli.translate"), str(self.data), "--model", str(folder), *decoding,
-                       *self.profile.generate_args, "--results-path", str(output.parent), "--overwrite"]
+                       "--results-path", str(output.parent), "--overwrite"]
             placement = ["--device", "cuda", "--compute-type", "float16"] if self.profile.device == "cuda" else [
                 "--device", "cpu"]
             self.add(f"generate-{TEACHER}", command, [self.data, folder], [output],
@@ -601,7 +602,7 @@ class _Planner:
                 # fairseq's batching drops sentences that do not fill a multiple of 8 (a batch of one
                 # very long sentence, the last partial batch): every test sentence must be decoded.
                 "--required-batch-size-multiple", "1",
-                *self.profile.generate_args, "--seed", str(self.options.seed), "--results-path", str(output.parent),
+                "--seed", str(self.options.seed), "--results-path", str(output.parent),
             ]
             self.add(f"generate-{system}", command, [self.data, model], [output],
                      f"decode the test set, {self.decoding}", self.device_flags)

@@ -33,7 +33,9 @@ class Profile:
     match_tokens_per_update: bool = True
     #: beam of the test decoding (and of sequence-level KD); None: the pair's (and Kim & Rush's 5)
     beam: Optional[int] = None
-    generate_args: tuple[str, ...] = ()
+    #: (a, b): every decoding, the teacher passes' too, stops at a x source + b tokens; None: the test
+    #: decoding stops at the pair's limit (pairs.MAX_LEN_A, MAX_LEN_B), a teacher pass at fairseq's default
+    length_limit: Optional[tuple[float, int]] = None
     log_interval: int = 100
     use_smoke_prepare_args: bool = False
 
@@ -65,7 +67,7 @@ PROFILES: Mapping[str, Profile] = {
         match_tokens_per_update=False,
         beam=2,
         # An untrained model repeats a piece until the length limit: keep outputs short.
-        generate_args=("--max-len-a", "0", "--max-len-b", "20"),
+        length_limit=(0, 20),
         log_interval=1,
         use_smoke_prepare_args=True,
     ),
