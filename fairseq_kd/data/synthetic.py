@@ -115,11 +115,7 @@ def _inventor(rng: random.Random, used: set[str], consonants: str):
 
 @functools.lru_cache(maxsize=1)
 def build_lexicon() -> Lexicon:
-    """The fixed lexicon (a pure function of LEXICON_SEED); every surface form is unique per language.
-
-    Uniqueness of the forms (function words included) is what keeps the source unambiguous, and
-    consonant-final target stems make every agreement suffix the word's trailing vowels.
-    """
+    """The fixed lexicon (a pure function of LEXICON_SEED); every surface form is unique per language."""
     rng = random.Random(LEXICON_SEED)
     agreeing = tuple(AGREEMENT_SUFFIX.values())
     conjugating = agreeing + tuple(PERSON_SUFFIX.values())
@@ -159,8 +155,6 @@ def build_lexicon() -> Lexicon:
 
 
 # --------------------------------------------------------------------------- sentence structure
-
-
 @dataclass(frozen=True)
 class NounPhrase:
     noun: Noun
@@ -276,15 +270,9 @@ def _join(clauses, conjunction: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------- corpus and files
-
-
 def generate_corpus(seed: int, sizes: Mapping[str, int]) -> dict[str, list[tuple[str, str]]]:
-    """Disjoint splits of distinct source sentences, a pure function of ``seed`` and ``sizes``.
-
-    Pairs are drawn i.i.d., deduplicated by source sentence, shuffled, then cut into the splits in
-    the order of ``sizes``; shuffling after deduplication keeps the splits identically distributed
-    (otherwise the first split would collect the frequent short sentences).
-    """
+    """Disjoint splits of distinct source sentences (in the order of ``sizes``), a pure function of
+    ``seed`` and ``sizes``."""
     rng, lexicon = random.Random(seed), build_lexicon()
     total = sum(sizes.values())
     translations: dict[str, str] = {}
@@ -305,8 +293,7 @@ def generate_corpus(seed: int, sizes: Mapping[str, int]) -> dict[str, list[tuple
 
 
 def _existing_corpus_matches(out_dir: Path, parameters: dict) -> bool:
-    """Whether ``out_dir`` holds the corpus of ``parameters``, its files unchanged (files of the
-    recorded sizes and modification times are not read again)."""
+    """Whether ``out_dir`` holds the corpus of ``parameters``, its files unchanged."""
     try:
         manifest = read_json(out_dir / MANIFEST_NAME)
     except (OSError, ValueError):
@@ -324,14 +311,9 @@ def _existing_corpus_matches(out_dir: Path, parameters: dict) -> bool:
 def write_corpus(out_dir: Union[str, Path], seed: int = 1, train_size: int = 20000,
                  valid_size: int = 500, test_size: int = 500, source_lang: str = "src",
                  target_lang: str = "tgt", force: bool = False) -> str:
-    """Write ``{train,valid,test}.{source_lang,target_lang}`` and ``corpus.json`` into ``out_dir``.
-
-    Returns "reused" when ``out_dir`` already holds a corpus whose manifest records the same
-    parameters and whose files still match their recorded fingerprints
-    (:mod:`.fingerprint`), else "written".
-    A non-empty ``out_dir`` holding anything else is left untouched (:class:`CorpusExistsError`) unless
-    ``force``, in which case the corpus files and manifest are overwritten and other files kept.
-    """
+    """Write ``{train,valid,test}.{source_lang,target_lang}`` and ``corpus.json`` into ``out_dir``:
+    "reused" when it holds this corpus unchanged, else "written". Another non-empty ``out_dir`` is
+    refused (:class:`CorpusExistsError`) unless ``force``: the corpus files are then overwritten."""
     out_dir = Path(out_dir)
     for name, size in (("train_size", train_size), ("valid_size", valid_size), ("test_size", test_size)):
         if not isinstance(size, int) or size < 1:
