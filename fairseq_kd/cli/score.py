@@ -7,9 +7,6 @@ Examples::
         --baseline no_kd=scores/no_kd.json --output-json scores/word_kd.json --output-md scores/table.md
     fairseq-kd-score --hyp hyp.bpe.txt --ref test.bpe.en --remove-bpe subword_nmt
     fairseq-kd-score --generate-output gen.txt --detok-hf opus-mt-de-en/ --ref raw/test.en --ref-is-plain
-
-The JSON score record (format in ``fairseq_kd.scoring.report``) keeps the scored, detokenised text,
-so later runs and ``fairseq-kd-report`` run sacreBLEU's paired tests on exactly what was scored.
 """
 from __future__ import annotations
 
@@ -22,7 +19,7 @@ from sacrebleu.metrics.bleu import BLEU
 
 from fairseq_kd.scoring.bleu import (DEFAULT_N_BOOTSTRAP, DEFAULT_N_TRIALS, DEFAULT_SEED, BleuSettings, check_n_bootstrap,
                                      check_n_trials)
-from fairseq_kd.scoring.detok import BPE_SCHEMES, count_lines
+from fairseq_kd.scoring.detok import BPE_SCHEMES, read_lines
 from fairseq_kd.errors import FILE, OUTPUT_FILE, FileAccessError, InputError, UserError, message_of, require_path
 from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
@@ -103,7 +100,7 @@ def expected_sentence_count(args: argparse.Namespace) -> Optional[int]:
             raise InputError(f"--expected-sentences must be a positive count, got {args.expected_sentences}")
         return args.expected_sentences
     if args.expected_from is not None:
-        count = count_lines(args.expected_from, "--expected-from")
+        count = len(read_lines(args.expected_from, "--expected-from"))
         if count == 0:
             raise InputError(f"--expected-from file {str(args.expected_from)!r} is empty")
         return count
@@ -169,9 +166,7 @@ def validate_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error("give either --generate-output, or --hyp and --ref, not both")
     if args.generate_output is None and (args.hyp is None or args.ref is None):
         parser.error("give --generate-output FILE, or both --hyp FILE and --ref FILE")
-    inputs = ([("--generate-output", args.generate_output)]
-              if args.generate_output is not None
-              else [("--hyp", args.hyp)])
+    inputs = [("--generate-output", args.generate_output) if args.generate_output is not None else ("--hyp", args.hyp)]
     if args.ref is not None:
         inputs.append(("--ref", args.ref))
     if args.baseline is not None:
@@ -213,33 +208,29 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     validate_arguments(parser, args)
     processing = args.processing
-    try:
-        # The baseline first: a bad record then fails before the (longer) scoring of the system.
-        baseline = None
-        if args.baseline is not None:
-            # a generate output as baseline is scored against the same references as the system
-            baseline = load_system(args.baseline_name, args.baseline_path, processing, args.settings, 0, args.seed,
-                                   args.expected, args.allow_partial,
-                                   args.ref if args.generate_output is not None else None, args.ref_is_plain)
-        if args.generate_output is not None:
-            system = score_generate_output(
-                args.system, args.generate_output, processing, args.settings, args.bootstrap, args.seed,
-                args.expected, args.allow_partial, args.ref, args.ref_is_plain)
-        else:
-            system = score_text_files(args.system, args.hyp, args.ref, processing, args.settings, args.bootstrap,
-                                      args.seed, ref_is_plain=args.ref_is_plain)
-            if args.expected is not None and system.result.n_sentences != args.expected:
-                message = (f"--hyp/--ref have {system.result.n_sentences} lines but "
-                           f"{args.expected} sentences are expected")
-                if not args.allow_partial:
-                    raise InputError(message + "; pass --allow-partial to score them anyway")
-                system.partial = {"complete": False, "n_sentences": system.result.n_sentences,
-                                  "n_expected": args.expected, "problems": [message]}
-        paired = None
-        if baseline is not None:
-            paired = compare_with_baseline(system, baseline, args.bootstrap, args.ar_trials, args.seed)
-    except UserError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    # The baseline first: a bad record then fails before the (longer) scoring of the system.
+    baseline = None
+    if args.baseline is not None:
+        # a generate output as baseline is scored against the same references as the system
+        baseline = load_system(args.baseline_name, args.baseline_path, processing, args.settings, 0, args.seed,
+                               args.expected, args.allow_partial,
+                               args.ref if args.generate_output is not None else None, args.ref_is_plain)
+    if args.generate_output is not None:
+        system = score_generate_output(
+            args.system, args.generate_output, processing, args.settings, args.bootstrap, args.seed,
+            args.expected, args.allow_partial, args.ref, args.ref_is_plain)
+    else:
+        system = score_text_files(args.system, args.hyp, args.ref, processing, args.settings, args.bootstrap,
+                                  args.seed, ref_is_plain=args.ref_is_plain)
+        if args.expected is not None and system.result.n_sentences != args.expected:
+            message = f"--hyp/--ref have {system.result.n_sentences} lines but {args.expected} sentences are expected"
+            if not args.allow_partial:
+                raise InputError(message + "; pass --allow-partial to score them anyway")
+            system.partial = {"complete": False, "n_sentences": system.result.n_sentences,
+                              "n_expected": args.expected, "problems": [message]}
+    paired = None
+    if baseline is not None:
+        paired = compare_with_baseline(system, baseline, args.bootstrap, args.ar_trials, args.seed)
     record = score_record(system, paired)
 
     result = system.result

@@ -1,12 +1,7 @@
-"""Turn system output and references back into plain text before scoring, and read
-fairseq-generate output.
-
-sacreBLEU must see detokenised text (Post 2018). The recipes' segmentation is undone in reverse
-order: subword segmentation (subword-nmt BPE or SentencePiece) by :func:`remove_bpe`, with exactly
-the rules of fairseq's ``--post-process``; then Moses tokenisation by :func:`moses_detokenize`
-(sacremoses). Data binarised in a Hugging Face model's vocabulary (``fairseq-kd-hf-data``) holds that
-model's own tokens instead: :class:`HuggingFaceDetokenizer` turns them back into text with the
-model's tokenizer, in place of both steps.
+"""Read fairseq-generate output, and turn system output and references back into the plain text
+sacreBLEU must see: subword segmentation undone (:func:`remove_bpe`), then Moses tokenisation
+(:func:`moses_detokenize`); or, for data in a Hugging Face model's vocabulary, that model's
+tokenizer (:class:`HuggingFaceDetokenizer`). Details: ``docs/design/scoring.md``.
 """
 from __future__ import annotations
 
@@ -39,14 +34,12 @@ def remove_bpe(line: str, scheme: str) -> str:
 
 def moses_detokenize(lines: Sequence[str], lang: str) -> List[str]:
     """Moses detokenisation (sacremoses, which also unescapes ``&apos;`` and friends) of each line."""
-    from sacremoses import MosesDetokenizer  # imported here: only Moses recipes pay for it
+    from sacremoses import MosesDetokenizer
 
     detokenizer = MosesDetokenizer(lang=lang)
     return [detokenizer.detokenize(line.split()) for line in lines]
 
 
-#: what ``--detok-hf`` needs beyond sacreBLEU (the ``hf`` extra: transformers and sentencepiece)
-HF_INSTALL_HINT = "pip install 'fairseq-kd[hf]'"
 #: fairseq's special symbols (dictionary indices 0-3) that stand for no text: in data binarised by
 #: fairseq-kd-hf-data they are the tokenizer's tokens of those roles (fairseq_kd/models/hf_vocabulary.py),
 #: which its decode skips
@@ -55,25 +48,18 @@ FAIRSEQ_CONTROL_SYMBOLS = frozenset({"<s>", "<pad>", "</s>"})
 FAIRSEQ_UNKNOWN_SYMBOLS = frozenset({"<unk>", "<<unk>>"})
 
 
-class HuggingFaceMissingError(MissingDependencyError):
-    """``--detok-hf`` without transformers installed; the message names the fix."""
-
-
 @functools.lru_cache(maxsize=4)
 def load_hf_tokenizer(folder: str):
-    """The tokenizer of a ``save_pretrained`` folder, offline (nothing downloaded, no remote code),
-    loaded once per folder. transformers is imported here only: scoring without ``--detok-hf``
-    needs nothing beyond sacreBLEU."""
+    """The tokenizer of a ``save_pretrained`` folder, offline, loaded once per folder."""
     require_path(folder, "--detok-hf", FOLDER, "give the Hugging Face save_pretrained folder the data was "
                  "binarised with (fairseq-kd-hf-data --teacher)")
     try:
         import transformers
     except ImportError as error:
-        raise HuggingFaceMissingError(f"--detok-hf needs transformers: {HF_INSTALL_HINT} ({error})") from None
+        raise MissingDependencyError(f"--detok-hf needs transformers: pip install 'fairseq-kd[hf]' ({error})") from None
     try:
         return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-    # transformers and the libraries under it (tokenizers, sentencepiece, json, protobuf) raise no
-    # common class for a folder's missing or damaged tokenizer files
+    # the libraries under transformers raise no common class for missing or damaged tokenizer files
     except Exception as error:  # noqa: BLE001
         first_line = str(error).splitlines()[0] if str(error) else ""
         raise InputError(f"--detok-hf {folder!r}: its tokenizer cannot be loaded offline ({type(error).__name__}: "
@@ -82,9 +68,8 @@ def load_hf_tokenizer(folder: str):
 
 
 class HuggingFaceDetokenizer:
-    """Text of lines of fairseq symbols (fairseq-generate's H-/D-/T- lines without ``--remove-bpe``)
-    of data binarised in a Hugging Face model's vocabulary (``fairseq-kd-hf-data --teacher DIR``),
-    as the model's own tokenizer decodes them in its target mode (``docs/design/scoring.md``)."""
+    """Text of lines of fairseq symbols (fairseq-generate's lines without ``--remove-bpe``) of data
+    binarised by ``fairseq-kd-hf-data --teacher DIR``, as that tokenizer decodes its target side."""
 
     def __init__(self, folder) -> None:
         self.folder = str(folder)
@@ -92,7 +77,7 @@ class HuggingFaceDetokenizer:
         self.language_tags = set((getattr(self.tokenizer, "lang_token_to_id", None) or {}).values())
 
     def ids(self, line: str) -> List[int]:
-        """The tokenizer's ids of one line of fairseq symbols (call in target mode, :meth:`__call__`)."""
+        """The tokenizer's ids of one line of fairseq symbols (in target mode: :meth:`__call__`)."""
         tokenizer, ids = self.tokenizer, []
         for piece in line.split():
             if piece in FAIRSEQ_CONTROL_SYMBOLS:
@@ -109,7 +94,6 @@ class HuggingFaceDetokenizer:
 
     def __call__(self, lines: Sequence[str]) -> List[str]:
         tokenizer = self.tokenizer
-        # The target side's vocabulary, as ``tokenizer(text_target=...)`` encoded it.
         to_target, to_input = (getattr(tokenizer, name, None) for name in ("_switch_to_target_mode",
                                                                              "_switch_to_input_mode"))
         if to_target is not None:
@@ -152,14 +136,8 @@ class IncompleteGenerateOutputError(InputError):
 
 @dataclass
 class GenerateOutput:
-    """Hypotheses and references read from a fairseq-generate output file.
-
-    ``ids`` are fairseq's sentence ids (the order of the test set), ascending; ``hypotheses[i]``
-    and ``references[i]`` belong to ``ids[i]``. ``hypothesis_source`` is ``"D"`` or ``"H"``: which
-    of fairseq's lines the hypotheses came from. ``n_expected`` is the number of sentences the test
-    set has (given by the caller, or ids ``0..max``); ``problems`` says why the file is not complete
-    (empty when it is; a non-empty list only reaches the caller with ``allow_partial``).
-    """
+    """Hypotheses and references of a fairseq-generate output, by ascending sentence id;
+    ``hypothesis_source``: ``"D"`` or ``"H"``; ``problems``: why it is not complete (empty if it is)."""
 
     ids: List[int]
     hypotheses: List[str]
@@ -216,10 +194,8 @@ def read_generate_output(path: Path, expected_sentences: Optional[int] = None,
 
 @dataclass
 class _GenerateLines:
-    """What :func:`_scan_generate_lines` found in a fairseq-generate output: per sentence id the
-    first ``H-`` and ``D-`` hypothesis and the (last) ``T-`` reference; the line of each id's
-    second ``T-`` line; the summary lines' numbers, the last sentence line's number and the
-    ``Translated <n> sentences`` count."""
+    """Per sentence id the first ``H-`` and ``D-`` hypothesis, the last ``T-`` line and the line of a
+    second one; the summary lines, the last sentence line and ``Translated <n> sentences``."""
 
     hypotheses: Dict[str, Dict[int, str]] = field(default_factory=lambda: {"H": {}, "D": {}})
     references: Dict[int, str] = field(default_factory=dict)
@@ -307,8 +283,3 @@ def _completeness_problems(scanned: _GenerateLines, ids: List[int], n_expected: 
         problems.append(f"fairseq-generate logged 'Translated {scanned.translated} sentences' but the file "
                         f"holds {len(ids)}")
     return problems
-
-
-def count_lines(path: Path, what: str) -> int:
-    """Number of lines of a text file (a final line without a line end counts)."""
-    return len(read_lines(path, what))

@@ -1,13 +1,6 @@
-"""Score records (what ``fairseq-kd-score`` writes) and the paper-style results table
-(what ``fairseq-kd-report`` writes).
-
-A score record is a JSON object (format :data:`SCORE_FORMAT`; its fields in
-``docs/design/scoring.md``) that keeps the scored text itself (detokenised hypotheses and
-references, line-parallel): sacreBLEU's paired tests take text, so a later ``fairseq-kd-report``
-runs them on exactly what was scored, and a reader can re-check every number with the ``sacrebleu``
-command. ``settings`` and ``references_sha256`` are checked before two records are compared, and
-the stored BLEU is recomputed from the text when a record is read, so a record edited by hand fails
-there rather than in a table.
+"""Score records (what ``fairseq-kd-score`` writes) and the paper-style results table (what
+``fairseq-kd-report`` writes). A score record keeps the scored text itself, so that a report runs
+sacreBLEU's paired tests on exactly what was scored; its format: ``docs/design/scoring.md``.
 """
 from __future__ import annotations
 
@@ -69,7 +62,6 @@ class SystemScore:
     partial: Optional[Dict] = None
 
     def chrf(self) -> Dict[str, float]:
-        """chrF and chrF++ of the scored text (:func:`~.bleu.chrf_scores`)."""
         return chrf_scores(self.hypotheses, self.references, self.result.settings.lowercase)
 
     def length_ratio(self) -> float:
@@ -95,13 +87,9 @@ def score_generate_output(
     name: str, path: Path, processing: TextProcessing, settings: BleuSettings, n_bootstrap: int, seed: int,
     expected_sentences: Optional[int] = None, allow_partial: bool = False, ref_path: Optional[Path] = None,
     ref_is_plain: bool = False) -> SystemScore:
-    """Score a fairseq-generate output file (see :func:`~.detok.read_generate_output`); an
-    incomplete one is refused unless ``allow_partial`` (the score then says it is partial).
-
-    The references are the output's ``T-`` lines (rebuilt by fairseq from the binarised data, so
-    with ``<unk>`` where the dictionary lacked a word) unless ``ref_path`` gives the test set's
-    reference file, one line per sentence id: the untouched text a preparation keeps (processed
-    like the hypotheses unless ``ref_is_plain``). Its line count is then the expected count."""
+    """Score a fairseq-generate output file (incomplete: refused unless ``allow_partial``) against
+    its ``T-`` lines, or against ``ref_path``, one line per sentence id, whose line count is then the
+    expected count (processed like the hypotheses unless ``ref_is_plain``)."""
     reference_lines = None
     if ref_path is not None:
         reference_lines = read_lines(ref_path, "--ref")
@@ -146,7 +134,7 @@ def score_text_files(name: str, hyp_path: Path, ref_path: Path, processing: Text
 
 
 def score_record(system: SystemScore, paired: Optional[Dict] = None) -> Dict:
-    """The JSON-serialisable score record of ``system`` (format described in the module doc)."""
+    """The JSON-serialisable score record of ``system``."""
     result = system.result
     return {"format": SCORE_FORMAT, "system": system.name, "bleu": result.score, **system.chrf(), "mean": result.mean,
             "ci": result.ci, "n_bootstrap": result.n_bootstrap, "seed": result.seed, "signature": result.signature,
@@ -207,11 +195,8 @@ def load_score_record(path: Path, name: Optional[str] = None) -> SystemScore:
 def load_system(name: str, path: Path, processing: TextProcessing, settings: BleuSettings, n_bootstrap: int,
                 seed: int, expected_sentences: Optional[int] = None, allow_partial: bool = False,
                 ref_path: Optional[Path] = None, ref_is_plain: bool = False) -> SystemScore:
-    """A system from a score record (JSON) or a fairseq-generate output file (anything else, scored
-    against ``ref_path`` when given, see :func:`score_generate_output`).
-
-    Partial scores (an incomplete generate output, or a record written with --allow-partial) and
-    records of another sentence count than ``expected_sentences`` are refused unless
+    """A system from a score record (JSON) or a fairseq-generate output file (anything else); partial
+    scores and records of another sentence count than ``expected_sentences`` are refused unless
     ``allow_partial``."""
     path = require_path(path, f"system {name!r} file", FILE)
     if not is_score_record_file(path):
@@ -263,9 +248,13 @@ def compare_with_baseline(system: SystemScore, baseline: SystemScore, n_bootstra
 # --------------------------------------------------------------------------- formatting
 
 
+def _or_dash(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def format_p_value(p_value: Optional[float]) -> str:
     """``p`` with four decimals, as sacreBLEU prints it."""
-    return "-" if p_value is None else f"{p_value:.4f}"
+    return _or_dash(p_value, ".4f")
 
 
 def format_mean_ci(mean: Optional[float], ci: Optional[float]) -> str:
@@ -344,15 +333,15 @@ class ReportRow:
     system: str
     is_baseline: bool
     bleu: float
-    mean: Optional[float]
-    ci: Optional[float]
-    difference: Optional[float]
-    p_bootstrap: Optional[float]
-    p_randomization: Optional[float]
+    mean: Optional[float] = None
+    ci: Optional[float] = None
+    difference: Optional[float] = None
+    p_bootstrap: Optional[float] = None
+    p_randomization: Optional[float] = None
     #: (bleu - baseline's) / (teacher's - baseline's): the share of the teacher's lead this system closes
-    lead_closed: Optional[float]
-    params: Optional[int]
-    sents_per_sec: Optional[float]
+    lead_closed: Optional[float] = None
+    params: Optional[int] = None
+    sents_per_sec: Optional[float] = None
     chrf: Optional[float] = None
     chrfpp: Optional[float] = None
     #: hypothesis over reference length in BLEU's tokens: a short student's BLEU differences are often this
@@ -393,11 +382,9 @@ def build_report(systems: Sequence[SystemScore], baseline: Optional[str] = None,
                  params: Optional[Dict[str, int]] = None, sents_per_sec: Optional[Dict[str, float]] = None,
                  n_bootstrap: int = DEFAULT_N_BOOTSTRAP, seed: int = DEFAULT_SEED,
                  n_trials: int = DEFAULT_N_TRIALS, teacher: Optional[str] = None) -> Report:
-    """Results table for ``systems`` on one test set. One call of sacreBLEU's paired tests
-    (:func:`~.bleu.compare_systems`) gives every system its interval (those stored in score records
-    are recomputed, so the whole table shares one seed) and, against ``baseline``, the paired
-    bootstrap and approximate randomisation p-values; BLEU itself is the full-corpus score. With
-    ``teacher``, each other system's share of the teacher's BLEU lead over the baseline."""
+    """Results table for ``systems`` on one test set: one call of :func:`~.bleu.compare_systems`
+    gives every system its interval (recomputed, so the table shares one seed) and the paired
+    p-values against ``baseline``; with ``teacher``, each system's share of its lead."""
     if not systems:
         raise InputError("no systems given")
     names = [system.name for system in systems]
@@ -421,9 +408,7 @@ def build_report(systems: Sequence[SystemScore], baseline: Optional[str] = None,
     by_name = {system.name: system for system in systems}
     rows = {
         system.name: ReportRow(system=system.name, is_baseline=system.name == baseline, bleu=system.result.score,
-                               mean=None, ci=None, difference=None, p_bootstrap=None, p_randomization=None,
-                               lead_closed=None, params=params.get(system.name),
-                               sents_per_sec=sents_per_sec.get(system.name),
+                               params=params.get(system.name), sents_per_sec=sents_per_sec.get(system.name),
                                length_ratio=system.length_ratio(), **system.chrf())
         for system in systems
     }
@@ -477,15 +462,12 @@ def report_markdown(report: Report) -> str:
     ]
     for row in report.rows:
         name = _cell(f"{row.system} (baseline)" if row.is_baseline else row.system)
-        cells = [name, f"{row.bleu:.2f}", format_mean_ci(row.mean, row.ci),
-                 "-" if row.difference is None else f"{row.difference:+.2f}", format_p_value(row.p_bootstrap),
-                 format_p_value(row.p_randomization)]
+        cells = [name, f"{row.bleu:.2f}", format_mean_ci(row.mean, row.ci), _or_dash(row.difference, "+.2f"),
+                 format_p_value(row.p_bootstrap), format_p_value(row.p_randomization)]
         if report.teacher:
             cells.append("-" if row.lead_closed is None else f"{100 * row.lead_closed:.0f}%")
-        cells += [format_params(row.params),
-                 "-" if row.sents_per_sec is None else f"{row.sents_per_sec:.1f}",
-                 "-" if row.chrf is None else f"{row.chrf:.2f}", "-" if row.chrfpp is None else f"{row.chrfpp:.2f}",
-                 "-" if row.length_ratio is None else f"{row.length_ratio:.3f}"]
+        cells += [format_params(row.params), _or_dash(row.sents_per_sec, ".1f"), _or_dash(row.chrf, ".2f"),
+                  _or_dash(row.chrfpp, ".2f"), _or_dash(row.length_ratio, ".3f")]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(f"sacreBLEU signature: `{report.signature}`; {report.n_sentences} sentences. {CHRF_DEFINITION} "
@@ -554,10 +536,8 @@ def read_sidecar(path: Path) -> Dict[str, Dict]:
         if unknown:
             raise InputError(f"--sidecar {path}: system {name!r} has unknown keys {unknown}; "
                              "allowed: params, sents_per_sec")
-        params = values.get("params")
-        if params is not None and (isinstance(params, bool) or not isinstance(params, int) or params < 0):
-            raise InputError(f"--sidecar {path}: {name}.params must be a non-negative integer, got {params!r}")
-        speed = values.get("sents_per_sec")
-        if speed is not None and (isinstance(speed, bool) or not isinstance(speed, (int, float)) or speed < 0):
-            raise InputError(f"--sidecar {path}: {name}.sents_per_sec must be a non-negative number, got {speed!r}")
+        for key, kinds, what in (("params", int, "integer"), ("sents_per_sec", (int, float), "number")):
+            value = values.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, kinds) or value < 0):
+                raise InputError(f"--sidecar {path}: {name}.{key} must be a non-negative {what}, got {value!r}")
     return data
