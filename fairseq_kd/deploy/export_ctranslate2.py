@@ -2,17 +2,12 @@
 
     fairseq-kd-export CKPT OUT --format ctranslate2 --quantization int8
 
-In-process through CTranslate2's converter API (its ``ct2-fairseq-converter`` cannot read a plain
-export): the checkpoint is read with ``weights_only=True`` and its model built by fairseq, the
-data's dictionaries checked against it, what ``TransformerSpec`` cannot express refused in one line
-(:func:`unsupported_features`), the spec filled by CTranslate2's own fairseq layer mapping with
-fairseq's conventions (``add_source_eos``, decoding from ``</s>``), and the folder written whole
-(:mod:`.model_folder`) with its record (:data:`RECORD_NAME`: checkpoint, quantisation, languages,
-dictionaries' and files' SHA-256). Design notes: ``docs/design/deploy.md``.
+In-process through CTranslate2's converter API, with fairseq's conventions (``add_source_eos``,
+decoding from ``</s>``); the folder is written whole (:mod:`.model_folder`) with its record
+(:data:`RECORD_NAME`). Design notes: ``docs/design/deploy.md``.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +17,8 @@ import torch
 
 from ..errors import InputError
 from . import import_ctranslate2
-from .layout import LayoutChecker, check_decoder_and_widths, normformer_modules
-from .model_folder import FILES_KEY, ExportFolder, file_inventory
+from .layout import LayoutChecker, check_positions_decoder_and_widths, normformer_modules
+from .model_folder import ExportFolder, read_export_record
 
 #: CTranslate2's weight types (``ct2-*-converter --quantization``); the *_float16/bfloat16 ones
 #: compute in that type on a GPU and fall back to what the CPU supports.
@@ -178,8 +173,7 @@ def unsupported_features(loaded: LoadedTransformer) -> List[str]:
           "a pre-norm model without a final layer norm (--no-decoder-final-norm)")
     check((getattr(encoder, "layernorm_embedding", None) is None) != (getattr(decoder, "layernorm_embedding", None) is None),
           "--layernorm-embedding on one side only")
-    check(encoder.embed_positions is None or decoder.embed_positions is None, "--no-token-positional-embeddings")
-    check_decoder_and_widths(check, encoder, decoder)
+    check_positions_decoder_and_widths(check, encoder, decoder)
     normformer = normformer_modules(layers)
     check(normformer, f"NormFormer layers ({', '.join(normformer)}: --scale-attn/--scale-fc/--scale-heads/--scale-resids)")
     for side, dictionary in (("source", loaded.source_dictionary), ("target", loaded.target_dictionary)):
@@ -219,27 +213,14 @@ def build_spec(loaded: LoadedTransformer):
     return spec
 
 
-def _output_folder(checkpoint: str, output: str, overwrite: bool) -> ExportFolder:
-    return ExportFolder(checkpoint, output, overwrite, kind="CTranslate2", record_name=RECORD_NAME,
-                        record_format=RECORD_FORMAT, error=CTranslate2ExportError)
-
-
-def int8_weight_levels(bits: int) -> float:
-    """The largest int8 code a weight is rounded to with ``bits`` bits: 63 for 7, 127 for 8."""
-    return float(2 ** (bits - 1) - 1)
-
-
 def round_int8_weights(spec, quantization: str, bits: int) -> None:
     """CTranslate2's ``ModelSpec.optimize`` (alias equal variables, then quantise), with every int8
     weight rounded to ``bits`` bits: ``q = rint(w * L / max|w_row|)``, scale ``L / max|w_row|``,
-    ``L = 2**(bits-1) - 1``, one scale per output row as CTranslate2's own int8 (which is L = 127).
-    7 bits by default: no pair of products overflows the 16-bit sums of int8 kernels on CPUs
-    without VNNI (docs/design/deploy.md). Uses CTranslate2's private spec API, as its converters'
-    ``optimize`` does; the version is recorded with the export."""
+    ``L = 2**(bits-1) - 1``, one scale per output row (docs/design/deploy.md)."""
     from ctranslate2.specs.model_spec import Variable
 
     spec._alias_variables()
-    levels = int8_weight_levels(bits)
+    levels = float(2 ** (bits - 1) - 1)  # the largest code: 63 for 7 bits, 127 for 8
     floats = {}
 
     def keep_float(layer, name, value):
@@ -290,12 +271,12 @@ def export_ctranslate2(checkpoint: str, output: str, quantization: str = "int8",
     if quantization in INT8_QUANTIZATIONS and int8_weight_bits is None:
         int8_weight_bits = DEFAULT_INT8_WEIGHT_BITS
     ct2 = import_ctranslate2()  # before any work: a missing extra is one line naming the fix
-    output_folder = _output_folder(checkpoint, output, overwrite)
+    output_folder = ExportFolder(checkpoint, output, overwrite, kind="CTranslate2", record_name=RECORD_NAME,
+                                 record_format=RECORD_FORMAT, error=CTranslate2ExportError)
     out = output_folder.check()
     loaded = load_transformer(checkpoint, data)
-    check = LayoutChecker()
-    check.problems = unsupported_features(loaded)
-    check.refuse(CTranslate2ExportError, f"{checkpoint!r} cannot be expressed in CTranslate2")
+    LayoutChecker(unsupported_features(loaded)).refuse(CTranslate2ExportError,
+                                                       f"{checkpoint!r} cannot be expressed in CTranslate2")
     spec = build_spec(loaded)
 
     with output_folder.staged() as staging:
@@ -316,11 +297,10 @@ def export_ctranslate2(checkpoint: str, output: str, quantization: str = "int8",
                   "parameters": count_parameters(loaded.model.state_dict()),
                   "max_source_positions": int(loaded.model.max_positions()[0]),
                   "max_target_positions": int(loaded.model.max_positions()[1]),
-                  "ctranslate2_version": ct2.__version__, FILES_KEY: file_inventory(staging, RECORD_NAME)}
-        (staging / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
-    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+                  "ctranslate2_version": ct2.__version__}
+        output_folder.write_record(staging, record)
     return {"output": str(out), "format": "ctranslate2", "quantization": quantization,
-            "int8_weight_bits": int8_weight_bits, "bytes": size,
+            "int8_weight_bits": int8_weight_bits, "bytes": output_folder.size(),
             **{k: record[k] for k in ("parameters", "num_updates", "encoder_layers", "decoder_layers",
                                       "source_lang", "target_lang")}}
 
@@ -328,8 +308,6 @@ def export_ctranslate2(checkpoint: str, output: str, quantization: str = "int8",
 def read_record(model_dir: str) -> Optional[dict]:
     """The export record of a CTranslate2 folder written by :func:`export_ctranslate2` (None for a
     folder converted by other tools); ValueError naming the file when it is damaged."""
-    from .model_folder import read_export_record
-
     return read_export_record(Path(model_dir), RECORD_NAME) if (Path(model_dir) / RECORD_NAME).is_file() else None
 
 

@@ -11,7 +11,6 @@ with the student's sizes written out explicitly, minus everything that only serv
   without ``--user-dir``).
 """
 import argparse
-import contextlib
 import hashlib
 import os
 from pathlib import Path
@@ -22,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..checkpoints import safe_load
 from ..errors import OUTPUT_FILE, FileAccessError, InputError, message_of, path_problem
 from ..models.from_checkpoint import NoModelError, checkpoint_file_problem, read_model_checkpoint
-from .model_folder import _missing_folders
+from .model_folder import parent_folders
 
 # Config groups a stock fairseq loader reads; the rest of the training config is dropped.
 _KEPT_GROUPS = ("common", "common_eval", "distributed_training", "dataset", "optimization",
@@ -49,8 +48,8 @@ def _plain(node):
     return node
 
 
-# Buffers fairseq Transformers keep in their state dicts next to the parameters.
-_FAIRSEQ_BUFFER_SUFFIXES = (".version", "._float_tensor")
+#: buffers fairseq Transformers keep in their state dicts next to the parameters
+FAIRSEQ_BUFFER_SUFFIXES = (".version", "._float_tensor")
 
 
 def count_parameters(state_dict: dict) -> int:
@@ -58,7 +57,7 @@ def count_parameters(state_dict: dict) -> int:
     projections share one), fairseq's bookkeeping buffers excluded."""
     seen, total = set(), 0
     for name, tensor in state_dict.items():
-        if not torch.is_floating_point(tensor) or name.endswith(_FAIRSEQ_BUFFER_SUFFIXES):
+        if not torch.is_floating_point(tensor) or name.endswith(FAIRSEQ_BUFFER_SUFFIXES):
             continue
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
         if key not in seen:
@@ -84,7 +83,7 @@ def export_student(checkpoint: str, output: str, overwrite: bool = False) -> dic
     model_cfg = _stock_transformer_config(checkpoint, cfg.model)
     history = state.get("optimizer_history") or [{}]
     num_updates = history[-1].get("num_updates", 0)
-    weights = {name: tensor for name, tensor in state["model"].items()}
+    weights = dict(state["model"])
     exported = {
         "cfg": _stock_config(cfg, model_cfg),
         "args": None,
@@ -99,8 +98,7 @@ def export_student(checkpoint: str, output: str, overwrite: bool = False) -> dic
         _save_loadable(exported, output)
     except OSError as err:  # the output's folder or file cannot be written
         raise FileAccessError(message_of(err)) from None
-    parameters = count_parameters(weights)
-    return {"output": output, "parameters": parameters, "num_updates": num_updates,
+    return {"output": output, "parameters": count_parameters(weights), "num_updates": num_updates,
             "encoder_layers": model_cfg.get("encoder_layers"), "decoder_layers": model_cfg.get("decoder_layers"),
             "sha256": hashlib.sha256(Path(output).read_bytes()).hexdigest()}
 
@@ -135,7 +133,7 @@ def _stock_transformer_config(checkpoint: str, model_config) -> dict:
     model_cfg = _plain(model_config)
     if not isinstance(model_cfg, dict):
         raise ExportError(f"{checkpoint!r}: unexpected model config of type {type(model_config).__name__}")
-    from fairseq.models import ARCH_MODEL_REGISTRY
+    from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
     from fairseq.models.transformer import TransformerModelBase
 
     arch = model_cfg.get("arch") or model_cfg.get("_name")
@@ -145,10 +143,8 @@ def _stock_transformer_config(checkpoint: str, model_config) -> dict:
     # Apply the (possibly plugin-registered) architecture so every size is explicit, then name
     # the stock architecture, whose defaults then change nothing.
     resolved = argparse.Namespace(**model_cfg)
-    from fairseq.models import ARCH_CONFIG_REGISTRY
-
     ARCH_CONFIG_REGISTRY[arch](resolved)
-    model_cfg = {k: _plain(v) for k, v in vars(resolved).items()}
+    model_cfg = _plain(resolved)
     model_cfg.update(arch="transformer", _name="transformer")
     return model_cfg
 
@@ -161,12 +157,9 @@ def _stock_config(cfg, model_cfg: dict) -> dict:
     task_cfg["_name"] = "translation"
     plain_cfg = {group: _plain(cfg[group]) for group in _KEPT_GROUPS if group in cfg and cfg[group] is not None}
     plain_cfg.update({group: _plain(cfg[group]) if group in cfg else None for group in _HUB_GROUPS})
-    plain_cfg.update(
-        model=model_cfg,
-        task=task_cfg,
-        criterion={"_name": "label_smoothed_cross_entropy", "label_smoothing": 0.1,
-                   "report_accuracy": False, "ignore_prefix_size": 0, "sentence_avg": False},
-    )
+    plain_cfg.update(model=model_cfg, task=task_cfg,
+                     criterion={"_name": "label_smoothed_cross_entropy", "label_smoothing": 0.1,
+                                "report_accuracy": False, "ignore_prefix_size": 0, "sentence_avg": False})
     return plain_cfg
 
 
@@ -180,12 +173,5 @@ def _save_loadable(exported: dict, output: str) -> None:
         handle.flush()
         safe_load(handle.name)  # refuse to leave behind anything stock fairseq could not load safely
 
-    made = _missing_folders(Path(output).parent)
-    try:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
+    with parent_folders(Path(output)):
         replace_atomically(Path(output), write)
-    except BaseException:
-        for folder in made:
-            with contextlib.suppress(OSError):
-                folder.rmdir()  # only if still empty
-        raise

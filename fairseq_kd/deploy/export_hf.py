@@ -2,14 +2,10 @@
 
     fairseq-kd-export CKPT OUT --format hf [--spm-model SPM.model]
 
-The family whose layout is fairseq's, weight for weight: ``MarianMTModel`` for post-norm (fairseq's
-sinusoidal positions stored in ``model.safetensors``), ``M2M100ForConditionalGeneration`` for
-pre-norm with final layer norms. One vocabulary, the fairseq dictionary index for index; the
-generation config is fairseq-generate's; the tokenizer a ``MarianTokenizer`` over the data's
-SentencePiece model, else a whitespace tokenizer of the dictionary. A layout neither family
-expresses is refused in one line before anything is written; the folder is loaded back and checked
-against the fairseq model's logits before it is renamed into place (:mod:`.model_folder`). Design
-notes: ``docs/design/deploy.md``.
+The family whose layout is fairseq's, weight for weight: ``MarianMTModel`` for post-norm,
+``M2M100ForConditionalGeneration`` for pre-norm with final layer norms; one vocabulary, the fairseq
+dictionary index for index. The folder is loaded back and checked against the fairseq model's
+logits before it is renamed into place (:mod:`.model_folder`). Design notes: ``docs/design/deploy.md``.
 """
 from __future__ import annotations
 
@@ -21,8 +17,9 @@ from typing import List, Optional, Tuple
 import torch
 
 from .export_ctranslate2 import CTranslate2ExportError, LoadedTransformer, load_transformer
-from .layout import LayoutChecker, check_decoder_and_widths, normformer_modules
-from .model_folder import FILES_KEY, ExportFolder, file_inventory
+from .export_fairseq import FAIRSEQ_BUFFER_SUFFIXES, count_parameters
+from .layout import LayoutChecker, check_positions_decoder_and_widths, normformer_modules
+from .model_folder import ExportFolder
 
 RECORD_NAME = "fairseq_kd_export.json"
 RECORD_FORMAT = "fairseq-kd-hf/1"
@@ -40,14 +37,6 @@ SELF_CHECK_TOLERANCE = 1e-4
 
 class HuggingFaceExportError(CTranslate2ExportError):
     """The checkpoint, its data or the output folder cannot give a Hugging Face model."""
-
-
-def _import_transformers():
-    try:
-        import transformers
-    except ImportError as err:
-        raise HuggingFaceExportError(f"--format hf needs transformers: {INSTALL_HINT} ({err})") from None
-    return transformers
 
 
 def family_and_differences(loaded: LoadedTransformer) -> Tuple[Optional[str], List[str]]:
@@ -70,12 +59,10 @@ def family_and_differences(loaded: LoadedTransformer) -> Tuple[Optional[str], Li
     check(any(getattr(module, "layernorm_embedding", None) is not None for module in (encoder, decoder)),
           "--layernorm-embedding (neither Marian nor M2M100 normalises the embeddings)")
     for side, module in (("encoder", encoder), ("decoder", decoder)):
-        if module.embed_positions is None:
-            check(True, "--no-token-positional-embeddings")
-            break
-        check(not isinstance(module.embed_positions, SinusoidalPositionalEmbedding),
+        positions = module.embed_positions
+        check(positions is not None and not isinstance(positions, SinusoidalPositionalEmbedding),
               f"learned positions (--{side}-learned-pos); both families use sinusoidal positions")
-    check_decoder_and_widths(check, encoder, decoder)
+    check_positions_decoder_and_widths(check, encoder, decoder)
     for side, module in (("encoder", encoder), ("decoder", decoder)):
         heads = {layer.self_attn.num_heads for layer in module.layers}
         ffn = {layer.fc1.out_features for layer in module.layers}
@@ -128,7 +115,7 @@ def _config(transformers, family: str, loaded: LoadedTransformer):
     return transformers.M2M100Config(**common)
 
 
-def _generation_config(transformers, config, loaded: LoadedTransformer):
+def _generation_config(transformers, loaded: LoadedTransformer):
     """fairseq-generate's defaults: greedy unless asked, --max-len-b 200 within the model's
     positions, --min-len 1 (no </s> first), <pad> never generated, no forced </s>."""
     dictionary = loaded.target_dictionary
@@ -147,7 +134,7 @@ def hf_state_dict(family: str, loaded: LoadedTransformer, max_positions: int) ->
     fairseq_state = loaded.model.state_dict()
     state = {}
     for name, tensor in fairseq_state.items():
-        if name.endswith((".version", "._float_tensor")) or "embed_positions" in name:
+        if name.endswith(FAIRSEQ_BUFFER_SUFFIXES) or "embed_positions" in name:
             continue
         if name == "decoder.output_projection.weight":
             state["lm_head.weight"] = tensor
@@ -180,12 +167,9 @@ def _save_marian_positions(folder: Path, state: dict) -> None:
 
 
 def find_spm_model(data: str, spm_model: Optional[str]) -> Optional[Path]:
-    """``--spm-model``, else the one ``*.model`` file of the data folder, else None."""
+    """``--spm-model`` (an existing file), else the one ``*.model`` file of the data folder, else None."""
     if spm_model:
-        path = Path(spm_model)
-        if not path.is_file():
-            raise HuggingFaceExportError(f"--spm-model {spm_model!r}: no such file")
-        return path
+        return Path(spm_model)
     found = sorted(p for p in Path(data).glob("*.model") if p.is_file())
     return found[0] if len(found) == 1 else None
 
@@ -217,11 +201,6 @@ def _write_tokenizer(transformers, folder: Path, dictionary, spm_model: Optional
                                                      eos_token="</s>", unk_token="<unk>")
     tokenizer.save_pretrained(str(folder))
     return "pre-tokenised text (tokenised and BPE-segmented as for fairseq; the tokenizer splits on spaces)"
-
-
-def _output_folder(checkpoint: str, output: str, overwrite: bool) -> ExportFolder:
-    return ExportFolder(checkpoint, output, overwrite, kind="Hugging Face", record_name=RECORD_NAME,
-                        record_format=RECORD_FORMAT, error=HuggingFaceExportError)
 
 
 def _self_check(transformers, family: str, folder: Path, loaded: LoadedTransformer) -> float:
@@ -258,11 +237,14 @@ def export_hf(checkpoint: str, output: str, data: Optional[str] = None, spm_mode
               overwrite: bool = False) -> dict:
     """Write the Hugging Face folder ``output`` from ``checkpoint``; return a summary."""
     from ..fingerprint import dictionary_sha256, fingerprint
-    from .export_fairseq import count_parameters
 
-    transformers = _import_transformers()  # before any work: a missing extra is one line naming the fix
+    try:  # before any work: a missing extra is one line naming the fix
+        import transformers
+    except ImportError as err:
+        raise HuggingFaceExportError(f"--format hf needs transformers: {INSTALL_HINT} ({err})") from None
     transformers.utils.logging.disable_progress_bar()  # its weight-loading bars are no progress of ours
-    output_folder = _output_folder(checkpoint, output, overwrite)
+    output_folder = ExportFolder(checkpoint, output, overwrite, kind="Hugging Face", record_name=RECORD_NAME,
+                                 record_format=RECORD_FORMAT, error=HuggingFaceExportError)
     out = output_folder.check()
     if spm_model is not None and not Path(spm_model).is_file():
         raise HuggingFaceExportError(f"--spm-model {spm_model!r}: no such file")
@@ -270,9 +252,8 @@ def export_hf(checkpoint: str, output: str, data: Optional[str] = None, spm_mode
         loaded = load_transformer(checkpoint, data)
     except CTranslate2ExportError as err:
         raise HuggingFaceExportError(str(err)) from None
-    check = LayoutChecker()
-    family, check.problems = family_and_differences(loaded)
-    check.refuse(HuggingFaceExportError, f"{checkpoint!r} cannot be expressed as MarianMT or M2M100")
+    family, problems = family_and_differences(loaded)
+    LayoutChecker(problems).refuse(HuggingFaceExportError, f"{checkpoint!r} cannot be expressed as MarianMT or M2M100")
     spm_path = find_spm_model(loaded.data, spm_model)
     loaded.model.float()
     config = _config(transformers, family, loaded)
@@ -281,13 +262,12 @@ def export_hf(checkpoint: str, output: str, data: Optional[str] = None, spm_mode
     if "model.shared.weight" not in hf_model.state_dict():  # Marian without shared embeddings
         del state["model.shared.weight"]
     missing, unexpected = hf_model.load_state_dict(state, strict=False)
-    allowed_missing = {"final_logits_bias"}
-    if unexpected or set(missing) - allowed_missing:
+    if unexpected or set(missing) - {"final_logits_bias"}:
         raise HuggingFaceExportError(f"weights do not map onto {FAMILIES[family]} (missing {sorted(missing)}, "
                                      f"unexpected {sorted(unexpected)}); please report this")
     if family == "marian":
         hf_model.final_logits_bias.zero_()
-    hf_model.generation_config = _generation_config(transformers, config, loaded)
+    hf_model.generation_config = _generation_config(transformers, loaded)
 
     with output_folder.staged() as staging:
         hf_model.save_pretrained(str(staging), safe_serialization=True)
@@ -302,10 +282,10 @@ def export_hf(checkpoint: str, output: str, data: Optional[str] = None, spm_mode
                   "dictionary_sha256": dictionary_sha256(loaded.target_dictionary), "data": loaded.data,
                   "tokenizer": text, "spm_model": str(spm_path) if spm_path else None, "max_logit_difference": worst,
                   "parameters": count_parameters(loaded.model.state_dict()),
-                  "transformers_version": transformers.__version__, FILES_KEY: file_inventory(staging, RECORD_NAME)}
-        (staging / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
-    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
-    return {"output": str(out), "format": "hf", "family": family, "architecture": FAMILIES[family], "bytes": size,
+                  "transformers_version": transformers.__version__}
+        output_folder.write_record(staging, record)
+    return {"output": str(out), "format": "hf", "family": family, "architecture": FAMILIES[family],
+            "bytes": output_folder.size(),
             "tokenizer": text, "ctranslate2": CTRANSLATE2_NOTE[family],
             **{k: record[k] for k in ("parameters", "num_updates", "source_lang", "target_lang",
                                       "max_logit_difference")}}

@@ -1,13 +1,8 @@
 """The folder an export writes (``--format ctranslate2``, ``--format hf``): checked before any work,
-and written whole: built under a staging name beside it and renamed into place, so that a failed
-or killed export leaves the output as it was.
-
-Every export records its files (name, size, SHA-256) in its record (``fairseq_kd_export.json``).
-``--overwrite`` replaces a folder only when it is wholly an earlier export of the same format:
-every file in it is listed in that record, unchanged, and nothing in it is a link or a folder the
-export does not write. Anything else (a user's file, an edited or damaged model, a link) is
-refused in one line naming the folder and what is in the way, with nothing touched. The output
-itself may not be a symbolic link: the export neither writes through one nor replaces it."""
+built under a staging name beside it and renamed into place, so that a failed or killed export
+leaves the output as it was. Every export lists its files (name, size, SHA-256) in its record;
+``--overwrite`` replaces only a folder that is wholly an unchanged earlier export of the same
+format, anything else is refused in one line with nothing touched (docs/design/deploy.md)."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +12,7 @@ import shutil
 import stat
 import uuid
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Type
+from typing import Dict, Iterator, Optional, Type
 
 #: the key of an export record that lists the export's files: {relative path: {"bytes", "sha256"}}
 FILES_KEY = "files"
@@ -191,50 +186,61 @@ class ExportFolder:
         nothing written to it since :meth:`check` is lost), swapped out, then deleted. Whatever
         happens, no staging folder, moved-aside output or folder made for the output is left."""
         out = self.path
-        made = _missing_folders(out.parent)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
-        done = False
-        try:
-            yield staging
-            if out.is_symlink():
-                raise self.error(f"output {self.output!r} became a symbolic link during the export; nothing was "
-                                 "written")
-            if not os.path.lexists(out):
-                os.replace(staging, out)
-            else:
-                retired = out.parent / f".{out.name}.replaced-{uuid.uuid4().hex[:8]}"
-                os.replace(out, retired)
-                try:
-                    problem = self.replacement_problem(retired)
-                    if problem is not None:
-                        raise self.error(problem)
+        with parent_folders(out):
+            staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
+            try:
+                yield staging
+                if out.is_symlink():
+                    raise self.error(f"output {self.output!r} became a symbolic link during the export; nothing "
+                                     "was written")
+                if not os.path.lexists(out):
                     os.replace(staging, out)
-                except BaseException:
-                    os.replace(retired, out)
-                    raise
-                try:
-                    shutil.rmtree(retired, ignore_errors=True)
-                finally:  # interrupted while deleting: delete the rest before stopping
-                    if os.path.lexists(retired):
+                else:
+                    retired = out.parent / f".{out.name}.replaced-{uuid.uuid4().hex[:8]}"
+                    os.replace(out, retired)
+                    try:
+                        problem = self.replacement_problem(retired)
+                        if problem is not None:
+                            raise self.error(problem)
+                        os.replace(staging, out)
+                    except BaseException:
+                        os.replace(retired, out)
+                        raise
+                    try:
                         shutil.rmtree(retired, ignore_errors=True)
-                if os.path.lexists(retired):
-                    raise self.error(f"output {self.output!r} was written, but the earlier export it replaced could "
-                                     f"not be deleted: remove {retired}")
-            done = True
-        finally:
-            if os.path.lexists(staging):
-                shutil.rmtree(staging, ignore_errors=True)
-            if not done:
-                for folder in made:
-                    with contextlib.suppress(OSError):
-                        folder.rmdir()  # only if still empty
+                    finally:  # interrupted while deleting: delete the rest before stopping
+                        if os.path.lexists(retired):
+                            shutil.rmtree(retired, ignore_errors=True)
+                    if os.path.lexists(retired):
+                        raise self.error(f"output {self.output!r} was written, but the earlier export it replaced "
+                                         f"could not be deleted: remove {retired}")
+            finally:
+                if os.path.lexists(staging):
+                    shutil.rmtree(staging, ignore_errors=True)
+
+    def write_record(self, staging: Path, record: dict) -> None:
+        """Write ``record`` as the export's record, listing the staging folder's files last."""
+        record[FILES_KEY] = file_inventory(staging, self.record_name)
+        (staging / self.record_name).write_text(json.dumps(record, indent=2) + "\n")
+
+    def size(self) -> int:
+        """The bytes of the written output's files."""
+        return sum(p.stat().st_size for p in self.path.iterdir() if p.is_file())
 
 
-def _missing_folders(folder: Path) -> List[Path]:
-    """The folders ``folder.mkdir(parents=True)`` would make, deepest first."""
-    missing = []
+@contextlib.contextmanager
+def parent_folders(path: Path) -> Iterator[None]:
+    """Make ``path``'s missing parent folders; if the block fails, remove those still empty."""
+    made = []
+    folder = path.parent
     while not os.path.lexists(folder) and folder != folder.parent:
-        missing.append(folder)
+        made.append(folder)
         folder = folder.parent
-    return missing
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield
+    except BaseException:
+        for folder in made:  # deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if still empty
+        raise
