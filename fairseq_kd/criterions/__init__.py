@@ -1,9 +1,5 @@
-"""Distillation criterions, one module per method.
-
-fairseq does not import a user directory's ``criterions/`` package by itself, so every module here
-is imported (and so registered) when the package is; shared modules (base, losses, ...)
-register nothing, so importing them too is harmless.
-"""
+"""Distillation criterions, one module per method: every module is imported (and so registered)
+with the package, which fairseq does not do for a user directory's ``criterions/``."""
 import importlib
 import pkgutil
 

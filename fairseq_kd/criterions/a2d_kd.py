@@ -27,7 +27,7 @@ from ..modules.attention_alignment import AttentionAlignment
 from .startup_checks import check_capturable
 from .base import KDCriterionBase
 from .config import KDCriterionConfig, ranged, weight
-from .losses import masked_row_kl
+from .losses import masked_log_softmax_kl, masked_row_kl
 
 #: ``--a2d-attention-kinds`` -> weight of each kind's loss inside L_att (Eq. 11, Table 4).
 KIND_WEIGHTS = {
@@ -50,35 +50,26 @@ MAP_REDUCTIONS = ("auto", "mean", "sum")
 # ``(1, B, Tq, Tk)``, and returns ``sum_c KL(A_T^c || H^I_c)`` (Eq. 10), unnormalised.
 def _mixture_kl(intermediate: Tensor, teacher_maps: Tensor, mask: Tensor) -> Tensor:
     """``intermediate`` rows are distributions already; one KL per (map, sentence, real query)."""
-    # Student softmax rows are strictly positive on attendable keys; the clamp only guards an
-    # underflow, so a teacher entry can never meet log(0).
+    # the clamp only guards an underflow, so that a teacher entry never meets log(0)
     log_q = intermediate.clamp_min(torch.finfo(torch.float32).tiny).log()
     return masked_row_kl(log_q, mask, teacher_probs=teacher_maps).sum()
 
 
-def _masked_log_softmax_kl(intermediate: Tensor, teacher_maps: Tensor, entry_mask: Tensor) -> Tensor:
-    """A log-softmax of both sides over the last axis's ``entry_mask`` entries, then their KL."""
-    fill = torch.finfo(torch.float32).min
-    log_q = torch.log_softmax(intermediate.masked_fill(~entry_mask, fill), dim=-1)
-    log_p = torch.log_softmax(teacher_maps.masked_fill(~entry_mask, fill), dim=-1)
-    return masked_row_kl(log_q, entry_mask, teacher_log_probs=log_p).sum()
-
-
 def _row_kl(intermediate: Tensor, teacher_maps: Tensor, mask: Tensor) -> Tensor:
     """Log-softmax over each query's attendable keys, both sides; one KL per real query."""
-    return _masked_log_softmax_kl(intermediate, teacher_maps, mask)
+    return masked_log_softmax_kl(teacher_maps, intermediate, mask).sum()
 
 
 def _flat_kl(intermediate: Tensor, teacher_maps: Tensor, mask: Tensor) -> Tensor:
     """Log-softmax over all attendable entries of each map, both sides; one KL per map and sentence."""
-    return _masked_log_softmax_kl(intermediate.flatten(-2), teacher_maps.flatten(-2), mask.flatten(-2))
+    return _row_kl(intermediate.flatten(-2), teacher_maps.flatten(-2), mask.flatten(-2))
 
 
 def _authors_kl(intermediate: Tensor, teacher_maps: Tensor, mask: Tensor) -> Tensor:
     """Log-softmax over every entry of each map, padded and future ones included (no mask)."""
-    log_q = torch.log_softmax(intermediate.flatten(-2), dim=-1)
-    log_p = torch.log_softmax(teacher_maps.flatten(-2), dim=-1)
-    return masked_row_kl(log_q, torch.ones_like(log_q, dtype=torch.bool), teacher_log_probs=log_p).sum()
+    intermediate = intermediate.flatten(-2)
+    everything = torch.ones_like(intermediate, dtype=torch.bool)
+    return masked_log_softmax_kl(teacher_maps.flatten(-2), intermediate, everything).sum()
 
 
 def _ce_and_mu_kd(mu: float, alpha: float) -> Tuple[float, float]:
@@ -232,10 +223,10 @@ class AlignToDistillCriterion(KDCriterionBase):
 
         teacher_shape = self.teacher.shape
         student_shape = task.require_student_shape(self.criterion_name())
-        # With lambda_0 = 0 no module is built: the criterion then has no parameters and is exactly
-        # CE + mu * KD (no unused parameters in the optimizer or under DDP).
+        # With lambda_0 = 0 nothing is built or captured: the criterion is exactly CE + mu * KD.
+        kinds = tuple(self.kind_weights) if self.lambda_0 != 0 else ()
         self.alignments = nn.ModuleDict()
-        for kind in self.kind_weights if self.lambda_0 != 0 else ():
+        for kind in kinds:
             student_layers, student_heads = student_shape.kind_size(kind)
             teacher_layers, teacher_heads = teacher_shape.kind_size(kind)
             if self.layerwise:
@@ -244,9 +235,6 @@ class AlignToDistillCriterion(KDCriterionBase):
                 student_layers, student_heads, teacher_layers, teacher_heads,
                 combination=self.mode.combination, init=self.mode.init,
             )
-
-        # Instance-level requests: only the kinds in use are captured, and nothing when lambda_0 = 0.
-        kinds = tuple(self.kind_weights) if self.lambda_0 != 0 else ()
         self.student_request = CaptureRequest(attention_kinds=kinds)
         self.teacher_request = CaptureRequest(attention_kinds=kinds)
         check_capturable(self.teacher, self.teacher_request, self.criterion_name())
@@ -257,13 +245,12 @@ class AlignToDistillCriterion(KDCriterionBase):
         return self.cfg.a2d_attention_epochs
 
     # ------------------------------------------------------------ weights
-    def attention_weight(self, epoch: Optional[int] = None) -> float:
+    def attention_weight(self) -> float:
         """``lambda_e = lambda_0 * decay^(e - 1)`` (epochs count from 1), 0 after
         ``--a2d-attention-epochs``."""
-        epoch = self.epoch if epoch is None else epoch
-        if self.attention_epochs is not None and epoch > self.attention_epochs:
+        if self.attention_epochs is not None and self.epoch > self.attention_epochs:
             return 0.0
-        return self.lambda_0 * self.lambda_decay ** (max(epoch, 1) - 1)
+        return self.lambda_0 * self.lambda_decay ** (max(self.epoch, 1) - 1)
 
     def scheduled_weights(self, weights: Dict[str, float]) -> Dict[str, float]:
         """lambda_e of this step's epoch (every attention kind's weight is it times the kind's)."""
@@ -290,12 +277,11 @@ class AlignToDistillCriterion(KDCriterionBase):
         weights = self.loss_weights()
         terms = {}
         for kind in self.kind_weights:
-            if weights[KIND_TERMS[kind]] != 0:
-                terms[KIND_TERMS[kind]] = self.attention_term(
-                    kind, batch.student.attention[kind], batch.teacher.attention[kind]
-                )
+            term = KIND_TERMS[kind]
+            if weights[term] != 0:
+                terms[term] = self.attention_term(kind, batch.student.attention[kind], batch.teacher.attention[kind])
                 if self.mode.scales_by_positions:
-                    terms[KIND_TERMS[kind]] = terms[KIND_TERMS[kind]] * batch.target_mask.numel()
+                    terms[term] = terms[term] * batch.target_mask.numel()
         return terms
 
     def attention_term(self, kind: str, student: AttentionMaps, teacher: AttentionMaps) -> Tensor:
@@ -312,12 +298,8 @@ class AlignToDistillCriterion(KDCriterionBase):
 
 
 def resolve_map_reduction(requested: str, normalization: str) -> str:
-    """``sum`` or ``mean`` for ``--a2d-map-reduction requested`` under ``--a2d-normalization``.
-
-    ``auto`` is ``mean`` (docs/methods/a2d_kd.md says why), except for ``authors``, whose code sums
-    over maps; asking ``authors`` to average would no longer be the authors' objective, so it is
-    refused rather than silently changed.
-    """
+    """``sum`` or ``mean`` for ``--a2d-map-reduction requested`` under ``--a2d-normalization``:
+    ``auto`` is the mode's default; ``mean`` with ``authors`` is refused."""
     if requested not in MAP_REDUCTIONS:
         raise InputError(f"--a2d-map-reduction must be one of {', '.join(MAP_REDUCTIONS)}, got {requested!r}")
     mode = normalization_mode(normalization)
@@ -331,15 +313,6 @@ def resolve_map_reduction(requested: str, normalization: str) -> str:
 
 def alignment_kl(intermediate: Tensor, teacher_maps: Tensor, attendable: Tensor, normalization: str = "mixture") -> Tensor:
     """``sum_c KL(A_T^c || H^I_c)`` (Eq. 10) under ``--a2d-normalization``, in float32, unnormalised.
-
-    intermediate: ``(C, B, Tq, Tk)`` AAM output; teacher_maps: ``(C, B, Tq, Tk)`` teacher
-    probabilities, rows summing to 1 over attendable keys (any float dtype); attendable:
-    ``(B, Tq, Tk)`` bool, True where the query is real and may attend to the key.
-
-    ``mixture``: ``intermediate`` rows are distributions already; one KL per (map, sentence, real
-    query). ``row``: log-softmax over each query's attendable keys of both sides, one KL per real
-    query. ``flat``: log-softmax over all attendable entries of each map, both sides. ``authors``:
-    log-softmax over every entry of each map, no mask. Excluded entries are removed by selection,
-    never by multiplying an infinite log by zero.
-    """
+    intermediate, teacher_maps: ``(C, B, Tq, Tk)`` (the AAM's output, the teacher's probabilities);
+    attendable: ``(B, Tq, Tk)`` bool, True where the query is real and may attend to the key."""
     return normalization_mode(normalization).divergence(intermediate, teacher_maps, attendable)

@@ -49,14 +49,12 @@ class ALPKDCriterion(HiddenStateKDCriterion):
 
     def __init__(self, cfg: ALPKDConfig, task):
         super().__init__(cfg, task)
-        self.alp_buckets = str(cfg.alp_buckets)
-        self.alp_bucket_map = cfg.alp_bucket_map or None
         self.buckets = {}
         self.projections = nn.ModuleDict()
         for side in self.sides:
             n, m = self.teacher_shape.layers(side), self.student_shape.layers(side)
             buckets = resolve_mapping(
-                ALP_BUCKETS, self.alp_buckets, self.alp_bucket_map, n, m,
+                ALP_BUCKETS, str(cfg.alp_buckets), cfg.alp_bucket_map or None, n, m,
                 "--alp-buckets", "--alp-bucket-map", f" [{side}]",
             )
             self.buckets[side] = buckets
@@ -67,8 +65,8 @@ class ALPKDCriterion(HiddenStateKDCriterion):
             self.projections[side] = width_projection(
                 self.student_shape.embed_dim(side), self.teacher_shape.embed_dim(side)
             )
-        # Sums of alpha over real positions, per side ("alpha/<side>", "positions/<side>"); not
-        # buffers, so that --fp16's criterion.half() leaves their float64 precision alone.
+        # sums of alpha over real positions ("alpha/<side>", "positions/<side>"); not buffers, which
+        # --fp16 would halve
         self.alpha_sums = EpochSums()
 
     # ------------------------------------------------------------------ the method
@@ -110,7 +108,8 @@ class ALPKDCriterion(HiddenStateKDCriterion):
 
 def alp_layer_mse(student_states: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], teacher_states: Tensor,
                   padding_mask: Tensor, bucket_member: Tensor, rows: Optional[int] = None):
-    """``L_ALP`` of one side (Eq. 5 and 7) and what the layer weights are read from.
+    """``L_ALP`` of one side (Eq. 5 and 7), in chunks of positions, and what the layer weights are
+    read from.
 
     student_states ``(m + 1, B, T, d_S)``, teacher_states ``(n + 1, B, T, d_T)`` (index 0 the
     embedding output, not distilled); weight ``(d_S, d_T)`` and bias ``(d_T,)`` the map ``P``, both
@@ -118,12 +117,6 @@ def alp_layer_mse(student_states: Tensor, weight: Optional[Tensor], bias: Option
     True where teacher layer ``k`` is in student layer ``j``'s bucket. Returns (``sum_t sum_j
     mean_d (P h_S^j - C^j)^2`` over real positions ``t``, in float32; the sum of ``alpha`` over those
     positions ``(m, n)``, float64, no gradient; their number).
-
-    Every quantity of Eq. 5 is per position, so the term is computed in chunks of positions with
-    its gradient formed in the forward pass (as :mod:`.chunked` does for the vocabulary terms):
-    nothing ``d_T`` wide of all positions is kept for the backward pass, where autograd through the
-    two einsums kept the projected student, the combination, their difference and permuted copies
-    of the teacher's states.
     """
     batch_index, time_index = padding_mask.logical_not().nonzero(as_tuple=True)
     inputs = student_states[1:, batch_index, time_index].transpose(0, 1)  # (N, m, d_S)
@@ -143,8 +136,7 @@ class _ALPLayerMSE(torch.autograd.Function):
     bucket, ``C_j = sum_k alpha_jk T_k`` and ``G_j = 2 (S_j - C_j) / d``: ``dL/dalpha_jk = -G_j . T_k``,
     ``dL/ds_jk = alpha_jk (dL/dalpha_jk - sum_l alpha_jl dL/dalpha_jl)`` and ``dL/dS_j = G_j + sum_k
     dL/ds_jk T_k`` (the teacher takes no gradient); then ``P``'s: ``dL/dh_S = dL/dS P^T``, ``dL/dP =
-    sum h_S^T dL/dS``, ``dL/db = sum dL/dS``, all in float32 (as :class:`.losses._ProjectedMSE`). The
-    backward pass scales these buffers in place: it runs once."""
+    sum h_S^T dL/dS``, ``dL/db = sum dL/dS``, all in float32 (as :class:`.losses._ProjectedMSE`)."""
 
     @staticmethod
     def forward(ctx, inputs, weight, bias, teacher_states, batch_index, time_index, bucket_member, rows,

@@ -1,9 +1,8 @@
-"""The vocabulary-sized losses the criterion base computes (label-smoothed CE; word-level KD from
-the live teacher or its cached top-k, as the forward KL or another divergence; CE and word KD in
-one pass), in chunks of positions with the
-gradient formed in the forward pass; and the chunk sizes and gradient buffers other chunked losses
-(:func:`.losses.projected_mse_sum`, ALP-KD's) share. Every loss returns an unnormalised sum over
-the positions it is given, in float32 whatever the logits' dtype.
+"""The vocabulary-sized losses of the criterion base (label-smoothed CE; word-level KD from the live
+teacher or its cached top-k, as the forward KL or another divergence; CE and word KD in one pass),
+in chunks of positions with the gradient formed in the forward pass; and the chunk sizes and
+gradient buffers that the other chunked losses share. Every loss returns an unnormalised sum over
+the positions it is given, in float32 whatever the logits' dtype (docs/methods/README.md).
 """
 from __future__ import annotations
 
@@ -16,23 +15,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-#: positions x vocabulary entries per chunk of the vocabulary-sized losses on the CPU: a chunk's
-#: float32 temporaries are at most 4 MiB each, so a loss adds its one (positions, vocabulary)
-#: gradient buffer and a few chunks to a step, not batch-sized copies of the distributions
-#: (docs/results/benchmark_cpu_vocab.md). On CUDA the budget follows the free memory
-#: (:func:`cuda_chunk_elements`).
+#: positions x vocabulary entries per chunk on the CPU (4 MiB per float32 temporary); on CUDA the
+#: budget follows the free memory (:func:`cuda_chunk_elements`)
 CHUNK_ELEMENTS = {"cpu": 2**20}
-#: and never fewer chunks than this (a batch smaller than the budget still holds a fraction of a
-#: (positions, vocabulary) tensor per temporary at a time)
+#: and never fewer chunks than this
 MIN_CHUNKS = 8
-#: float32 temporaries of a chunk's shape that a vocabulary loss holds at once (the student's
-#: log-probabilities, the gradient chunk, the teacher's probabilities, the tempered ones)
+#: float32 temporaries of a chunk's shape that a vocabulary loss holds at once
 CHUNK_TEMPORARIES = 4
 #: the share of the GPU's free memory that one loss's chunk temporaries may take together
 CUDA_CHUNK_MEMORY_SHARE = 1 / 16
-#: CUDA chunks of at most 2**24 entries (64 MiB per float32 temporary): each chunk costs about a
-#: dozen kernel launches of a few microseconds, which a 64 MiB pass (about 20 us at 3 TB/s) already
-#: outweighs; at least 2**16, below which the launches dominate
+#: the least and most entries of a CUDA chunk
 CUDA_CHUNK_ELEMENTS_RANGE = (2**16, 2**24)
 
 
@@ -46,8 +38,7 @@ def cuda_chunk_elements(free_bytes: int) -> int:
 
 
 def cuda_free_bytes() -> int:
-    """Free memory of the current GPU: the driver's free bytes plus what torch's caching allocator
-    holds unused (it hands that out first)."""
+    """The current GPU's free bytes plus what torch's caching allocator holds unused."""
     free, _ = torch.cuda.mem_get_info()
     return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
 
@@ -73,59 +64,57 @@ def _chunk_rows(logits: Tensor, rows: Optional[int]) -> int:
     return rows_per_chunk(logits.size(-1), rows, logits.numel() // logits.size(-1), logits.device.type)
 
 
+def _gradient_buffer(ctx, flat: Tensor) -> Optional[Tensor]:
+    """The float32 gradient buffer of a function whose first input is ``flat``'s (None: none asked)."""
+    return torch.empty(flat.shape, dtype=torch.float32, device=flat.device) if ctx.needs_input_grad[0] else None
+
+
 def _keep_gradient(ctx, gradient: Optional[Tensor], logits: Tensor) -> None:
-    """Save the float32 gradient a vocabulary loss formed in its forward pass (None: none asked)."""
+    """Save the gradient a vocabulary loss formed in its forward pass (None: none asked)."""
     if gradient is not None:
         ctx.save_for_backward(gradient)
         ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
 
 
 def _kept_gradient(ctx, grad_output: Tensor) -> Tensor:
-    """That gradient times the upstream one, in the logits' shape and dtype: in place, since the
-    buffer is the function's own and the backward pass runs once."""
+    """That gradient times the upstream one (in place: the backward pass runs once), in the logits'
+    shape and dtype."""
     (gradient,) = ctx.saved_tensors
     return gradient.mul_(grad_output).view(ctx.logits_shape).to(ctx.logits_dtype)
 
 
 def _wants_gradient(*tensors: Optional[Tensor]) -> bool:
-    """Whether a function that forms its gradients in its forward pass must form them: autograd is
-    on and one of ``tensors`` requires a gradient. (Under ``no_grad`` a parameter still requires
-    one, and ``Function.apply``'s ``needs_input_grad`` says True for it.)"""
+    """Whether autograd is on and one of ``tensors`` requires a gradient (``needs_input_grad`` says
+    True for a parameter under ``no_grad``)."""
     return torch.is_grad_enabled() and any(tensor is not None and tensor.requires_grad for tensor in tensors)
 
 
 def _keep_gradients(ctx, gradients, inputs) -> None:
-    """Save the float32 gradients (None where an input takes none) for the backward pass, with the
-    dtypes of the ``inputs`` they belong to."""
+    """Save the float32 gradients (None where an input takes none), with their inputs' dtypes."""
     ctx.save_for_backward(*gradients)
     ctx.dtypes = tuple(None if tensor is None else tensor.dtype for tensor in inputs)
 
 
 def _kept_gradients(ctx, grad_output: Tensor) -> tuple:
-    """Those gradients times the upstream one, in their inputs' dtypes: in place, as
-    :func:`_kept_gradient`."""
+    """Those gradients times the upstream one, in place, in their inputs' dtypes."""
     return tuple(None if gradient is None else gradient.mul_(grad_output).to(dtype)
                  for gradient, dtype in zip(ctx.saved_tensors, ctx.dtypes))
+
+
+def _log_softmax_at(logits: Tensor, temperature: float) -> Tensor:
+    """``log_softmax(logits / tau)`` in float32, without a scaled copy when ``tau = 1``."""
+    logits = logits.float()
+    return F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
 
 
 def label_smoothed_cross_entropy(
     logits: Tensor, target: Tensor, target_mask: Tensor, epsilon: float, rows: Optional[int] = None
 ) -> Tuple[Tensor, Tensor]:
-    """fairseq's label-smoothed cross-entropy (``label_smoothed_nll_loss``, Szegedy et al., 2016,
-    as fairseq writes it): ``sum_t (1 - eps - eps_i) nll_t + eps_i smooth_t`` with ``nll_t = -log
-    p(y_t)``, ``smooth_t = -sum_v log p(v)`` and ``eps_i = eps / (V - 1)``; returns (that sum, the
-    sum of ``nll_t``), both over the positions where ``target_mask`` is True (fairseq: target !=
-    padding, past the ignored prefix).
-
-    Computed in chunks of positions (:data:`CHUNK_ELEMENTS`, :data:`MIN_CHUNKS`), in float32 whatever
-    the logits' dtype, with the gradient formed in the forward pass:
-    ``p - eps_i - (1 - eps - eps_i) onehot(y)`` (the coefficient of ``p`` is
-    ``1 - eps + eps_i (V - 1) = 1``). What it keeps for the backward pass is
-    that one float32 ``(positions, V)`` tensor, which is what fairseq's path keeps (its
-    log-probabilities), without fairseq's second and third such tensors in the backward pass (the
-    gradient of the log-probabilities, then of the logits). logits: ``(..., V)``; target and
-    target_mask: the leading shape.
-    """
+    """fairseq's label-smoothed CE (``label_smoothed_nll_loss``): ``sum_t (1 - eps - eps_i) nll_t +
+    eps_i smooth_t``, ``nll_t = -log p(y_t)``, ``smooth_t = -sum_v log p(v)``, ``eps_i = eps / (V -
+    1)``; returns (that sum, the sum of ``nll_t``) over ``target_mask``. Its gradient, formed in the
+    forward pass, is ``p - eps_i - (1 - eps - eps_i) onehot(y)``. logits ``(..., V)``; target and
+    target_mask: the leading shape."""
     return _LabelSmoothedCE.apply(logits, target, target_mask, float(epsilon), _chunk_rows(logits, rows))
 
 
@@ -137,8 +126,7 @@ class _LabelSmoothedCE(torch.autograd.Function):
         targets = target.reshape(-1, 1)
         keep = target_mask.reshape(-1)
         eps_i = epsilon / (vocab - 1)
-        gradient = (torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
-                    if ctx.needs_input_grad[0] else None)
+        gradient = _gradient_buffer(ctx, flat)
         nll_sum = torch.zeros((), dtype=torch.float32, device=flat.device)
         smooth_sum = torch.zeros((), dtype=torch.float32, device=flat.device)
         for start in range(0, flat.size(0), rows):
@@ -231,13 +219,11 @@ def divergence_rows(student_lp: Tensor, teacher_lp: Tensor, divergence: Divergen
 
 
 class _DivergenceStep:
-    """Word-level KD's work on one chunk of positions, the parameter of the chunked passes
-    (:class:`_WordLevelKD`, :class:`_CEAndWordKD`). ``values``: ``D(p_T^tau, p_S^tau)`` per
-    position from the student's tempered log-probabilities, and what its gradient needs;
-    ``gradient``: ``dD/dz`` for the tempered logits ``z``, written into a chunk; ``fused_gradient``:
-    ``ce_weight (p_S - eps_i) + w_t tau dD/dz`` into CE's chunk, which holds ``p_S`` (w_t: kd_weight
-    at ``kd_here``, 0 elsewhere). This one: a :class:`Divergence` from the live teacher's logits or
-    (a tuple) its cached top k's log-probabilities and ids, -inf (p = 0) outside them."""
+    """Word-level KD on one chunk of positions, for :class:`_WordLevelKD` and :class:`_CEAndWordKD`:
+    ``values`` (``D`` per position, and what its gradient needs), ``gradient`` (``dD/dz`` into a
+    chunk), ``fused_gradient`` (``ce_weight (p_S - eps_i) + w_t tau dD/dz`` into CE's chunk, which
+    holds ``p_S``). This one: a :class:`Divergence` from the live teacher's logits or (a tuple) its
+    cached top k's log-probabilities and ids."""
 
     def __init__(self, teacher, temperature: float, divergence: Optional[Divergence] = None):
         self.temperature, self.divergence = temperature, divergence
@@ -264,8 +250,8 @@ class _DivergenceStep:
 
 
 class _ForwardKLStep(_DivergenceStep):
-    """The forward KL from the live teacher (Hinton et al., 2015), whose gradient is ``p_S^tau -
-    p_T^tau``; its own operations, whose rounding the suite's expected numbers record."""
+    """The forward KL from the live teacher, gradient ``p_S^tau - p_T^tau`` (its own operations,
+    whose rounding the suite's expected numbers record)."""
 
     def values(self, start, rows, student_lp, gradient):
         teacher_lp = self.teacher_log_probs(start, rows, student_lp.size(-1))
@@ -308,16 +294,8 @@ class _TopkForwardKLStep(_DivergenceStep):
         chunk.scatter_add_(-1, ids, -teacher_p)
 
 
-def _gradient_buffer(ctx, flat: Tensor) -> Optional[Tensor]:
-    """The float32 gradient buffer of a function whose first input is ``flat``'s (None: none asked)."""
-    return torch.empty(flat.shape, dtype=torch.float32, device=flat.device) if ctx.needs_input_grad[0] else None
-
-
 class _WordLevelKD(torch.autograd.Function):
-    """``tau^2 sum_t D`` over ``target_mask`` of a step (:class:`_DivergenceStep`), in chunks of
-    positions with its gradient formed in the forward pass: the one float32 ``(positions, vocab)``
-    buffer is what is kept for the backward pass, the distributions exist one chunk at a time
-    (autograd through ``log_softmax`` would keep both sides' whole, plus their elementwise terms)."""
+    """``tau^2 sum_t D`` over ``target_mask`` of a step (:class:`_DivergenceStep`)."""
 
     @staticmethod
     def forward(ctx, student_logits, target_mask, rows, step):
@@ -387,12 +365,6 @@ class _CEAndWordKD(torch.autograd.Function):
         return (_kept_gradient(ctx, grad_combined),) + (None,) * 8
 
 
-def _log_softmax_at(logits: Tensor, temperature: float) -> Tensor:
-    """``log_softmax(logits / tau)`` in float32, without a scaled copy when ``tau = 1``."""
-    logits = logits.float()
-    return F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
-
-
 def label_smoothed_ce_and_word_kd(
     logits: Tensor, teacher_logits: Tensor, target: Tensor, target_mask: Tensor, epsilon: float,
     temperature: float, ce_weight: float, kd_weight: float, rows: Optional[int] = None,
@@ -400,14 +372,8 @@ def label_smoothed_ce_and_word_kd(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``ce_weight * CE + kd_weight * KD`` in one pass over the student's logits: CE is
     :func:`label_smoothed_cross_entropy` at ``target_mask``, KD :func:`word_level_kd` (or, with
-    ``divergence``, :func:`word_level_divergence`) at ``kd_mask`` (positions within ``target_mask``:
-    selective KD's chosen tokens; default ``target_mask``); returns (that weighted sum, CE, nll, KD).
-    Only the weighted sum carries a gradient; the other three are its parts' values, for the logs.
-
-    One log-softmax of the student per chunk serves both losses (at ``tau = 1``), and the two
-    gradients are summed into one float32 ``(positions, V)`` buffer in the forward pass, which
-    knows the weights: the step keeps one vocabulary-sized tensor for the backward pass where CE
-    and KD computed apart keep two.
+    ``divergence``, :func:`word_level_divergence`) at ``kd_mask`` (within ``target_mask``; default
+    ``target_mask``). Returns (that weighted sum, CE, nll, KD); only the sum carries a gradient.
     """
     kd_mask = None if kd_mask is None or kd_mask is target_mask else kd_mask & target_mask
     temperature = float(temperature)
@@ -421,15 +387,8 @@ def label_smoothed_ce_and_word_kd(
 def word_level_kd(student_logits: Tensor, teacher_logits: Tensor, target_mask: Tensor, temperature: float = 1.0,
                   rows: Optional[int] = None) -> Tensor:
     """Word-level KD (Hinton et al., 2015): ``tau^2 * sum_t KL(p_T^tau(.|t) || p_S^tau(.|t))``.
-
-    student_logits, teacher_logits: ``(batch, tgt_len, vocab)``; target_mask: ``(batch, tgt_len)``,
-    True at real target tokens. The ``tau^2`` factor keeps gradient magnitudes comparable across
-    temperatures (Hinton et al., Sec. 2). Computed in float32 whatever the model dtype, in chunks
-    of positions (:data:`CHUNK_ELEMENTS`; ``rows`` overrides, for tests).
-    """
-    if teacher_logits.requires_grad:
-        # a teacher trained jointly (self-distillation) needs the gradient on its side too, which
-        # the chunked function does not form
+    logits ``(batch, tgt_len, vocab)``; target_mask ``(batch, tgt_len)``; ``rows``: for tests."""
+    if teacher_logits.requires_grad:  # a jointly trained teacher: plain autograd, both sides
         student_lp = _log_softmax_at(student_logits, temperature)
         teacher_lp = _log_softmax_at(teacher_logits, temperature)
         per_position = F.kl_div(student_lp, teacher_lp, reduction="none", log_target=True).sum(-1)
@@ -442,13 +401,9 @@ def topk_word_level_kd(
     student_logits: Tensor, teacher_topk_logprobs: Tensor, teacher_topk_ids: Tensor, target_mask: Tensor,
     temperature: float = 1.0, rows: Optional[int] = None) -> Tensor:
     """Word-level KD from a cached teacher (:mod:`fairseq_kd.teacher_pass.teacher_cache`):
-    ``tau^2 * sum_t sum_i q_i (log q_i - log p_S^tau(id_i | t))``, where ``q`` is the softmax of the
-    teacher's ``k`` stored log-probabilities divided by ``tau`` (the teacher renormalised to its top
-    k) and ``p_S^tau`` the student's full-vocabulary distribution at ``tau``, read at the teacher's
-    ``k`` token ids. When the teacher's mass lies within its top k this is :func:`word_level_kd`.
-    teacher_topk_logprobs, teacher_topk_ids: ``(batch, tgt_len, k)``; the rest as
-    :func:`word_level_kd`.
-    """
+    ``tau^2 * sum_t sum_i q_i (log q_i - log p_S^tau(id_i | t))``, ``q`` the softmax of the teacher's
+    ``k`` stored log-probabilities over ``tau``, ``p_S^tau`` read at their ids; both ``(batch,
+    tgt_len, k)``, the rest as :func:`word_level_kd`."""
     if teacher_topk_logprobs.requires_grad:  # stored values never do; a caller's own teacher might
         student_lp = _log_softmax_at(student_logits, temperature).gather(-1, teacher_topk_ids)
         teacher_lp = _log_softmax_at(teacher_topk_logprobs, temperature)
@@ -475,8 +430,7 @@ def word_level_divergence(
 
 
 class _LogSumExp(torch.autograd.Function):
-    """``logsumexp`` over the vocabulary in float32, in chunks of positions: nothing vocabulary-sized
-    kept but the logits themselves (TIE-KD's ranking term reads a few probabilities per position)."""
+    """``logsumexp`` over the vocabulary in float32, in chunks; keeps only the logits themselves."""
 
     @staticmethod
     def forward(ctx, logits, rows):

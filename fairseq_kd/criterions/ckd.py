@@ -51,11 +51,9 @@ class CombinatorialKDConfig(HiddenStateKDConfig):
 
 
 class LayerFusion(nn.Module):
-    """``f^i = W_i [h^{j_1}; ...; h^{j_k}] + b_i`` for every student layer ``i`` at once.
-
-    ``blocks`` holds one ``d_T x d_S`` block per (student layer, teacher layer) pair, in mapping
-    order; each block is initialised like the ``nn.Linear(k_i d_T, d_S)`` it is a part of.
-    """
+    """``f^i = W_i [h^{j_1}; ...; h^{j_k}] + b_i`` for every student layer ``i`` at once: one ``d_T x
+    d_S`` block per (student layer, teacher layer) pair, in mapping order, each initialised like the
+    ``nn.Linear(k_i d_T, d_S)`` it is a part of."""
 
     def __init__(self, mapping: LayerMapping, teacher_dim: int, student_dim: int):
         super().__init__()
@@ -86,12 +84,9 @@ class LayerFusion(nn.Module):
 
 
 class StudentProjection(nn.Module):
-    """``W_i h^i_S + b_i`` in the space of the concatenated teacher layers ``[h_T^{j_1}; ...]``.
-
-    Stored as one ``d_S x d_T`` block (with its bias) per (student layer, teacher layer) pair, in
-    mapping order: block ``(i, j)`` is the rows of ``W_i`` that predict teacher layer ``j``. Each
-    block is initialised like the ``nn.Linear(d_S, |M(i)| d_T)`` it is a part of.
-    """
+    """``W_i h^i_S + b_i`` in the space of the concatenated teacher layers ``[h_T^{j_1}; ...]``: one
+    ``d_S x d_T`` block (with its bias) per (student layer, teacher layer) pair, in mapping order,
+    each initialised like the ``nn.Linear(d_S, |M(i)| d_T)`` it is a part of."""
 
     def __init__(self, mapping: LayerMapping, teacher_dim: int, student_dim: int):
         super().__init__()
@@ -114,7 +109,6 @@ class StudentProjection(nn.Module):
         )
 
     def loss(self, student_states: Tensor, teacher_states: Tensor, padding_mask: Tensor) -> Tensor:
-        # At real positions only, in chunks, the (pairs, positions, d_T) residual never whole
         return projected_mse_sum(
             student_states, self.pair_student_layer, self.blocks.weight, self.blocks.bias,
             teacher_states, self.pair_teacher_layer, padding_mask, self.pair_weight,
@@ -128,15 +122,13 @@ class CombinatorialKDCriterion(HiddenStateKDCriterion):
 
     def __init__(self, cfg: CombinatorialKDConfig, task):
         super().__init__(cfg, task)
-        self.ckd_mapping = str(cfg.ckd_mapping)
-        self.ckd_layer_map = cfg.ckd_layer_map or None
         self.ckd_map_side = str(cfg.ckd_map_side)
         self.mappings = {}
         self.fusions = nn.ModuleDict()
         self.projections = nn.ModuleDict()
         for side in self.sides:
             mapping = resolve_mapping(
-                CKD_STRATEGIES, self.ckd_mapping, self.ckd_layer_map,
+                CKD_STRATEGIES, str(cfg.ckd_mapping), cfg.ckd_layer_map or None,
                 self.teacher_shape.layers(side), self.student_shape.layers(side),
                 "--ckd-mapping", "--ckd-layer-map", f" [{side}]",
             )

@@ -6,20 +6,9 @@ from torch import Tensor
 
 
 class EpochSums:
-    """Running sums of a training epoch's tensors, with checkpoint state.
-
-    * Adding keeps the sums on the device in float64, without autograd, so it never synchronises a
-      training step.
-    * Data parallel: every worker sums only its own batches; nothing is reduced across workers
-      here. A method that needs the pooled value passes per-step values through
-      ``DistillationTerms.logs``, which fairseq gathers from every worker, and adds them in
-      :meth:`.method.DistillationMethod.reduce_worker_logs` (internal KD's schedule does).
-      The checkpoint holds the sums of the worker that writes it (rank 0).
-    * Dummy batches (a worker out of data trains on one with its loss zeroed): the caller adds
-      nothing while ``is_dummy_batch`` is set.
-    * Resume: :meth:`begin_epoch` keeps the sums when called again with the epoch they belong to
-      (a run resumed in the middle of that epoch) and starts empty otherwise.
-    """
+    """Running float64 sums of a training epoch's tensors, on the device, with checkpoint state:
+    each worker's own (docs/methods/README.md). :meth:`begin_epoch` keeps them when called again
+    with their epoch (a resume in the middle of it) and starts empty otherwise."""
 
     def __init__(self):
         self.epoch: Optional[int] = None

@@ -43,11 +43,7 @@ class HiddenStateKDConfig(KDCriterionConfig):
 
 
 class HiddenStateKDCriterion(KDCriterionBase):
-    """Base of the hidden-state methods: weights, sides, capture request and shapes.
-
-    A subclass sets ``LAYER_TERM`` (its term's name, logged as ``<name>_loss``) and implements
-    :meth:`layer_loss` for one side; the sum over the distilled sides is the layer term.
-    """
+    """Base of the hidden-state methods: weights, sides, capture request and shapes."""
 
     LAYER_TERM: str = ""
     WEIGHT_FLAGS = {"ce": "1 - --kd-weight - --layer-weight", "word_kd": "--kd-weight"}
@@ -60,8 +56,7 @@ class HiddenStateKDCriterion(KDCriterionBase):
         self.teacher_shape = self.teacher.shape
         self.student_shape = task.require_student_shape(self.criterion_name())
         request = self.capture_request() if self.layer_weight != 0 else CaptureRequest()
-        self.student_request = request
-        self.teacher_request = request
+        self.student_request = self.teacher_request = request
 
     @classmethod
     def check_weights(cls, kd_weight: float, layer_weight: float) -> None:
@@ -80,11 +75,9 @@ class HiddenStateKDCriterion(KDCriterionBase):
 
     def layer_loss(self, side: str, student_states: Tensor, teacher_states: Tensor,
                    padding_mask: Tensor) -> Tensor:
-        """The layer term of one side, unnormalised.
-
-        student_states ``(m + 1, batch, len, d_S)``, teacher_states ``(n + 1, batch, len, d_T)``
-        (index 0 = embedding output), padding_mask ``(batch, len)`` True at padding.
-        """
+        """The layer term of one side, unnormalised. student_states ``(m + 1, batch, len, d_S)``,
+        teacher_states ``(n + 1, batch, len, d_T)`` (index 0 the embedding output), padding_mask
+        ``(batch, len)`` True at padding."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------- criterion
@@ -112,11 +105,8 @@ class HiddenStateKDCriterion(KDCriterionBase):
 
 
 def in_param_dtype(module: nn.Module, inputs: Tensor) -> Tensor:
-    """``module(inputs)`` computed in the module's parameter dtype, returned in float32.
-
-    The trainer converts criterion parameters to fp16/bf16 with the model; the losses stay in
-    float32. Parameter-free modules (``nn.Identity``) just pass float32 through.
-    """
+    """``module(inputs)`` computed in the module's parameter dtype (fp16/bf16 with the model), in
+    float32."""
     parameter = next(module.parameters(), None)
     if parameter is None:
         return module(inputs.float())

@@ -72,12 +72,9 @@ class InternalKDConfig(HiddenStateKDConfig):
 
 
 def schedule_stage(epoch: int, num_stages: int, epochs_per_stage: int, crossings: Iterable[int]) -> int:
-    """Index of the pair distilled in ``epoch`` (``num_stages`` once all are done) under PID/SID.
-
-    Each finished epoch counts towards the current pair; the schedule moves on after
-    ``epochs_per_stage`` of them, or after an epoch listed in ``crossings`` (its cosine loss fell
-    below the threshold), whichever comes first.
-    """
+    """Index of the pair distilled in ``epoch`` (``num_stages`` once all are done) under PID/SID: the
+    schedule moves on after ``epochs_per_stage`` finished epochs on a pair, or after an epoch listed
+    in ``crossings`` (its cosine loss fell below the threshold), whichever comes first."""
     crossings = set(crossings)
     stage = spent = 0
     for finished in range(1, epoch):
@@ -123,8 +120,7 @@ class InternalKDCriterion(HiddenStateKDCriterion):
         self.num_stages = max(len(pairs) for pairs in self.pairs.values())
         self.crossings: List[int] = []
         self._announced_stage = None
-        #: the pooled (over workers) sums of the newest pair's 1 - cos and sentences, for the epoch
-        #: being accumulated (``schedule_sums.epoch``)
+        #: the newest pair's 1 - cos and sentences, pooled over workers, in ``schedule_sums.epoch``
         self.schedule_sums = EpochSums()
         self.schedule_sums.begin_epoch(self.epoch)
         self._enter_stage(self.stage_at(self.epoch))
@@ -162,12 +158,10 @@ class InternalKDCriterion(HiddenStateKDCriterion):
             self.register_buffer(name, torch.tensor(self.slots[side], dtype=torch.long, device=device),
                                  persistent=False)
         distilling = self.internal_phase and self.layer_weight != 0
-        # Maps of the active pairs' layers only: PID distils one pair at a time, and a teacher
-        # twice the student's depth has half its layers in no pair.
-        student_layers = {SELF_ATTENTION[side]: self.active_student_layers(side)
-                          for side in self.sides if distilling and self.slots[side]}
-        teacher_layers = {SELF_ATTENTION[side]: self.active_teacher_layers(side)
-                          for side in self.sides if distilling and self.slots[side]}
+        # maps of the active pairs' layers only
+        sides = [side for side in self.sides if distilling and self.slots[side]]
+        student_layers = {SELF_ATTENTION[side]: self.active_student_layers(side) for side in sides}
+        teacher_layers = {SELF_ATTENTION[side]: self.active_teacher_layers(side) for side in sides}
         kinds = tuple(student_layers)
         hidden = dict(encoder_hidden=distilling and "encoder" in self.sides,
                       decoder_hidden=distilling and "decoder" in self.sides)
@@ -216,8 +210,7 @@ class InternalKDCriterion(HiddenStateKDCriterion):
     def epoch_cosine_sums(self) -> Tuple[float, float]:
         """(sum of 1 - cos, sentences) of the current pair so far in this epoch, all workers."""
         sums = self.schedule_sums.sums
-        return (float(sums["cos"]) if "cos" in sums else 0.0,
-                float(sums["sentences"]) if "sentences" in sums else 0.0)
+        return float(sums.get("cos", 0.0)), float(sums.get("sentences", 0.0))
 
     def reduce_worker_logs(self, logging_outputs) -> None:
         """Add a step's pooled schedule statistics (zeros in validation and dummy batches)."""

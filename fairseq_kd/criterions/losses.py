@@ -26,11 +26,8 @@ from .chunked import (  # noqa: F401 - the vocabulary losses and chunk sizes, al
 
 
 def masked_mean_pool(states: Tensor, padding_mask: Tensor) -> Tensor:
-    """Sentence vectors: the mean of ``states`` over each sentence's real positions.
-
-    states ``(..., batch, len, dim)`` -> ``(..., batch, dim)`` in float32 (RAIL-KD Eq. 1, the
-    mean-pooled sentence representation; padded positions take no part).
-    """
+    """Sentence vectors (RAIL-KD Eq. 1): the mean of ``states`` over each sentence's real positions,
+    ``(..., batch, len, dim)`` -> ``(..., batch, dim)``, float32."""
     real = (~padding_mask).to(torch.float32).unsqueeze(-1)  # (batch, len, 1)
     counts = real.sum(-2).clamp_min(1.0)  # (batch, 1)
     return (states.float() * real).sum(-2) / counts
@@ -43,40 +40,27 @@ def normalized_squared_distance(a: Tensor, b: Tensor) -> Tensor:
 
 
 def masked_mse_sum(a: Tensor, b: Tensor, padding_mask: Tensor) -> Tensor:
-    """``sum over real positions of MSE(a_t, b_t)`` where the MSE of two vectors is the mean of the
-    squared differences over their ``dim`` features (CKD Eq. 3, ALP-KD Eq. 7).
-
-    a, b: ``(..., batch, len, dim)``; the sum also runs over the leading (layer) dimensions.
-    """
+    """``sum over real positions of MSE(a_t, b_t)``, the MSE a mean over the ``dim`` features (CKD
+    Eq. 3, ALP-KD Eq. 7); a, b: ``(..., batch, len, dim)``, also summed over leading dimensions."""
     difference = a.float() - b.float()
-    # In place: the subtraction's backward does not need its output, and the norm's backward reads
-    # the masked difference, so no second (layers x batch x len x dim) tensor is made or kept.
+    # in place: no second tensor of the states' size is made or kept
     difference.masked_fill_(padding_mask.unsqueeze(-1), 0.0)
     return sum_of_squares(difference) / difference.size(-1)
 
 
 def sum_of_squares(values: Tensor, dims=None) -> Tensor:
-    """``sum(values ** 2)`` over ``dims`` (all by default), as a squared vector norm: one reduction
-    without an elementwise square, and a backward of one pass that reads only ``values`` (zero
-    gradient where the norm is 0)."""
+    """``sum(values ** 2)`` over ``dims`` (all by default), as a squared vector norm (no elementwise
+    square kept for the backward pass)."""
     return torch.linalg.vector_norm(values, dim=dims).square()
 
 
 def masked_row_kl(student_log_probs: Tensor, mask: Tensor, teacher_probs: Tensor = None,
                   teacher_log_probs: Tensor = None) -> Tensor:
-    """Row-wise ``KL(p || q) = sum_k p_k (log p_k - log q_k)`` over the last dimension, in float32:
-    the one KL of attention-like distributions (internal KD's attention rows, A2D's maps, MiniLM's
-    attention and value relations), summed over the row and returned per row (shape of the inputs
-    without the last dimension); the caller reduces rows, heads and maps as its paper does.
-
-    Masking convention: ``mask`` (broadcastable to the inputs) is True at the entries that belong to
-    a row's distribution; every other entry is *selected away* (``torch.where``), never multiplied
-    by an infinite log, so a row with no True entry (a padded query) is exactly 0 and its gradient
-    stays finite. The caller must give finite values at the True entries: ``student_log_probs``
-    (``log q``, never clamped probabilities) and the teacher either as probabilities
-    (``teacher_probs``; ``0 log 0 = 0`` through ``xlogy``) or as log-probabilities
-    (``teacher_log_probs``; ``p = exp(log p)``), exactly one of the two.
-    """
+    """Per row ``KL(p || q) = sum_k p_k (log p_k - log q_k)`` over the last dimension, in float32,
+    over the entries where ``mask`` (broadcastable) is True; the others are selected away, so a row
+    without a True entry is exactly 0 with a finite gradient. Finite values are needed at the True
+    entries: ``log q`` and exactly one of ``teacher_probs`` (``0 log 0 = 0``) and
+    ``teacher_log_probs``."""
     if (teacher_probs is None) == (teacher_log_probs is None):
         raise ValueError("masked_row_kl needs exactly one of teacher_probs and teacher_log_probs")
     log_q = torch.where(mask, student_log_probs.float(), 0.0)
@@ -88,27 +72,27 @@ def masked_row_kl(student_log_probs: Tensor, mask: Tensor, teacher_probs: Tensor
     return (torch.xlogy(p, p) - p * log_q).sum(-1)
 
 
+def masked_log_softmax_kl(teacher_logits: Tensor, student_logits: Tensor, mask: Tensor) -> Tensor:
+    """:func:`masked_row_kl` of ``softmax(t)`` and ``softmax(s)`` over the True entries of ``mask``
+    (a finite fill elsewhere, so a row without one stays finite), per row, float32."""
+    fill = torch.finfo(torch.float32).min
+    teacher_log_probs = torch.log_softmax(teacher_logits.float().masked_fill(~mask, fill), -1)
+    student_log_probs = torch.log_softmax(student_logits.float().masked_fill(~mask, fill), -1)
+    return masked_row_kl(student_log_probs, mask, teacher_log_probs=teacher_log_probs)
+
+
 def projected_mse_sum(
     student_states: Tensor, student_layers: Tensor, weight: Tensor, bias: Optional[Tensor],
     teacher_states: Tensor, teacher_layers: Tensor, padding_mask: Tensor, pair_weight: Optional[Tensor] = None,
     rows: Optional[int] = None) -> Tensor:
     """``sum_p w_p sum_t mean_k ((h_S^{s_p}[t] W_p + b_p) - h_T^{t_p}[t])_k^2`` over layer pairs ``p``
-    and real positions ``t``: the student's states mapped to the teacher's width and compared
-    with the teacher's, the MSE of two vectors a mean over the ``d_T`` features (CKD's student-side
-    map, Wu et al. 2020 Eq. 3; TinyBERT's ``W_h`` and ``W_e``, Jiao et al. 2020 Eq. 8-9).
+    and real positions ``t`` (CKD's student-side map, Wu et al. 2020 Eq. 3; TinyBERT's ``W_h`` and
+    ``W_e``, Jiao et al. 2020 Eq. 8-9), float32, in chunks of positions.
 
     student_states ``(m + 1, B, T, d_S)``, teacher_states ``(n + 1, B, T, d_T)``, padding_mask
     ``(B, T)`` True at padding; student_layers, teacher_layers: ``(P,)`` long, the stack index of
-    each pair's two sides; weight ``(P, d_S, d_T)``, one map per pair, or ``(1, d_S, d_T)``, one
-    map for all; bias ``(P or 1, d_T)`` or None; pair_weight ``(P,)``, default 1. Float32 whatever
-    the states' and parameters' dtypes (the matrix products run in the parameters' dtype).
-
-    Computed in chunks of positions with the gradient formed in the forward pass, like the
-    vocabulary losses: the ``(P, positions, d_T)`` residual exists one chunk at a time, and what
-    is kept for the backward pass is the gradient of the student's states at the gathered pairs
-    (``d_S`` wide) and of the map, not the residual nor a gathered copy of the teacher's states. At
-    a 4x width ratio those two ``d_T``-wide tensors were what CKD and TinyBERT added to a step's
-    peak memory (``docs/results/benchmark_cpu_vocab.md``).
+    each pair's two sides; weight ``(P or 1, d_S, d_T)``; bias ``(P or 1, d_T)`` or None;
+    pair_weight ``(P,)``, default 1. The products run in the parameters' dtype.
     """
     batch_index, time_index = padding_mask.logical_not().nonzero(as_tuple=True)
     inputs = student_states[student_layers[:, None], batch_index, time_index]  # (P, N, d_S)
@@ -116,8 +100,7 @@ def projected_mse_sum(
         pair_weight = torch.ones(len(student_layers), device=inputs.device)
     chunk = rows_per_chunk(len(student_layers) * weight.size(-1), rows, inputs.size(1), inputs.device.type)
     wants_gradient = _wants_gradient(inputs, weight, bias)
-    # The function chooses every dtype itself (float32 sums, products in the parameters' dtype), so
-    # an enclosing autocast (fairseq's --amp) must not recast its products
+    # the function chooses its dtypes itself: an enclosing autocast (--amp) must not recast them
     with torch.autocast(inputs.device.type, enabled=False):
         return _ProjectedMSE.apply(inputs, weight, bias, teacher_states, teacher_layers, batch_index, time_index,
                                    pair_weight.float(), chunk, wants_gradient)
@@ -126,10 +109,7 @@ def projected_mse_sum(
 class _ProjectedMSE(torch.autograd.Function):
     """:func:`projected_mse_sum` over gathered inputs ``(P, N, d_S)``. With ``r = x W + b - t`` and
     ``c = 2 w_p / d_T``: the gradient is ``c r W^T`` for ``x``, ``sum c x^T r`` for ``W`` and ``sum c
-    r`` for ``b`` (summed over the pairs when one map serves them all), formed in float32 (under
-    ``--fp16`` the loss scale reaches them only in the backward pass, so a product rounded to half
-    precision here would lose the small residuals the scale protects). The backward pass scales
-    these buffers in place: it runs once."""
+    r`` for ``b`` (summed over the pairs when one map serves them all), formed in float32."""
 
     @staticmethod
     def forward(ctx, inputs, weight, bias, teacher_states, teacher_layers, batch_index, time_index, pair_weight, rows,
@@ -151,8 +131,7 @@ class _ProjectedMSE(torch.autograd.Function):
             x = inputs[:, start:start + rows].to(matmul_dtype)
             targets = teacher_states[teacher_layers[:, None], batch_index[None, start:start + rows],
                                      time_index[None, start:start + rows]]  # (P, n, d_T), a copy
-            # residual = x W + b - t, the bias and the targets as the product's addend (in place on the
-            # gathered targets, which are this function's own)
+            # residual = x W + b - t, with b - t (in place on the gathered copy) as the addend
             offset = targets.float().neg_() if targets.dtype != torch.float32 else targets.neg_()
             if offset_bias is not None:
                 offset.add_(offset_bias)
@@ -164,9 +143,7 @@ class _ProjectedMSE(torch.autograd.Function):
             if wants_gradient:
                 residual.mul_(coefficient)
                 grad_inputs[:, start:start + rows] = torch.bmm(residual, maps_transposed)
-                # in float32 whatever the parameters' dtype: the map's gradient sums every chunk (and,
-                # for a shared map, every pair), which products rounded to half precision would not
-                # survive
+                # in float32 whatever the parameters' dtype: it sums every chunk (and pair, if shared)
                 grad_weight.baddbmm_(x.float().transpose(1, 2), residual)
                 if grad_bias is not None:
                     grad_bias += residual.sum(1)

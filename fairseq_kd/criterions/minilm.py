@@ -21,7 +21,7 @@ from ..models.feature_capture import DECODER_CROSS, DECODER_SELF, ENCODER_SELF, 
 from .startup_checks import check_capturable, check_equal_heads
 from .base import KDCriterionBase
 from .config import KDCriterionConfig, weight
-from .losses import masked_row_kl
+from .losses import masked_log_softmax_kl
 
 MINILM_KINDS = {"self": (ENCODER_SELF, DECODER_SELF), "all": (ENCODER_SELF, DECODER_SELF, DECODER_CROSS)}
 
@@ -83,14 +83,8 @@ class MiniLMCriterion(KDCriterionBase):
 
 def head_mean_row_kl(teacher_logits: Tensor, student_logits: Tensor, mask: Tensor) -> Tensor:
     """``sum_rows mean_heads KL(softmax(t) || softmax(s))`` over the True entries of ``mask``.
-
-    logits: ``(B, H, R, K)``; mask: ``(B, 1, R, K)``, True where a row's key counts; rows with no
-    True entry (padded positions) contribute 0. float32, ``-inf``-free masking.
-    """
-    fill = torch.finfo(torch.float32).min  # a finite fill: a fully masked row stays finite
-    teacher_log_probs = torch.log_softmax(teacher_logits.float().masked_fill(~mask, fill), -1)
-    student_log_probs = torch.log_softmax(student_logits.float().masked_fill(~mask, fill), -1)
-    return masked_row_kl(student_log_probs, mask, teacher_log_probs=teacher_log_probs).mean(1).sum()
+    logits: ``(B, H, R, K)``; mask: ``(B, 1, R, K)``, True where a row's key counts."""
+    return masked_log_softmax_kl(teacher_logits, student_logits, mask).mean(1).sum()
 
 
 def last_layer_attention_kl(student: AttentionMaps, teacher: AttentionMaps) -> Tensor:

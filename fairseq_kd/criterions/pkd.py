@@ -47,15 +47,13 @@ class PatientKDCriterion(HiddenStateKDCriterion):
     def __init__(self, cfg: PatientKDConfig, task):
         super().__init__(cfg, task)
         pkd_mapping = str(cfg.pkd_mapping)
-        self.pkd_mapping = pkd_mapping
-        self.include_top_layer = bool(cfg.pkd_include_top_layer)
         self.mappings = {}
         self.projections = nn.ModuleDict()
         for side in self.sides:
             n, m = self.teacher_shape.layers(side), self.student_shape.layers(side)
             flag = f"--pkd-mapping {pkd_mapping} [{side}]"
             mapping = validate_mapping(PKD_MAPPINGS[pkd_mapping](n, m, flag), n, m, flag)
-            if not self.include_top_layer:
+            if not cfg.pkd_include_top_layer:
                 if m < 2:
                     raise LayerMappingError(
                         f"{flag}: a {m}-layer student has no intermediate layer to match (Sun et al. match "

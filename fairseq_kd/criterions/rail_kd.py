@@ -12,7 +12,7 @@ defines it (a ``SENTENCE_TERMS`` entry). ``--rail-include-top-layers`` also uses
 """
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, Tuple
+from typing import Dict
 
 import torch
 from fairseq.criterions import register_criterion
@@ -70,7 +70,6 @@ class RailKDCriterion(HiddenStateKDCriterion):
         self.seed = int(cfg.seed)
         self.include_top = bool(cfg.rail_include_top_layers)
         self.teacher_candidates: Dict[str, int] = {}
-        self.drawn: Dict[str, Tuple[int, ...]] = {}
         self.teacher_projections = nn.ModuleDict()
         self.student_projections = nn.ModuleDict()
         for side in self.sides:
@@ -112,15 +111,13 @@ class RailKDCriterion(HiddenStateKDCriterion):
         )
 
     # ------------------------------------------------------------------ the draw
-    def draw(self, epoch: int) -> Dict[str, Tuple[int, ...]]:
-        """Set (and return) the teacher layers paired with the student's layers for ``epoch``."""
-        drawn = {}
+    def draw(self, epoch: int) -> None:
+        """Set the teacher layers paired with the student's layers for ``epoch``."""
+        self.drawn = {}
         for side in self.sides:
             index = getattr(self, f"{side}_teacher_layers")
-            drawn[side] = draw_layers(self.seed, epoch, self.teacher_candidates[side], index.numel(), stream=side)
-            index.copy_(torch.tensor(drawn[side], dtype=torch.long))
-        self.drawn = drawn
-        return dict(drawn)
+            self.drawn[side] = draw_layers(self.seed, epoch, self.teacher_candidates[side], index.numel(), stream=side)
+            index.copy_(torch.tensor(self.drawn[side], dtype=torch.long))
 
     def begin_epoch(self, epoch: int) -> None:
         super().begin_epoch(epoch)

@@ -1,20 +1,10 @@
-"""Start-up checks shared by the attention-distillation criterions (a2d_kd, tinybert, minilm).
-
-They run when a criterion is built, before any data is read, so that a teacher whose attention
-cannot be captured or a student whose heads cannot be compared fails with a message naming the
-flag to change, never with a shape error in the middle of training.
-"""
+"""Start-up checks of the attention-distillation criterions (a2d_kd, tinybert, minilm): a message
+naming the flag to change when the criterion is built, not a shape error in training."""
 from typing import Sequence
 
 from ..errors import InputError
-from ..models.feature_capture import (
-    DECODER_CROSS,
-    DECODER_SELF,
-    ENCODER_SELF,
-    CaptureRequest,
-    FeatureCapture,
-    NotATransformerError,
-)
+from ..models.feature_capture import (DECODER_CROSS, DECODER_SELF, ENCODER_SELF, CaptureRequest, FeatureCapture,
+                                      NotATransformerError)
 from ..models.shape import TransformerShape
 
 #: the fairseq flag that sets the head count of each attention kind (cross-attention is built
@@ -24,11 +14,8 @@ HEADS_FLAG = {ENCODER_SELF: "--encoder-attention-heads", DECODER_SELF: "--decode
 
 
 def check_capturable(teacher, request: CaptureRequest, criterion_name: str) -> None:
-    """Fail at start-up if the teacher's attention of the requested kinds cannot be captured.
-
-    Entering a capture installs (and on exit removes) exactly the hooks training will use, which
-    validates every attention module of those kinds without running the model.
-    """
+    """Fail if the teacher's attention of the requested kinds cannot be captured (entering a capture
+    installs, and leaving removes, the hooks training uses, without running the model)."""
     try:
         with FeatureCapture(teacher.model, request):
             pass

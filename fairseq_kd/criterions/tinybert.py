@@ -124,15 +124,12 @@ class TinyBERTCriterion(KDCriterionBase):
 
 
 def attention_score_mse(student_scores: Tensor, teacher_scores: Tensor, attendable: Tensor) -> Tensor:
-    """TinyBERT's attention loss (Eq. 7) over the mapped layer pairs, float32.
-
-    student_scores: ``(m, B, H, Tq, Tk)``; teacher_scores: the same shape, the pre-softmax scores
-    of the teacher layer mapped to each student layer, in the student's layer order;
-    attendable: ``(B, 1, Tq, Tk)``. Per real query: the mean of ``(s - t)^2`` over heads and the
-    keys it may attend to; summed over queries, sentences and layer pairs.
+    """TinyBERT's attention loss (Eq. 7), float32: per real query the mean of ``(s - t)^2`` over
+    heads and attendable keys, summed over queries, sentences and layer pairs. scores ``(m, B, H,
+    Tq, Tk)``, the teacher's of the layer mapped to each student layer; attendable ``(B, 1, Tq, Tk)``.
     """
     difference = student_scores.float() - teacher_scores.float()
-    difference.masked_fill_(~attendable.unsqueeze(0), 0.0)  # in place: sub's backward needs no output
+    difference.masked_fill_(~attendable.unsqueeze(0), 0.0)
     per_row = sum_of_squares(difference, dims=-1)  # (m, B, H, Tq)
     keys = attendable.sum(-1).clamp_min(1).unsqueeze(0)  # (1, B, 1, Tq); 0 only on padded queries
     return (per_row / keys).mean(dim=2).sum()
@@ -140,16 +137,9 @@ def attention_score_mse(student_scores: Tensor, teacher_scores: Tensor, attendab
 
 def hidden_mse(projection: nn.Module, student_states: Tensor, student_layers: Sequence[int],
                teacher_states: Tensor, teacher_layers: Sequence[int], padding_mask: Tensor) -> Tensor:
-    """``sum_j sum_t mean_d (h_S^{s_j} W + b - h_T^{t_j})^2`` over the layer pairs ``j`` and real
-    positions ``t``, float32 (Eq. 8 with ``W_h``, Eq. 9 with ``W_e``).
-
-    projection: the width map ``W`` (``nn.Linear`` from ``d_S`` to ``d_T``, or ``nn.Identity`` when
-    the widths agree); student_states ``(m + 1, B, T, d_S)`` and teacher_states ``(n + 1, B, T,
-    d_T)``, index 0 the embedding output; student_layers, teacher_layers: the stack index of each
-    pair's two sides; padding_mask: ``(B, T)`` True at padding. A linear map is applied inside
-    :func:`~fairseq_kd.criterions.losses.projected_mse_sum`, so the mapped states, ``d_T`` wide, exist
-    one chunk of positions at a time.
-    """
+    """``sum_j sum_t mean_d (h_S^{s_j} W + b - h_T^{t_j})^2`` over the layer pairs ``j`` (the stack
+    indices ``student_layers``, ``teacher_layers``) and real positions ``t``, float32 (Eq. 8 with
+    ``W_h``, Eq. 9 with ``W_e``); ``projection``: ``nn.Linear`` or ``nn.Identity``."""
     if isinstance(projection, nn.Identity):
         return masked_mse_sum(student_states[list(student_layers)], teacher_states[list(teacher_layers)], padding_mask)
     device = student_states.device
