@@ -33,12 +33,7 @@ CHECKPOINT_FIGURES = ("alignment", "alp")
 
 def figure_weights_from_checkpoint(figure: str, checkpoint: Path) -> dict:
     """The weights ``fairseq-kd-plot FIGURE`` draws (the JSON ``--input`` format), read from a
-    fairseq-train checkpoint through the plugin's loader (``weights_only=True``, explicit).
-
-    torch and fairseq are imported here only, so that drawing from JSON or logs needs neither.
-    """
-    if figure not in CHECKPOINT_FIGURES:
-        raise ValueError(f"no {figure!r} weights in checkpoints; expected one of {', '.join(CHECKPOINT_FIGURES)}")
+    fairseq-train checkpoint (torch and fairseq imported here only)."""
     checkpoint = require_path(checkpoint, "--checkpoint", FILE)
     import fairseq_kd
 
@@ -81,8 +76,7 @@ def run_file(path: Path) -> str:
 
 
 def default_title(args) -> str:
-    """What the figure shows, named: the checkpoint or weights file, the run, or the runs; a title
-    someone else can read, so no absolute path (the folder a file lies in names its run)."""
+    """What the figure shows: the checkpoint or weights file, the run, or the runs; no absolute path."""
     if args.command in CHECKPOINT_FIGURES:
         return f"{FIGURE_NAMES[args.command]}: {run_file(args.checkpoint if args.checkpoint is not None else args.input)}"
     if args.command == "curves":
@@ -140,11 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_output(parser: argparse.ArgumentParser, flag: str, path: Path, overwrite: bool) -> None:
+    problem = path_problem(path, OUTPUT_FILE)
+    if problem is not None:
+        parser.error(f"{flag} {str(path)!r}: {problem}")
+    if path.exists() and not overwrite:
+        parser.error(f"{flag} {str(path)!r} already exists; pass --overwrite to replace it")
+
+
 @exits_on_user_error("fairseq-kd-plot")
 def cli_main(argv: Optional[List[str]] = None) -> None:
-    # Importing fairseq (which fairseq_kd/__init__.py does) sets the root logger to DEBUG
-    # (fairseq/models/wav2vec/wav2vec2_classification.py); matplotlib's font search would then
-    # print hundreds of lines. Hence also the import of matplotlib only after this line.
+    # importing fairseq sets the root logger to DEBUG: matplotlib's font search (imported only
+    # after this line) would print hundreds of lines
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     from fairseq_kd.scoring.files import load_json
     from fairseq_kd.figures.draw import (plot_alignment_heatmaps, plot_alp_weights, plot_run_comparison,
@@ -155,11 +156,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     if args.output.suffix.lower() != ".png":
         parser.error(f"--output {str(args.output)!r}: the file name must end in .png")
-    problem = path_problem(args.output, OUTPUT_FILE)
-    if problem is not None:
-        parser.error(f"--output {str(args.output)!r}: {problem}")
-    if args.output.exists() and not args.overwrite:
-        parser.error(f"--output {str(args.output)!r} already exists; pass --overwrite to replace it")
+    check_output(parser, "--output", args.output, args.overwrite)
     if args.dpi < 10:
         parser.error(f"--dpi {args.dpi}: too small to read (use e.g. 150)")
     weights_output = getattr(args, "weights_output", None)
@@ -167,11 +164,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         if args.checkpoint is None:
             parser.error("--weights-output writes the weights read from --checkpoint; with --input they are "
                          "already in that file")
-        problem = path_problem(weights_output, OUTPUT_FILE)
-        if problem is not None:
-            parser.error(f"--weights-output {str(weights_output)!r}: {problem}")
-        if weights_output.exists() and not args.overwrite:
-            parser.error(f"--weights-output {str(weights_output)!r} already exists; pass --overwrite to replace it")
+        check_output(parser, "--weights-output", weights_output, args.overwrite)
     title = args.title if args.title is not None else default_title(args)
     try:
         if args.command in CHECKPOINT_FIGURES:

@@ -1,11 +1,5 @@
-"""Figures for the distillation experiments, drawn with matplotlib's object-oriented API (a
-``Figure`` rendered by the Agg canvas: no pyplot, no display, no global backend switch), each
-function returning the Figure so that callers and tests can inspect its axes:
-:func:`plot_alignment_heatmaps` (Align-to-Distill's alignment modules, Jin et al. 2024, Eq. 9),
-:func:`plot_alp_weights` (ALP-KD's ``alpha_jk``, Passban et al. 2021, Eq. 5-6),
-:func:`plot_training_curves` (every loss term of a fairseq log) and :func:`plot_run_comparison`
-(one statistic of several runs). Every figure is titled, every colour bar and y axis says what it
-measures and its unit (:func:`statistic_label`: fairseq logs its losses in bits).
+"""The figures, drawn with matplotlib's object-oriented API (a ``Figure``, no pyplot, no global
+backend), each returned so that callers and tests can inspect its axes; ``docs/design/figures.md``.
 """
 from __future__ import annotations
 
@@ -35,10 +29,8 @@ _BITS_ENDINGS = ("kd_loss", "kl_loss", "_att_loss", "value_relation_loss")
 
 
 def statistic_label(key: str) -> str:
-    """The y-axis label of a statistic of fairseq's log, with its unit. fairseq (and every
-    criterion of this plugin) logs each loss per target token divided by ln 2: the negative
-    log-likelihoods and the KL terms are then in bits per token; a total that mixes in distance
-    terms (hidden states, attention scores), and those terms, are not bits, only divided by ln 2."""
+    """The y-axis label of a statistic of fairseq's log, with its unit (losses are logged per
+    target token divided by ln 2: bits for log-likelihoods and KL terms only)."""
     if key in STATISTIC_LABELS:
         return STATISTIC_LABELS[key]
     if key in _BITS or key.endswith(_BITS_ENDINGS):
@@ -86,14 +78,10 @@ def _positive_int(entry: Dict, key: str, kind: str) -> int:
 
 
 def plot_alignment_heatmaps(alignments: Dict[str, Dict], title: Optional[str] = None) -> Figure:
-    """One heatmap per attention kind of Align-to-Distill's alignment weights.
-
-    ``alignments[kind]`` holds ``weights`` of shape ``(student_layers * student_heads,
-    teacher_layers * teacher_heads)`` (row = student map, column = teacher map, both layer-major:
-    map ``(l, k)`` at index ``(l - 1) * heads + k - 1``) and the four sizes. For the layer-wise
-    variant (maps averaged per layer) give heads = 1. Weights can be negative (a 1x1 convolution),
-    so signed data get a diverging colour scale centred on 0. Lines mark layer boundaries.
-    """
+    """One heatmap per attention kind of Align-to-Distill's alignment weights: ``alignments[kind]``
+    holds the four sizes and ``weights`` of shape ``(student_layers * student_heads, teacher_layers *
+    teacher_heads)``, maps layer-major (heads = 1 for the layer-wise variant). Signed weights get a
+    diverging colour scale centred on 0."""
     if not isinstance(alignments, dict) or not alignments:
         raise InputError('alignment weights: expected {"encoder_self": {"weights": [[...]], "student_layers": m, '
                          '"student_heads": hs, "teacher_layers": n, "teacher_heads": ht}, ...}')
@@ -140,13 +128,8 @@ def plot_alignment_heatmaps(alignments: Dict[str, Dict], title: Optional[str] = 
 
 
 def plot_alp_weights(weights_by_side: Dict[str, Sequence[Sequence[float]]], title: Optional[str] = None) -> Figure:
-    """ALP-KD attention weights, one panel per side (``encoder``, ``decoder``).
-
-    Row ``j`` holds student layer ``j``'s weights ``alpha_jk`` over teacher layers ``k``
-    (zeros outside its bucket for the NO/PO variants); rows should sum to 1 (softmax), which is
-    not enforced because averaged or partially logged weights are plotted as well. Cell values
-    are written in the cells when the grid is small enough to read them.
-    """
+    """ALP-KD attention weights, one panel per side: row ``j`` holds student layer ``j``'s weights
+    ``alpha_jk`` over teacher layers ``k`` (rows sum to 1 is not enforced: averaged weights too)."""
     if not isinstance(weights_by_side, dict) or not weights_by_side:
         raise InputError('ALP-KD weights: expected {"encoder": [[weights over teacher layers] per student '
                          'layer], "decoder": ...}')
@@ -183,7 +166,7 @@ def plot_training_curves(
     records: Sequence[LogRecord], extra_keys: Sequence[str] = (), columns: int = 3, title: Optional[str] = None
 ) -> Figure:
     """One panel per statistic (:func:`curve_keys`), each with a curve per split, against the
-    update number. Raises if an ``extra_keys`` entry never occurs, or if nothing is plottable."""
+    update number."""
     records = [record for record in records if record.num_updates is not None]
     present = {key for record in records for key in record.values}
     missing = [key for key in extra_keys if key not in present]
@@ -217,8 +200,7 @@ def plot_training_curves(
 
 def plot_run_comparison(runs: Dict[str, Sequence[LogRecord]], key: str = "nll_loss", split: str = "valid",
                         title: Optional[str] = None) -> Figure:
-    """One statistic of several training runs on one axis against updates (e.g. every student's
-    validation nll: KD against no KD at a glance). Raises naming a run without that statistic."""
+    """One statistic of several training runs on one axis against updates."""
     if not runs:
         raise InputError("no runs given")
     figure = Figure(figsize=(6.4, 4.2), layout="constrained")

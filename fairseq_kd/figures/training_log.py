@@ -1,10 +1,6 @@
-"""fairseq training logs read as records: the statistics lines of ``fairseq-train`` output in
-``--log-format json`` or ``simple`` (or a mix), with or without the logging prefix, as
-:class:`LogRecord` objects (:func:`parse_fairseq_log`, :func:`read_fairseq_log`), and the series
-the figures draw from them (:func:`curve_keys`, :func:`validation_series`).
-
-Imports neither matplotlib, torch nor fairseq: the criterion tests read the logs of their
-training runs with it.
+"""The statistics lines of fairseq-train logs (``--log-format json`` or ``simple``, or a mix, with or
+without the logging prefix) as :class:`LogRecord` objects, and the series the figures draw from
+them. Imports neither matplotlib, torch nor fairseq (the criterion tests read their logs with it).
 """
 from __future__ import annotations
 
@@ -13,7 +9,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..errors import FILE, InputError, require_path
 
@@ -50,11 +46,6 @@ _VALID_PREFIX = re.compile(r"^valid on '(?P<subset>[^']+)' subset$")
 
 
 def _number(value) -> Optional[float]:
-    number = _any_number(value)
-    return number if number is not None and math.isfinite(number) else None
-
-
-def _any_number(value) -> Optional[float]:
     """``value`` as a float, nan and infinities included; None for what is no number."""
     if isinstance(value, bool):
         return None
@@ -64,8 +55,16 @@ def _any_number(value) -> Optional[float]:
         return None
 
 
-def _nonfinite(pairs) -> List[str]:
-    return [key for key, value in pairs if (number := _any_number(value)) is not None and not math.isfinite(number)]
+def _statistics(pairs) -> Tuple[Dict[str, float], List[str]]:
+    """The finite numbers of ``(key, value)`` pairs by key, and the keys of nan and infinite ones."""
+    values, nonfinite = {}, []
+    for key, value in pairs:
+        number = _number(value)
+        if number is not None and math.isfinite(number):
+            values[key] = number
+        elif number is not None:
+            nonfinite.append(key)
+    return values, nonfinite
 
 
 def _json_record(message: str) -> Optional[LogRecord]:
@@ -86,17 +85,11 @@ def _json_record(message: str) -> Optional[LogRecord]:
             return None
         prefix = prefixed[0][: -len("num_updates")]
         split = prefix[:-1]
-    values = {}
-    for key, value in stats.items():
-        if key in ("epoch", "update") or not key.startswith(prefix):
-            continue
-        number = _number(value)
-        if number is not None:
-            values[key[len(prefix):]] = number
+    values, nonfinite = _statistics((key[len(prefix):], value) for key, value in stats.items()
+                                    if key.startswith(prefix) and key not in ("epoch", "update"))
+    update = _number(stats.get("update")) if split == "train_inner" else None
     return LogRecord(split, epoch if isinstance(epoch, int) else None, values.pop("num_updates", None), values,
-                     _number(stats.get("update")) if split == "train_inner" else None,
-                     _nonfinite((key[len(prefix):], value) for key, value in stats.items()
-                                if key.startswith(prefix) and key not in ("epoch", "update")))
+                     update if update is not None and math.isfinite(update) else None, nonfinite)
 
 
 def _simple_record(message: str) -> Optional[LogRecord]:
@@ -118,13 +111,7 @@ def _simple_record(message: str) -> Optional[LogRecord]:
             split = subset.group("subset")
             segments = segments[1:]
         pairs = [segment.split(" ", 1) for segment in segments]
-    values = {}
-    for pair in pairs:
-        if len(pair) == 2:
-            number = _number(pair[1].strip())
-            if number is not None:
-                values[pair[0].strip()] = number
-    nonfinite = _nonfinite((pair[0].strip(), pair[1].strip()) for pair in pairs if len(pair) == 2)
+    values, nonfinite = _statistics((pair[0].strip(), pair[1].strip()) for pair in pairs if len(pair) == 2)
     if not values and not nonfinite:
         return None
     return LogRecord(split, int(match.group("epoch")), values.pop("num_updates", None), values, epochs_done,

@@ -1,16 +1,8 @@
-"""Corpus BLEU, its bootstrap confidence interval and paired significance tests, all by sacreBLEU.
-
-Nothing here re-implements sacreBLEU (Post 2018): the score and its signature are
-``BLEU.corpus_score`` and ``BLEU.get_signature``; the interval and both paired tests are
-``sacrebleu.significance.PairedTest``, the code behind ``sacrebleu --paired-bs`` (Koehn 2004) and
-``--paired-ar`` (Riezler & Maxwell 2005); the interval is sacreBLEU's ``mu +- half-width`` of the
-95% percentile interval (``sacrebleu --confidence``). Added here: the seed as an argument
-(:func:`sacrebleu_seed`) and one call that gives every system of a table its interval and both
-p-values against one baseline, equal to ``sacrebleu REF -i BASELINE SYSTEM... --paired-bs`` (and
-``--paired-ar``) on the same text, seed and counts, but for one deviation: p counts the resamples
-and shuffles whose statistic is at least the observed |difference|, as Riezler & Maxwell define it
-(sacreBLEU counts those strictly beyond: its smallest p for equal outputs and, in the randomisation,
-for outputs that differ on one sentence, too small a p on a few). Details: ``docs/design/scoring.md``.
+"""Corpus BLEU, its bootstrap confidence interval and paired significance tests, all by sacreBLEU
+(Post 2018): ``BLEU.corpus_score`` and ``sacrebleu.significance.PairedTest``, the code behind
+``sacrebleu --confidence``, ``--paired-bs`` (Koehn 2004) and ``--paired-ar`` (Riezler & Maxwell
+2005). One deviation: p counts the resamples and shuffles whose statistic is at least the observed
+|difference|, as Riezler & Maxwell define it (sacreBLEU: strictly beyond); ``docs/design/scoring.md``.
 """
 from __future__ import annotations
 
@@ -162,17 +154,10 @@ class ComparisonRow:
 class Comparison:
     rows: List[ComparisonRow]
     signature: str
-    n_bootstrap: int
-    n_trials: int
-    seed: int
 
 
 def _p_counting_ties(statistics: numpy.ndarray, observed: float) -> float:
-    """(resamples or shuffles whose statistic is >= the observed difference, + 1) / (their number + 1).
-    sacreBLEU counts those strictly beyond; the two differ only where a statistic can equal the
-    observed difference exactly: outputs that score alike on every resample (equal outputs: p 1),
-    and shuffles of few differing sentences (a shuffle that swaps none or all of k of them reproduces
-    the difference, about 2^(1-k) of them: for k = 1 every shuffle, and p is 1)."""
+    """(resamples or shuffles whose statistic is >= the observed difference, + 1) / (their number + 1)."""
     return (int(numpy.sum(statistics >= observed)) + 1) / (len(statistics) + 1)
 
 
@@ -203,12 +188,8 @@ def _paired_test(named_systems, references, settings, test_type: str, n_samples:
 def compare_systems(named_systems: Sequence[Tuple[str, Sequence[str]]], references: Sequence[str],
                     settings: BleuSettings = BleuSettings(), n_bootstrap: int = DEFAULT_N_BOOTSTRAP,
                     n_trials: int = DEFAULT_N_TRIALS, seed: int = DEFAULT_SEED) -> Comparison:
-    """Every system's BLEU and interval, and both paired tests of each against the first.
-
-    ``sacrebleu.significance.PairedTest`` with ``test_type="bs"`` (``n_bootstrap`` resamples: the
-    intervals and p (bs)) and, when ``n_trials`` > 0 and there are systems to compare, with
-    ``test_type="ar"`` (``n_trials`` shuffles: p (ar)). The first system is the baseline.
-    """
+    """Every system's BLEU and interval (``n_bootstrap`` resamples), and both paired tests of each
+    against the first (p (ar) only with ``n_trials`` > 0)."""
     named_systems = [(name, list(hypotheses)) for name, hypotheses in named_systems]
     if not named_systems:
         raise InputError("no systems to compare")
@@ -229,4 +210,4 @@ def compare_systems(named_systems: Sequence[Tuple[str, Sequence[str]]], referenc
                       p_bootstrap=p_value(index, bs), p_randomization=p_value(index, ar))
         for index, ((name, _), bs, ar) in enumerate(zip(named_systems, bootstrap, randomization))
     ]
-    return Comparison(rows=rows, signature=signature, n_bootstrap=n_bootstrap, n_trials=n_trials, seed=seed)
+    return Comparison(rows=rows, signature=signature)

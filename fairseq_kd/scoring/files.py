@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from pathlib import Path
 
 from ..errors import FILE, InputError, require_path, undecodable_text_message
 

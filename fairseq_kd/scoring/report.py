@@ -16,7 +16,7 @@ from .bleu import (DEFAULT_N_BOOTSTRAP, DEFAULT_N_TRIALS, DEFAULT_SEED, INTERVAL
                    BleuResult, BleuSettings, check_n_bootstrap, check_n_trials, chrf_scores, compare_systems,
                    score_corpus)
 from .detok import detokenize_lines, read_generate_output, read_lines
-from ..errors import FILE, FileAccessError, InputError, message_of, require_path
+from ..errors import FILE, InputError, require_path
 from .files import load_json, naming_decode_errors
 
 SCORE_FORMAT = "fairseq-kd-score/2"
