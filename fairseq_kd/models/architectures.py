@@ -1,8 +1,7 @@
 """Registered teacher and student architectures of the papers' setups.
 
-All are variants of fairseq's own ``transformer`` model, so their checkpoints are plain
-``TransformerModel`` checkpoints. Each sets only the fields it changes and chains to fairseq's
-``base_architecture`` for the rest, as fairseq's ``transformer_legacy.py`` does.
+All are variants of fairseq's own ``transformer`` model (plain ``TransformerModel`` checkpoints);
+each sets only the fields it changes and chains to fairseq's ``base_architecture``.
 
 Low-resource setup (IWSLT'14 De-En, IWSLT'17 En-Zh, WMT'22 De-Dsb; Align-to-Distill Sec. 4.1 and
 CKD Sec. 4): teacher 6+6 layers, 4 heads, d=512, FFN 1024; students 3+3 (4 or 8 heads) and 2+2.

@@ -3,7 +3,6 @@
 (:func:`check_data_dictionaries`)."""
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -13,11 +12,10 @@ from fairseq.data import Dictionary
 from ..checkpoints import task_state
 from ..errors import FOLDER, FileAccessError, InputError, message_of, path_problem, undecodable_text_message
 from ..fingerprint import dictionary_sha256
-from .hf_vocabulary import VocabularyMap
+from .hf_vocabulary import VocabularyMap, first_difference
 
 FLAG = "--teacher-checkpoint"
 TEACHER_DATA_FLAG = "--teacher-data"
-logger = logging.getLogger(__name__)
 
 
 class TeacherCheckpointError(InputError):
@@ -26,11 +24,6 @@ class TeacherCheckpointError(InputError):
 
 class TeacherFileError(TeacherCheckpointError, FileAccessError):
     """A file of the teacher cannot be read (the system's reason)."""
-
-
-def _embedding_rows(state_dict: dict, prefix: str) -> Optional[int]:
-    weight = state_dict.get(f"{prefix}.embed_tokens.weight")
-    return None if weight is None else weight.size(0)
 
 
 class _Unverifiable(Exception):
@@ -44,22 +37,14 @@ HOW_TO_FIX = ("The teacher and the student must share dictionaries: binarise the
 
 
 def check_dictionaries(path: str, state: dict, src_dict: Dictionary, tgt_dict: Dictionary, cfg,
-                       teacher_data: Optional[str] = None, data_langs: Tuple[Optional[str], Optional[str]] = (None, None),
-                       refuse_unverifiable: bool = True) -> str:
+                       teacher_data: Optional[str] = None,
+                       data_langs: Tuple[Optional[str], Optional[str]] = (None, None)) -> str:
     """The teacher must use the data's source and target dictionaries, symbol for symbol.
 
-    A fairseq checkpoint stores no dictionary, and equal sizes are no proof (a reordered
-    dictionary has the same size), so the embedding tables are checked against the data's sizes
-    (always) and then the symbols are compared with the first of these that exists:
-
-    1. ``--teacher-data DIR`` (``teacher_data``): the teacher's ``dict.SRC.txt`` / ``dict.TGT.txt``
-       in ``DIR``, named by the teacher's languages (or the data's when it recorded none);
-    2. what the checkpoint carries: a checkpoint written by a ``translation_kd`` run records its
-       dictionaries' SHA-256 (``extra_state["TranslationKDTask"]["binding"]``);
-    3. the teacher's own data folder as recorded in it (``cfg.task.data``), when it is on disk.
-
-    With none of them the teacher is refused (``refuse_unverifiable``; otherwise a warning is
-    logged), naming ``--teacher-data``. Returns how the dictionaries were verified.
+    The embedding sizes are checked, then the symbols compared with the first source that exists:
+    ``--teacher-data DIR``; the dictionary hashes a ``translation_kd`` checkpoint records; the
+    teacher's own data folder (``cfg.task.data``). With none the teacher is refused. Returns how the
+    dictionaries were verified.
     """
     dictionaries = {"source": src_dict, "target": tgt_dict}
     _check_embedding_sizes(path, state, dictionaries)
@@ -74,21 +59,18 @@ def check_dictionaries(path: str, state: dict, src_dict: Dictionary, tgt_dict: D
         return _compare_with_teacher_data_folder(path, task_cfg, dictionaries, teacher_langs, data_langs)
     except _Unverifiable as err:
         reason = str(err)
-    message = (f"{FLAG} {path!r}: cannot verify that the teacher uses the data's dictionaries: {reason}, and "
-               "the checkpoint carries no dictionaries (equal sizes are not proof: a reordered dictionary has "
-               f"the same size). Pass {TEACHER_DATA_FLAG} DIR, the folder holding the teacher's dict.SRC.txt "
-               "and dict.TGT.txt (its fairseq-preprocess --destdir; the student's data folder if it was "
-               "binarised with them).")
-    if refuse_unverifiable:
-        raise TeacherCheckpointError(message)
-    logger.warning(message)
-    return "not verified"
+    raise TeacherCheckpointError(
+        f"{FLAG} {path!r}: cannot verify that the teacher uses the data's dictionaries: {reason}, and "
+        "the checkpoint carries no dictionaries (equal sizes are not proof: a reordered dictionary has "
+        f"the same size). Pass {TEACHER_DATA_FLAG} DIR, the folder holding the teacher's dict.SRC.txt "
+        "and dict.TGT.txt (its fairseq-preprocess --destdir; the student's data folder if it was "
+        "binarised with them).")
 
 
 def _check_embedding_sizes(path: str, state: dict, dictionaries: Dict[str, Dictionary]) -> None:
-    """The teacher's embedding tables have as many rows as the data's dictionaries have symbols."""
     for side, prefix in (("source", "encoder"), ("target", "decoder")):
-        rows = _embedding_rows(state["model"], prefix)
+        weight = state["model"].get(f"{prefix}.embed_tokens.weight")
+        rows = None if weight is None else weight.size(0)
         if rows is not None and rows != len(dictionaries[side]):
             raise TeacherCheckpointError(
                 f"{FLAG} {path!r}: the teacher's {side} embedding has {rows} symbols but the data's "
@@ -97,8 +79,8 @@ def _check_embedding_sizes(path: str, state: dict, dictionaries: Dict[str, Dicti
 
 def _compare_dictionary_files(path: str, folder: str, origin: str, dictionaries: Dict[str, Dictionary],
                               teacher_langs, data_langs) -> str:
-    """Compare the data's dictionaries symbol for symbol with ``folder``'s ``dict.LANG.txt``,
-    named by the teacher's languages (else the data's, else those of ``folder``'s files)."""
+    """Compare the data's dictionaries with ``folder``'s ``dict.LANG.txt``, named by the teacher's
+    languages (else the data's, else those of ``folder``'s files)."""
     src_lang, tgt_lang = teacher_langs
     if not src_lang or not tgt_lang:
         src_lang, tgt_lang = data_langs
@@ -127,7 +109,7 @@ def _compare_dictionary_files(path: str, folder: str, origin: str, dictionaries:
             raise TeacherCheckpointError(
                 f"{FLAG} {path!r}: the teacher's {side} dictionary ({files[side]}, {origin}) differs "
                 f"from the data's ({len(teacher_dict)} vs {len(dictionary)} symbols, first difference "
-                f"at index {_first_difference(teacher_dict.symbols, dictionary.symbols)}). {HOW_TO_FIX}")
+                f"at index {first_difference(teacher_dict.symbols, dictionary.symbols)}). {HOW_TO_FIX}")
     return f"compared symbol for symbol with {origin} {folder}"
 
 
@@ -161,8 +143,7 @@ def _compare_with_recorded_hashes(path: str, binding: dict, dictionaries: Dict[s
 
 def _compare_with_teacher_data_folder(path: str, task_cfg, dictionaries: Dict[str, Dictionary],
                                       teacher_langs, data_langs) -> str:
-    """Source 3: the teacher's own data folder as its checkpoint records it; raises
-    :class:`_Unverifiable` saying why when it cannot be used."""
+    """Source 3: the teacher's own data folder as its checkpoint records it."""
     teacher_data_dir = getattr(task_cfg, "data", None) if task_cfg is not None else None
     if not teacher_data_dir:
         raise _Unverifiable("the checkpoint records no data folder")
@@ -174,19 +155,9 @@ def _compare_with_teacher_data_folder(path: str, task_cfg, dictionaries: Dict[st
                                      data_langs)
 
 
-def _first_difference(a, b) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
-
-
 def check_data_dictionaries(path, vocabulary: VocabularyMap, source_dictionary, target_dictionary,
-                            source_vocabulary: Optional[VocabularyMap] = None) -> None:
-    """The data's dictionaries must be the teacher's vocabularies, index for index: the target
-    dictionary ``vocabulary``, the source dictionary ``source_vocabulary`` (``vocabulary`` when None:
-    one vocabulary for both sides)."""
-    source_vocabulary = vocabulary if source_vocabulary is None else source_vocabulary
+                            source_vocabulary: VocabularyMap) -> None:
+    """The data's target dictionary is ``vocabulary`` and its source one ``source_vocabulary``, index for index."""
     separate = source_vocabulary is not vocabulary
     for side, dictionary, side_vocabulary in (("source", source_dictionary, source_vocabulary),
                                               ("target", target_dictionary, vocabulary)):

@@ -1,13 +1,11 @@
 """Hidden states and per-head attention maps of one forward pass, for teacher and student alike.
 
-The capture contract: :class:`CaptureRequest` says which signals a criterion needs,
-:class:`CapturedFeatures` and :class:`AttentionMaps` their layouts (batch-first; padding masks True
-at padded positions; index 0 of the hidden states the embedding output). ``FeatureCapture(model,
-request)`` records them inside its ``with`` block, through hooks that exist only there (none for an
-empty request); the base class keeps that bookkeeping and assembles the features, each kind of
-model (:class:`FairseqFeatureCapture` for stock fairseq Transformers,
+:class:`CaptureRequest` says which signals a criterion needs, :class:`CapturedFeatures` and
+:class:`AttentionMaps` their layouts (batch-first; padding masks True at padded positions; index 0
+of the hidden states the embedding output). ``FeatureCapture(model, request)`` records them inside
+its ``with`` block through hooks that exist only there; each kind of model (:class:`FairseqFeatureCapture`,
 :class:`.hf_teacher.HuggingFaceFeatureCapture`) only says how its modules are read.
-How fairseq's fused attention path is avoided and the scores taken: ``docs/design/teachers.md``.
+The contract and how fairseq's fused attention path is avoided: ``docs/design/teachers.md``.
 """
 from __future__ import annotations
 
@@ -35,15 +33,11 @@ class NotATransformerError(InputError, TypeError):
 class CaptureRequest:
     """What a criterion needs from one forward pass.
 
-    ``attention_kinds`` names the kinds from ``ATTENTION_KINDS`` whose per-head probability maps
-    are wanted; ``attention_scores`` adds the pre-softmax logits (TinyBERT) and
-    ``attention_values`` the per-head value vectors (MiniLM) for those kinds.
-    ``last_layer_attention_only`` computes the maps of the top layer of each kind only (MiniLM),
-    so the returned tensors have a layer axis of size 1. ``attention_layers`` names, per kind, the
-    1-based layers whose maps are computed (a mapping such as ``{"encoder_self": (2, 4)}``, e.g. a
-    teacher's layers that a layer mapping pairs with the student's, TinyBERT); a kind it does not
-    name gets every layer. An attention module outside the selection is not hooked at all, so it
-    keeps fairseq's fused path. :attr:`AttentionMaps.layers` says which layers a stack holds.
+    ``attention_kinds``: the kinds (of ``ATTENTION_KINDS``) whose per-head probability maps are
+    wanted; ``attention_scores`` adds their pre-softmax logits (TinyBERT), ``attention_values`` their
+    per-head values (MiniLM). ``last_layer_attention_only``: the top layer of each kind only;
+    ``attention_layers``: per kind, the 1-based layers computed (e.g. ``{"encoder_self": (2, 4)}``),
+    every layer for a kind it does not name. Unselected attention modules are not hooked.
     """
 
     encoder_hidden: bool = False
@@ -59,7 +53,6 @@ class CaptureRequest:
         unknown = set(self.attention_kinds) - set(ATTENTION_KINDS)
         if unknown:
             raise ValueError(f"unknown attention kind(s) {sorted(unknown)}; valid: {ATTENTION_KINDS}")
-        # A canonical order makes requests comparable and hashable regardless of how they were built.
         object.__setattr__(self, "attention_kinds", tuple(k for k in ATTENTION_KINDS if k in self.attention_kinds))
         selection = dict(self.attention_layers)
         if selection and self.last_layer_attention_only:
@@ -78,8 +71,7 @@ class CaptureRequest:
         object.__setattr__(self, "attention_layers", tuple(canonical))
 
     def layer_indices(self, kind: str, num_layers: int) -> Tuple[int, ...]:
-        """0-based indices of the layers of ``kind``, of a model with ``num_layers`` of them,
-        whose maps this request computes."""
+        """0-based indices of the layers of ``kind`` (of ``num_layers``) whose maps are computed."""
         if self.last_layer_attention_only:
             return (num_layers - 1,)
         layers = dict(self.attention_layers).get(kind)
@@ -108,8 +100,7 @@ class AttentionMaps:
     key_padding_mask: ``(batch, key_len)``, True at padded keys.
     attendable: ``(batch, 1, query_len, key_len)`` bool, True where an entry takes part in a loss:
             the query is real and the key is one that query may attend to.
-    layers: the 1-based layer number of each entry of the layer axis, ascending (every layer of
-            the kind unless the request selected some, see :class:`CaptureRequest`).
+    layers: the 1-based layer number of each entry of the layer axis, ascending.
     """
 
     probs: Tensor
@@ -127,8 +118,8 @@ class AttentionMaps:
             raise ValueError(f"{len(self.layers)} layer numbers for a stack of {self.probs.size(0)} maps")
 
     def of_layers(self, tensor: Tensor, layers: Sequence[int]) -> Tensor:
-        """The entries of ``tensor`` (``probs``, ``scores`` or ``values``) of the 1-based
-        ``layers``, in that order; the stack itself, not a copy, when it holds exactly those."""
+        """The entries of ``tensor`` (``probs``, ``scores`` or ``values``) of the 1-based ``layers``,
+        in that order; the stack itself when it holds exactly those."""
         layers = tuple(layers)
         missing = sorted(set(layers) - set(self.layers))
         if missing:
@@ -148,7 +139,7 @@ class AttentionMaps:
 
 @dataclass
 class CapturedFeatures:
-    """What one forward pass exposed. Unrequested fields stay None / absent.
+    """What one forward pass exposed; unrequested fields stay None / absent.
 
     encoder_hidden: ``(encoder_layers + 1, batch, src_len, dim)``, index 0 = embedding output.
     decoder_hidden: ``(decoder_layers + 1, batch, tgt_len, dim)``, index 0 = embedding output.
@@ -161,7 +152,6 @@ class CapturedFeatures:
     attention: Dict[str, AttentionMaps] = field(default_factory=dict)
 
     def hidden(self, side: str) -> Tensor:
-        """Hidden states of ``"encoder"`` or ``"decoder"``: ``(layers + 1, batch, len, dim)``."""
         states = {"encoder": self.encoder_hidden, "decoder": self.decoder_hidden}[side]
         if states is None:
             raise RuntimeError(f"{side} hidden states were not requested in the CaptureRequest")
@@ -175,10 +165,8 @@ class CapturedFeatures:
 def attention_maps(kind: str, probs: Tensor, features: CapturedFeatures, future: Optional[Tensor] = None,
                    scores: Optional[Tensor] = None, values: Optional[Tensor] = None,
                    layers: Optional[Tuple[int, ...]] = None) -> AttentionMaps:
-    """The :class:`AttentionMaps` of one kind from a capture's ``(layers, batch, heads, query, key)``
-    ``probs`` (and ``scores``, zeroed here in place outside ``attendable``), in fairseq's positions:
-    the masks of the kind's sides from ``features``, and ``future`` (``(query, key)``, True at keys
-    a query may not see yet) for decoder self-attention. Every capture assembles its maps here."""
+    """The :class:`AttentionMaps` of one kind (``scores`` zeroed in place outside ``attendable``);
+    ``future``: ``(query, key)``, True at keys a query may not see yet (decoder self-attention)."""
     _, bsz, _, tq, tk = probs.shape
     source_queries, source_keys = kind == ENCODER_SELF, kind in (ENCODER_SELF, DECODER_CROSS)
     key_padding_mask = features.source_padding_mask if source_keys else features.target_padding_mask
@@ -187,13 +175,12 @@ def attention_maps(kind: str, probs: Tensor, features: CapturedFeatures, future:
         key_padding_mask = torch.zeros(bsz, tk, dtype=torch.bool, device=probs.device)
     if query_padding_mask is None:
         query_padding_mask = torch.zeros(bsz, tq, dtype=torch.bool, device=probs.device)
-    blocked = key_padding_mask[:, None, None, :]  # (batch or 1, 1, query, key): True where a query may not look
+    blocked = key_padding_mask[:, None, None, :]  # True where a query may not look
     if future is not None:
         blocked = blocked | future[None, None, :tq, :tk]
     attendable = ~blocked & ~query_padding_mask[:, None, :, None]
     if scores is not None:
-        # in place on the capture's own stacked copy (stack's backward does not need it): no -inf is
-        # left for a loss to turn into a NaN gradient
+        # in place on the capture's stacked copy: no -inf is left for a loss to turn into a NaN gradient
         scores.masked_fill_(~attendable.unsqueeze(0), 0.0)
     return AttentionMaps(probs=probs, query_padding_mask=query_padding_mask, key_padding_mask=key_padding_mask,
                          attendable=attendable, scores=scores, values=values, layers=layers)
@@ -207,9 +194,8 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def attention_modules(model: nn.Module, kind: str) -> List[nn.Module]:
-    """The attention module of every layer of one kind, bottom-up: ``layers[i].self_attn`` /
-    ``.encoder_attn`` of the encoder and decoder (``model.layer_stacks()`` where the model defines
-    it, as the Hugging Face teacher does; fairseq's ``model.encoder`` / ``model.decoder`` otherwise)."""
+    """The attention module of every layer of one kind, bottom-up (of ``model.layer_stacks()`` where
+    the model defines it, of ``model.encoder`` / ``model.decoder`` otherwise)."""
     if kind not in ATTENTION_KINDS:
         raise ValueError(f"unknown attention kind {kind!r}")
     model = unwrap_model(model)
@@ -233,20 +219,11 @@ class FeatureCapture:
     ...     net_output = model(**sample["net_input"])
     >>> features = capture.features()
 
-    ``FeatureCapture(model, request)`` is the capture of the model's kind: the class its
-    ``capture_class`` names (the Hugging Face teacher's) or :class:`FairseqFeatureCapture`. This
-    base holds the contract's bookkeeping: hooks and attribute changes (:meth:`hook`,
-    :meth:`assign`) exist only inside the block (none for an empty request, none left by a refused
-    one), the layers each kind's maps come from, and the assembly of :class:`CapturedFeatures`. A
-    kind of model says how it is read:
-
-    - ``_hook_attention(kind, index, module)``: hook the attention module of 0-based layer
-      ``index`` of ``kind`` (called for each layer whose maps the request computes);
-    - ``_install()``: hook what the request needs beyond the attention modules;
-    - after the forward pass, ``_masks()``: a :class:`CapturedFeatures` holding only the padding
-      masks (None before a forward pass); ``_hidden(side, features)``: ``(layers + 1, batch, len,
-      dim)``; ``_maps(kind, indices, features)``: ``(probs, future, scores, values)`` of those
-      layers, as :func:`attention_maps` takes them.
+    ``FeatureCapture(model, request)`` builds the model's ``capture_class`` or
+    :class:`FairseqFeatureCapture`. A subclass implements ``_hook_attention(kind, index, module)``
+    (0-based layer), ``_install()``, and after the forward pass ``_masks()`` (None before one),
+    ``_hidden(side, features)`` and ``_maps(kind, indices, features)`` (``(probs, future, scores,
+    values)`` as :func:`attention_maps` takes them); docs/design/teachers.md.
     """
 
     def __new__(cls, model: nn.Module, request: CaptureRequest):
@@ -281,8 +258,7 @@ class FeatureCapture:
             self._undo.pop()()
 
     def hook(self, module: nn.Module, hook, pre: bool = False) -> None:
-        """``hook`` on ``module`` inside the block: a forward pre-hook (given the keyword
-        arguments) when ``pre``, a forward hook otherwise."""
+        """``hook`` on ``module`` inside the block: a forward pre-hook with kwargs when ``pre``."""
         handle = module.register_forward_pre_hook(hook, with_kwargs=True) if pre else module.register_forward_hook(hook)
         self._undo.append(handle.remove)
 
@@ -292,7 +268,7 @@ class FeatureCapture:
         setattr(owner, name, value)
 
     def features(self) -> CapturedFeatures:
-        """Assemble the captured tensors. Call after the forward pass, inside or after the block."""
+        """The captured tensors; call after the forward pass, inside or after the block."""
         if self.request.is_empty:
             return CapturedFeatures()
         features = self._masks()
@@ -310,10 +286,7 @@ class FeatureCapture:
 
 
 class FairseqFeatureCapture(FeatureCapture):
-    """The capture of a stock fairseq Transformer: the encoder's ``encoder_states`` (asked for with
-    ``return_all_hiddens``) and the decoder's ``inner_states``; per hooked attention module, its
-    explicit path's per-head probabilities, the scores it hands to ``apply_sparse_mask`` and its
-    ``v_proj`` output (docs/design/teachers.md)."""
+    """The capture of a stock fairseq Transformer (docs/design/teachers.md)."""
 
     def __init__(self, model: nn.Module, request: CaptureRequest):
         super().__init__(model, request)
@@ -329,8 +302,7 @@ class FairseqFeatureCapture(FeatureCapture):
         def before(module, args, kwargs):
             call = dict(zip(("query", "key", "value", "key_padding_mask"), args))
             call.update(kwargs)
-            if call.get("incremental_state") is not None:
-                # Incremental decoding (generation) is never distilled; recording it would be wrong.
+            if call.get("incremental_state") is not None:  # generation is never distilled
                 return None
             self._open[module] = self._records[kind, index] = {"attn_mask": call.get("attn_mask")}
             return args, dict(kwargs, need_weights=True, need_head_weights=True)

@@ -24,9 +24,8 @@ from ..errors import FILE, InputError, UserError, path_problem
 
 
 def checkpoint_file_problem(path) -> Optional[str]:
-    """Why ``path`` is not a readable checkpoint file, in words for a message after the flag
-    (``--teacher-checkpoint 'ckpts': is a folder, not a file; ...``), None when it is one. A folder
-    (the usual slip: fairseq's ``--save-dir``) is said as such, with the checkpoints it holds."""
+    """Why ``path`` is not a readable checkpoint file, in words for a message after the flag, None
+    when it is one; a folder (fairseq's ``--save-dir``) is said as such, with the checkpoints it holds."""
     if not path:
         return "no checkpoint file given"
     problem = path_problem(path, FILE)
@@ -68,8 +67,7 @@ class ModelConfigError(CheckpointModelError):
 
 
 class UnreadableCheckpointError(CheckpointModelError):
-    """The file is not one torch and fairseq can read as a checkpoint: another kind of file, a
-    damaged one, or another program's dict; ``reason``: the error's type and first line."""
+    """The file is not one torch and fairseq can read as a checkpoint; ``reason``: the error's type and first line."""
 
     def __init__(self, path, err: Exception):
         self.reason = f"{type(err).__name__}: {err}".splitlines()[0]
@@ -77,9 +75,9 @@ class UnreadableCheckpointError(CheckpointModelError):
 
 
 def read_model_checkpoint(path: str) -> dict:
-    """The checkpoint's state (``weights_only=True``, explicitly), which holds ``cfg`` and ``model``."""
+    """The checkpoint's state (read weights-only), which holds ``cfg`` and ``model``."""
     try:
-        state = load_fairseq_checkpoint(path)  # weights_only=True, explicitly
+        state = load_fairseq_checkpoint(path)
     except UserError:
         raise
     # torch's errors for bytes that are no checkpoint, and fairseq's upgrade of old checkpoints
@@ -93,8 +91,7 @@ def read_model_checkpoint(path: str) -> dict:
 
 
 def check_transformer(model_cfg) -> str:
-    """The model type ``model_cfg`` names (``_name``, else ``arch``), which must be a registered
-    architecture or model of fairseq's Transformer family."""
+    """The model type ``model_cfg`` names (``_name``, else ``arch``): one of fairseq's Transformer family."""
     from fairseq import models
     from fairseq.models.transformer import TransformerModelBase
 
@@ -116,8 +113,7 @@ def read_transformer_checkpoint(path: str) -> dict:
 
 
 def check_config_values(model_cfg) -> None:
-    """Each value of ``model_cfg`` that its architecture gives a number or a flag is one (a string
-    such as ``encoder_layers: "three"`` is refused naming the key); None is left to fairseq."""
+    """Each value of ``model_cfg`` that its architecture gives a number or a flag is one (None is left to fairseq)."""
     from argparse import Namespace
 
     from fairseq import models
@@ -141,8 +137,8 @@ def check_config_values(model_cfg) -> None:
 
 
 def build_checkpoint_model(state: dict, task) -> nn.Module:
-    """The model of ``state``'s configuration built by fairseq for ``task`` (what ``build_model``
-    reads of it: the source and target dictionaries), with ``state``'s weights loaded strictly."""
+    """The model of ``state``'s configuration built by fairseq for ``task``'s dictionaries, its
+    weights loaded strictly."""
     from fairseq import models
 
     cfg = state["cfg"]
@@ -160,8 +156,7 @@ def build_checkpoint_model(state: dict, task) -> nn.Module:
 
 
 def summarize_load_error(message: str) -> str:
-    """torch's ``load_state_dict`` report (every missing and unexpected key, every shape mismatch,
-    on lines of their own) in one line: how many of each, and the first."""
+    """torch's ``load_state_dict`` report in one line: how many of each kind of fault, and the first."""
     parts = []
     for label, what in (("Missing key(s)", "missing"), ("Unexpected key(s)", "unexpected")):
         match = re.search(re.escape(label) + r" in state_dict: (.*)", message)

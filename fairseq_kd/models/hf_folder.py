@@ -1,16 +1,10 @@
 """Whether a Hugging Face teacher folder's weights are the model its ``config.json`` describes.
 
-Before anything is allocated (:func:`read_weights_header`, :func:`check_config_fits_weights`): the
-weights' names, shapes and dtypes come from the files' headers (safetensors: the JSON header;
-pickled weights: unpickled weights-only onto the meta device, no data read). Every tensor must be
-floating point; the config's sizes (vocabulary, width, layers, heads, feed-forward width, positions)
-must agree with those shapes, and its special token ids must lie in the vocabulary, so that an
-absurd config is refused before the tokenizer, the vocabulary maps or the model are built.
-
-After loading (:func:`check_loading_info`, :func:`check_finite`): transformers' own loading report
-must list no missing, unexpected or mismatched tensor (tied weights and weights the model computes
-itself, such as sinusoidal positions, are the model's declared exceptions and never listed), and
-every value of the model must be finite.
+Before anything is allocated, from the weights' headers (safetensors' JSON header; pickles
+unpickled weights-only onto the meta device): every tensor floating point, the config's sizes
+agreeing with the shapes, its special token ids in the vocabulary. After loading: transformers'
+loading report lists no missing, unexpected or mismatched tensor, and every value is finite.
+Every check takes ``refuse``, which makes the one-line error of a problem.
 """
 from __future__ import annotations
 
@@ -25,6 +19,9 @@ from ..errors import FileAccessError
 #: how many positions a model may compute for itself (sinusoidal positions are not in the weights):
 #: more than any released translation model's 1024, few enough to build in seconds
 MAX_COMPUTED_POSITIONS = 16384
+#: weight files (single, sharded), safetensors preferred to pickles (read weights-only)
+SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
+PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 #: safetensors dtypes that are floating point (the format's own names)
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 #: config keys of special token ids, each read from config.json or, when absent there, the config object
@@ -63,12 +60,14 @@ class WeightsHeader:
         return max(indices) + 1 if indices else None
 
 
+def first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else ""
+
+
 def read_weights_header(folder, use_safetensors: bool, refuse: Callable[[str], Exception]) -> WeightsHeader:
-    """The header of the folder's weights (a single file or the shards its index lists); ``refuse``
-    makes the one-line error of a problem."""
+    """The header of the folder's weights (a single file or the shards its index lists)."""
     folder = Path(folder)
-    single, index = (("model.safetensors", "model.safetensors.index.json") if use_safetensors
-                     else ("pytorch_model.bin", "pytorch_model.bin.index.json"))
+    single, index = SAFETENSORS_FILES if use_safetensors else PICKLE_FILES
     files = [single] if (folder / single).is_file() else _shards(folder, index, refuse)
     tensors, file_of = {}, {}
     for name in files:
@@ -104,12 +103,11 @@ def _safetensors_header(path: Path, refuse) -> Dict[str, Tuple[str, Tuple[int, .
                     for name in weights.keys()}
     except (SafetensorError, OSError) as err:  # a damaged file (its header's every fault is a SafetensorError)
         raise refuse(f"{path.name} is not a readable safetensors file ({type(err).__name__}: "
-                     f"{str(err).splitlines()[0] if str(err) else ''}); save the model again with save_pretrained") from None
+                     f"{first_line(err)}); save the model again with save_pretrained") from None
 
 
 def _pickle_header(path: Path, refuse) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
-    """Weights-only unpickling onto the meta device: names, dtypes and shapes, no tensor data.
-    A pickle that weights-only loading refuses raises ``pickle.UnpicklingError`` for the caller."""
+    """Weights-only unpickling onto the meta device; a refused pickle raises ``pickle.UnpicklingError``."""
     import pickle
     import warnings
 
@@ -125,7 +123,7 @@ def _pickle_header(path: Path, refuse) -> Dict[str, Tuple[str, Tuple[int, ...]]]
         raise
     except UNREADABLE_FILE_ERRORS + (OSError,) as err:  # a damaged file
         raise refuse(f"{path.name} cannot be read ({type(err).__name__}: "
-                     f"{str(err).splitlines()[0] if str(err) else ''}); save the model again with save_pretrained") from None
+                     f"{first_line(err)}); save the model again with save_pretrained") from None
     if not isinstance(state, dict):
         raise refuse(f"{path.name} holds a {type(state).__name__}, not a state dict of tensors")
     header = {}
@@ -149,9 +147,9 @@ def check_floating_point(header: WeightsHeader, refuse) -> None:
 
 
 def check_config_fits_weights(config, raw: dict, header: WeightsHeader, refuse) -> None:
-    """The config's sizes agree with the weights' shapes (or are bounded by them) and its special
-    token ids lie in the vocabulary. ``config`` is the transformers config object (defaults and
-    aliases included), ``raw`` the dict of config.json (keys the object drops, e.g. forced ids)."""
+    """The config's sizes agree with (or are bounded by) the weights' shapes and its special token
+    ids lie in the vocabulary. ``config``: the transformers config object, ``raw``: config.json's dict
+    (keys the object drops, e.g. forced ids)."""
 
     def value(key):  # what the model is built with; config.json's own value where the config object drops it
         try:
@@ -223,9 +221,7 @@ def check_config_fits_weights(config, raw: dict, header: WeightsHeader, refuse) 
 
 
 def _check_special_ids(value, sizes: dict, source, target, refuse) -> None:
-    """Each special token id of the config is a row of the vocabulary its side reads: the target's
-    (the decoder's embeddings and logits) for every id, the source's as well for the padding id
-    (the encoder's embedding pads with it)."""
+    """Each special token id is a row of the target vocabulary, and the padding id of the source's too."""
     target_rows = target[1][0] if target is not None else (sizes.get("decoder_vocab_size") or sizes.get("vocab_size"))
     source_rows = source[1][0] if source is not None else sizes.get("vocab_size")
     for key in SPECIAL_ID_KEYS:
@@ -252,7 +248,7 @@ def _config_keys(config) -> List[str]:
 
 def check_loading_info(info: dict, refuse) -> None:
     """transformers' loading report (``output_loading_info=True``) lists no missing, unexpected or
-    mismatched tensor and no error: every parameter of the model came from the folder."""
+    mismatched tensor and no error."""
     problems = []
     for key, word in (("missing_keys", "missing"), ("unexpected_keys", "unexpected")):
         names = sorted(info.get(key) or ())

@@ -14,11 +14,13 @@ student's positions. How the ids, positions, padding and hidden states are mappe
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import json
 import logging
 import os
 import pickle
+from functools import partial
 from pathlib import Path
 from typing import Mapping, Optional, Tuple
 
@@ -39,21 +41,14 @@ logger = logging.getLogger(__name__)
 
 #: model types whose adapter is tested (NLLB checkpoints are ``m2m_100``)
 TESTED_MODEL_TYPES = ("marian", "m2m_100")
-#: weight files, in the order they are preferred: safetensors, then pickles (read weights-only)
-SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
-PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 #: how far below a position's lowest logit a symbol the teacher lacks is put (docs/design/teachers.md)
 MISSING_SYMBOL_MARGIN = 1e4
 INSTALL_HINT = "pip install 'fairseq-kd[hf]' (transformers>=5,<6 and sentencepiece)"
 
 
 def folder_sha256(folder, file_digests: Optional[Mapping[str, str]] = None) -> str:
-    """The content hash of a teacher folder: SHA-256 over the names and SHA-256 of its files (not
-    recursive; what ``save_pretrained`` writes), so a moved copy binds as the same teacher.
-    ``file_digests``: {file name: SHA-256} the caller has just taken (a folder fingerprint's), so
-    that no file is read twice."""
-    import hashlib
-
+    """SHA-256 over the names and SHA-256 of the folder's files (not recursive), so a moved copy binds
+    as the same teacher; ``file_digests``: {file name: SHA-256} already taken, not read again."""
     digest = hashlib.sha256()
     for child in sorted(Path(folder).iterdir()):
         if child.is_file():
@@ -116,11 +111,11 @@ def model_class(transformers, folder, model_type: str):
 def prefers_safetensors(folder) -> bool:
     """True when the folder has safetensors weights, False for pickled ones only; refuses none."""
     names = {child.name for child in readable(lambda path: list(Path(path).iterdir()), folder)}
-    if names & set(SAFETENSORS_FILES):
+    if names & set(hf_folder.SAFETENSORS_FILES):
         return True
-    if names & set(PICKLE_FILES):
+    if names & set(hf_folder.PICKLE_FILES):
         return False
-    raise refuse(folder, f"holds no weights ({' or '.join(SAFETENSORS_FILES + PICKLE_FILES)}); "
+    raise refuse(folder, f"holds no weights ({' or '.join(hf_folder.SAFETENSORS_FILES + hf_folder.PICKLE_FILES)}); "
                  "save the model with save_pretrained")
 
 
@@ -133,26 +128,20 @@ def load_tokenizer(folder):
     # common class for a folder's missing or damaged tokenizer files
     except Exception as err:  # noqa: BLE001
         raise refuse(folder, f"its tokenizer cannot be loaded offline ({type(err).__name__}: "
-                     f"{str(err).splitlines()[0] if str(err) else ''}); save the tokenizer with "
+                     f"{hf_folder.first_line(err)}); save the tokenizer with "
                      "save_pretrained into the same folder") from None
 
 
-def read_weights_header(folder) -> hf_folder.WeightsHeader:
-    """The names, dtypes and shapes of the folder's weights, read without loading them
-    (:func:`.hf_folder.read_weights_header`); pickled weights weights-only."""
+def read_checked_config(folder):
+    """``(config.json as a dict, the model class, its transformers config)`` once the weights' headers
+    show the model the config describes (:mod:`.hf_folder`); nothing is allocated before."""
+    config = read_config(folder)
+    cls = model_class(import_transformers(), folder, config["model_type"])
+    refusal = partial(refuse, folder)
     try:
-        return hf_folder.read_weights_header(folder, prefers_safetensors(folder), lambda problem: refuse(folder, problem))
+        header = hf_folder.read_weights_header(folder, prefers_safetensors(folder), refusal)
     except pickle.UnpicklingError:
         raise refuse(folder, unsafe_weights_problem(folder)) from None
-
-
-def read_checked_config(folder, transformers=None):
-    """``(config.json as a dict, the model class, its transformers config)`` once the weights are
-    shown to be the model the config describes, as far as their headers tell (floating point,
-    sizes, special token ids: :mod:`.hf_folder`); nothing is allocated before."""
-    config = read_config(folder)
-    cls = model_class(transformers or import_transformers(), folder, config["model_type"])
-    header = read_weights_header(folder)
     try:
         with _quiet_transformers():  # its warnings about the ids checked below would precede the one line
             hf_config = cls.config_class.from_dict(config)
@@ -161,8 +150,8 @@ def read_checked_config(folder, transformers=None):
     except Exception as err:  # noqa: BLE001
         raise refuse(folder, f"{CONFIG_FILE} is not a valid {config['model_type']} config ({type(err).__name__}: "
                      f"{_first_line(err)}); fix it or save the model again with save_pretrained") from None
-    hf_folder.check_floating_point(header, lambda problem: refuse(folder, problem))
-    hf_folder.check_config_fits_weights(hf_config, config, header, lambda problem: refuse(folder, problem))
+    hf_folder.check_floating_point(header, refusal)
+    hf_folder.check_config_fits_weights(hf_config, config, header, refusal)
     return config, cls, hf_config
 
 
@@ -173,8 +162,7 @@ def _first_line(err: BaseException) -> str:
 
 @contextlib.contextmanager
 def _quiet_transformers():
-    """transformers' warnings, loading report (a table) and progress bar are kept off stderr: the
-    checks here refuse in one line whatever they would show."""
+    """transformers' warnings, loading report and progress bar off stderr: the checks here say it in one line."""
     from transformers.utils import logging as transformers_logging
 
     library = logging.getLogger("transformers")
@@ -190,34 +178,31 @@ def _quiet_transformers():
 
 
 def load_model(folder, cls, hf_config=None):
-    """The folder's model (of class ``cls``, configured by ``hf_config`` when given) in eval mode,
-    float32, on the CPU, offline and weights-only; refused unless every tensor of the model came
-    from the folder and every value is finite (:mod:`.hf_folder`)."""
+    """The folder's model in eval mode, float32, on the CPU, offline and weights-only; refused unless
+    every tensor came from the folder and every value is finite (:mod:`.hf_folder`)."""
     extra = {} if hf_config is None else {"config": hf_config}
+    use_safetensors = prefers_safetensors(folder)
     try:
         with _quiet_transformers():
             model, info = cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False,
-                                              use_safetensors=prefers_safetensors(folder), weights_only=True,
+                                              use_safetensors=use_safetensors, weights_only=True,
                                               dtype=torch.float32, output_loading_info=True,
                                               ignore_mismatched_sizes=True, **extra)
-    except TeacherCheckpointError:
-        raise
     except pickle.UnpicklingError:
         raise refuse(folder, unsafe_weights_problem(folder)) from None
     # from_pretrained builds the model class the config names and reads its weights through torch or
     # safetensors: their errors for a folder's damaged files have no common class
     except Exception as err:  # noqa: BLE001
-        first_line = str(err).splitlines()[0] if str(err) else ""
-        raise refuse(folder, f"its model cannot be loaded ({type(err).__name__}: {first_line})") from None
-    hf_folder.check_loading_info(info, lambda problem: refuse(folder, problem))
-    hf_folder.check_finite(model, lambda problem: refuse(folder, problem))
+        raise refuse(folder, f"its model cannot be loaded ({type(err).__name__}: {hf_folder.first_line(err)})"
+                     ) from None
+    hf_folder.check_loading_info(info, partial(refuse, folder))
+    hf_folder.check_finite(model, partial(refuse, folder))
     return model.eval()
 
 
 def unsafe_weights_problem(folder) -> str:
-    """Why weights-only loading refused the folder's pickled weights, naming what they reference
-    (read from the pickle's opcodes, never run); torch's own advice to load with
-    ``weights_only=False`` is not repeated."""
+    """Why weights-only loading refused the folder's pickles, naming what they reference (read from
+    the opcodes, never run); torch's advice to load with ``weights_only=False`` is not repeated."""
     from ..checkpoints import refused_globals
 
     named = sorted({name for weights in sorted(Path(folder).glob("pytorch_model*.bin"))
@@ -228,9 +213,8 @@ def unsafe_weights_problem(folder) -> str:
 
 
 def vocabulary_maps(folder, tokenizer, config: dict) -> Tuple[VocabularyMap, VocabularyMap]:
-    """``(source, target)``: the tokenizer's :class:`VocabularyMap` of each side, one object twice
-    when it has one vocabulary (:func:`.hf_vocabulary.tokenizer_maps`), refusing a vocabulary fairseq
-    cannot hold."""
+    """``(source, target)`` :class:`VocabularyMap` (one object twice for one vocabulary), refusing a
+    vocabulary fairseq cannot hold."""
     try:
         target_rows = 0 if config.get("share_encoder_decoder_embeddings", True) else config.get("decoder_vocab_size")
         return tokenizer_maps(tokenizer, int(config.get("vocab_size") or 0), int(target_rows or 0))
@@ -239,19 +223,15 @@ def vocabulary_maps(folder, tokenizer, config: dict) -> Tuple[VocabularyMap, Voc
 
 
 def vocabulary_map(folder, tokenizer, config: dict) -> VocabularyMap:
-    """The target side's :class:`VocabularyMap` (the only one when the vocabulary is shared): the
-    map of the logits and of target ids; :func:`vocabulary_maps` gives both sides."""
+    """The target side's :class:`VocabularyMap`: the map of the logits and of target ids."""
     return vocabulary_maps(folder, tokenizer, config)[1]
 
 
 # ------------------------------------------------------------------------------- the adapter
 class HuggingFaceTeacherModel(nn.Module):
-    """fairseq's model interface over a Hugging Face seq2seq LM (docs/design/teachers.md):
-    ``forward(src_tokens, src_lengths, prev_output_tokens)`` gives ``(logits, {})`` with logits over
-    the fairseq dictionary of ``vocabulary``, the target side's map (decoder inputs, logits, target
-    ids); ``source_vocabulary`` is the source side's (encoder inputs), the same object when the
-    tokenizer has one vocabulary. ``FeatureCapture(model, request)`` is its
-    :class:`HuggingFaceFeatureCapture`."""
+    """fairseq's model interface over a Hugging Face seq2seq LM: ``(logits, {})`` over the fairseq
+    dictionary of ``vocabulary`` (the target side's map); ``source_vocabulary`` maps the encoder's
+    inputs (the same object for one vocabulary)."""
 
     def __init__(self, hf_model: nn.Module, vocabulary: VocabularyMap, fairseq_pad: int = 1,
                  source_vocabulary: Optional[VocabularyMap] = None):
@@ -261,15 +241,14 @@ class HuggingFaceTeacherModel(nn.Module):
         self.source_vocabulary = vocabulary if source_vocabulary is None else source_vocabulary
         self.fairseq_pad = fairseq_pad
         self.decoder_start_token_id = hf_model.config.decoder_start_token_id
-        hf_of_fairseq, _ = vocabulary.tensors()
-        source_hf_of_fairseq, _ = self.source_vocabulary.tensors()
+        hf_of_fairseq = torch.tensor(vocabulary.hf_id_of_fairseq, dtype=torch.long)
+        source_hf_of_fairseq = torch.tensor(self.source_vocabulary.hf_id_of_fairseq, dtype=torch.long)
         self.register_buffer("hf_of_fairseq", hf_of_fairseq, persistent=False)
         self.register_buffer("source_hf_of_fairseq", source_hf_of_fairseq, persistent=False)
         self.register_buffer("logit_index", hf_of_fairseq.clamp_min(0), persistent=False)
         self.register_buffer("lacks_symbol", hf_of_fairseq.eq(NO_ID), persistent=False)
         self.has_missing_symbols = bool(self.lacks_symbol.any())
         self.source_has_missing_symbols = bool(source_hf_of_fairseq.eq(NO_ID).any())
-        self.hf_pad = int(hf_of_fairseq[fairseq_pad])
         self.hf_source_pad = int(source_hf_of_fairseq[fairseq_pad])
         self.active_capture: Optional["HuggingFaceFeatureCapture"] = None
 
@@ -278,8 +257,8 @@ class HuggingFaceTeacherModel(nn.Module):
         return limit, limit
 
     def to_hf_ids(self, fairseq_tokens: torch.Tensor, source: bool = False) -> torch.Tensor:
-        """fairseq indices -> Hugging Face ids of the target side (``source``: of the source side);
-        refuses a symbol the teacher lacks."""
+        """fairseq indices -> Hugging Face ids of the target (or ``source``) side; refuses a symbol the
+        teacher lacks."""
         table, missing = ((self.source_hf_of_fairseq, self.source_has_missing_symbols) if source
                           else (self.hf_of_fairseq, self.has_missing_symbols))
         hf_ids = table[fairseq_tokens]
@@ -289,14 +268,12 @@ class HuggingFaceTeacherModel(nn.Module):
         return hf_ids
 
     def source_order(self, src_tokens: torch.Tensor) -> torch.Tensor:
-        """``(batch, len)``: the fairseq position of each right-padded slot (a stable sort moves each
-        row's real tokens to the front in their order, the padding after them)."""
+        """``(batch, len)``: the fairseq position of each right-padded slot."""
         is_pad = src_tokens.eq(self.fairseq_pad)
         return torch.sort(is_pad.to(torch.int8), dim=1, stable=True).indices
 
     def encoder_inputs(self, src_tokens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``input_ids`` right-padded and ``attention_mask`` from fairseq's (left- or right-padded)
-        source (see :meth:`source_order`), mapped by ``source_vocabulary``."""
+        """Right-padded ``input_ids`` and ``attention_mask`` of fairseq's (left- or right-padded) source."""
         order = self.source_order(src_tokens)
         tokens = src_tokens.gather(1, order)
         real = tokens.ne(self.fairseq_pad)
@@ -304,14 +281,12 @@ class HuggingFaceTeacherModel(nn.Module):
         return input_ids, real.long()
 
     def decoder_inputs(self, prev_output_tokens: torch.Tensor) -> torch.Tensor:
-        """``decoder_input_ids``: the model's start token, then the target shifted as fairseq's,
-        mapped by ``vocabulary`` (the target side's)."""
+        """``decoder_input_ids``: the model's start token, then fairseq's shifted target."""
         decoder_input_ids = self.to_hf_ids(prev_output_tokens)
         decoder_input_ids[:, 0] = self.decoder_start_token_id
         return decoder_input_ids
 
     def to_fairseq_logits(self, hf_logits: torch.Tensor) -> torch.Tensor:
-        """The model's logits over the fairseq dictionary: one ``index_select``."""
         logits = hf_logits.index_select(-1, self.logit_index)
         if self.has_missing_symbols:
             floor = hf_logits.amin(-1, keepdim=True) - MISSING_SYMBOL_MARGIN
@@ -330,9 +305,8 @@ class HuggingFaceTeacherModel(nn.Module):
 
     # ------------------------------------------------------------------ features
     def layer_stacks(self):
-        """``(encoder, decoder)`` of the model when they have fairseq's layer layout
-        (``layers[i].self_attn``, decoder ``layers[i].encoder_attn``, heads and widths readable);
-        raises :class:`NotATransformerError` saying what is missing otherwise."""
+        """``(encoder, decoder)`` when they have fairseq's layer layout; else raises
+        :class:`NotATransformerError` saying what is missing."""
         model = self.hf_model
         try:
             encoder, decoder = model.get_encoder(), model.get_decoder()
@@ -351,7 +325,6 @@ class HuggingFaceTeacherModel(nn.Module):
         return encoder, decoder
 
     def transformer_shape(self) -> TransformerShape:
-        """Layer counts, heads and widths, as :class:`TransformerShape` reads a fairseq model's."""
         encoder, decoder = self.layer_stacks()
         d_model = int(self.hf_model.config.d_model)
         return TransformerShape(
@@ -361,8 +334,7 @@ class HuggingFaceTeacherModel(nn.Module):
         )
 
     @property
-    def capture_class(self):
-        """What ``FeatureCapture(model, request)`` builds for this model."""
+    def capture_class(self):  # what FeatureCapture(model, request) builds
         return HuggingFaceFeatureCapture
 
 
@@ -372,14 +344,9 @@ def _split_heads(projected: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class HuggingFaceFeatureCapture(FeatureCapture):
-    """The capture of a :class:`HuggingFaceTeacherModel` (the mapping: docs/design/teachers.md).
-
-    Inside the block the model asks its Hugging Face model for exactly what the request needs
-    (:meth:`model_kwargs`: ``output_attentions`` on the eager attention path,
-    ``output_hidden_states``) and hands its outputs over (:meth:`collect`); hooks exist only for
-    what those outputs lack: the pre-softmax scores and values (``q_proj`` / ``k_proj`` / ``v_proj``
-    outputs) and, for a stack with a final layer norm, its top layer's own output.
-    """
+    """The capture of a :class:`HuggingFaceTeacherModel`: the model's own ``output_attentions`` (eager
+    path) and ``output_hidden_states``, hooks only for what they lack (``q/k/v_proj`` outputs, the top
+    layer's output before a final layer norm); docs/design/teachers.md."""
 
     def __init__(self, model: HuggingFaceTeacherModel, request: CaptureRequest):
         super().__init__(model, request)
@@ -407,14 +374,14 @@ class HuggingFaceFeatureCapture(FeatureCapture):
         self.assign(self.model, "active_capture", self)
 
     def _keep(self, module: nn.Module, store: dict, key) -> None:
-        """``store[key]``: ``module``'s output (its first element when a tuple) in the block."""
+        """``store[key]``: ``module``'s output (its first element when a tuple)."""
         def hook(module, args, output):
             store[key] = output[0] if isinstance(output, tuple) else output
         self.hook(module, hook)
 
     def model_kwargs(self, prev_output_tokens: torch.Tensor) -> dict:
-        """What the Hugging Face model is asked for in this forward pass. The decoder's padded keys
-        are masked, as fairseq masks them (only padded query rows change: no loss reads them)."""
+        """What the Hugging Face model is asked for; the decoder's padded keys are masked as fairseq
+        masks them (only padded query rows change: no loss reads them)."""
         request = self.request
         kwargs = {"decoder_attention_mask": prev_output_tokens.ne(self.model.fairseq_pad).long()}
         if request.attention_kinds:
@@ -424,7 +391,6 @@ class HuggingFaceFeatureCapture(FeatureCapture):
         return kwargs
 
     def collect(self, output, src_tokens: torch.Tensor, prev_output_tokens: torch.Tensor) -> None:
-        """Keep what :meth:`features` reads of the forward pass: its outputs and fairseq's inputs."""
         pad = self.model.fairseq_pad
         self._output, self._masks_of = output, (src_tokens.eq(pad), prev_output_tokens.eq(pad))
         # slot of each fairseq position in the right-padded source
@@ -437,8 +403,7 @@ class HuggingFaceFeatureCapture(FeatureCapture):
         return CapturedFeatures(source_padding_mask=source, target_padding_mask=target)
 
     def _hidden(self, side: str, features: CapturedFeatures) -> torch.Tensor:
-        """Hugging Face's states, the top one before a final layer norm (docs/design/teachers.md),
-        the source's in fairseq's positions."""
+        """Hugging Face's states, the top one before a final layer norm, the source's in fairseq's positions."""
         states = list(getattr(self._output, f"{side}_hidden_states"))
         if side in self._top_outputs:
             states[-1] = self._top_outputs[side]
@@ -486,10 +451,9 @@ class HuggingFaceFeatureCapture(FeatureCapture):
 
 
 class HuggingFaceTeacher(FrozenTeacher):
-    """A :class:`FrozenTeacher` whose model is a :class:`HuggingFaceTeacherModel`, bound to the
-    student's run by :func:`folder_sha256`. ``shape`` is the model's :class:`TransformerShape` (what
-    the feature methods size their modules from), or None with ``feature_problem`` saying why when
-    the model lacks fairseq's layer layout (then only output-distribution methods can use it)."""
+    """A :class:`FrozenTeacher` over a :class:`HuggingFaceTeacherModel`, bound to the run by
+    :func:`folder_sha256`; ``shape`` is None, with ``feature_problem`` saying why, when the model lacks
+    fairseq's layer layout (then only output-distribution methods can use it)."""
 
     def read_shape(self) -> Optional[TransformerShape]:
         try:
@@ -500,9 +464,8 @@ class HuggingFaceTeacher(FrozenTeacher):
 
     @classmethod
     def load(cls, path: str, task, teacher_data: Optional[str] = None, sha256: Optional[str] = None):
-        """Load the folder ``path`` for ``task``, whose dictionaries must be the teacher's
-        vocabulary symbol for symbol; ``teacher_data`` (``--teacher-data``) is refused: the folder
-        holds the vocabulary. Every refusal comes before the weights are read."""
+        """Load the folder ``path`` for ``task``, whose dictionaries must be the teacher's vocabulary;
+        ``teacher_data`` is refused. Every refusal comes before the weights are read."""
         task_cfg = getattr(task, "cfg", None)
         if teacher_data or getattr(task_cfg, "teacher_data", None):
             raise refuse(path, "--teacher-data names a fairseq teacher's dictionaries; a Hugging Face folder "
@@ -529,15 +492,10 @@ class HuggingFaceTeacher(FrozenTeacher):
             self._sha256 = readable(folder_sha256, self.path)
         return self._sha256
 
-    # forward: FrozenTeacher's; its FeatureCapture is the model's HuggingFaceFeatureCapture
 
-
-def check_model_fits(path, model, vocabulary: VocabularyMap,
-                     source_vocabulary: Optional[VocabularyMap] = None) -> None:
-    """The model starts its decoder somewhere, has a logit for every token of its target vocabulary
-    (``vocabulary``) and an encoder input embedding for every token of its source vocabulary
-    (``source_vocabulary``; ``vocabulary`` when None: one vocabulary for both sides)."""
-    source_vocabulary = vocabulary if source_vocabulary is None else source_vocabulary
+def check_model_fits(path, model, vocabulary: VocabularyMap, source_vocabulary: VocabularyMap) -> None:
+    """The model has a decoder start, a logit for every target token and an encoder input embedding
+    for every source token."""
     separate = source_vocabulary is not vocabulary
     if model.config.decoder_start_token_id is None:
         raise refuse(path, f"{CONFIG_FILE} sets no decoder_start_token_id, so the decoder's first input is unknown")

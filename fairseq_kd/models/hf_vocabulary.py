@@ -3,17 +3,13 @@
 fairseq 0-3 (``<s> <pad> </s> <unk>``) are the tokenizer's tokens of the same role, whatever their
 strings (a role the tokenizer lacks, Marian's BOS, has no id: ``NO_ID``); fairseq 4.. are its other
 tokens in increasing id, so ``dict.LANG.txt`` lists exactly the teacher's vocabulary. One mapping
-serves both sides, or one per side for a Marian tokenizer with ``separate_vocabs=True``
-(:func:`tokenizer_maps`). Hugging Face ids -> fairseq ids -> Hugging Face ids is the identity on each
-side's vocabulary. Imports neither transformers nor sentencepiece. The rules in full:
-``docs/design/teachers.md``.
+serves both sides, or one per side for a Marian tokenizer with ``separate_vocabs=True``. The rules
+in full: ``docs/design/teachers.md``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
-
-import torch
 
 from ..errors import InputError
 
@@ -35,8 +31,7 @@ class VocabularyError(InputError):
 
 @dataclass(frozen=True)
 class VocabularyMap:
-    """The mapping (docs/design/teachers.md); ``hf_id_of_fairseq[i]`` is the Hugging Face id of
-    fairseq index ``i`` (``NO_ID`` for none)."""
+    """``hf_id_of_fairseq[i]``: the Hugging Face id of fairseq index ``i`` (``NO_ID`` for none)."""
 
     fairseq_symbols: Tuple[str, ...]
     hf_id_of_fairseq: Tuple[int, ...]
@@ -45,10 +40,8 @@ class VocabularyMap:
     @classmethod
     def from_vocabulary(cls, vocabulary: Mapping[str, int], special_ids: Mapping[str, Optional[int]],
                         model_rows: int = 0) -> "VocabularyMap":
-        """The mapping of a tokenizer whose vocabulary is ``vocabulary`` (token -> id; ids that are
-        no token, such as rows of the model past the tokenizer's end, stay unmapped) and whose
-        special tokens have the ids ``special_ids`` (role -> id or None). ``model_rows``: the
-        model's rows for this side when known (every id must be one of them), else 0."""
+        """The mapping of ``vocabulary`` (token -> id) with the specials ``special_ids`` (role -> id or
+        None); ``model_rows``: the model's rows for this side (every id must be one), 0 if unknown."""
         token_of_id = _tokens_by_id(vocabulary, model_rows)
         for role in REQUIRED_ROLES:
             if special_ids.get(role) is None:
@@ -65,11 +58,9 @@ class VocabularyMap:
 
     @classmethod
     def from_tokenizer(cls, tokenizer, model_vocab_size: int = 0) -> "VocabularyMap":
-        """The mapping of a Hugging Face tokenizer: every id below the model's vocabulary size (or
-        the tokenizer's) that the tokenizer turns into a token and back into the same id, so tokens
-        that ``get_vocab()`` leaves out are kept (M2M100's language tags in transformers 5), and
-        its ``<role>_token_id`` specials. ``model_vocab_size``: the model's rows (0: unknown);
-        every id of the tokenizer must be one of them."""
+        """The mapping of a tokenizer: every id below the model's (or tokenizer's) size that round-trips
+        through a token, so tokens ``get_vocab()`` leaves out are kept (M2M100's language tags in
+        transformers 5), with its ``<role>_token_id`` specials; ``model_vocab_size``: 0 if unknown."""
         vocabulary = dict(tokenizer.get_vocab())
         _tokens_by_id(vocabulary, model_vocab_size)  # refuses an id past the model's rows before probing up to it
         end = max([len(tokenizer), model_vocab_size, *(hf_id + 1 for hf_id in vocabulary.values())])
@@ -83,10 +74,8 @@ class VocabularyMap:
 
     @classmethod
     def from_side(cls, vocabulary: Mapping[str, int], tokenizer, model_rows: int = 0) -> "VocabularyMap":
-        """The mapping of one side's ``vocabulary`` (token -> id) of a tokenizer with a vocabulary
-        per side: each special is the id of the tokenizer's ``<role>_token`` string in
-        ``vocabulary``, not the tokenizer's ``<role>_token_id`` (a source id). ``model_rows``: the
-        model's rows for that side when known, else 0."""
+        """The mapping of one side's ``vocabulary`` of a tokenizer with a vocabulary per side: each
+        special is the id of its ``<role>_token`` string there (``<role>_token_id`` is a source id)."""
         special_ids = {}
         for role in SPECIAL_ROLES:
             token = getattr(tokenizer, f"{role}_token", None)
@@ -101,7 +90,7 @@ class VocabularyMap:
 
     @property
     def fairseq_id_of_hf(self) -> Tuple[int, ...]:
-        """The inverse direction: fairseq index of each Hugging Face id."""
+        """The fairseq index of each Hugging Face id."""
         inverse = [NO_ID] * self.hf_vocab_size
         for fairseq_id, hf_id in enumerate(self.hf_id_of_fairseq):
             if hf_id != NO_ID:
@@ -123,15 +112,8 @@ class VocabularyMap:
             raise VocabularyError(f"fairseq index {hf_ids.index(NO_ID)} has no token in the teacher's vocabulary")
         return hf_ids
 
-    def tensors(self, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(hf_id_of_fairseq, fairseq_id_of_hf) as long tensors, for ``index_select``/indexing."""
-        forward = torch.tensor(self.hf_id_of_fairseq, dtype=torch.long, device=device)
-        inverse = torch.tensor(self.fairseq_id_of_hf, dtype=torch.long, device=device)
-        return forward, inverse
-
     def dictionary(self, counts: Optional[Mapping[str, int]] = None):
-        """The fairseq Dictionary of the mapping (symbol for symbol), with occurrence ``counts`` for
-        ``dict.LANG.txt`` (0 where not given); built and later saved by fairseq's own class."""
+        """The fairseq Dictionary of the mapping, with occurrence ``counts`` (0 where not given)."""
         from fairseq.data import Dictionary
 
         dictionary = Dictionary()
@@ -145,22 +127,17 @@ class VocabularyMap:
         """Why a dictionary with ``symbols`` is not this mapping's, or None when it is."""
         if tuple(symbols) == self.fairseq_symbols:
             return None
-        first = next((i for i, (a, b) in enumerate(zip(symbols, self.fairseq_symbols)) if a != b),
-                     min(len(symbols), len(self)))
+        first = first_difference(symbols, self.fairseq_symbols)
         return (f"{len(symbols)} symbols vs the teacher's {len(self)}, first difference at index {first}"
                 f" ({_symbol_at(symbols, first)!r} vs {_symbol_at(self.fairseq_symbols, first)!r})")
 
 
 def tokenizer_maps(tokenizer, model_vocab_size: int = 0,
                    target_model_vocab_size: int = 0) -> Tuple[VocabularyMap, VocabularyMap]:
-    """``(source, target)``: the mappings of a tokenizer's source and target vocabularies. One
-    object twice when the tokenizer has one vocabulary (:meth:`VocabularyMap.from_tokenizer`, with
-    ``model_vocab_size``, the model's rows); two for a Marian tokenizer with
-    ``separate_vocabs=True``: its source vocabulary (``get_src_vocab()``, ``vocab.json``; the
-    encoder's ``model_vocab_size`` rows) and its target vocabulary (``target_encoder``,
-    ``target_vocab.json``: transformers 5's ``get_tgt_vocab()`` fails on the tokenizer's added
-    specials; the decoder's ``target_model_vocab_size`` rows), each read by
-    :meth:`VocabularyMap.from_side`. A size of 0 is unknown."""
+    """``(source, target)`` mappings: one object twice for one vocabulary; for a Marian tokenizer with
+    ``separate_vocabs=True``, ``get_src_vocab()`` and ``target_encoder`` (transformers 5's
+    ``get_tgt_vocab()`` fails on its added specials). Sizes: the model's rows (encoder's, decoder's),
+    0 if unknown."""
     if not getattr(tokenizer, "separate_vocabs", False):
         shared = VocabularyMap.from_tokenizer(tokenizer, model_vocab_size)
         return shared, shared
@@ -177,12 +154,17 @@ def tokenizer_maps(tokenizer, model_vocab_size: int = 0,
     return maps[0], maps[1]
 
 
+def first_difference(a: Sequence, b: Sequence) -> int:
+    """The first index where ``a`` and ``b`` differ (the shorter one's length when one extends the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _symbol_at(symbols: Sequence[str], index: int) -> Optional[str]:
     return symbols[index] if index < len(symbols) else None
 
 
 def _check_id(what: str, hf_id, model_rows: int) -> None:
-    """``hf_id`` is an id the model has a row for (``model_rows``; 0: any non-negative integer)."""
+    """``hf_id`` is a row of the model (``model_rows``; 0: any non-negative integer)."""
     if isinstance(hf_id, bool) or not isinstance(hf_id, int) or hf_id < 0 or (model_rows and hf_id >= model_rows):
         rows = f" of the model's {model_rows} rows" if model_rows else ""
         raise VocabularyError(f"{what} has the id {hf_id!r}, which is not one{rows}; the model and tokenizer do not "
@@ -190,8 +172,7 @@ def _check_id(what: str, hf_id, model_rows: int) -> None:
 
 
 def _tokens_by_id(vocabulary: Mapping[str, int], model_rows: int = 0) -> Dict[int, str]:
-    """The vocabulary as id -> token; no two tokens may share an id, and each id is one of the
-    model's rows (``model_rows``; 0: unknown)."""
+    """The vocabulary as id -> token; no two tokens may share an id."""
     tokens: Dict[int, str] = {}
     for token, hf_id in vocabulary.items():
         _check_id(f"the token {token!r}", hf_id, model_rows)
@@ -204,8 +185,7 @@ def _tokens_by_id(vocabulary: Mapping[str, int], model_rows: int = 0) -> Dict[in
 
 
 def _checked_symbol(token: str) -> str:
-    """A token as a line of dict.LANG.txt: not one of fairseq's specials in another role, and no
-    whitespace (fairseq splits a dictionary line at its last space)."""
+    """A token as a line of dict.LANG.txt: not a fairseq special in another role, no whitespace."""
     if token in FAIRSEQ_SPECIALS:
         raise VocabularyError(f"the token {token!r} is an ordinary token of the tokenizer but a special symbol "
                               "of fairseq's dictionary")

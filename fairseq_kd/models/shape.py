@@ -11,11 +11,7 @@ from .feature_capture import DECODER_CROSS, DECODER_SELF, ENCODER_SELF, NotATran
 
 @dataclass(frozen=True)
 class TransformerShape:
-    """Layer counts, head counts and widths of one encoder-decoder Transformer.
-
-    Read from the built model rather than from its config so that every architecture, registered
-    here or not, is described by what it actually is.
-    """
+    """Layer counts, head counts and widths of one encoder-decoder Transformer, read from the built model."""
 
     encoder_layers: int
     decoder_layers: int

@@ -1,10 +1,7 @@
-"""Loading and running the frozen teacher.
+"""Loading and running the frozen teacher: a fairseq Transformer translation checkpoint.
 
-The teacher is a plain fairseq Transformer translation checkpoint (``--arch transformer`` or any
-architecture of that model family). It lives on the task, never inside the student or the
-criterion, so it is not in the optimizer and not written into student checkpoints; it stays in
-eval mode, has ``requires_grad=False`` everywhere, runs under ``torch.no_grad()``, and follows the
-student's device and dtype (fp16 and bf16 included) on the first forward pass after a change.
+It lives on the task (not in the optimizer, not in student checkpoints), stays in eval mode without
+gradients, and follows the student's device and dtype on the first forward pass after a change.
 """
 from __future__ import annotations
 
@@ -33,16 +30,13 @@ HF_CONFIG_FILE = "config.json"
 
 
 def is_hugging_face_folder(path) -> bool:
-    """Whether ``path`` is a folder with a ``config.json``: a Hugging Face teacher
-    (:mod:`.hf_teacher`) rather than a fairseq checkpoint file."""
+    """Whether ``path`` is a folder with a ``config.json`` (a Hugging Face teacher)."""
     return bool(path) and os.path.isdir(path) and os.path.isfile(os.path.join(path, HF_CONFIG_FILE))
 
 
 def teacher_file_problem(path) -> Optional[str]:
     """Why ``path`` cannot be read as a fairseq teacher checkpoint, in words for a message after the
-    flag (``--teacher-checkpoint 'PATH': ...``), None when it can: the one check of training's and
-    both teacher passes' --teacher-checkpoint (a Hugging Face folder is read by training and the
-    teacher passes, through :mod:`.hf_teacher`, never by this class)."""
+    flag (``--teacher-checkpoint 'PATH': ...``), None when it can."""
     if is_hugging_face_folder(path):
         return ("is a Hugging Face model folder, which is read as a teacher by fairseq-train --task translation_kd, "
                 "fairseq-kd-teacher-cache, fairseq-kd-seqkd and fairseq-kd-translate, not here. Pass a fairseq "
@@ -59,17 +53,16 @@ def teacher_file_problem(path) -> Optional[str]:
 
 
 def _contiguous_input(module: nn.Module, args: tuple) -> Optional[tuple]:
-    """A module's first input made contiguous before the module runs: with a frozen weight,
-    ``torch.matmul`` on a transposed view runs a slower batched product (``docs/design/teachers.md``)."""
+    """The module's first input made contiguous (a frozen weight on a transposed view runs a slower
+    product: ``docs/design/teachers.md``)."""
     if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
         return (args[0].contiguous(), *args[1:])
     return None
 
 
 def _modules_given_transposed_views(model: nn.Module) -> List[nn.Module]:
-    """The modules of a fairseq Transformer that fairseq calls on a transposed view: its encoder
-    and decoder layers (the first of each gets it; the hook is a no-op on the others) and the
-    decoder's output projections. Only these are hooked: a hook slows every call of its module."""
+    """The modules fairseq calls on a transposed view: the encoder and decoder layers (the first of
+    each) and the decoder's output projections."""
     modules = [module for module in model.modules()
                if isinstance(module, (TransformerEncoderLayerBase, TransformerDecoderLayerBase))]
     decoder = getattr(model, "decoder", None)
@@ -81,10 +74,9 @@ def _modules_given_transposed_views(model: nn.Module) -> List[nn.Module]:
 
 
 class FrozenTeacher:
-    """A frozen teacher model used as the source of distillation signals: a fairseq Transformer
-    here, a Hugging Face model in :class:`.hf_teacher.HuggingFaceTeacher`. ``shape`` is what the
-    feature methods size their modules from (None, with ``feature_problem`` saying why, for a
-    teacher whose features cannot be read)."""
+    """A frozen teacher: a fairseq Transformer here, a Hugging Face model in
+    :class:`.hf_teacher.HuggingFaceTeacher`. ``shape`` sizes the feature methods' modules (None, with
+    ``feature_problem`` saying why, when the features cannot be read)."""
 
     feature_problem: Optional[str] = None
 
@@ -102,7 +94,6 @@ class FrozenTeacher:
         self.shape: Optional[TransformerShape] = self.read_shape()
 
     def read_shape(self) -> Optional[TransformerShape]:
-        """The model's :class:`TransformerShape`; raises :class:`NotATransformerError`."""
         return TransformerShape.from_model(self.model)
 
     @classmethod
@@ -110,11 +101,8 @@ class FrozenTeacher:
              sha256: Optional[str] = None) -> "FrozenTeacher":
         """Load ``path`` for ``task`` (whose dictionaries the teacher must share), or fail clearly.
 
-        ``teacher_data`` (``--teacher-data``) is read from the task's config when not given; a task
-        without that option (stock ``translation``) must be given it by its caller, and a teacher
-        whose dictionaries cannot be verified is refused either way. ``sha256``: the checkpoint's
-        SHA-256 when the caller has just taken its fingerprint (:mod:`fairseq_kd.fingerprint`),
-        so that it is not read twice; hashed here otherwise.
+        ``teacher_data``: ``--teacher-data``, the task's when not given; ``sha256``: the checkpoint's
+        SHA-256 when the caller has just taken it, hashed here otherwise.
         """
         problem = teacher_file_problem(path)
         if problem is not None:
@@ -140,18 +128,16 @@ class FrozenTeacher:
 
     @property
     def sha256(self) -> Optional[str]:
-        """Content hash of the checkpoint file (what binds a student's run to this teacher);
-        None for a teacher built in memory without a file."""
+        """SHA-256 of the checkpoint file (what binds a student's run to this teacher), None without one."""
         if self._sha256 is None and self.path and os.path.isfile(self.path):
             self._sha256 = readable(file_sha256, self.path)
         return self._sha256
 
     def follow(self, reference: torch.Tensor) -> None:
-        """Move the teacher to ``reference``'s device and floating dtype if it is elsewhere."""
+        """Move the teacher to ``reference``'s device and floating dtype, and back to eval mode."""
         param = next(self.model.parameters())
         if param.device != reference.device or param.dtype != reference.dtype:
             self.model.to(device=reference.device, dtype=reference.dtype)
-        # The trainer never touches the teacher, but a user's code might; eval mode is invariant.
         if self.model.training:
             self.model.eval()
 
@@ -164,8 +150,7 @@ class FrozenTeacher:
 
 
 def readable(read, path, *args):
-    """``read(path, *args)``, an OSError of the system (a file of the teacher that cannot be read)
-    said in one line naming the flag and the file."""
+    """``read(path, *args)``, an OSError said in one line naming the flag and the file."""
     try:
         return read(path, *args)
     except OSError as err:
@@ -173,8 +158,7 @@ def readable(read, path, *args):
 
 
 def _read_teacher_checkpoint(path: str) -> dict:
-    """The teacher's checkpoint state (:func:`.from_checkpoint.read_transformer_checkpoint`), its
-    errors worded for ``--teacher-checkpoint``."""
+    """:func:`.from_checkpoint.read_transformer_checkpoint`, its errors worded for ``--teacher-checkpoint``."""
     try:
         return read_transformer_checkpoint(path)
     except UnsafeCheckpointError as err:
