@@ -13,12 +13,10 @@ def split_files(data: Path, split: str, src: str, tgt: str) -> List[Path]:
     files: List[Path] = []
     for k in itertools.count():
         name = split + (str(k) if k > 0 else "")
-        found = False
         for pair in (f"{src}-{tgt}", f"{tgt}-{src}"):
             stem = data / f"{name}.{pair}"
             if (data / f"{stem.name}.{src}.idx").is_file():
                 files += sorted(p for p in data.glob(f"{stem.name}.*") if p.suffix in (".bin", ".idx"))
-                found = True
                 break
-        if not found:
+        else:
             return files

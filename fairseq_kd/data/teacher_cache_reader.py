@@ -155,7 +155,7 @@ def _npy_header(path: Path, what: str, fix: str) -> Tuple[tuple, np.dtype, int]:
 
 def _offsets_problem(offsets: np.ndarray, n_tokens: int) -> Optional[str]:
     values = np.asarray(offsets)
-    if len(values) and values.min() < 0:
+    if values.min() < 0:
         return f"holds a negative offset ({int(values.min())}, sentence {int(values.argmin())})"
     if values[0] != 0:
         return f"starts at {int(values[0])}, not 0"

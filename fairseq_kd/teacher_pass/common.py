@@ -1,17 +1,7 @@
 """What every offline pass of the frozen teacher over a binarised split shares (sequence-level KD,
-:mod:`.seqkd`; the top-k cache, :mod:`.teacher_cache`):
-
-* set-up: the language pair, the split's files, fairseq's translation task, the teacher, the device;
-* shards of consecutive sentence ids, each batched alone as fairseq-generate batches, so a resumed
-  or split pass writes one process's bytes; each shard written after its record (SHA-256 and the
-  pass's identity) and checked against it when skipped as done or merged (:func:`shard_problem`);
-* the pass's record: created once by the first worker (:func:`create_record`), every setting that
-  changes the bytes in its :func:`identity`; a worker whose settings differ is refused by name;
-* workers (:func:`workers_for`): a job array's ``--num-shards N --shard-id I`` (each index claimed
-  while it runs, :func:`job_array_worker`), or torchrun's and srun's ranks; worker ``I`` does the
-  shards ``i % N == I`` and one worker merges (:func:`merge_when_complete`, :func:`merge_lock`).
-
-Why it is built so: ``docs/design/teacher_passes.md``.
+:mod:`.seqkd`; the top-k cache, :mod:`.teacher_cache`): set-up, shards and their records, the
+pass's resumable record and identity, workers (job arrays, torchrun, srun), merging once, locks.
+How and why: ``docs/design/teacher_passes.md``.
 """
 from __future__ import annotations
 
@@ -31,7 +21,6 @@ from typing import BinaryIO, Callable, Iterable, Iterator, List, Mapping, Option
 import numpy as np
 import torch
 
-from ..data.binarised import split_files  # noqa: F401  (the passes' set-up)
 from ..errors import FileAccessError, UserError, message_of
 from ..fingerprint import bytes_sha256, content, file_sha256, read_json, write_json
 from ..progress import print_above_bars, progress_bar
@@ -137,16 +126,15 @@ def shard_batches(dataset, ordered, first: int, last: int, max_tokens: Optional[
                                  required_batch_size_multiple=1)
 
 
-def check_max_tokens(dataset, max_tokens: Optional[int], split: str) -> Optional[str]:
-    """Why ``--max-tokens`` cannot batch ``dataset`` (``batch_by_size`` would assert), or None."""
+def check_max_tokens(dataset, max_tokens: Optional[int], split: str, error: Type[Exception]) -> None:
+    """Refuse a ``--max-tokens`` that cannot batch ``dataset`` (``batch_by_size`` would assert)."""
     if max_tokens is None or len(dataset) == 0:
-        return None
+        return
     lengths = dataset.num_tokens_vec(np.arange(len(dataset)))
     longest = int(lengths.argmax())
-    if lengths[longest] <= max_tokens:
-        return None
-    return (f"--max-tokens {max_tokens} is smaller than sentence {longest} of --split {split} "
-            f"({int(lengths[longest])} tokens); raise it to at least that")
+    if lengths[longest] > max_tokens:
+        raise error(f"--max-tokens {max_tokens} is smaller than sentence {longest} of --split {split} "
+                    f"({int(lengths[longest])} tokens); raise it to at least that")
 
 
 @contextlib.contextmanager
@@ -219,8 +207,8 @@ def create_record(path: Path, record: dict) -> Optional[dict]:
         temporary.unlink(missing_ok=True)
 
 
-def _settled_record(path: Path, attempts: int = 50) -> dict:
-    for _attempt in range(attempts):  # only a record created without hard links is seen half-written
+def _settled_record(path: Path) -> dict:
+    for _attempt in range(50):  # only a record created without hard links is seen half-written
         record = read_json(path)
         if isinstance(record, dict):
             return record
@@ -632,7 +620,7 @@ def _alive(pid) -> bool:
     except ProcessLookupError:
         return False
     except OSError:  # e.g. another user's process
-        return True
+        pass
     return True
 
 

@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..data.binarised import split_files
 from ..deploy.export_ctranslate2 import QUANTIZATIONS
 from ..errors import FOLDER, OUTPUT_FOLDER, InputError, PathError, require_path
 from ..fingerprint import fingerprint, fingerprint_files, record_sha256, write_json
@@ -35,8 +36,7 @@ from .common import (JOB_ARRAY, MERGED, MERGED_BEFORE, SHARDS_REMAIN, Workers, c
                      job_array_worker, length_ordered_indices, load_split, load_teacher, merge_lock,
                      merge_when_complete, missing_shards, num_shards_field, on_device, own_pending_shards, pick_device,
                      rank_group, read_record, refuse_shard, shard_batches, shard_id_field, shard_progress, shard_range,
-                     split_files, teacher_fingerprint, translation_task, user_folders, wait_for_ranks, workers_for,
-                     write_shard)
+                     teacher_fingerprint, translation_task, user_folders, wait_for_ranks, workers_for, write_shard)
 from .selection import SELECTIONS, choose, kept_by_cross_entropy, selection_problem, teacher_cross_entropy
 
 MANIFEST_NAME = "seqkd.json"
@@ -168,24 +168,15 @@ class SeqKDResult:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _is_split_part(name: str, split: str) -> bool:
-    return re.fullmatch(re.escape(split) + r"\d*", name) is not None
-
-
 def _dataset_files_of_other_splits(data: Path, split: str, src: str, tgt: str) -> List[Path]:
-    pairs = {f"{src}-{tgt}", f"{tgt}-{src}"}
+    pairs, split_part = {f"{src}-{tgt}", f"{tgt}-{src}"}, re.escape(split) + r"\d*"
     found = []
     for path in sorted(data.iterdir()):
         parts = path.name.split(".")
         if (len(parts) == 4 and parts[1] in pairs and parts[2] in (src, tgt) and parts[3] in ("bin", "idx")
-                and not _is_split_part(parts[0], split)):
+                and not re.fullmatch(split_part, parts[0])):
             found.append(path)
     return found
-
-
-def _binarised_files(folder: Path) -> List[Path]:
-    return [p for p in folder.iterdir() if p.is_file() and (
-        p.suffix in (".bin", ".idx") or re.fullmatch(r"dict\..+\.txt", p.name))]
 
 
 # ------------------------------------------------------------------------------ planning
@@ -220,13 +211,6 @@ class _Plan:
         return self.output / f"{self.config.split}.{self.src}-{self.tgt}.{lang}"
 
 
-def resolve_engine(config: SeqKDConfig) -> SeqKDConfig:
-    if config.engine != AUTO_ENGINE:
-        return config
-    engine = "transformers" if is_hugging_face_folder(config.teacher_checkpoint) else "fairseq"
-    return replace(config, engine=engine)
-
-
 def _check_flags(config: SeqKDConfig) -> None:
     c = config
     problem = next((message for bad, message in (
@@ -253,15 +237,14 @@ def _check_flags(config: SeqKDConfig) -> None:
 
 def plan(config: SeqKDConfig) -> _Plan:
     """Every check that needs no model: flags, data, split, output folder. Raises SeqKDError."""
-    config = resolve_engine(config)
+    if config.engine == AUTO_ENGINE:
+        config = replace(config, engine="transformers" if is_hugging_face_folder(config.teacher_checkpoint)
+                         else "fairseq")
     _check_flags(config)
     if os.pathsep in config.data:
         raise SeqKDError(f"--data {config.data!r}: give one binarised folder, not a {os.pathsep!r}-separated list")
     data = Path(config.data).resolve()
-    try:
-        require_path(config.data, "--data", FOLDER, hint="a fairseq-preprocess --destdir is expected")
-    except PathError as error:
-        raise SeqKDError(str(error)) from None
+    _require_path(config.data, "--data", FOLDER, hint="a fairseq-preprocess --destdir is expected")
     src, tgt = infer_languages(data, config.source_lang, config.target_lang, SeqKDError)
     for lang, flag in ((src, "--source-lang"), (tgt, "--target-lang")):
         if not (data / f"dict.{lang}.txt").is_file():
@@ -279,11 +262,7 @@ def plan(config: SeqKDConfig) -> _Plan:
     if output == data:
         raise SeqKDError(f"--output {config.output} is the --data folder; the input split would be "
                          "overwritten while it is read. Choose another folder.")
-    try:
-        require_path(config.output, "--output", OUTPUT_FOLDER)
-    except PathError as error:
-        raise SeqKDError(str(error)) from None
-
+    _require_path(config.output, "--output", OUTPUT_FOLDER)
     manifest = read_record(output / MANIFEST_NAME)
     recorded = (manifest or {}).get("inputs") or {}  # their checksums are reused for unchanged files
     dictionaries = [data / f"dict.{src}.txt", data / f"dict.{tgt}.txt"]
@@ -306,6 +285,13 @@ def plan(config: SeqKDConfig) -> _Plan:
     plan_ = _Plan(config, data, output, src, tgt, parameters, inputs, manifest=None)
     plan_.manifest = _check_output_folder(plan_, manifest)
     return plan_
+
+
+def _require_path(path: str, flag: str, expected: str, hint: str = "") -> None:
+    try:
+        require_path(path, flag, expected, hint)
+    except PathError as error:
+        raise SeqKDError(str(error)) from None
 
 
 def _check_teacher_for_engine(config: SeqKDConfig) -> None:
@@ -334,11 +320,7 @@ def _check_output_folder(plan_: _Plan, manifest: Optional[dict]) -> Optional[dic
     # a worker starting at the same time may be creating the manifest (its temporary file)
     if not output.exists() or all(is_temporary(path) for path in output.iterdir()):
         return None
-    if manifest is None:
-        old = new = {}
-    else:
-        old, new = _identity(manifest), _identity(plan_.record)
-    if manifest is not None and old == new:
+    if manifest is not None and _identity(manifest) == _identity(plan_.record):
         return manifest
     if plan_.config.force:
         return None
@@ -365,7 +347,9 @@ def _clear_for_force(plan_: _Plan) -> None:
     """Remove previous seq-KD work and every binarised file (no stale ``train1`` read with the new)."""
     if plan_.work.exists():
         shutil.rmtree(plan_.work)
-    for path in _binarised_files(plan_.output) + [plan_.output / MANIFEST_NAME]:
+    binarised = [p for p in plan_.output.iterdir() if p.is_file() and (
+        p.suffix in (".bin", ".idx") or re.fullmatch(r"dict\..+\.txt", p.name))]
+    for path in binarised + [plan_.output / MANIFEST_NAME]:
         if path.exists():
             path.unlink()
 
@@ -386,9 +370,7 @@ def _load(plan_: _Plan, workers: Workers):
             f"{len(too_long)} source sentences of --split {plan_.config.split} are longer than the "
             f"teacher's {max_source} source positions (first: sentence {int(too_long[0])}, "
             f"{int(dataset.src_sizes[too_long[0]])} tokens); filter them out of the data first.")
-    too_small = check_max_tokens(dataset, plan_.config.max_tokens, plan_.config.split)
-    if too_small:
-        raise SeqKDError(too_small)
+    check_max_tokens(dataset, plan_.config.max_tokens, plan_.config.split, SeqKDError)
     if dataset.tgt is None and (plan_.config.select in ("chrf", "bleu") or plan_.config.mix_original):
         raise SeqKDError(f"--split {plan_.config.split} has no target side: --select {plan_.config.select} and "
                          "--mix-original read its references; binarise the split with its targets")
@@ -791,21 +773,21 @@ def _merge(plan_: _Plan, dataset, task, manifest: dict, device) -> None:
     _check_shards(plan_, list(range(shard_count)), len(dataset))
     stats = _binarize(plan_, dataset, task, shard_count)
     copied = _copy_other_splits(plan_)
-    written = [p.name for lang in (plan_.src, plan_.tgt) for p in
-               (Path(str(plan_.output_prefix(lang)) + ".bin"), Path(str(plan_.output_prefix(lang)) + ".idx"))]
-    workers_flags = ("num_shards", "shard_id")  # how the work was split, not what it is
-    decoding = {k: v for k, v in asdict(plan_.config).items() if k not in workers_flags}
+    written = [plan_.output_prefix(lang).name + suffix
+               for lang in (plan_.src, plan_.tgt) for suffix in (".bin", ".idx")]
+    unrecorded = ("num_shards", "shard_id")  # how the work was split, not what it is
+    if plan_.config.engine != "ctranslate2":  # the CTranslate2 engine's settings, not used
+        unrecorded += ("ct2_quantization", "threads")
+    decoding = {k: v for k, v in asdict(plan_.config).items() if k not in unrecorded}
     decoding["output"] = str(plan_.output)
     if plan_.config.engine == "ctranslate2":
         from ..deploy import import_ctranslate2
 
         decoding["ctranslate2_version"] = import_ctranslate2().__version__
-    else:  # settings of the CTranslate2 engine, not used
-        if plan_.config.engine == "transformers":
-            import transformers
+    elif plan_.config.engine == "transformers":
+        import transformers
 
-            decoding["transformers_version"] = transformers.__version__
-        decoding = {k: v for k, v in decoding.items() if k not in ("ct2_quantization", "threads")}
+        decoding["transformers_version"] = transformers.__version__
     complete = {**manifest, "status": "complete", **stats, "copied": copied, "device": str(device),
                 "files": fingerprint_files([plan_.output / name for name in written + copied]),
                 "decoding": decoding}

@@ -101,9 +101,7 @@ def build_cache(config: CacheConfig, log: Callable[[str], None] = print) -> Path
             return output
         pass_identity = record_sha256(_identity(parameters))
         dataset = load_split(task, config.split)
-        too_small = check_max_tokens(dataset, config.max_tokens, config.split)
-        if too_small:
-            raise TeacherCacheError(too_small)
+        check_max_tokens(dataset, config.max_tokens, config.split, TeacherCacheError)
         offsets = np.zeros(len(dataset) + 1, dtype=np.int64)
         np.cumsum(np.asarray(dataset.tgt_sizes, dtype=np.int64), out=offsets[1:])
         n_shards, shard_path = shard_count(len(dataset), config.shard_size), partial(_shard_path, output)
@@ -126,9 +124,7 @@ def _set_up(config: CacheConfig):
     existing = read_manifest(output, f"--output {output}", BUILD_ANEW) if (output / MANIFEST).exists() else None
     interrupted = read_record(output / PROGRESS)
     recorded = (existing or (interrupted or {}).get("parameters") or {}).get("inputs") or {}
-    # fingerprinted first, so that a recorded checksum saves reading an unchanged checkpoint (a
-    # Hugging Face folder: its files' and its digest, what TeacherCache.open compares); a missing or
-    # unreadable one is left to the teacher loader's message
+    # before loading: a recorded checksum spares reading an unchanged checkpoint (None: the loader says why)
     teacher_fingerprint = fingerprint_of_teacher(Path(config.teacher_checkpoint), recorded.get("teacher"))
     task = translation_task(data, src, tgt, config.split)
     teacher = load_teacher(task, config.teacher_checkpoint, config.teacher_data,
@@ -246,11 +242,11 @@ def _merge(config: CacheConfig, parameters: dict, offsets: np.ndarray, vocabular
     output, k = Path(config.output), config.k
     staging = output / SHARDS
     n_sentences, n_tokens = len(offsets) - 1, int(offsets[-1])
-    _check_shards(list(range(shard_count(n_sentences, config.shard_size))), output, n_sentences, config.shard_size,
-                  pass_identity)
+    shards = range(shard_count(n_sentences, config.shard_size))
+    _check_shards(list(shards), output, n_sentences, config.shard_size, pass_identity)
     logprobs = np.lib.format.open_memmap(staging / LOGPROBS, mode="w+", dtype=np.float32, shape=(n_tokens, k))
     token_ids = np.lib.format.open_memmap(staging / TOKEN_IDS, mode="w+", dtype=np.int32, shape=(n_tokens, k))
-    for shard in range(shard_count(n_sentences, config.shard_size)):
+    for shard in shards:
         first, last = shard_range(shard, config.shard_size, n_sentences)
         rows = slice(int(offsets[first]), int(offsets[last]))
         logprobs[rows], token_ids[rows] = _read_shard(output, shard, rows.stop - rows.start, k, vocabulary)
