@@ -105,10 +105,6 @@ class NormalizationMode:
     #: --a2d-normalization NAME, ..."); None: it is allowed
     mean_refusal: Optional[str] = None
 
-    @property
-    def allows_mean(self) -> bool:
-        return self.mean_refusal is None
-
     def divergence(self, intermediate: Tensor, teacher_maps: Tensor, attendable: Tensor) -> Tensor:
         """``sum_c KL(A_T^c || H^I_c)`` in float32 (see :func:`alignment_kl`)."""
         return self.kl(intermediate.float(), teacher_maps.float(), attendable.unsqueeze(0))
@@ -303,7 +299,7 @@ def resolve_map_reduction(requested: str, normalization: str) -> str:
     if requested not in MAP_REDUCTIONS:
         raise InputError(f"--a2d-map-reduction must be one of {', '.join(MAP_REDUCTIONS)}, got {requested!r}")
     mode = normalization_mode(normalization)
-    if requested == "mean" and not mode.allows_mean:
+    if requested == "mean" and mode.mean_refusal is not None:
         raise InputError(
             f"--a2d-map-reduction mean cannot be combined with --a2d-normalization {mode.name}, "
             f"{mode.mean_refusal}; drop --a2d-map-reduction or choose another --a2d-normalization"

@@ -219,9 +219,8 @@ class KDCriterionBase(DistillationMethod, LabelSmoothedCrossEntropyCriterion):
         return TeacherSignal()
 
     def with_own_parameters(self, loss: Tensor, model) -> Tensor:
-        """``loss`` with every trainable parameter of the criterion in its graph: fairseq wraps a
-        criterion with parameters in DistributedDataParallel, which expects a gradient for each in
-        every step, even where its term is off. Zero gradients; one float32 element per tensor."""
+        """``loss`` with every trainable parameter of the criterion in its graph (zero gradients), as
+        DistributedDataParallel expects even where its term is off."""
         if model.training and torch.is_grad_enabled():
             trainable = [p for p in self.parameters() if p.requires_grad]
             if trainable:
@@ -272,10 +271,8 @@ class KDCriterionBase(DistillationMethod, LabelSmoothedCrossEntropyCriterion):
     def cross_entropy(self, model, net_output, sample, target_mask: Tensor, distilling: bool = True
                       ) -> Tuple[Tensor, Tensor]:
         """fairseq's label-smoothed CE and nll, reduced: in chunks of positions
-        (:func:`.chunked.label_smoothed_cross_entropy`, the same values without fairseq's
-        full-vocabulary copies); fairseq's own ``compute_loss`` without distillation (exactly
-        fairseq's criterion, its reduction order too) and for a decoder whose output is not plain
-        logits (adaptive softmax)."""
+        (:func:`.chunked.label_smoothed_cross_entropy`), or fairseq's own ``compute_loss`` without
+        distillation and for a decoder whose output is not plain logits (adaptive softmax)."""
         if not distilling or not self.plain_logits(model):
             return self.compute_loss(model, net_output, sample, reduce=True)
         return label_smoothed_cross_entropy(net_output[0], sample["target"], target_mask, self.eps)

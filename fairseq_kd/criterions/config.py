@@ -4,6 +4,7 @@ range of every number of a criterion's config (:func:`ranged`, :func:`weight`), 
 included), and by the base when a criterion is built. A number without a declared range must only
 be finite.
 """
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Dict, Optional
@@ -12,6 +13,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEn
 from fairseq.dataclass import ChoiceEnum
 
 from ..errors import InputError
+from .chunked import DIVERGENCES
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,7 @@ def weight(default, *, help: str, **metadata):
     return ranged(default, 0.0, help=help, meaning="a loss weight (0 switches the term off)", **metadata)
 
 
-#: the divergences of word-level KD (:data:`.chunked.DIVERGENCES`, forward KL first)
-DIVERGENCE_CHOICES = ChoiceEnum(["forward_kl", "reverse_kl", "jsd", "skew_kl", "skew_reverse_kl", "tvd"])
+DIVERGENCE_CHOICES = ChoiceEnum(list(DIVERGENCES))
 #: how the student generates its on-policy targets (:mod:`.on_policy`)
 ON_POLICY_SAMPLING_CHOICES = ChoiceEnum(["sample", "greedy"])
 
@@ -112,8 +113,6 @@ class KDCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
 
 def declared_ranges(config_class) -> Dict[str, Range]:
     """The :class:`Range` of every field of ``config_class`` that declares one."""
-    import dataclasses
-
     return {f.name: f.metadata["range"] for f in dataclasses.fields(config_class) if "range" in f.metadata}
 
 
@@ -146,11 +145,8 @@ def option_flag(name: str, criterion_name: str = "") -> str:
 
 
 def check_numeric_options(cfg, criterion_name: str = "") -> None:
-    """Raise :class:`~fairseq_kd.errors.InputError` (a ValueError) naming the flag if a numeric option of a criterion config is NaN,
-    infinite, or outside its declared range (see :func:`option_ranges`). ``None`` (unset optional
-    values) passes."""
-    import dataclasses
-
+    """Raise :class:`~fairseq_kd.errors.InputError` naming the flag if a numeric option of a criterion
+    config is NaN, infinite, or outside its declared range (:func:`option_ranges`); None passes."""
     if dataclasses.is_dataclass(cfg):
         keys, config_class = [f.name for f in dataclasses.fields(cfg)], type(cfg)
     else:

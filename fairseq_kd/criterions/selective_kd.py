@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .method import DistillationTerms
 from .config import ranged
-from .chunked import rows_per_chunk
+from .chunked import chunked_logsumexp
 from .word_kd import WordKDConfig, WordKDCriterion
 
 logger = logging.getLogger(__name__)
@@ -55,20 +55,11 @@ class SelectiveKDConfig(WordKDConfig):
 
 # ------------------------------------------------------------------ selection (pure functions)
 def token_cross_entropy(student_logits: Tensor, target: Tensor, rows: Optional[int] = None) -> Tensor:
-    """``-log p_S(y_t)`` per position, ``(batch, tgt_len)``, float32, detached (ranking only):
-    ``logsumexp(z) - z[y]`` in chunks of positions (:func:`.losses.rows_per_chunk`; ``rows``
-    overrides, for tests), so no (positions, vocabulary) log-softmax is held for the ranking."""
+    """``-log p_S(y_t) = logsumexp(z) - z[y]`` per position, ``(batch, tgt_len)``, float32, detached
+    (ranking only), without a (positions, vocabulary) log-softmax; ``rows``: for tests."""
     with torch.no_grad():
         logits = student_logits.detach()
-        vocab = logits.size(-1)
-        flat, flat_target = logits.reshape(-1, vocab), target.reshape(-1, 1)
-        step = rows_per_chunk(vocab, rows, flat.size(0), flat.device.type)
-        values = torch.empty(flat.size(0), dtype=torch.float32, device=flat.device)
-        for start in range(0, flat.size(0), step):
-            chunk = flat[start:start + step].float()
-            values[start:start + step] = (torch.logsumexp(chunk, -1)
-                                          - chunk.gather(-1, flat_target[start:start + step]).squeeze(-1))
-        return values.view(target.shape)
+        return chunked_logsumexp(logits, rows) - logits.gather(-1, target.unsqueeze(-1)).squeeze(-1).float()
 
 
 def selection_count(word_rate: float, total: int) -> int:
@@ -112,12 +103,8 @@ def select_global_level(token_ce: Tensor, target_mask: Tensor, threshold: Tensor
 
 
 def gather_from_workers(values: Tensor) -> Tensor:
-    """Concatenation, in rank order, of every data-parallel worker's 1-D ``values``.
-
-    Workers hold different numbers of tokens and ``all_gather`` needs equal shapes, so the counts
-    are gathered first and the values padded to the largest count. Returns ``values`` unchanged
-    when ``torch.distributed`` is not initialised or there is one worker.
-    """
+    """Concatenation, in rank order, of every data-parallel worker's 1-D ``values`` (of any length:
+    padded to the longest for ``all_gather``); ``values`` itself with one worker."""
     group = distributed_utils.get_data_parallel_group()
     if distributed_utils.get_world_size(group) <= 1:
         return values
