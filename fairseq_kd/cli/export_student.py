@@ -5,12 +5,7 @@ Hugging Face model folder.
     fairseq-kd-export checkpoints/student/checkpoint_best.pt student-int8 --format ctranslate2 --quantization int8
     fairseq-kd-export checkpoints/student/checkpoint_best.pt student-hf --format hf
 
-The fairseq output has no distillation-only parameters or options and loads in stock fairseq
-(``fairseq-generate DATA --path student.pt``, ``TransformerModel.from_pretrained``) without
-``--user-dir``. The CTranslate2 output is a model folder for ``fairseq-kd-translate`` and
-CTranslate2's own ``Translator`` (``fairseq_kd/deploy/export_ctranslate2.py``). The Hugging Face output
-is a ``save_pretrained`` folder of MarianMT (post-norm) or M2M100 (pre-norm), loadable with
-``AutoModelForSeq2SeqLM.from_pretrained`` (``fairseq_kd/deploy/export_hf.py``).
+The fairseq output loads in stock fairseq without ``--user-dir``; the others: ``docs/design/commands.md``.
 """
 import argparse
 import json

@@ -1,15 +1,7 @@
-"""Command-line flags: the one place that turns a dataclass of settings into argparse flags, and
-the one command that lists the plugin's fairseq-train flags.
-
-:func:`add_config_flags` makes a command's flags from its config dataclass (``--field-name`` for
-every field: help and metavar from ``field(metadata=...)``, the field's default, ``store_true`` for
-a ``bool`` defaulting to False, ``Optional[T]`` as ``T``); then ``Config(**vars(args))``.
-:func:`cli_main` lists the flags of the ``translation_kd`` task and of a distillation criterion,
-which ``fairseq-train --help`` cannot (it prints its help before adding them)::
-
-    python -m fairseq_kd.cli.flags --criterion a2d_kd
-
-Why not fairseq's own helpers: ``docs/design/commands.md``.
+"""Command-line flags: :func:`add_config_flags` turns a config dataclass into argparse flags
+(``--field-name`` per field, help and metavar from ``field(metadata=...)``); :func:`cli_main` lists
+the plugin's fairseq-train flags, which ``fairseq-train --help`` cannot
+(``python -m fairseq_kd.cli.flags --criterion a2d_kd``). ``docs/design/commands.md``.
 """
 from __future__ import annotations
 
@@ -47,13 +39,8 @@ def add_config_flags(parser: argparse.ArgumentParser, config_class) -> None:
 
 
 def add_overwrite_flag(parser: argparse.ArgumentParser, replaces: str) -> None:
-    """``--overwrite``, every command's permission to replace its existing outputs
-    (``replaces``: which, as its help says after "replace")."""
+    """``--overwrite``, the permission to replace ``replaces`` (as its help says)."""
     parser.add_argument("--overwrite", action="store_true", help=f"replace {replaces}")
-
-
-#: what ``python -m fairseq_kd.cli.flags --help`` says it does
-LIST_DESCRIPTION = "List the flags of the ``translation_kd`` task and of a distillation criterion, with their help."
 
 
 @exits_on_user_error("python -m fairseq_kd.cli.flags")
@@ -67,7 +54,9 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     from fairseq_kd.criterions.base import KDCriterionBase
 
     names = sorted(n for n, c in CRITERION_REGISTRY.items() if isinstance(c, type) and issubclass(c, KDCriterionBase))
-    parser = argparse.ArgumentParser(prog="python -m fairseq_kd.cli.flags", description=LIST_DESCRIPTION)
+    parser = argparse.ArgumentParser(
+        prog="python -m fairseq_kd.cli.flags",
+        description="List the flags of the ``translation_kd`` task and of a distillation criterion, with their help.")
     parser.add_argument("--criterion", choices=names, help="the criterion whose flags to list (default: "
                         "only the task's flags)")
     args = parser.parse_args(argv)

@@ -5,19 +5,14 @@ Usage::
     fairseq-kd-hf-data --teacher opus-mt-de-en/ -s de -t en \\
         --trainpref raw/train --validpref raw/valid --testpref raw/test --destdir data-bin/de-en.hf
 
-Each line is tokenised by the teacher's own tokenizer (offline; the target with ``text_target``,
-so language tags land where the teacher's training put them), its closing ``</s>`` dropped (fairseq
-appends its own), mapped to fairseq indices (:class:`fairseq_kd.models.hf_vocabulary.VocabularyMap`,
-one per side) and written with fairseq's indexed-dataset builder; ``dict.SRC.txt`` /
-``dict.TGT.txt`` hold exactly the teacher's vocabulary of that side. ``fairseq-train --task
-translation_kd --teacher-checkpoint DIR`` then checks each dictionary symbol for symbol.
+How: ``docs/design/commands.md``.
 """
 from __future__ import annotations
 
 import argparse
 from collections import Counter
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 from fairseq_kd.cli.user_errors import exits_on_user_error
 from fairseq_kd.errors import (FILE, FOLDER, OUTPUT_FOLDER, FileAccessError, InputError, message_of, require_path,
@@ -88,9 +83,8 @@ def set_languages(tokenizer, args) -> None:
 
 
 def encode_chunk(tokenizer, vocabulary, lines: List[str], target: bool) -> List[List[int]]:
-    """fairseq indices of ``lines`` without the closing ``</s>`` (fairseq's binarisation appends
-    it), mapped by ``vocabulary``, the map of the side ``target`` says; refuses a tokenizer that does
-    not close sentences with that side's ``</s>``."""
+    """fairseq indices of ``lines`` (of the side ``target`` says) without the closing ``</s>``, which
+    fairseq's binarisation appends."""
     encoded = tokenizer(text_target=lines) if target else tokenizer(lines)
     eos = vocabulary.hf_id_of_fairseq[FAIRSEQ_EOS]
     rows = []
@@ -103,10 +97,8 @@ def encode_chunk(tokenizer, vocabulary, lines: List[str], target: bool) -> List[
 
 
 def decode_fairseq_ids(tokenizer, vocabulary, fairseq_ids: Sequence[int], source: bool = False) -> str:
-    """The text of a binarised sentence (fairseq indices, ending with ``</s>``) as the teacher's
-    tokenizer decodes it (``skip_special_tokens``: NLLB's language tags go, M2M100's stay, being no
-    special tokens in transformers 5); ``vocabulary`` is the map of
-    the sentence's side, the source side's when ``source``."""
+    """The text of a binarised sentence (fairseq indices of the side ``vocabulary`` maps) as the
+    teacher's tokenizer decodes it with ``skip_special_tokens``."""
     hf_ids = vocabulary.to_hf(fairseq_ids)
     if source and getattr(tokenizer, "separate_vocabs", False):
         # transformers' MarianTokenizer turns ids into tokens through its target vocabulary only,
@@ -142,13 +134,18 @@ def binarise_split(tokenizer, vocabulary, dictionary, text_prefix: str, output_p
     return sentences
 
 
+def given_splits(args) -> List[Tuple[str, str]]:
+    """``(split, text prefix)`` of each split given."""
+    return [(split, pref) for split, pref in (("train", args.trainpref), ("valid", args.validpref),
+                                              ("test", args.testpref)) if pref]
+
+
 def output_files(args) -> List[Path]:
     dest, pair = Path(args.destdir), f"{args.source_lang}-{args.target_lang}"
     files = [dest / f"dict.{lang}.txt" for lang in (args.source_lang, args.target_lang)]
-    for split, pref in (("train", args.trainpref), ("valid", args.validpref), ("test", args.testpref)):
-        if pref:
-            files += [dest / f"{split}.{pair}.{lang}.{ext}" for lang in (args.source_lang, args.target_lang)
-                      for ext in ("bin", "idx")]
+    for split, pref in given_splits(args):
+        files += [dest / f"{split}.{pair}.{lang}.{ext}" for lang in (args.source_lang, args.target_lang)
+                  for ext in ("bin", "idx")]
     return files
 
 
@@ -161,8 +158,8 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> None:
     teacher = require_path(args.teacher, "--teacher", FOLDER, "give the teacher's save_pretrained folder")
     if args.source_lang == args.target_lang:
         raise InputError("-s and -t must differ (fairseq names the files by language)")
-    for split, pref in (("train", args.trainpref), ("valid", args.validpref), ("test", args.testpref)):
-        for lang in (args.source_lang, args.target_lang) if pref else ():
+    for split, pref in given_splits(args):
+        for lang in (args.source_lang, args.target_lang):
             require_path(f"{pref}.{lang}", f"--{split}pref", FILE, f"--{split}pref PREFIX reads PREFIX.{lang}")
     require_path(args.destdir, "--destdir", OUTPUT_FOLDER)
     existing = [str(f) for f in output_files(args) if f.exists()]
@@ -190,9 +187,7 @@ def write_data(args, teacher, tokenizer, source_vocabulary, target_vocabulary) -
     pair = f"{args.source_lang}-{args.target_lang}"
     sides = ((args.source_lang, False, source_vocabulary), (args.target_lang, True, target_vocabulary))
     counts = {args.source_lang: Counter(), args.target_lang: Counter()}
-    for split, pref in (("train", args.trainpref), ("valid", args.validpref), ("test", args.testpref)):
-        if not pref:
-            continue
+    for split, pref in given_splits(args):
         sizes = [binarise_split(tokenizer, vocabulary, vocabulary.dictionary(), pref, dest / f"{split}.{pair}",
                                 lang, target, counts[lang] if split == "train" else None, f"--{split}pref")
                  for lang, target, vocabulary in sides]

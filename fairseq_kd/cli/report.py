@@ -7,10 +7,6 @@ Example::
     fairseq-kd-report --system teacher=scores/teacher.json --system no_kd=scores/no_kd.json \\
         --system word_kd=gen/word_kd.txt --detok-moses en --baseline no_kd --teacher teacher \\
         --params teacher=31500000 --speed teacher=41.2 --sidecar sizes.json --out-prefix results/iwslt14_3layer
-
-Each ``--system`` file is a score record or a fairseq-generate output (scored here). Intervals and
-p-values come from one call of sacreBLEU's paired tests, the baseline first. The Markdown table goes
-to stdout and, with ``--out-prefix P``, to ``P.md``, ``P.csv`` and ``P.json``.
 """
 from __future__ import annotations
 
@@ -97,10 +93,9 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         names = [name for name, _ in named_paths]
         # A sidecar may describe more systems than this table shows; only the shown ones count.
         extras = read_sidecar(args.sidecar) if args.sidecar is not None else {}
-        params = {name: values["params"] for name, values in extras.items() if "params" in values and name in names}
-        speeds = {name: values["sents_per_sec"]
-                  for name, values in extras.items()
-                  if "sents_per_sec" in values and name in names}
+        extras = {name: values for name, values in extras.items() if name in names}
+        params = {name: values["params"] for name, values in extras.items() if "params" in values}
+        speeds = {name: values["sents_per_sec"] for name, values in extras.items() if "sents_per_sec" in values}
         params.update(parse_named_numbers(args.params, "--params", parameter_count))
         speeds.update(parse_named_numbers(args.speed, "--speed", float))
         if args.baseline is not None and args.baseline not in names:
@@ -110,11 +105,11 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         if args.out_prefix is not None:
             inputs = [(f"--system {name}", path) for name, path in named_paths]
             inputs += [("--sidecar", args.sidecar), ("--expected-from", args.expected_from), ("--ref", args.ref)]
-            check_outputs_are_not_inputs([("--out-prefix", path) for path in report_paths(args.out_prefix).values()],
-                                         inputs)
-            for path in report_paths(args.out_prefix).values():
+            outputs = report_paths(args.out_prefix).values()
+            check_outputs_are_not_inputs([("--out-prefix", path) for path in outputs], inputs)
+            for path in outputs:
                 require_path(path, "--out-prefix", OUTPUT_FILE)
-            check_outputs_free(report_paths(args.out_prefix).values(), args.overwrite, "--out-prefix")
+            check_outputs_free(outputs, args.overwrite, "--out-prefix")
         systems = [
             load_system(name, path, processing, settings, 0, args.seed, expected, args.allow_partial,
                         args.ref, args.ref_is_plain)

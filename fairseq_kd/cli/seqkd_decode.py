@@ -8,12 +8,7 @@ Usage::
         [--nbest 5 --select chrf --remove-bpe subword_nmt --filter-keep-share 0.95]
     fairseq-kd-seqkd --data data-bin/de-en.opus --teacher-checkpoint opus-mt-de-en/ --output data-bin/de-en.opus.seqkd
 
-The output folder is a binarised dataset for ``fairseq-train``: the teacher's beam-search outputs
-as training targets, the original valid/test splits and dictionaries. A re-run with the same flags
-resumes from the finished shards; workers of a job array (``--num-shards N --shard-id I``),
-``torchrun`` or ``srun`` share one ``--output``. ``--engine ctranslate2`` and a Hugging Face
-teacher's ``--engine transformers`` decode under the same rules. See
-:mod:`fairseq_kd.teacher_pass.seqkd` and ``docs/design/commands.md``.
+Resumable, shardable across workers: ``docs/design/commands.md``, :mod:`fairseq_kd.teacher_pass.seqkd`.
 """
 from __future__ import annotations
 

@@ -5,13 +5,8 @@ selective_kd) without a teacher forward pass per step.
     fairseq-kd-teacher-cache --data data-bin/iwslt14.de-en --teacher-checkpoint teacher.pt \\
         --output data-bin/iwslt14.de-en/teacher-top8 --k 8
 
-Resumable: re-running after an interruption (a kill at any moment included) finishes the shards
-not yet written; re-running on a finished cache of the same teacher, data and k checks it and does
-nothing else. Several workers share the pass, all writing into the same ``--output`` (on a shared
-filesystem): a job array's ``--num-shards N --shard-id I``, or the ranks of ``torchrun
---nproc_per_node G -m fairseq_kd.cli.teacher_cache ...`` or of ``srun`` (each rank on GPU
-LOCAL_RANK); the arrays are those of one process, byte for byte. Format and checks:
-``fairseq_kd/teacher_pass/teacher_cache.py``.
+Resumable and shardable across workers as ``fairseq-kd-seqkd`` (``docs/design/commands.md``); format
+and checks: ``fairseq_kd/teacher_pass/teacher_cache.py``.
 """
 from __future__ import annotations
 

@@ -6,11 +6,7 @@ output format.
         --batch-size 32 --threads 2 --remove-bpe --results-path gen/student-int8
     fairseq-kd-translate data-bin/de-en.hf --model opus-mt-de-en/ --gen-subset test --results-path gen/teacher
 
-``--model`` is a CTranslate2 model folder or a Hugging Face ``save_pretrained`` folder whose
-vocabulary the data is binarised in. Sentences are batched and decoded with fairseq-generate's
-rules (:mod:`fairseq_kd.deploy.ctranslate2_engine`, :mod:`fairseq_kd.deploy.hf_engine`), and the
-output (``RESULTS_PATH/generate-SUBSET.txt``, or standard output) has fairseq-generate's lines, so
-``fairseq-kd-score`` and ``fairseq-kd-report`` read it like a fairseq-generate file.
+How: ``docs/design/commands.md``.
 """
 from __future__ import annotations
 
@@ -25,8 +21,6 @@ from typing import Optional, Sequence
 from fairseq_kd.cli.flags import add_overwrite_flag
 from fairseq_kd.cli.user_errors import exits_on_user_error
 from fairseq_kd.errors import FOLDER, OUTPUT_FOLDER, FileAccessError, InputError, message_of, require_path
-
-logger = logging.getLogger("fairseq_kd.cli.translate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -230,7 +224,7 @@ def _batches(dataset, args):
     from fairseq.data import data_utils
 
     max_tokens = args.max_tokens if args.max_tokens is not None or args.batch_size is not None else 12000
-    with data_utils.numpy_seed(1):  # fairseq-generate's order: by length, ties shuffled with --seed 1
+    with data_utils.numpy_seed(1):
         ordered = dataset.ordered_indices()
     if max_tokens is not None and len(dataset):
         longest = int(dataset.num_tokens_vec(ordered).max())

@@ -1,14 +1,6 @@
-"""One line, not a traceback, for every user error of the plugin's command-line tools.
-
-``@exits_on_user_error("fairseq-kd-score")`` around a ``cli_main``: a
-:class:`fairseq_kd.errors.UserError` is printed as ``PROG: error: MESSAGE`` on stderr and the
-command exits with status 2, as argparse does for a bad flag. Anything else keeps its traceback.
-
-fairseq's own commands (``fairseq-train``, ``fairseq-generate``, ...) run the plugin inside their
-``main``, which no decorator of ours wraps: :func:`install_for_fairseq_command` (called when
-fairseq imports the plugin through ``--user-dir``) gives them the same one line for the plugin's
-user errors, with Python's traceback for everything else, and for everything with
-``FAIRSEQ_KD_TRACEBACK=1``.
+"""One line, ``PROG: error: MESSAGE``, not a traceback, for every :class:`fairseq_kd.errors.UserError`:
+in the plugin's commands (:func:`exits_on_user_error`, exit status 2 as argparse's) and, through
+``--user-dir``, in fairseq's own (:func:`install_for_fairseq_command`). Anything else keeps its traceback.
 """
 from __future__ import annotations
 
@@ -19,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import UserError, message_of
+
 
 def exits_on_user_error(prog: str):
     def decorate(main):
@@ -41,14 +34,10 @@ TRACEBACK_VARIABLE = "FAIRSEQ_KD_TRACEBACK"
 
 
 def _is_plugin_user_error(error: BaseException, traceback=None) -> bool:
-    """Whether ``error`` is one of the plugin's user errors (:class:`fairseq_kd.errors.UserError`):
-    a ValueError or OSError of a bug, of torch or of fairseq is not, and keeps its traceback."""
     return isinstance(error, UserError)
 
 
 def one_line(prog: str, error: BaseException) -> str:
-    """The line a fairseq command prints for the plugin's user error (see
-    :func:`install_for_fairseq_command`)."""
     return f"{prog}: error: {message_of(error)} [{TRACEBACK_VARIABLE}=1 shows the traceback]\n"
 
 
@@ -64,10 +53,8 @@ def fairseq_command_name(argv0: str) -> Optional[str]:
 
 
 def install_for_fairseq_command(argv0: Optional[str] = None) -> bool:
-    """Under a fairseq command, print the plugin's user errors as ``PROG: error: MESSAGE`` (one
-    line on stderr, exit status 1 as for any uncaught error) instead of a traceback ending in it:
-    e.g. ``fairseq-train: error: --teacher-cache DIR: no finished cache there (...)``. Returns
-    whether it was installed."""
+    """Under a fairseq command (and without ``FAIRSEQ_KD_TRACEBACK=1``), print the plugin's user errors
+    as one line on stderr (exit status 1, as for any uncaught error); returns whether it was installed."""
     prog = fairseq_command_name(sys.argv[0] if argv0 is None else argv0)
     if prog is None or os.environ.get(TRACEBACK_VARIABLE) == "1":
         return False
