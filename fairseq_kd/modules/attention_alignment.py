@@ -8,7 +8,6 @@ applied as one ``einsum``; map ``(l, k)`` (1-based, layer-major) has index ``(l 
 ``combination="signed"`` is Eq. 9 (``init="mean"``: every map starts as the students' mean;
 ``"conv"``: ``Conv2d``'s default init, as the authors' code); ``"mixture"`` (a deviation) is a
 softmax-weighted convex combination without bias, so every intermediate map stays a distribution.
-Training-only parameters of the criterion; their sizes travel in the state dict (``get_extra_state``).
 Why: ``docs/design/attention_alignment.md``.
 """
 from __future__ import annotations
@@ -34,10 +33,8 @@ INITS = ("mean", "conv")
 class AttentionAlignment(nn.Module):
     """Eq. 9 for one attention kind: ``(m, B, H_S, Tq, Tk)`` student maps -> ``(n*H_T, B, Tq, Tk)``.
 
-    ``weight``: ``(n * H_T, m * H_S)`` (teacher map x student map, the layout of a 1x1 convolution's
-    kernel); ``bias``: ``(n * H_T,)`` (``signed`` only). For Align-to-Distill's layer-wise variant
-    (Table 6) the maps are averaged per layer first and the module is built with one "head" per
-    layer.
+    ``weight``: ``(n * H_T, m * H_S)`` (a 1x1 convolution's kernel); ``bias``: ``(n * H_T,)``
+    (``signed`` only). The layer-wise variant (Table 6) builds it with one "head" per layer.
     """
 
     def __init__(self, student_layers: int, student_heads: int, teacher_layers: int, teacher_heads: int,
@@ -66,14 +63,6 @@ class AttentionAlignment(nn.Module):
             self.weight = nn.Parameter(torch.empty(teacher_maps, student_maps).uniform_(-bound, bound))
             self.bias = nn.Parameter(torch.empty(teacher_maps).uniform_(-bound, bound))
 
-    @property
-    def student_maps(self) -> int:
-        return self.student_layers * self.student_heads
-
-    @property
-    def teacher_maps(self) -> int:
-        return self.teacher_layers * self.teacher_heads
-
     def sizes(self) -> Dict[str, int]:
         return {key: getattr(self, key) for key in SIZE_KEYS}
 
@@ -83,24 +72,19 @@ class AttentionAlignment(nn.Module):
         return torch.softmax(weight, dim=1) if self.combination == "mixture" else weight
 
     def forward(self, student_maps: Tensor) -> Tensor:
-        """Intermediate maps ``H^I`` in float32, ``(n * H_T, batch, Tq, Tk)``.
-
-        Computed in float32 whatever the dtype of the maps and of the (possibly fp16) parameters:
-        the result feeds a logarithm, where half precision loses the small differences between
-        attention probabilities.
-        """
+        """Intermediate maps ``H^I``, ``(n * H_T, batch, Tq, Tk)``, in float32 whatever the dtypes (the
+        result feeds a logarithm)."""
         layers, _, heads = student_maps.shape[:3]
         if (layers, heads) != (self.student_layers, self.student_heads):
             raise AlignmentShapeError(f"the alignment module was built for {self.student_layers} student layers x "
                                       f"{self.student_heads} heads but got maps of {layers} layers x {heads} heads")
-        kernel = self.coefficients().view(self.teacher_maps, self.student_layers, self.student_heads)
+        kernel = self.coefficients().view(-1, self.student_layers, self.student_heads)
         intermediate = torch.einsum("clh,lbhqk->cbqk", kernel, student_maps.float())
         if self.bias is None:
             return intermediate
         return intermediate + self.bias.float().view(-1, 1, 1, 1)
 
-    # Sizes are kept in the state dict (torch's extra-state protocol: plain ints, safe to load
-    # with weights_only=True).
+    # sizes travel in the state dict (torch's extra state: plain ints, loadable with weights_only=True)
     def get_extra_state(self) -> dict:
         return {**self.sizes(), "combination": self.combination}
 
@@ -127,18 +111,9 @@ def describe(sizes: Mapping) -> str:
             f"teacher {sizes.get('teacher_layers')} layers x {sizes.get('teacher_heads')} heads")
 
 
-def heatmap_entry(weight: Tensor, sizes: Mapping) -> dict:
-    """JSON-ready entry: ``weight`` ``(teacher maps, student maps)`` transposed to student rows."""
-    expected = (sizes["teacher_layers"] * sizes["teacher_heads"], sizes["student_layers"] * sizes["student_heads"])
-    if tuple(weight.shape) != expected:
-        raise AlignmentShapeError(f"alignment weight of shape {tuple(weight.shape)} does not fit {describe(sizes)} "
-                                  f"(expected {expected})")
-    return {"weights": weight.float().t().cpu().tolist(), **{key: int(sizes[key]) for key in SIZE_KEYS}}
-
-
 def alignment_weights_from_state(criterion_state: Mapping[str, object], prefix: str = "alignments.") -> dict:
-    """Heatmap JSON (``{kind: entry}``) from a criterion ``state_dict``, e.g. the ``criterion``
-    entry of a fairseq checkpoint trained with ``--criterion a2d_kd``."""
+    """Heatmap JSON (``{kind: {"weights": student rows x teacher maps, sizes}}``) from the ``criterion``
+    state of a checkpoint trained with ``--criterion a2d_kd``."""
     found = {}
     for key, value in criterion_state.items():
         if key.startswith(prefix) and key.endswith(".weight"):
@@ -150,7 +125,12 @@ def alignment_weights_from_state(criterion_state: Mapping[str, object], prefix: 
                     "written by this version of fairseq-kd's a2d_kd criterion")
             if sizes.get("combination") == "mixture":
                 value = torch.softmax(value.float(), dim=1)
-            found[kind] = heatmap_entry(value, sizes)
+            expected = (sizes["teacher_layers"] * sizes["teacher_heads"],
+                        sizes["student_layers"] * sizes["student_heads"])
+            if tuple(value.shape) != expected:
+                raise AlignmentShapeError(f"alignment weight of shape {tuple(value.shape)} does not fit "
+                                          f"{describe(sizes)} (expected {expected})")
+            found[kind] = {"weights": value.float().t().cpu().tolist(), **{key: int(sizes[key]) for key in SIZE_KEYS}}
     if not found:
         raise AlignmentShapeError(
             "the criterion state holds no attention alignment module (keys "

@@ -1,9 +1,8 @@
 """Which teacher layers a student layer learns from.
 
-Layers are numbered 1..n (teacher) and 1..m (student), as the papers' ``h^1..h^n``; index 0 (the embedding output) is never part of a mapping. A
-mapping is a tuple with one entry per student layer, each entry a tuple of teacher layers.
-Mapping strategies of the individual methods live here so every method uses one definition and
-one validation with the same error messages.
+Layers are numbered 1..n (teacher) and 1..m (student), as the papers' ``h^1..h^n``; index 0 (the
+embedding output) is never part of a mapping. A mapping is a tuple with one entry per student
+layer, each entry a tuple of teacher layers.
 """
 import random
 from typing import Sequence, Tuple
@@ -18,11 +17,7 @@ class LayerMappingError(InputError):
 
 
 def uniform_mapping(teacher_layers: int, student_layers: int, flag: str = "") -> LayerMapping:
-    """Student layer ``j`` <- teacher layer ``j * n / m`` (PKD-skip, TinyBERT's uniform mapping).
-
-    Requires ``n >= m``; with ``n`` not divisible by ``m`` the teacher layer is ``floor(j*n/m)``,
-    which still ends at the top layer ``n`` for ``j = m``.
-    """
+    """Student layer ``j`` <- teacher layer ``floor(j * n / m)`` (PKD-skip, TinyBERT's uniform mapping); ``n >= m``."""
     _check_depths(teacher_layers, student_layers, flag)
     return tuple((j * teacher_layers // student_layers,) for j in range(1, student_layers + 1))
 
@@ -34,8 +29,8 @@ def last_layers_mapping(teacher_layers: int, student_layers: int, flag: str = ""
 
 
 def parse_mapping(text: str, flag: str) -> LayerMapping:
-    """Parse an explicit mapping such as ``"1,2,3|4,5,6"``: groups separated by ``|``, one group
-    per student layer (bottom-up), each a comma-separated list of 1-based teacher layers."""
+    """An explicit mapping such as ``"1,2,3|4,5,6"``: one group of 1-based teacher layers per student
+    layer (bottom-up)."""
     groups = []
     for position, group in enumerate(text.split("|"), start=1):
         items = [item.strip() for item in group.split(",") if item.strip()]
@@ -54,7 +49,6 @@ def parse_mapping(text: str, flag: str) -> LayerMapping:
 
 def validate_mapping(mapping: Sequence[Sequence[int]], teacher_layers: int, student_layers: int,
                      flag: str) -> LayerMapping:
-    """Check a mapping against the models' depths; return it as a tuple of tuples."""
     mapping = tuple(tuple(group) for group in mapping)
     if len(mapping) != student_layers:
         raise LayerMappingError(
@@ -89,20 +83,14 @@ def _check_depths(teacher_layers: int, student_layers: int, flag: str = "") -> N
 # i learns from a *set* M(i) of teacher layers. The paper lists its sets only for a 6-layer
 # teacher and a 2-layer student (Sec. 4):
 #     SC {1,2},{5,6}   CC {1,3},{4,6}   RC {1,2,3},{4,5,6}   OC {1,2,3,4},{3,4,5,6}
-# The rules below generalise them to any depths n >= m and reproduce exactly those four. All
-# start from the RC partition with boundaries b_j = floor(j*n/m), whose group tops b_j are also
-# PKD-skip's layers (:func:`uniform_mapping`).
-
-
-def _regular_bounds(teacher_layers: int, student_layers: int) -> Tuple[int, ...]:
-    return tuple(j * teacher_layers // student_layers for j in range(student_layers + 1))
+# The rules below generalise them to any depths n >= m and reproduce exactly those four.
 
 
 def regular_combination(teacher_layers: int, student_layers: int, flag: str = "") -> LayerMapping:
     """RC: the teacher's layers cut into ``m`` contiguous groups, group ``i`` = ``(b_{i-1}, b_i]``
     with ``b_i = floor(i*n/m)``; every teacher layer is used exactly once (6-to-2: {1,2,3},{4,5,6})."""
     _check_depths(teacher_layers, student_layers, flag)
-    bounds = _regular_bounds(teacher_layers, student_layers)
+    bounds = [j * teacher_layers // student_layers for j in range(student_layers + 1)]
     return tuple(tuple(range(bounds[i - 1] + 1, bounds[i] + 1)) for i in range(1, student_layers + 1))
 
 
@@ -144,9 +132,8 @@ def skip_combination(teacher_layers: int, student_layers: int, flag: str = "") -
 def cross_combination(teacher_layers: int, student_layers: int, flag: str = "") -> LayerMapping:
     """CC: within each RC group, every second layer counting down from the group's top layer
     (6-to-2: {1,3},{4,6}; 12-to-4: {1,3},{4,6},{7,9},{10,12}). Groups of one or two layers keep only
-    their top layer, which then coincides with PKD-skip. (The paper's Figure 2 draws a 5-layer
-    teacher with M(1) = {1,3,5}; its table for the 6-layer teacher, reproduced here, is the
-    authoritative definition.)"""
+    their top layer, which then coincides with PKD-skip. (Follows the paper's table for the 6-layer
+    teacher, not its Figure 2.)"""
     groups = regular_combination(teacher_layers, student_layers, flag)
     return tuple(tuple(sorted(group[::-1][::2])) for group in groups)
 
@@ -170,11 +157,6 @@ def all_layers_buckets(teacher_layers: int, student_layers: int, flag: str = "")
     return tuple(tuple(range(1, teacher_layers + 1)) for _ in range(student_layers))
 
 
-def no_overlap_buckets(teacher_layers: int, student_layers: int, flag: str = "") -> LayerMapping:
-    """NO: the RC partition (contiguous, disjoint buckets of near-equal size)."""
-    return regular_combination(teacher_layers, student_layers, flag)
-
-
 def partial_overlap_buckets(teacher_layers: int, student_layers: int, flag: str = "") -> LayerMapping:
     """PO: each NO bucket plus the first layer of the next bucket (12 into 3: {1-5},{5-9},{9-12})."""
     groups = regular_combination(teacher_layers, student_layers, flag)
@@ -182,15 +164,15 @@ def partial_overlap_buckets(teacher_layers: int, student_layers: int, flag: str 
                  for i, group in enumerate(groups))
 
 
-ALP_BUCKETS = {"all": all_layers_buckets, "no": no_overlap_buckets, "po": partial_overlap_buckets}
+#: NO is the RC partition (contiguous, disjoint buckets of near-equal size)
+ALP_BUCKETS = {"all": all_layers_buckets, "no": regular_combination, "po": partial_overlap_buckets}
 
 
 def resolve_mapping(strategies: dict, strategy: str, explicit: str, teacher_layers: int,
                     student_layers: int, strategy_flag: str, explicit_flag: str,
                     where: str = "") -> LayerMapping:
-    """The mapping named by ``strategy`` (a key of ``strategies``), or the explicit mapping string
-    ``explicit`` when one is given, checked against the depths. Errors name the flag concerned,
-    followed by ``where`` (e.g. ``" [encoder]"``) when a method maps several stacks."""
+    """The mapping ``explicit`` names, else the one of ``strategy`` (a key of ``strategies``), checked
+    against the depths; errors name the flag, then ``where`` (e.g. ``" [encoder]"``)."""
     if explicit:
         flag = f"{explicit_flag}{where}"
         return validate_mapping(parse_mapping(explicit, flag), teacher_layers, student_layers, flag)
@@ -206,14 +188,9 @@ def resolve_mapping(strategies: dict, strategy: str, explicit: str, teacher_laye
 
 
 def draw_layers(seed: int, epoch: int, num_candidates: int, count: int, stream: str = "") -> Tuple[int, ...]:
-    """``count`` distinct layers drawn uniformly from ``1..num_candidates``, sorted ascending.
-
-    A pure function of its arguments: the generator is seeded from ``(stream, seed, epoch)`` by
-    :class:`random.Random`'s SHA-512 string seeding, which neither ``PYTHONHASHSEED`` nor the
-    process, the worker rank or the history of earlier draws affects. Every data-parallel worker
-    and every resumed run therefore draws the same layers for the same epoch. ``stream`` separates
-    independent draws of one run (e.g. ``"encoder"`` and ``"decoder"``).
-    """
+    """``count`` distinct layers drawn uniformly from ``1..num_candidates``, sorted ascending: a pure
+    function of its arguments (string seeding, unaffected by ``PYTHONHASHSEED``), so every worker
+    and every resumed run draws the same; ``stream`` separates independent draws of one run."""
     if not 1 <= count <= num_candidates:
         raise LayerMappingError(
             f"cannot draw {count} distinct layer(s) from {num_candidates} candidate(s); the count must "

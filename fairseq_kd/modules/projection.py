@@ -4,26 +4,17 @@ from torch import nn
 
 
 def width_projection(in_dim: int, out_dim: int, bias: bool = True) -> nn.Module:
-    """A linear map ``in_dim -> out_dim``, or the identity when the widths already agree.
-
-    Training-only parameters: they live in the criterion, so the trainer optimises and checkpoints
-    them, and the exported student never contains them.
-    """
+    """A linear map ``in_dim -> out_dim``, or the identity when the widths agree (training-only:
+    it lives in the criterion)."""
     if in_dim == out_dim:
         return nn.Identity()
     return nn.Linear(in_dim, out_dim, bias=bias)
 
 
 class StackedLinear(nn.Module):
-    """``count`` independent linear maps ``in_dim -> out_dim`` applied in one batched matmul.
-
-    Input ``(count, ..., in_dim)``, output ``(count, ..., out_dim)``: slice ``i`` of the input goes
-    through map ``i``. Used where a method needs one projection per layer (or per layer pair), so
-    the layers are projected together instead of in a Python loop. Each map is initialised like
-    ``nn.Linear`` (uniform in ``+-1/sqrt(fan_in)``); ``fan_in`` may be given per map when a map is one
-    block of a wider linear layer (CKD's fusion of a concatenation), so the init matches that
-    layer's.
-    """
+    """``count`` independent linear maps ``in_dim -> out_dim`` in one batched matmul: slice ``i`` of
+    ``(count, ..., in_dim)`` goes through map ``i``. Each is initialised like ``nn.Linear``; ``fan_in``
+    per map when a map is one block of a wider linear layer (CKD's fusion of a concatenation)."""
 
     def __init__(self, count: int, in_dim: int, out_dim: int, bias: bool = True, fan_in=None):
         super().__init__()

@@ -1,15 +1,9 @@
 """The ``translation_kd`` task: fairseq's translation task plus a frozen teacher.
 
-Everything the translation task does (data loading, BLEU validation, generation) is unchanged. On
-top of it the task loads the teacher given by ``--teacher-checkpoint`` at start-up (before any data
-or model work, so a bad path or mismatched dictionaries fail at once), records the student's shape
-when the model is built so distillation criterions can size their modules, and tells the
-criterion when an epoch begins (epoch-dependent weights and schedules are pure functions of the
-epoch, so a resumed run continues with the same values).
-
-Every checkpoint of a ``translation_kd`` run records what the student was distilled from (the
-teacher binding), which metric selected ``checkpoint_best.pt`` and the criterion's state;
-:mod:`fairseq_kd.checkpoints` checks all three on resume (``checkpoint_guard``).
+The teacher of ``--teacher-checkpoint`` is loaded at start-up, before any data or model work; the
+student's shape is recorded when the model is built, and the criterion is told when an epoch
+begins. Every checkpoint records the teacher binding, which metric selected ``checkpoint_best.pt``
+and the criterion's state; :mod:`fairseq_kd.checkpoints` checks all three on resume.
 """
 
 from dataclasses import dataclass, field
@@ -99,8 +93,7 @@ class TranslationKDTask(TranslationTask):
                 cfg.teacher_cache, self, teacher_sha256=self.teacher.sha256 if self.teacher is not None else None)
 
     def check_teacher_positions(self) -> None:
-        """The teacher must read every sentence the task lets through (longer ones would hit its
-        position embeddings with an IndexError at the first update, not here)."""
+        """The teacher must read every sentence the task lets through."""
         teacher_source, teacher_target = self.teacher.model.max_positions()
         for side, flag, task_limit, teacher_limit in (
             ("source", "--max-source-positions", self.cfg.max_source_positions, teacher_source),
@@ -136,8 +129,7 @@ class TranslationKDTask(TranslationTask):
         try:
             self.student_shape = TransformerShape.from_model(model)
             self.student_shape_error = None
-        except NotATransformerError as err:
-            # Only feature-based criterions need the shape; they say so when they are built.
+        except NotATransformerError as err:  # feature-based criterions say so when they are built
             self.student_shape = None
             self.student_shape_error = str(err)
         return model
@@ -185,11 +177,9 @@ class TranslationKDTask(TranslationTask):
         if self.kd_criterion is not None:
             self.kd_criterion.reduce_worker_logs(logging_outputs)
 
-    # fairseq persists this dict in the checkpoint's extra_state under the task's class name and
-    # hands it back on resume (checkpoint_utils.save_checkpoint / load_checkpoint). Criterion state
-    # that is not a parameter (e.g. selective KD's queue) travels this way, because the trainer
-    # saves the criterion's state_dict only when the criterion has parameters.
-    # The run's binding (teacher and dictionary hashes) travels the same way and is checked first.
+    # fairseq keeps this dict in the checkpoint's extra_state and hands it back on resume: the binding,
+    # and criterion state that is not a parameter (the trainer saves the criterion's state_dict only
+    # when it has parameters)
     def get_checkpoint_dict(self):
         state = {"binding": self.run_binding()}
         if self.best_selection is not None:
@@ -206,12 +196,16 @@ class TranslationKDTask(TranslationTask):
             self.kd_criterion.load_checkpoint_state(state["criterion"])
 
     def require_teacher(self, criterion_name: str) -> FrozenTeacher:
+        from fairseq.criterions import CRITERION_REGISTRY
+
         if self.teacher is None:
             raise InputError(
                 f"criterion {criterion_name!r} distils from a teacher: pass --teacher-checkpoint PATH "
                 "(a trained fairseq Transformer translation checkpoint)."
             )
-        if self.teacher.shape is None and not reads_output_only(criterion_name):
+        # word_kd and selective_kd read only the teacher's output distribution
+        reads_output_only = getattr(CRITERION_REGISTRY.get(criterion_name), "reads_output_only", lambda: False)
+        if self.teacher.shape is None and not reads_output_only():
             raise InputError(
                 f"criterion {criterion_name!r} distils the teacher's attention maps or hidden states, which the "
                 f"Hugging Face teacher --teacher-checkpoint {self.teacher.path!r} cannot provide "
@@ -231,14 +225,6 @@ class TranslationKDTask(TranslationTask):
         return self.student_shape
 
 
-def reads_output_only(criterion_name: str) -> bool:
-    """Whether the criterion needs only the teacher's output distribution: the methods a top-k
-    cache can serve (``KDCriterionBase.reads_output_only``: word_kd, selective_kd)."""
-    from fairseq.criterions import CRITERION_REGISTRY
-
-    return bool(getattr(CRITERION_REGISTRY.get(criterion_name), "reads_output_only", lambda: False)())
-
-
 # --------------------------------------------------------------------------- precision and device
 def _flag_value(cfg, name: str) -> bool:
     try:
@@ -248,10 +234,8 @@ def _flag_value(cfg, name: str) -> bool:
 
 
 def check_precision_device(cfg) -> None:
-    """Refuse, before the teacher or any data is loaded, half precision where it would not run as
-    asked: ``--fp16`` on the CPU (``--cpu``, or no CUDA device), and ``--bf16`` without ``--cpu``
-    on a machine without CUDA, which would otherwise train on the CPU when a GPU was meant.
-    ``--bf16 --cpu`` trains in bfloat16 on the CPU (:mod:`fairseq_kd.half_precision`)."""
+    """Refuse half precision where it would not run as asked: ``--fp16`` on the CPU, and ``--bf16``
+    without ``--cpu`` on a machine without CUDA (``--bf16 --cpu`` trains in bfloat16 on the CPU)."""
     import torch
 
     if _flag_value(cfg, "fp16") and _flag_value(cfg, "cpu"):
