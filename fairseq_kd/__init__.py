@@ -1,11 +1,9 @@
 """fairseq-kd: knowledge distillation for fairseq encoder-decoder Transformers.
 
-Use as a fairseq plugin: ``fairseq-train DATA --user-dir fairseq_kd --task translation_kd
---teacher-checkpoint TEACHER.pt --criterion word_kd ...``. fairseq imports the user directory
-after itself, and the package then registers the task, the architectures and every criterion and
-enables safe checkpoint loading. Python code that uses the plugin without a fairseq command calls
-:func:`register` (idempotent). Importing only the fairseq-free parts (``fairseq_kd.scoring``, the
-corpus generator) loads neither torch nor fairseq.
+A fairseq plugin: ``fairseq-train DATA --user-dir fairseq_kd --task translation_kd
+--teacher-checkpoint TEACHER.pt --criterion word_kd ...`` (fairseq imports it after itself, and
+it registers itself); code outside a fairseq command calls :func:`register`. Importing only the
+fairseq-free parts (``fairseq_kd.scoring``, the corpus generator) loads neither torch nor fairseq.
 """
 import itertools
 import sys
@@ -57,16 +55,8 @@ def check_fairseq() -> str:
 
 def register() -> None:
     """Register the task, architectures and criterions with fairseq and install every change the
-    plugin makes to fairseq (:func:`fairseq_kd.fairseq_patches.install`: safe checkpoint loading,
-    the resume checks, bf16 without ``--tpu``, fp16/bf16 master weights in checkpoints). Safe to
-    call more than once. Raises
-    :class:`FairseqMissingError` (a MissingDependencyError naming the fix) when fairseq is missing or older
-    than 0.12.
-
-    Only entry points call it (``--user-dir fairseq_kd`` through the import below, the plugin's
-    commands, the recipes' scripts, your own script). Library code never does: a function that
-    builds a model from a checkpoint imports :mod:`fairseq_kd.models` (which registers the
-    architectures), and reading a checkpoint installs safe loading itself."""
+    plugin makes to it (:func:`fairseq_kd.fairseq_patches.install`); idempotent. For entry points
+    only, never library code. Raises :class:`FairseqMissingError` when fairseq is missing or too old."""
     check_fairseq()
     from . import fairseq_patches
 

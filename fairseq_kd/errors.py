@@ -1,15 +1,7 @@
-"""The plugin's user errors: what a user can fix, and the words for them.
-
-Every error the plugin raises because of its input (a flag's value, a file, a folder, a checkpoint,
-a missing optional package) is a :class:`UserError`, raised where that input is judged; the
-commands (:mod:`fairseq_kd.cli.user_errors`) print exactly these as one line, ``PROG: error:
-MESSAGE``, and anything else keeps its traceback. Each kind also derives from the built-in
-exception a caller expects (``ValueError``, ``OSError``, ``ImportError``).
-
-:func:`require_path` (:func:`path_problem` is its wording) is the one check of a path a flag
-names: a folder where a file is expected, and the reverse, said as such, with the flag.
-:func:`undecodable_text_message` is the one wording of a file that is not UTF-8. Imports nothing
-beyond the standard library.
+"""The plugin's user errors: every error raised because of its input is a :class:`UserError`, which
+the commands print as one line (:mod:`fairseq_kd.cli.user_errors`), each kind also the built-in
+exception a caller expects. :func:`require_path` is the one check of a path a flag names and
+:func:`undecodable_text_message` the one wording of a file that is not UTF-8. Standard library only.
 """
 from __future__ import annotations
 
@@ -45,6 +37,7 @@ class MissingDependencyError(UserError, ImportError):
 #: what a flag's path must be, for :func:`path_problem`
 FILE, FOLDER, OUTPUT_FILE, OUTPUT_FOLDER = "file", "folder", "output file", "output folder"
 
+
 def _file_in_the_way(path: Path) -> Optional[Path]:
     """The first existing ancestor of ``path`` (``path`` included) that is not a folder."""
     for ancestor in reversed((path, *path.parents)):
@@ -73,8 +66,6 @@ def path_problem(path, expected: str) -> Optional[str]:
         if not wanted_dir and not os.access(path, os.R_OK):
             return "the file is not readable (permissions)"
         return None
-    if expected not in (OUTPUT_FILE, OUTPUT_FOLDER):
-        raise ValueError(f"path_problem: unknown kind {expected!r}")
     if path.exists():
         if expected == OUTPUT_FOLDER and not path.is_dir():
             return "is a file, not a folder"

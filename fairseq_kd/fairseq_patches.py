@@ -11,13 +11,12 @@ itself is not forked; these attributes are replaced, each wrapping fairseq's own
   ``FP16Optimizer``'s ``state_dict``/``load_state_dict`` (its float32 master weights kept):
   :func:`fairseq_kd.half_precision.install`.
 
-Each part is idempotent. No module patches fairseq when imported; the package calls
-:func:`fairseq_kd.register` when a fairseq command imports it (``--user-dir fairseq_kd``).
+No module patches fairseq when imported.
 """
 
 
 def install() -> None:
-    """Install every patch listed above (idempotent)."""
+    """Install every patch listed above; each part is idempotent."""
     from . import half_precision
     from .checkpoints import resume_checks, safe_loading
 

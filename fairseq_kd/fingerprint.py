@@ -1,15 +1,10 @@
-"""The one place where the plugin hashes: SHA-256 of files (:func:`file_sha256`, and the
-fingerprints below), of bytes and records (a teacher pass's shards and identity:
-:func:`bytes_sha256`, :func:`record_sha256`) and of fairseq dictionaries (:func:`dictionary_sha256`),
-for every resumable record (the teacher passes', the synthetic corpus's, the recipes' stamps) and
-the teacher binding of a run. Imports neither torch nor fairseq.
+"""The one place where the plugin hashes (files, bytes, records, fairseq dictionaries), for every
+resumable record and the teacher binding of a run. Imports neither torch nor fairseq.
 
 A file's fingerprint is its size, modification time and sha256 (and md5 where a download manifest
-pins one); a folder's is its files' fingerprints, and so is that of a list of files
-(:func:`fingerprint_files`). Two fingerprints describe the same content when their :func:`content`
-is equal, whatever the modification times. A recorded fingerprint passed back as ``previous`` has
-its checksums reused while size and modification time agree, so checking a finished pipeline does
-not re-read gigabyte-sized files.
+pins one); a folder's is its files' fingerprints. Two describe the same content when their
+:func:`content` is equal. A recorded fingerprint passed back as ``previous`` has its checksums
+reused while size and modification time agree, so that a finished pipeline's files are not re-read.
 """
 from __future__ import annotations
 
@@ -58,7 +53,6 @@ def content(recorded: Mapping[str, Any]) -> Any:
 
 
 def file_sha256(path: Path) -> str:
-    """SHA-256 of a file's bytes."""
     return _digests(Path(path), False)["sha256"]
 
 
@@ -74,7 +68,7 @@ def record_sha256(record: Any) -> str:
 
 
 def dictionary_sha256(dictionary) -> str:
-    """SHA-256 of a fairseq dictionary's symbols in index order (counts are irrelevant to a model)."""
+    """SHA-256 of a fairseq dictionary's symbols in index order (not their counts)."""
     return hashlib.sha256("\n".join(dictionary.symbols).encode("utf-8")).hexdigest()
 
 

@@ -1,5 +1,4 @@
-"""What the plugin changes in fairseq's half precision, installed by :func:`install` (made by
-:func:`fairseq_kd.fairseq_patches.install`):
+"""What the plugin changes in fairseq's half precision (:func:`install`):
 
 1. **--bf16 without --tpu.** fairseq 0.12's ``options.parse_args_and_arch`` sets ``tpu`` whenever
    ``bf16`` is set, and the Trainer then asks torch-xla for a TPU. Wrapped, ``tpu`` is what the

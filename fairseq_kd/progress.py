@@ -1,10 +1,6 @@
-"""Progress messages and progress bars of the project's commands, on stderr.
-
-A bar is drawn only on a terminal, never into a log file or a pipe. A command run by another one
-whose stderr is a terminal (the recipe, which sends each step's output to the step's log file)
-draws its bars on that terminal all the same: the parent passes the terminal's file descriptor
-and names it in ``FAIRSEQ_KD_PROGRESS_FD`` (:func:`child_progress`), and :func:`progress_bar`
-draws there when its own stderr is not a terminal. Nothing of a bar reaches the log files.
+"""Progress messages and progress bars of the project's commands, on stderr. A bar is drawn only on
+a terminal: a child whose stderr is a log file draws on its parent's terminal, whose descriptor the
+parent passes (``FAIRSEQ_KD_PROGRESS_FD``, :func:`child_progress`); nothing of a bar reaches a log.
 """
 import contextlib
 import logging
@@ -18,11 +14,8 @@ PROGRESS_FD_VARIABLE = "FAIRSEQ_KD_PROGRESS_FD"
 
 @contextlib.contextmanager
 def progress_to_stderr(logger_name: str, fmt: str = "%(asctime)s | %(message)s"):
-    """Send ``logger_name``'s INFO messages to stderr for the duration of the block.
-
-    Only this logger is configured, and restored afterwards, so that importing fairseq (which
-    configures the root logger) neither duplicates nor swallows the messages.
-    """
+    """Send ``logger_name``'s INFO messages (this logger only, not the root logger fairseq
+    configures) to stderr for the duration of the block."""
     logger = logging.getLogger(logger_name)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(fmt))
@@ -75,9 +68,8 @@ def progress_stream():
 @contextlib.contextmanager
 def child_progress(stream=None) -> Iterator[Tuple[Dict[str, str], Tuple[int, ...]]]:
     """``(environment, pass_fds)`` for a child process whose output goes to a log file, so that its
-    bars (:func:`progress_bar`) are drawn on ``stream`` (default: stderr) when that is a terminal:
-    a copy of the terminal's descriptor (the child's own 2 is the log), open for the block;
-    without a terminal, the environment names none and nothing is passed."""
+    bars are drawn on ``stream`` (default: stderr) if a terminal: a copy of its descriptor, open
+    for the block."""
     stream = sys.stderr if stream is None else stream
     env = {key: value for key, value in os.environ.items() if key != PROGRESS_FD_VARIABLE}
     try:
@@ -96,12 +88,8 @@ def child_progress(stream=None) -> Iterator[Tuple[Dict[str, str], Tuple[int, ...
 
 def progress_bar(total: Optional[int] = None, desc: Optional[str] = None, unit: str = "it",
                  iterable: Optional[Iterable] = None, stream=None, **options):
-    """A tqdm progress bar (count, rate and time left, as fairseq-generate's) on stderr (or the
-    terminal a parent passed, :func:`progress_stream`), or on ``stream``; disabled, so that it
-    prints nothing, when that stream is not a terminal (a log file, a pipe, a test's captured
-    output). Use it as a context manager or close it; call ``update(n)``. ``options`` go to tqdm
-    (``initial``, ``unit_scale=True`` with ``unit="B"`` for bytes, ``leave``).
-    """
+    """A tqdm progress bar on :func:`progress_stream` (or ``stream``), disabled when that is not a
+    terminal; ``options`` go to tqdm."""
     from tqdm import tqdm
 
     stream = progress_stream() if stream is None else stream
