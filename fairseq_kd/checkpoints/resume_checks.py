@@ -1,11 +1,9 @@
 """What a resumed ``translation_kd`` run is checked against, in the checkpoint it resumes from:
-the teacher binding (:func:`run_binding`: the teacher's SHA-256 and the dictionaries' hashes; a
-resume with other dictionaries is refused, with another teacher unless ``--allow-teacher-change``:
-:func:`check_resumed_binding`), the metric that selected ``checkpoint_best.pt`` (a run selecting by
-another does not overwrite it) and the criterion's parameters (refused naming the options that
-differ: :func:`check_criterion_state_fits`). :func:`install` (made by
-:func:`fairseq_kd.fairseq_patches.install`) wraps fairseq's ``checkpoint_utils.load_checkpoint``
-for the tasks that set ``checkpoint_guard = True``; other tasks load as fairseq does.
+the teacher binding (:func:`run_binding`, :func:`check_resumed_binding`), the metric that selected
+``checkpoint_best.pt`` and the criterion's parameters (:func:`check_criterion_state_fits`).
+:func:`install` (made by :func:`fairseq_kd.fairseq_patches.install`) wraps fairseq's
+``checkpoint_utils.load_checkpoint`` for the tasks that set ``checkpoint_guard = True``. Why:
+``docs/design/checkpoints.md``.
 """
 from __future__ import annotations
 
@@ -117,8 +115,6 @@ CRITERION_INDEPENDENT_METRICS = frozenset({"nll_loss", "ppl", "bleu"})
 def _get(container, key, default=None):
     if container is None:
         return default
-    if isinstance(container, dict):
-        return container.get(key, default)
     try:
         return container.get(key, default)
     except (AttributeError, TypeError):  # a Namespace (no get), or another get
@@ -168,9 +164,10 @@ def _option_differences(saved_cfg, current_cfg) -> list:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    saved = {k: v for k, v in dict(saved_cfg or {}).items()}
+    saved = dict(saved_cfg or {})
     try:
-        current = OmegaConf.to_container(current_cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(current_cfg) else dict(current_cfg or {})
+        current = (OmegaConf.to_container(current_cfg, resolve=True, enum_to_str=True)
+                   if OmegaConf.is_config(current_cfg) else dict(current_cfg or {}))
         if OmegaConf.is_config(saved_cfg):
             saved = OmegaConf.to_container(saved_cfg, resolve=True, enum_to_str=True)
     except OmegaConfBaseException:  # a ${...} that does not resolve in a config saved apart from its root

@@ -35,10 +35,7 @@ NUMERIC_DTYPE_CLASSES = tuple(dict.fromkeys(type(np.dtype(code)) for code in "?b
 ALLOWED_CHECKPOINT_GLOBALS = (argparse.Namespace, np.ndarray, np.dtype, np_reconstruct, *NUMERIC_DTYPE_CLASSES)
 FORCE_NO_WEIGHTS_ONLY_VARIABLE = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 #: What ``torch.load`` raises for bytes that are no checkpoint: a damaged or foreign file, not a bug
-#: of its caller. Found by loading empty, text, random, cut-short and byte-flipped files of both
-#: of torch's formats (its weights-only unpickler wraps most errors in UnpicklingError, not all).
-#: Its zip reader also raises OSError (EINVAL) for some damaged archives: left to the callers, as
-#: the system's own errors reading the file are.
+#: of its caller (docs/design/checkpoints.md); its OSError is left to the callers.
 UNREADABLE_FILE_ERRORS = (pickle.UnpicklingError, UnicodeDecodeError, EOFError, RuntimeError, ValueError, LookupError,
                           struct.error, AssertionError)
 
@@ -49,9 +46,8 @@ class UnsafeCheckpointError(UserError, RuntimeError):
 
 def install() -> None:
     """Register the allow-list with torch, and make fairseq's ``checkpoint_utils`` load through
-    :func:`weights_only_load` (its ``torch`` replaced by :class:`_WeightsOnlyTorch`; fairseq calls
-    ``torch.load`` without ``weights_only``) with refusals that name the file. Idempotent: it
-    checks fairseq's attributes, so a replacement made after it is undone by the next call."""
+    :func:`weights_only_load` with refusals that name the file. Idempotent; a replacement of
+    fairseq's attributes made after it is undone by the next call."""
     torch.serialization.add_safe_globals(list(ALLOWED_CHECKPOINT_GLOBALS))
     from fairseq import checkpoint_utils
 
@@ -114,8 +110,7 @@ def fairseq_loader_is_safe() -> bool:
 def load_fairseq_checkpoint(path, arg_overrides=None):
     """fairseq's ``load_checkpoint_to_cpu`` (config upgrade included) through
     :func:`weights_only_load`, with :func:`install` made first (library code need not call
-    :func:`fairseq_kd.register`); every checkpoint-reading path of the plugin uses this or
-    :func:`safe_load`."""
+    :func:`fairseq_kd.register`)."""
     install()
     from fairseq import checkpoint_utils
 
@@ -194,8 +189,7 @@ def pickled_globals(path) -> list:
 
 def _allowed_global_names() -> set:
     """``module.name`` of what ``weights_only=True`` unpickles: this module's allow-list, torch's
-    own (tensors, storages, OrderedDict...) and whatever a caller added with
-    ``add_safe_globals``."""
+    own and whatever a caller added with ``add_safe_globals``."""
     names = {f"{c.__module__}.{c.__qualname__}" for c in ALLOWED_CHECKPOINT_GLOBALS}
     names.add("numpy.core.multiarray._reconstruct")  # how numpy < 2 pickled the same function
     for entry in torch.serialization.get_safe_globals():
