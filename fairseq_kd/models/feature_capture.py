@@ -107,15 +107,9 @@ class AttentionMaps:
     query_padding_mask: Tensor
     key_padding_mask: Tensor
     attendable: Tensor
+    layers: Tuple[int, ...]
     scores: Optional[Tensor] = None
     values: Optional[Tensor] = None
-    layers: Optional[Tuple[int, ...]] = None
-
-    def __post_init__(self):
-        if self.layers is None:
-            self.layers = tuple(range(1, self.probs.size(0) + 1))
-        elif len(self.layers) != self.probs.size(0):
-            raise ValueError(f"{len(self.layers)} layer numbers for a stack of {self.probs.size(0)} maps")
 
     def of_layers(self, tensor: Tensor, layers: Sequence[int]) -> Tensor:
         """The entries of ``tensor`` (``probs``, ``scores`` or ``values``) of the 1-based ``layers``,
@@ -162,9 +156,8 @@ class CapturedFeatures:
         return {"encoder": self.source_padding_mask, "decoder": self.target_padding_mask}[side]
 
 
-def attention_maps(kind: str, probs: Tensor, features: CapturedFeatures, future: Optional[Tensor] = None,
-                   scores: Optional[Tensor] = None, values: Optional[Tensor] = None,
-                   layers: Optional[Tuple[int, ...]] = None) -> AttentionMaps:
+def attention_maps(kind: str, probs: Tensor, features: CapturedFeatures, future: Optional[Tensor],
+                   scores: Optional[Tensor], values: Optional[Tensor], layers: Tuple[int, ...]) -> AttentionMaps:
     """The :class:`AttentionMaps` of one kind (``scores`` zeroed in place outside ``attendable``);
     ``future``: ``(query, key)``, True at keys a query may not see yet (decoder self-attention)."""
     _, bsz, _, tq, tk = probs.shape

@@ -1,15 +1,11 @@
 """A Hugging Face seq2seq model as the frozen teacher of every distillation method.
 
 ``--teacher-checkpoint DIR``: a ``save_pretrained`` folder (recognised by its ``config.json``) with
-the model and its tokenizer: MarianMT, M2M100 and NLLB are tested; another ``AutoModelForSeq2SeqLM``
-text model is accepted with a warning. It is read offline, safetensors first, pickles weights-only,
-no remote code, and strictly (:mod:`.hf_folder`); the data must be binarised in its vocabulary
-(``fairseq-kd-hf-data``), one :class:`.hf_vocabulary.VocabularyMap` per side.
-:class:`HuggingFaceTeacherModel` speaks fairseq's model interface (``(logits, extra)`` over the data's
-dictionary; a symbol the teacher lacks gets a logit far below the lowest, probability 0), and
-:class:`HuggingFaceFeatureCapture` gives the features of :mod:`.feature_capture`'s contract in the
-student's positions. How the ids, positions, padding and hidden states are mapped:
-``docs/design/teachers.md``.
+the model and its tokenizer (MarianMT, M2M100 and NLLB are tested), read offline and strictly
+(:mod:`.hf_folder`); the data must be binarised in its vocabulary (``fairseq-kd-hf-data``).
+:class:`HuggingFaceTeacherModel` speaks fairseq's model interface and
+:class:`HuggingFaceFeatureCapture` gives :mod:`.feature_capture`'s features in the student's
+positions. How ids, positions, padding and hidden states are mapped: ``docs/design/teachers.md``.
 """
 from __future__ import annotations
 
