@@ -1,11 +1,7 @@
-"""Where a recipe's steps run, one node or several, and the commands that start their workers.
+"""Where a recipe's steps run, one node or several, and the commands that start their workers;
+the plan printed as shell commands or written as SLURM batch scripts.
 
-Training runs through fairseq's own distributed engine (README, "Several GPUs and nodes"). A
-:class:`Launch` holds the number of nodes and GPUs per node and how the workers start, and turns a
-step's command line into the one that starts them; the plan (:mod:`.plan`) builds every step
-through it, so what ``--print-commands`` prints and ``--sbatch`` writes is what the recipe runs.
-
-Design notes: ``docs/design/recipes.md``.
+Design notes: ``docs/design/recipes.md``; README, "Several GPUs and nodes".
 """
 from __future__ import annotations
 
@@ -299,8 +295,6 @@ def write_sbatch(plan: RecipePlan, folder: Path, command_line: str, array_tasks:
         # torchrun on several nodes needs a shell on each node; a batch script has one, on the first
         raise RecipeError("--sbatch starts several nodes with srun; leave --launcher out (or give srun)")
     tasks = array_tasks or plan.launch.world_size
-    if tasks < 1:
-        raise RecipeError(f"--array-tasks must be >= 1, got {tasks}")
     if folder.exists() and not folder.is_dir():
         raise RecipeError(f"--sbatch {folder} is a file; give a folder for the scripts")
     folder = folder.resolve()

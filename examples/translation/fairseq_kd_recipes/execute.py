@@ -46,14 +46,12 @@ class RecipeError(UserError):
     """Bad input or a failed step; the message says what and what to do."""
 
 
-
 @dataclass
 class RecipeResult:
     executed: list[str]
     skipped: list[str]
     #: the results tables, the main one first
     report_markdowns: list[Path]
-
 
 
 # ----------------------------------------------------------------------------- commands
@@ -71,20 +69,14 @@ def python_module(module: str) -> list[str]:
 
 class CommandExecutor:
     """Runs one command line, appending its output to a log file; raises RecipeError on failure.
-
-    ``in_process`` runs :data:`IN_PROCESS_MODULES` through their ``cli_main`` in this process.
-    """
-
-    def __init__(self, in_process: bool = True) -> None:
-        self.in_process = in_process
+    :data:`IN_PROCESS_MODULES` run through their ``cli_main`` in this process."""
 
     def __call__(self, command: Sequence[str], log_path: Path) -> None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "a", encoding="utf-8") as log:
             log.write(f"$ {shlex.join(command)}\n")
             log.flush()
-            if (self.in_process and len(command) > 2 and list(command[:2]) == [sys.executable, "-m"]
-                    and command[2] in IN_PROCESS_MODULES):
+            if len(command) > 2 and list(command[:2]) == [sys.executable, "-m"] and command[2] in IN_PROCESS_MODULES:
                 status = self._run_module(command[2], list(command[3:]), log)
             else:
                 status = self._run_child(list(command), log, log_path.stem)
@@ -128,10 +120,8 @@ class CommandExecutor:
 
 @contextlib.contextmanager
 def logging_into(log):
-    """Every INFO (and higher) log record of an in-process command into its step's log: the root
-    logger's handlers (a library's basicConfig writing to the terminal) are set aside meanwhile;
-    the plugin's own progress (a logger with its handler, :func:`fairseq_kd.progress.progress_to_stderr`)
-    also stays on the terminal."""
+    """Every INFO (and higher) log record of an in-process command into its step's log instead of
+    the root logger's handlers; the plugin's own progress loggers keep theirs (the terminal) too."""
     handler = logging.StreamHandler(log)
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(name)s | %(message)s"))
@@ -156,11 +146,8 @@ def _flag_value(command: Sequence[str], flag: str) -> Optional[str]:
 
 
 class TrainingProgress:
-    """A bar of a fairseq-train child's updates, read from its statistics lines as they come: the
-    updates done of ``--max-update``, or under ``--max-epoch`` of the updates those epochs take
-    (estimated from how far into its epochs fairseq says it is), with rate, time left, the epoch,
-    the last training loss and validation nll. Drawn from the first statistics line on (a resumed
-    run's rate counts only this run's updates)."""
+    """A bar of a fairseq-train child's updates (of ``--max-update``, or of those ``--max-epoch``
+    takes, estimated), its epoch, training loss and validation nll, read from its statistics lines."""
 
     def __init__(self, desc: str, max_update: Optional[int], max_epoch: Optional[int]) -> None:
         self.desc, self.max_update, self.max_epoch = desc, max_update, max_epoch
@@ -227,7 +214,6 @@ def tail(path: Path, lines: int = 25) -> str:
     return "\n".join(text[-lines:])
 
 
-
 # ----------------------------------------------------------------------------- checkpoints
 
 
@@ -259,7 +245,7 @@ def checkpoints_in(save_dir: Path) -> list[str]:
 
 def check_checkpoint_folder(save_dir: Path, settings: Mapping, inputs: Sequence[Path]) -> dict:
     """The record to write into ``save_dir`` before training; refuses a save folder whose
-    checkpoints come from another training run (see the module doc)."""
+    checkpoints come from another training run (docs/design/recipes.md, ``execute.py``)."""
     previous = read_json(save_dir / TRAIN_RECORD_NAME)
     record = training_record(settings, inputs, previous)
     checkpoints = checkpoints_in(save_dir)
@@ -293,18 +279,14 @@ def _as_step(step: RecipeStep, execute: Callable[[Sequence[str], Path], None]) -
                 params=step.settings)
 
 
-def step_status(plan: RecipePlan) -> list[tuple[RecipeStep, bool]]:
-    """(step, done) for every step, without running anything."""
-    runner = StepRunner(plan.workdir / "stamps")
-    return [(step, runner.is_done(_as_step(step, lambda *_: None))) for step in plan.steps]
-
-
 def describe_plan(plan: RecipePlan) -> str:
     """The steps with their state and command lines (what ``--dry-run`` prints)."""
     lines = [f"recipe {plan.pair.name} ({plan.pair.title}), profile {plan.profile.name}"
              + (f", {plan.world_size} GPU(s)" if plan.profile.device == "cuda" else ""),
              f"working folder {plan.workdir}", ""]
-    for step, done in step_status(plan):
+    runner = StepRunner(plan.workdir / "stamps")
+    for step in plan.steps:
+        done = runner.is_done(_as_step(step, lambda *_: None))
         lines.append(f"[{'done' if done else 'to run'}] {step.name}: {step.description}")
         lines += [f"    {shlex.join(command)}" for command in step.commands]
     return "\n".join(lines) + "\n"

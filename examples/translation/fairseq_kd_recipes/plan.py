@@ -6,7 +6,6 @@ A recipe is a list of steps, each a command line of the project's entry points o
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 from dataclasses import dataclass
@@ -25,8 +24,6 @@ from .pairs import BEAM, EVAL_BLEU_ARGS, LABEL_SMOOTHING, MAX_LEN_A, MAX_LEN_B, 
 from .profiles import PROFILES, Profile
 from .systems import SystemDecoding, write_systems_sidecar
 
-LOG = logging.getLogger(__name__)
-
 #: the plugin's folder, fairseq-train's --user-dir
 USER_DIR = Path(fairseq_kd.__file__).resolve().parent
 DEFAULT_PREPARE_WORKERS = max(1, min(4, os.cpu_count() or 1))
@@ -34,7 +31,7 @@ DEFAULT_PREPARE_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 @dataclass
 class RecipeOptions:
-    """What ``fairseq-kd-recipe`` was asked to do (see its ``--help``)."""
+    """What ``fairseq-kd-recipe`` was asked to do (its ``--help`` says what each field means)."""
 
     pair: str
     methods: Optional[Sequence[str]] = None
@@ -42,10 +39,8 @@ class RecipeOptions:
     workdir: Optional[Path] = None
     archives: Optional[Path] = None
     data: Optional[Path] = None
-    #: GPUs per node (None: every visible one)
     gpus: Optional[int] = None
     nodes: int = 1
-    #: how training's workers start (:data:`~.cluster.LAUNCHERS`; None: fairseq on one node, srun on several)
     launcher: Optional[str] = None
     master_port: int = DEFAULT_PORT
     max_update: Optional[int] = None
@@ -53,12 +48,8 @@ class RecipeOptions:
     train_args: Sequence[str] = ()
     workers: int = DEFAULT_PREPARE_WORKERS
     seed: int = 1
-    #: more seeds of every student (the teacher and its passes are trained and run once, with ``seed``)
     student_seeds: Sequence[int] = ()
-    #: an already trained teacher to distil from (no train-teacher step): a fairseq checkpoint trained
-    #: on the corpus, or a Hugging Face save_pretrained folder (:mod:`.hf_teacher`)
     teacher: Optional[Path] = None
-    #: a multilingual Hugging Face teacher's codes of the pair's languages (fairseq-kd-hf-data's)
     teacher_source_lang: Optional[str] = None
     teacher_target_lang: Optional[str] = None
     #: the plan is printed or written as batch scripts, not run here: ``gpus`` names the GPUs of each
@@ -68,11 +59,8 @@ class RecipeOptions:
 
 @dataclass
 class RecipeStep:
-    """One step: its command lines (or an in-process action), inputs, outputs and settings.
-
-    ``settings`` is what the stamp records: the commands without the placement flags
-    (``placement``). ``save_dir`` marks a training step, whose checkpoints are protected.
-    """
+    """One step. ``settings`` is what its stamp records (the commands without the placement flags);
+    ``save_dir`` marks a training step, whose checkpoints are protected."""
 
     name: str
     commands: list[list[str]]
@@ -83,32 +71,8 @@ class RecipeStep:
     action: Optional[Callable[[], None]] = None
     description: str = ""
     save_dir: Optional[Path] = None
-    #: a teacher pass: its command for one process on one GPU, to which a job array's task adds
-    #: ``--num-shards N --shard-id I`` (:func:`~.cluster.array_command`)
+    #: a teacher pass's command for one GPU; a job array's task adds its shard (:func:`~.cluster.array_command`)
     array_command: Optional[list[str]] = None
-
-
-@dataclass
-class RecipePlan:
-    pair: PairRecipe
-    profile: Profile
-    world_size: int
-    launch: Launch
-    methods: list[Method]
-    workdir: Path
-    data: Path
-    steps: list[RecipeStep]
-    #: the results tables (without the .md/.csv/.json ending), the main one first
-    report_prefixes: list[Path]
-    #: runs one command line into a log file (:class:`CommandExecutor` unless a caller substitutes one)
-    execute: Callable[[Sequence[str], Path], None]
-
-    def step(self, name: str) -> RecipeStep:
-        for step in self.steps:
-            if step.name == name:
-                return step
-        raise KeyError(name)
-
 
 
 # ----------------------------------------------------------------------------- checking the request
@@ -218,18 +182,6 @@ def check_teacher(options: RecipeOptions, pair: PairRecipe) -> Optional[HuggingF
     return read_teacher(teacher, pair.source, pair.target, options.teacher_source_lang, options.teacher_target_lang)
 
 
-def check_criterions(methods: Sequence[Method]) -> None:
-    """Every criterion the methods use is registered with fairseq (the plugin imports them all)."""
-    fairseq_kd.register()
-    from fairseq.criterions import CRITERION_REGISTRY
-
-    missing = sorted({method.criterion for method in methods if method.criterion not in CRITERION_REGISTRY})
-    if missing:
-        names = [method.name for method in methods if method.criterion in missing]
-        raise RecipeError(f"criterion(s) {', '.join(missing)} of method(s) {', '.join(names)} are not registered "
-                          "with fairseq (no module in fairseq_kd/criterions/ defines them)")
-
-
 def check_workdir(workdir: Path, pair: PairRecipe, profile: Profile) -> None:
     """The working folder is new, empty, or an earlier run of the same pair and profile."""
     if workdir.exists() and not workdir.is_dir():
@@ -256,8 +208,8 @@ def check_workdir(workdir: Path, pair: PairRecipe, profile: Profile) -> None:
 # ----------------------------------------------------------------------------- the plan
 
 
-class _Planner:
-    """Builds the steps of one recipe run (pure: touches no file)."""
+class RecipePlan:
+    """One recipe run: what it was asked, and its steps (laid out by :meth:`add_steps`, touching no file)."""
 
     def __init__(self, options: RecipeOptions, pair: PairRecipe, profile: Profile, launch: Launch,
                  methods: list[Method], workdir: Path, executor: Callable[[Sequence[str], Path], None],
@@ -274,10 +226,11 @@ class _Planner:
         self.teacher_cache = workdir / "teacher-cache"
         self.sidecar = workdir / "report" / "systems.json"
         self.steps: list[RecipeStep] = []
-        #: the papers' fairseq-train values, with the pair's and then the profile's replacements, then
-        #: the pair's values for this profile
+        #: the papers' fairseq-train values, the profile's replacements, the pair's values for this profile
         self.training_values = {**pair.training(), **profile.training_overrides,
                                 **pair.profile_training.get(profile.name, {})}
+        self.schedule = (["--max-update", str(options.max_update)] if options.max_update is not None else
+                         list(pair.profile_schedules.get(profile.name) or profile.schedule or pair.schedule))
         self.beam = profile.beam or pair.beam
         self.lenpen = ["--lenpen", str(pair.lenpen)] if pair.lenpen != 1.0 else []
         self.decoding = f"beam {self.beam}" + (f", length penalty {pair.lenpen}" if self.lenpen else "")
@@ -287,8 +240,7 @@ class _Planner:
         self.decoding += f", at most {limit_a:g} x source + {limit_b} tokens"
         #: where a teacher pass or a test decoding runs (not part of its settings)
         self.device_flags = ["--fp16"] if profile.device == "cuda" else ["--cpu"]
-        # The pair's own tokenised-BLEU table reads BPE-segmented, lowercased T- lines, which data
-        # in a Hugging Face teacher's vocabulary does not have.
+        # the tokenised-BLEU table reads BPE-segmented, lowercased T- lines: not a Hugging Face teacher's data
         self.tokenized_bleu = pair.tokenized_bleu and hf_teacher is None
         if hf_teacher is not None:
             # cased text, in the teacher's tokens: its tokenizer makes them text again
@@ -299,6 +251,21 @@ class _Planner:
                 self.scoring += ["--lowercase"]
             if pair.detok_moses:
                 self.scoring += ["--detok-moses", pair.detok_moses]
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.world_size
+
+    @property
+    def report_prefixes(self) -> list[Path]:
+        """The results tables (without the .md/.csv/.json ending), the main one first."""
+        return [self.workdir / "report" / f"results{suffix}" for suffix, *_ in self.report_groups()]
+
+    def step(self, name: str) -> RecipeStep:
+        for step in self.steps:
+            if step.name == name:
+                return step
+        raise KeyError(name)
 
     # paths
     def save_dir(self, system: str) -> Path:
@@ -337,7 +304,7 @@ class _Planner:
         self.steps.append(step)
         return step
 
-    def plan(self) -> list[RecipeStep]:
+    def add_steps(self) -> None:
         if self.options.data is None:
             self.add_prepare()
         if self.hf_teacher is not None:
@@ -371,7 +338,6 @@ class _Planner:
                 self.add_report(suffix, systems, baseline, seed, tokenized=True)
         if self.more_seeds() and BASELINE in {method.name for method in self.methods}:
             self.add_seed_summary()
-        return self.steps
 
     def more_seeds(self) -> list[int]:
         """The students' seeds besides ``--seed`` (whose students keep their plain names)."""
@@ -383,8 +349,7 @@ class _Planner:
             args += self.pair.smoke_prepare_args
         command = [*python_module(self.pair.prepare_module), *args, *self.options.prepare_args,
                    "--workdir", str(self.workdir / "prepare"), "--dest", str(self.corpus)]
-        # Where the archives lie and how many processes work are no settings of the corpus:
-        # changing them does not re-run the preparation.
+        # not settings of the corpus: changing them does not re-run the preparation
         placement = ["--workers", str(self.options.workers)]
         if self.options.archives is not None:
             placement += ["--archives", str(self.options.archives.resolve())]
@@ -404,17 +369,11 @@ class _Planner:
                  f"the prepared text in the vocabulary of the teacher {teacher.folder.name}")
 
     # training
-    def schedule(self) -> list[str]:
-        if self.options.max_update is not None:
-            return ["--max-update", str(self.options.max_update)]
-        return list(self.pair.profile_schedules.get(self.profile.name) or self.profile.schedule or self.pair.schedule)
-
     def selection_flags(self) -> list[str]:
         """How fairseq picks checkpoint_best.pt: never by a KD criterion's total loss, whose terms
         change weight per epoch (pairs.py), but by the references' nll or by BLEU."""
         flags = ["--patience", str(self.pair.patience)] if self.pair.patience else []
-        # fairseq's --eval-bleu undoes BPE or SentencePiece, not a Hugging Face tokenizer (its
-        # language tags, byte-level pieces): with such a teacher the references' nll selects.
+        # fairseq's --eval-bleu undoes BPE or SentencePiece, not a Hugging Face tokenizer
         if self.pair.selection == "nll" or self.hf_teacher is not None:
             return flags + ["--best-checkpoint-metric", "nll_loss"]
         remove_bpe = "@@ " if self.pair.remove_bpe == "subword_nmt" else self.pair.remove_bpe
@@ -424,32 +383,25 @@ class _Planner:
                       json.dumps({"target_lang": self.pair.detok_moses})]
         return flags + ["--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric"]
 
-    def averaging(self) -> tuple[str, int]:
-        """(checkpoint kind, updates between checkpoints) of the checkpoints to average: epoch
-        checkpoints on an epoch schedule; on an update schedule of M updates, one every
-        min(pair's interval, M / N) updates, so that N exist at the end of any budget."""
-        schedule = self.schedule()
-        if "--max-epoch" in schedule:
-            return "epoch", 0
-        max_update = int(schedule[schedule.index("--max-update") + 1])
-        return "update", max(1, min(self.pair.save_interval_updates, max_update // self.pair.average_last))
-
-    def checkpoint_flags(self) -> list[str]:
+    def checkpoint_flags(self) -> tuple[str, list[str]]:
+        """(kind of the N checkpoints averaged, fairseq-train's checkpoint flags): epoch checkpoints on
+        an epoch schedule; on one of M updates, one every min(pair's interval, M / N) updates, so that
+        N exist at the end of any budget."""
         if not self.pair.average_last:
-            return ["--no-epoch-checkpoints"]
-        kind, interval = self.averaging()
+            return "", ["--no-epoch-checkpoints"]
         keep = str(self.pair.average_last)
-        if kind == "epoch":
-            return ["--keep-last-epochs", keep]
-        return ["--no-epoch-checkpoints", "--save-interval-updates", str(interval), "--keep-interval-updates", keep]
+        if "--max-epoch" in self.schedule:
+            return "epoch", ["--keep-last-epochs", keep]
+        max_update = int(self.schedule[self.schedule.index("--max-update") + 1])
+        interval = max(1, min(self.pair.save_interval_updates, max_update // self.pair.average_last))
+        flags = ["--no-epoch-checkpoints", "--save-interval-updates", str(interval), "--keep-interval-updates", keep]
+        return "update", flags
 
     def placement_flags(self, distils: bool) -> list[str]:
         if self.profile.device == "cuda":
             flags = ["--fp16", *self.launch.distributed_flags()]
             if self.launch.world_size > 1 and distils:
-                # A criterion may leave its learnable modules out of some steps (internal KD's
-                # projections once its schedule has moved on to soft labels only); DDP must not
-                # wait for their gradients.
+                # a criterion's learnable modules may sit out some steps (internal KD's projections)
                 flags.append("--find-unused-parameters")
         else:
             flags = ["--cpu"]
@@ -474,13 +426,10 @@ class _Planner:
         if teacher is None:
             return args
         if teacher.separate_vocabularies and "--share-all-embeddings" in args:
-            # A Marian teacher with separate vocabularies: the data's source and target dictionaries
-            # differ, which fairseq's --share-all-embeddings refuses; the decoder's own input and
-            # output embeddings can still be one matrix.
+            # separate source and target dictionaries (a Marian teacher's), which --share-all-embeddings refuses
             args[args.index("--share-all-embeddings")] = "--share-decoder-input-output-embed"
         if teacher.max_positions is not None and teacher.max_positions < DEFAULT_MAX_POSITIONS:
-            # The teacher reads no longer sentences (training refuses a task that lets them through):
-            # longer training pairs are skipped, and so are such validation pairs.
+            # the teacher reads no longer sentences: longer training and validation pairs are skipped
             limit = str(teacher.max_positions)
             args += ["--max-source-positions", limit, "--max-target-positions", limit,
                      "--skip-invalid-size-inputs-valid-test"]
@@ -492,15 +441,16 @@ class _Planner:
         """fairseq-train (its checkpoints protected: :func:`.execute.check_checkpoint_folder`), then
         the average of its last checkpoints when the pair decodes one."""
         save_dir = self.save_dir(system)
+        kind, checkpoint_flags = self.checkpoint_flags()
         args = [
             *console_script("fairseq-train", "fairseq_cli.train"), str(data),
             "--user-dir", str(USER_DIR), *task_args,
             *self.architecture(role), *self.model_args(),
             "--criterion", criterion, "--label-smoothing", LABEL_SMOOTHING, *criterion_args,
             *[item for flag_value in self.training_values.items() for item in flag_value],
-            *self.schedule(), *self.selection_flags(),
+            *self.schedule, *self.selection_flags(),
             "--seed", str(self.options.seed if seed is None else seed),
-            "--save-dir", str(save_dir), *self.checkpoint_flags(),
+            "--save-dir", str(save_dir), *checkpoint_flags,
             "--log-format", "json", "--log-interval", str(self.profile.log_interval),
             "--log-file", str(save_dir / "train.log"),
             *self.options.train_args,
@@ -514,7 +464,6 @@ class _Planner:
                         description, self.placement_flags(distils), self.launch.training,
                         save_dir=save_dir, action=action)
         if self.pair.average_last:
-            kind, _ = self.averaging()
             self.add(f"average-{system}",
                      [*python_module("fairseq_kd.cli.average_checkpoints"), str(save_dir),
                       "--last", str(self.pair.average_last), "--kind", kind,
@@ -534,9 +483,8 @@ class _Planner:
             task_args += ["--teacher-checkpoint", str(self.checkpoint(TEACHER)), *self.teacher_data()]
             inputs.append(self.checkpoint(TEACHER))
         elif self.hf_teacher is not None:
-            # Its data is in the teacher's vocabulary: the students that never query the teacher are
-            # bound to it too, so checkpoints of a run with another teacher are refused before any
-            # step (the data folder itself is rewritten only by the hf-data step, later).
+            # its data is in the teacher's vocabulary: checkpoints of a run with another teacher are
+            # refused before any step (the hf-data step, which rewrites the data, comes later)
             inputs.append(self.checkpoint(TEACHER))
         if method.teacher_cache:
             task_args += ["--teacher-cache", str(self.teacher_cache)]
@@ -556,11 +504,10 @@ class _Planner:
         self.add(name, command, [self.data, self.checkpoint(TEACHER)], [output], description, self.device_flags,
                  self.launch.teacher_pass, array_command=with_placement(command, self.device_flags))
 
-    def seqkd_folder(self, kind: str = "seqkd") -> Path:
+    def seqkd_folder(self, kind: str) -> Path:
         return self.workdir / ("data-" + kind.replace("_", "-"))
 
-    def add_seqkd(self, kind: str = "seqkd") -> None:
-        # the profile's output length limits, in fairseq-kd-seqkd's spelling (as fairseq-generate's)
+    def add_seqkd(self, kind: str) -> None:
         beam, flags = str(self.profile.beam or BEAM), list(SEQKD_DATA[kind])
         if "--select" in flags:  # the n-best of the whole beam, compared as text without subwords
             scheme = "sentencepiece" if self.hf_teacher is not None else self.pair.remove_bpe
@@ -599,8 +546,7 @@ class _Planner:
                 *console_script("fairseq-generate", "fairseq_cli.generate"), str(self.data),
                 "--user-dir", str(USER_DIR), "--task", "translation", "--gen-subset", "test",
                 "--path", str(model), *decoding[2:],
-                # fairseq's batching drops sentences that do not fill a multiple of 8 (a batch of one
-                # very long sentence, the last partial batch): every test sentence must be decoded.
+                # else fairseq drops sentences that do not fill a multiple of 8: every one must be decoded
                 "--required-batch-size-multiple", "1",
                 "--seed", str(self.options.seed), "--results-path", str(output.parent),
             ]
@@ -744,14 +690,7 @@ DEFAULT_MAX_POSITIONS = 1024
 
 def batch_split(tokens_per_update: int, max_tokens: int, world_size: int) -> tuple[int, int]:
     """(``--max-tokens`` per GPU, ``--update-freq``) that make ``tokens_per_update`` on ``world_size``
-    GPUs: ``max_tokens x world_size x update_freq`` is the pair's tokens per update (rounded up to a
-    multiple of the GPU count and the accumulation steps), never more than ``max_tokens`` per GPU.
-
-    The papers give a batch per update, not per GPU: with 8 GPUs and 4,096 tokens per update each
-    GPU takes 512 tokens in one step, not 4,096 (which would make 32K per update). A per-GPU batch
-    that small holds sentences of at most that many tokens; fairseq refuses a longer training
-    sentence at start-up (``--skip-invalid-size-inputs-valid-test`` drops them instead).
-    """
+    GPUs (rounded up), never more than ``max_tokens`` per GPU (README, "Batch arithmetic")."""
     if min(tokens_per_update, max_tokens, world_size) < 1:
         raise ValueError(f"tokens per update, --max-tokens and the GPU count must be >= 1, got "
                          f"{tokens_per_update}, {max_tokens}, {world_size}")
@@ -780,13 +719,12 @@ def with_placement(args: Sequence[str], placement: Sequence[str]) -> list[str]:
     return merged + extra
 
 
-def step_planner(options: RecipeOptions, gpus: int) -> _Planner:
-    """The planner :func:`build_plan` uses, on one node with ``gpus`` GPUs (0: the CPU), without its
-    checks of the request: for a tool that takes single steps' commands and runs them its own way
-    (:mod:`.gpu_check`)."""
+def step_planner(options: RecipeOptions, gpus: int) -> RecipePlan:
+    """An empty plan on one node with ``gpus`` GPUs (0: the CPU), without :func:`build_plan`'s checks
+    of the request: for a tool that adds single steps and runs them its own way (:mod:`.gpu_check`)."""
     launch = resolve_launch(1, gpus, None, options.master_port)
-    return _Planner(options, PAIRS[options.pair], PROFILES[options.profile], launch, [],
-                    Path(options.workdir).resolve(), CommandExecutor())
+    return RecipePlan(options, PAIRS[options.pair], PROFILES[options.profile], launch, [],
+                      Path(options.workdir).resolve(), CommandExecutor())
 
 
 def build_plan(options: RecipeOptions, executor: Optional[Callable[[Sequence[str], Path], None]] = None,
@@ -812,22 +750,15 @@ def build_plan(options: RecipeOptions, executor: Optional[Callable[[Sequence[str
             raise RecipeError("--data uses an already prepared corpus: --archives would not be read; give one of them")
         check_prepared_data(pair, options.data)
     check_archives(pair, options.archives)
-    check_criterions(methods)
     workdir = (options.workdir or Path("work_dirs") / "recipes" / pair.name / profile.name).resolve()
     check_workdir(workdir, pair, profile)
-    execute = executor or CommandExecutor()
-    planner = _Planner(options, pair, profile, launch, methods, workdir, execute, hf_teacher)
+    plan = RecipePlan(options, pair, profile, launch, methods, workdir, executor or CommandExecutor(), hf_teacher)
     if hf_teacher is not None:
-        problems = method_problems(hf_teacher, methods, {method.student: planner.architecture(method.student)
-                                                         for method in methods})
+        problems = method_problems(hf_teacher, methods, {method.student: plan.architecture(method.student)
+                                                      for method in methods})
         if problems:
             raise RecipeError(f"--teacher {hf_teacher.folder}: {'; '.join(problems)}. Leave these methods out of "
                               "--methods (the methods that read only the teacher's output distribution run with any "
                               "Hugging Face teacher: word_kd, word_kd_cached, selective_kd, seq_kd)")
-    steps = planner.plan()
-    return RecipePlan(pair=pair, profile=profile, world_size=launch.world_size, launch=launch, methods=methods,
-                      workdir=workdir, data=planner.data, steps=steps,
-                      report_prefixes=[workdir / "report" / f"results{suffix}" for suffix, *_ in planner.report_groups()],
-                      execute=execute)
-
-
+    plan.add_steps()
+    return plan

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import shlex
 import sys
 from pathlib import Path
@@ -110,10 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def seed_list(text: str) -> tuple:
     try:
-        seeds = tuple(int(item) for item in text.split(","))
+        return tuple(int(item) for item in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seeds separated by commas (1,2,3), got {text!r}")
-    return seeds
 
 
 def methods_table(pair_name: str) -> str:
@@ -138,16 +138,10 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
     if args.array_tasks is not None and not (args.print_commands or args.sbatch):
         parser.error("--array-tasks sizes the teacher passes' job array of --print-commands or --sbatch DIR; "
                      "give one of them")
-    options = RecipeOptions(
-        pair=args.pair, methods=args.methods, profile=args.profile, workdir=args.workdir,
-        archives=args.archives, data=args.data, gpus=args.gpus, max_update=args.max_update,
-        prepare_args=args.prepare_args, train_args=args.train_args, workers=args.workers, seed=args.seed,
-        student_seeds=args.student_seeds,
-        teacher=args.teacher, teacher_source_lang=args.teacher_source_lang,
-        teacher_target_lang=args.teacher_target_lang, nodes=args.nodes, launcher=args.launcher,
-        master_port=args.master_port,
-        print_only=args.dry_run or args.print_commands or args.sbatch is not None,
-    )
+    # every option but print_only is the flag of its name
+    options = RecipeOptions(**{field.name: getattr(args, field.name) for field in dataclasses.fields(RecipeOptions)
+                               if field.name != "print_only"},
+                            print_only=args.dry_run or args.print_commands or args.sbatch is not None)
     # the recipe's own progress and that of the plugin's commands it runs in-process
     with contextlib.ExitStack() as logs:
         for logger_name in ("fairseq_kd_recipes", "fairseq_kd"):
