@@ -20,20 +20,16 @@ from fairseq_kd.errors import FOLDER, OUTPUT_FILE, FileAccessError, InputError, 
 PATTERNS = {"epoch": re.compile(r"^checkpoint(\d+)\.pt$"), "update": re.compile(r"^checkpoint_\d+_(\d+)\.pt$")}
 
 
-class AverageError(InputError):
-    """Bad input; the message names the flag or file and what to do."""
-
-
 def last_checkpoints(save_dir: Path, kind: str, count: int) -> List[Path]:
     """The ``count`` checkpoints of ``kind`` with the highest numbers, oldest first."""
     if count < 1:
-        raise AverageError(f"--last must be at least 1, got {count}")
+        raise InputError(f"--last must be at least 1, got {count}")
     require_path(save_dir, "checkpoint folder", FOLDER)
     numbered = sorted((int(match.group(1)), path) for path in save_dir.iterdir()
                       if (match := PATTERNS[kind].match(path.name)))
     if len(numbered) < count:
         flag = "--keep-last-epochs" if kind == "epoch" else "--save-interval-updates/--keep-interval-updates"
-        raise AverageError(
+        raise InputError(
             f"{str(save_dir)!r} holds {len(numbered)} {kind} checkpoint(s) "
             f"({', '.join(path.name for _, path in numbered) or 'none'}); averaging the last {count} needs "
             f"{count}: train with fairseq's {flag} {count}, or pass a smaller --last")
@@ -48,17 +44,17 @@ def average_checkpoints(paths: List[Path]) -> dict:
     for path in paths:
         state = load_fairseq_checkpoint(path)  # weights_only=True, explicitly
         if "model" not in state:
-            raise AverageError(f"{path}: not a fairseq checkpoint (no model parameters)")
+            raise InputError(f"{path}: not a fairseq checkpoint (no model parameters)")
         params = state["model"]
         if sums is None:
             sums = {name: value.double().clone() if value.is_floating_point() else value.clone()
                     for name, value in params.items()}
         else:
             if set(params) != set(sums):
-                raise AverageError(f"{path}: its parameters differ from {paths[0]}'s; not checkpoints of one run")
+                raise InputError(f"{path}: its parameters differ from {paths[0]}'s; not checkpoints of one run")
             for name, value in params.items():
                 if value.shape != sums[name].shape:
-                    raise AverageError(f"{path}: parameter {name} has shape {tuple(value.shape)}, not "
+                    raise InputError(f"{path}: parameter {name} has shape {tuple(value.shape)}, not "
                                        f"{tuple(sums[name].shape)} as in {paths[0]}")
                 if value.is_floating_point():
                     sums[name] += value.double()
@@ -78,19 +74,6 @@ def average_checkpoints(paths: List[Path]) -> dict:
     return newest
 
 
-def write_atomically(state: dict, output: Path) -> None:
-    """``output`` written whole (a temporary file of this process renamed over it), or not at all."""
-    import torch
-
-    from fairseq_kd.teacher_pass.common import replace_atomically
-
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        replace_atomically(output, lambda handle: torch.save(state, handle))
-    except OSError as error:  # --output cannot be written
-        raise FileAccessError(message_of(error)) from None
-
-
 @exits_on_user_error("fairseq-kd-average")
 def cli_main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="fairseq-kd-average", description=__doc__.split("\n\n")[0])
@@ -105,10 +88,10 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     try:
         require_path(args.output, "--output", OUTPUT_FILE)
         if args.output.exists() and not args.overwrite:
-            raise AverageError(f"--output {str(args.output)!r} already exists; choose another path or pass --overwrite")
+            raise InputError(f"--output {str(args.output)!r} already exists; choose another path or pass --overwrite")
         paths = last_checkpoints(args.save_dir, args.kind, args.last)
         if any(args.output.resolve() == path.resolve() for path in paths):
-            raise AverageError(f"--output {str(args.output)!r} is one of the checkpoints to average; choose another path")
+            raise InputError(f"--output {str(args.output)!r} is one of the checkpoints to average; choose another path")
         import fairseq_kd
 
         fairseq_kd.register()
@@ -117,10 +100,18 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         try:
             state = average_checkpoints(paths)
         except UnsafeCheckpointError as error:
-            raise AverageError(str(error)) from None
+            raise InputError(str(error)) from None
     except InputError as error:
         parser.error(str(error))
-    write_atomically(state, args.output)
+    import torch
+
+    from fairseq_kd.teacher_pass.common import replace_atomically
+
+    try:  # written whole (a temporary file renamed over it), or not at all
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        replace_atomically(args.output, lambda handle: torch.save(state, handle))
+    except OSError as error:  # --output cannot be written
+        raise FileAccessError(message_of(error)) from None
     print(f"averaged {len(paths)} checkpoints ({', '.join(path.name for path in paths)}) into {args.output}")
 
 

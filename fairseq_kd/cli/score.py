@@ -180,11 +180,8 @@ def validate_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace
     try:
         for flag, path in inputs:
             require_path(path, flag, FILE)
-    except UserError as error:
-        parser.error(str(error))
-    if args.expected_from is not None:
-        inputs.append(("--expected-from", args.expected_from))
-    try:
+        if args.expected_from is not None:
+            inputs.append(("--expected-from", args.expected_from))
         outputs = [("--output-json", args.output_json), ("--output-md", args.output_md)]
         for flag, path in outputs:
             if path is not None:

@@ -123,9 +123,9 @@ def translate(args) -> dict:
             sentences += 1
             tokens += len(hypothesis.tokens)
     rate, token_rate = (sentences / seconds, tokens / seconds) if seconds > 0 else (0.0, 0.0)
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    lines.append(f"{stamp} | INFO | fairseq_kd.cli.translate | Translated {sentences:,} sentences ({tokens:,} tokens) "
-                 f"in {seconds:.1f}s ({rate:.2f} sentences/s, {token_rate:.2f} tokens/s)")
+    translated = (f"Translated {sentences:,} sentences ({tokens:,} tokens) in {seconds:.1f}s ({rate:.2f} sentences/s, "
+                  f"{token_rate:.2f} tokens/s)")
+    lines.append(f"{time.strftime('%Y-%m-%d %H:%M:%S')} | INFO | fairseq_kd.cli.translate | {translated}")
     if hugging_face:
         lines.append(f"Generate {args.gen_subset} with beam={args.beam}: Hugging Face model {args.model} "
                      f"({engine.hf_model.config.model_type}, {next(engine.hf_model.parameters()).dtype}, "
@@ -145,8 +145,7 @@ def translate(args) -> dict:
             replace_atomically(output_path, lambda handle: handle.write(text.encode("utf-8")))
         except OSError as err:  # --results-path cannot be written
             raise FileAccessError(message_of(err)) from None
-        print(f"Translated {sentences:,} sentences ({tokens:,} tokens) in {seconds:.1f}s ({rate:.2f} sentences/s, "
-              f"{token_rate:.2f} tokens/s): {output_path}", file=sys.stderr)
+        print(f"{translated}: {output_path}", file=sys.stderr)
     return {"sentences": sentences, "tokens": tokens, "seconds": seconds}
 
 
