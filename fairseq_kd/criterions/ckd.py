@@ -65,14 +65,9 @@ class LayerFusion(nn.Module):
             for i, group in enumerate(mapping):
                 bound = (len(group) * teacher_dim) ** -0.5
                 self.bias[i].uniform_(-bound, bound)
-        self.register_buffer(
-            "pair_teacher_layer", torch.tensor([j for group in mapping for j in group]), persistent=False
-        )
-        self.register_buffer(
-            "pair_student_slot",
-            torch.tensor([i for i, group in enumerate(mapping) for _ in group]),
-            persistent=False,
-        )
+        pairs = [(i, j) for i, group in enumerate(mapping) for j in group]
+        self.register_buffer("pair_teacher_layer", torch.tensor([j for _, j in pairs]), persistent=False)
+        self.register_buffer("pair_student_slot", torch.tensor([i for i, _ in pairs]), persistent=False)
 
     def forward(self, teacher_states: Tensor) -> Tensor:
         """teacher_states ``(n + 1, B, T, d_T)`` -> fused ``(m, B, T, d_S)`` in float32."""
@@ -91,22 +86,13 @@ class StudentProjection(nn.Module):
     def __init__(self, mapping: LayerMapping, teacher_dim: int, student_dim: int):
         super().__init__()
         self.mapping = mapping
-        self.blocks = StackedLinear(sum(len(group) for group in mapping), student_dim, teacher_dim)
-        self.register_buffer(
-            "pair_teacher_layer", torch.tensor([j for group in mapping for j in group]), persistent=False
-        )
-        self.register_buffer(
-            "pair_student_layer",
-            torch.tensor([i + 1 for i, group in enumerate(mapping) for _ in group]),
-            persistent=False,
-        )
+        pairs = [(i, j) for i, group in enumerate(mapping) for j in group]
+        self.blocks = StackedLinear(len(pairs), student_dim, teacher_dim)
+        self.register_buffer("pair_teacher_layer", torch.tensor([j for _, j in pairs]), persistent=False)
+        self.register_buffer("pair_student_layer", torch.tensor([i + 1 for i, _ in pairs]), persistent=False)
         # The MSE of student layer i is a mean over its |M(i)| d_T features: each of its pairs
         # contributes its own d_T-feature mean divided by |M(i)|.
-        self.register_buffer(
-            "pair_weight",
-            torch.tensor([1.0 / len(group) for group in mapping for _ in group]),
-            persistent=False,
-        )
+        self.register_buffer("pair_weight", torch.tensor([1.0 / len(mapping[i]) for i, _ in pairs]), persistent=False)
 
     def loss(self, student_states: Tensor, teacher_states: Tensor, padding_mask: Tensor) -> Tensor:
         return projected_mse_sum(

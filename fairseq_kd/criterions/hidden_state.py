@@ -55,8 +55,9 @@ class HiddenStateKDCriterion(KDCriterionBase):
         self.sides: Tuple[str, ...] = SIDES_OF[str(cfg.layer_sides)]
         self.teacher_shape = self.teacher.shape
         self.student_shape = task.require_student_shape(self.criterion_name())
-        request = self.capture_request() if self.layer_weight != 0 else CaptureRequest()
-        self.student_request = self.teacher_request = request
+        hidden = self.layer_weight != 0  # hidden states of the distilled sides, no attention maps
+        self.student_request = self.teacher_request = CaptureRequest(
+            encoder_hidden=hidden and "encoder" in self.sides, decoder_hidden=hidden and "decoder" in self.sides)
 
     @classmethod
     def check_weights(cls, kd_weight: float, layer_weight: float) -> None:
@@ -69,10 +70,6 @@ class HiddenStateKDCriterion(KDCriterionBase):
             )
 
     # ------------------------------------------------------------------ method API
-    def capture_request(self) -> CaptureRequest:
-        """Hidden states of the distilled sides (no attention maps)."""
-        return CaptureRequest(encoder_hidden="encoder" in self.sides, decoder_hidden="decoder" in self.sides)
-
     def layer_loss(self, side: str, student_states: Tensor, teacher_states: Tensor,
                    padding_mask: Tensor) -> Tensor:
         """The layer term of one side, unnormalised. student_states ``(m + 1, batch, len, d_S)``,
