@@ -76,11 +76,10 @@ class SystemScore:
                 f"{self.partial['n_expected']} expected sentences ({'; '.join(self.partial['problems'])})")
 
 
-def score_texts(name: str, hypotheses: Sequence[str], references: Sequence[str], settings: BleuSettings,
-                n_bootstrap: int, seed: int, inputs: Optional[Dict] = None) -> SystemScore:
-    hypotheses, references = list(hypotheses), list(references)
+def score_texts(name: str, hypotheses: List[str], references: List[str], settings: BleuSettings, n_bootstrap: int,
+                seed: int, inputs: Dict) -> SystemScore:
     result = score_corpus(hypotheses, references, settings, n_bootstrap, seed)
-    return SystemScore(name, result, hypotheses, references, references_fingerprint(references), dict(inputs or {}))
+    return SystemScore(name, result, hypotheses, references, references_fingerprint(references), inputs)
 
 
 def score_generate_output(
