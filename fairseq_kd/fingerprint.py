@@ -74,18 +74,14 @@ def dictionary_sha256(dictionary) -> str:
 
 def _digests(path: Path, md5: bool) -> dict[str, str]:
     """sha256 (and md5) of ``path`` in one read."""
-    hashes = {"sha256": hashlib.sha256(), **({"md5": _md5_not_for_security()} if md5 else {})}
+    hashes = {"sha256": hashlib.sha256()}
+    if md5:  # for a download's published sum: FIPS-mode builds allow it only when told so (Python >= 3.9)
+        hashes["md5"] = hashlib.md5(usedforsecurity=False) if sys.version_info >= (3, 9) else hashlib.md5()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(CHUNK_BYTES), b""):
             for digest in hashes.values():
                 digest.update(block)
     return {name: digest.hexdigest() for name, digest in hashes.items()}
-
-
-def _md5_not_for_security():
-    """md5 checks a download against a published sum; FIPS-mode builds allow it only when told it is
-    not for security (``usedforsecurity``, Python >= 3.9)."""
-    return hashlib.md5(usedforsecurity=False) if sys.version_info >= (3, 9) else hashlib.md5()
 
 
 def read_json(path: Path) -> dict | None:

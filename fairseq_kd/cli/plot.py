@@ -85,12 +85,6 @@ def default_title(args) -> str:
     return f"{args.split} {args.key}: {', '.join(names)}"
 
 
-def write_weights_json(weights: dict, path: Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(weights, indent=1) + "\n", encoding="utf-8")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fairseq-kd-plot", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -176,7 +170,8 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
             figure = draw(weights, title=title)  # checks the weights before anything is written
             if weights_output is not None:
                 try:
-                    write_weights_json(weights, weights_output)
+                    weights_output.parent.mkdir(parents=True, exist_ok=True)
+                    weights_output.write_text(json.dumps(weights, indent=1) + "\n", encoding="utf-8")
                 except OSError as error:
                     raise FileAccessError(message_of(error)) from None
                 print(f"wrote {weights_output}")
