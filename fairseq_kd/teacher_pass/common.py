@@ -165,13 +165,10 @@ def identity_differences(recorded: Mapping, current: Mapping, labels: Mapping[st
     inputs = set(inputs)
     phrases = []
     for key in sorted(set(recorded) | set(current)):
-        here, there = current.get(key), recorded.get(key)
-        if here == there:
-            continue
-        label = labels.get(key, key)
-        if key in inputs:
+        here, there, label = current.get(key), recorded.get(key), labels.get(key, key)
+        if here != there and key in inputs:
             phrases.append(f"{label}: other content here than in the record")
-        else:
+        elif here != there:
             phrases.append(f"{label} {_shown(here)} here, {_shown(there)} in the record")
     return phrases
 
