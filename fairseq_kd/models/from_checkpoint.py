@@ -1,14 +1,7 @@
-"""A fairseq Transformer translation model read from its training checkpoint: the steps the
-frozen teacher (:meth:`fairseq_kd.models.teacher.FrozenTeacher.load`), the CTranslate2 export
-and the student export share.
-
-1. :func:`read_model_checkpoint`: the file read weights-only; it must hold a model config and weights;
-2. :func:`check_transformer`: its architecture is one of fairseq's encoder-decoder Transformers;
-3. :func:`build_checkpoint_model`: its config's values checked, the model built by fairseq for a
-   task's dictionaries and its weights loaded strictly.
-
-Each step raises its own :class:`CheckpointModelError`; callers word it with their own flag.
-:func:`checkpoint_file_problem` says what is wrong with the path itself (a folder, no such file).
+"""A fairseq Transformer translation model read from its training checkpoint, in the steps the
+frozen teacher and the exports share: :func:`read_model_checkpoint` (weights-only),
+:func:`check_transformer`, :func:`build_checkpoint_model` (config values checked, weights loaded
+strictly). Each step raises its own :class:`CheckpointModelError`; callers word it with their flag.
 """
 from __future__ import annotations
 
@@ -80,9 +73,8 @@ def read_model_checkpoint(path: str) -> dict:
         state = load_fairseq_checkpoint(path)
     except UserError:
         raise
-    # torch's errors for bytes that are no checkpoint, and fairseq's upgrade of old checkpoints
-    # (checkpoint_utils._upgrade_state_dict) given another program's dict or list: KeyError,
-    # IndexError, TypeError, AttributeError, and omegaconf's ValueError for a cfg it cannot hold
+    # torch's errors for bytes that are no checkpoint, and fairseq's upgrade of old checkpoints given
+    # another program's dict or list (KeyError, IndexError, TypeError, AttributeError, ValueError)
     except UNREADABLE_FILE_ERRORS + (TypeError, AttributeError) as err:
         raise UnreadableCheckpointError(path, err) from None
     if state.get("cfg") is None or "model" not in state or "model" not in state["cfg"]:
