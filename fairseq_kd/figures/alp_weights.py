@@ -1,7 +1,5 @@
-"""The ALP-KD layer weights a ``--criterion alp_kd`` checkpoint holds, for ``fairseq-kd-plot alp``.
-
-torch and fairseq are imported when the weights are read, not with this module.
-"""
+"""The ALP-KD layer weights a ``--criterion alp_kd`` checkpoint holds, for ``fairseq-kd-plot alp``
+(torch and fairseq imported when they are read)."""
 from typing import Dict, List
 
 
