@@ -85,10 +85,8 @@ def plot_alignment_heatmaps(alignments: Dict[str, Dict], title: Optional[str] = 
     if not isinstance(alignments, dict) or not alignments:
         raise InputError('alignment weights: expected {"encoder_self": {"weights": [[...]], "student_layers": m, '
                          '"student_heads": hs, "teacher_layers": n, "teacher_heads": ht}, ...}')
-    kinds = list(alignments)
     checked = {}
-    for kind in kinds:
-        entry = alignments[kind]
+    for kind, entry in alignments.items():
         if not isinstance(entry, dict) or "weights" not in entry:
             raise InputError(f"alignment weights, kind {kind!r}: expected an object with 'weights'")
         sizes = {key: _positive_int(entry, key, kind)
@@ -102,10 +100,9 @@ def plot_alignment_heatmaps(alignments: Dict[str, Dict], title: Optional[str] = 
                              f"{expected} = (student_layers*student_heads, teacher_layers*teacher_heads){hint}")
         checked[kind] = (weights, sizes)
 
-    figure = Figure(figsize=(5.2 * len(kinds), 4.6), layout="constrained")
-    for index, kind in enumerate(kinds):
-        weights, sizes = checked[kind]
-        axes = figure.add_subplot(1, len(kinds), index + 1)
+    figure = Figure(figsize=(5.2 * len(checked), 4.6), layout="constrained")
+    for index, (kind, (weights, sizes)) in enumerate(checked.items()):
+        axes = figure.add_subplot(1, len(checked), index + 1)
         if weights.min() < 0 < weights.max():
             limit = float(np.abs(weights).max())
             image = axes.imshow(weights, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
