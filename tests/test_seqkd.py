@@ -233,6 +233,12 @@ def test_output_holding_another_dataset_is_refused_without_force(tiny_data_bin, 
     assert remaining == {"preprocess.log", seqkd.MANIFEST_NAME, seqkd.WORK_DIR_NAME}
 
 
+def test_force_into_a_folder_that_does_not_exist_yet_makes_it(tiny_data_bin, tiny_teacher, tmp_path):
+    output = tmp_path / "new" / "seqkd"
+    result = seqkd.run(config(tiny_data_bin, tiny_teacher, output, force=True, max_shards=1), log=lambda _: None)
+    assert result.output == output and (output / seqkd.MANIFEST_NAME).is_file()
+
+
 def test_output_made_with_other_settings_or_the_input_folder_is_refused(tiny_data_bin, tiny_teacher,
                                                                         straight_run, tmp_path):
     output, _ = straight_run

@@ -347,6 +347,8 @@ def _clear_for_force(plan_: _Plan) -> None:
     """Remove previous seq-KD work and every binarised file (no stale ``train1`` read with the new)."""
     if plan_.work.exists():
         shutil.rmtree(plan_.work)
+    if not plan_.output.is_dir():  # --force into a folder that does not exist yet: nothing to clear
+        return
     binarised = [p for p in plan_.output.iterdir() if p.is_file() and (
         p.suffix in (".bin", ".idx") or re.fullmatch(r"dict\..+\.txt", p.name))]
     for path in binarised + [plan_.output / MANIFEST_NAME]:
