@@ -282,7 +282,7 @@ def generate_corpus(seed: int, sizes: Mapping[str, int]) -> dict[str, list[tuple
         source, target = sample_sentence_pair(rng, lexicon)
         if translations.setdefault(source, target) != target:
             raise AssertionError(f"grammar is ambiguous: {source!r} has two translations")
-    else:
+    if len(translations) < total:
         raise CorpusError(f"could not draw {total} distinct sentences; ask for a smaller corpus")
     pairs = list(translations.items())
     rng.shuffle(pairs)
