@@ -1,10 +1,6 @@
-"""Shipping a distilled model: CTranslate2 export (int8 and other quantisations) and decoding.
-
-``export_ctranslate2`` turns any checkpoint the plugin reads (a student, a teacher, an averaged or
-exported one) into a CTranslate2 model folder; ``ctranslate2_engine`` decodes fairseq-binarised
-data with it, token ids in and token ids out, for ``fairseq-kd-translate``, sequence-level KD
-(``fairseq-kd-seqkd --engine ctranslate2``) and the deploy benchmark. CTranslate2 is the
-``deploy`` extra (``pip install 'fairseq-kd[deploy]'``) and is imported only here.
+"""Shipping a distilled model: the exports (plain fairseq, CTranslate2, Hugging Face) and the
+decoding engines of their folders (docs/design/deploy.md). CTranslate2, the ``deploy`` extra, is
+imported through :func:`import_ctranslate2`.
 """
 
 from ..errors import MissingDependencyError

@@ -1,12 +1,9 @@
 """Decoding fairseq-binarised data with a CTranslate2 model: token ids in, token ids out.
 
 One engine for ``fairseq-kd-translate``, ``fairseq-kd-seqkd --engine ctranslate2`` and the deploy
-benchmark. It is given fairseq's own batches and applies fairseq-generate's rules (the source
-without its ``</s>``, which CTranslate2 appends; decoding from ``</s>``; fairseq's length limit per
-batch; ``--min-len``; ``lenpen``), so that a CTranslate2 model decodes what ``fairseq-generate``
-would; greedy decoding in float32 gives fairseq's tokens, and beam search may differ on near-ties
-(CTranslate2 stops when its best ``beam`` hypotheses have finished). The hypotheses come back as
-target dictionary ids ending with ``</s>``. Design notes: ``docs/design/deploy.md``.
+benchmark. It is given fairseq's own batches and applies fairseq-generate's rules, so that a
+CTranslate2 model decodes what ``fairseq-generate`` would (beam search may differ on near-ties).
+Design notes: ``docs/design/deploy.md``.
 """
 from __future__ import annotations
 
@@ -110,9 +107,6 @@ class CTranslate2Engine:
             raise CTranslate2ModelError(f"{flag} {model_dir!r}: CTranslate2 cannot load this model ({words}); "
                                         f"if the folder is damaged, {reexport_advice(folder)}") from None
 
-    def max_length(self, longest_source: int, settings: DecodingSettings) -> int:
-        return fairseq_length_limit(longest_source, settings, self.max_target_positions)
-
     def source_tokens(self, ids: Sequence[int]) -> List[str]:
         ids = list(ids)
         if ids and ids[-1] == self.source_eos:
@@ -120,12 +114,12 @@ class CTranslate2Engine:
         return [self.source_symbols[i] for i in ids]
 
     def translate(self, sources: Sequence[Sequence[int]], settings: DecodingSettings,
-                  longest_source: Optional[int] = None) -> List[Hypothesis]:
-        """Decode one fairseq batch of source id sequences (each ending with ``</s>``)."""
+                  longest_source: int) -> List[Hypothesis]:
+        """Decode one fairseq batch of source id sequences (each ending with ``</s>``; the longest
+        has ``longest_source`` tokens): ``settings.nbest`` hypotheses per source."""
         if not sources:
             return []
-        longest = longest_source if longest_source is not None else max(len(s) for s in sources)
-        limit = self.max_length(longest, settings)
+        limit = fairseq_length_limit(longest_source, settings, self.max_target_positions)
         results = self.translator.translate_batch(
             [self.source_tokens(s) for s in sources], beam_size=settings.beam, length_penalty=settings.lenpen,
             max_decoding_length=limit, min_decoding_length=settings.min_len, return_scores=True,

@@ -1,22 +1,20 @@
-"""A CTranslate2 model folder checked before anything decodes with it: every reader of one
-(``fairseq-kd-translate``, the sequence-level KD engine, the deploy benchmark through
-``fairseq-kd-translate``) calls :func:`check_ctranslate2_folder`, so that a damaged folder (a
-truncated, random or edited ``model.bin``, a missing or empty ``config.json``, a damaged
-vocabulary or record) is one line naming the file and what is wrong, not CTranslate2's traceback.
-
-``model.bin`` is walked as CTranslate2 reads it (binary version, spec name and revision, then each
-variable's name, shape, type and bytes, then the aliases) without reading the weights; where the
-folder is an export of ``fairseq-kd-export`` whose record lists its files, each is also checked
-against its recorded size and SHA-256, which catches a change the layout does not show."""
+"""A CTranslate2 model folder checked before anything decodes with it (:func:`check_ctranslate2_folder`,
+called by every reader), so that a damaged folder is one line naming the file and what is wrong,
+not CTranslate2's traceback. ``model.bin`` is walked as CTranslate2 reads it (binary version, spec
+name and revision, then each variable's name, shape, type and bytes, then the aliases) without
+reading the weights; a folder whose export record lists its files is also checked against their
+recorded sizes and SHA-256."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
 from typing import Optional
 
 from ..errors import InputError
+from .export_ctranslate2 import QUANTIZATIONS, RECORD_FORMAT, RECORD_NAME
 from .model_folder import FILES_KEY, read_export_record, recorded_file_problem
 
 MODEL_FILE, CONFIG_FILE = "model.bin", "config.json"
@@ -27,7 +25,8 @@ TYPE_SIZES = (4, 1, 2, 4, 2, 2)
 WALKED_VERSION = 6
 #: the tokens CTranslate2 reads from a translation model's config.json as strings
 CONFIG_STRINGS = ("unk_token", "bos_token", "eos_token", "decoder_start_token")
-VOCABULARY_NAMES = ("source_vocabulary", "target_vocabulary", "shared_vocabulary")
+VOCABULARY_FILES = tuple(f"{side}_vocabulary.{suffix}" for side in ("source", "target", "shared")
+                         for suffix in ("json", "txt"))
 
 
 class DamagedFolderError(InputError):
@@ -38,13 +37,10 @@ def looks_like_ctranslate2_folder(folder) -> bool:
     """Whether ``folder`` is meant as a CTranslate2 model (a ``model.bin``, a CTranslate2
     vocabulary file or a CTranslate2 export record), whatever state its files are in; a Hugging
     Face folder has none of these."""
-    from .export_ctranslate2 import RECORD_FORMAT, RECORD_NAME
-
     folder = Path(folder)
     if not folder.is_dir():
         return False
-    if (folder / MODEL_FILE).exists() or any((folder / f"{name}.{suffix}").exists()
-                                             for name in VOCABULARY_NAMES for suffix in ("json", "txt")):
+    if (folder / MODEL_FILE).exists() or any((folder / name).exists() for name in VOCABULARY_FILES):
         return True
     try:
         return read_export_record(folder, RECORD_NAME).get("format") == RECORD_FORMAT
@@ -55,8 +51,6 @@ def looks_like_ctranslate2_folder(folder) -> bool:
 def check_ctranslate2_folder(folder) -> None:
     """:class:`DamagedFolderError` naming the first missing or damaged file of the CTranslate2
     model folder ``folder`` (an existing folder); nothing when CTranslate2 can read every file."""
-    from .export_ctranslate2 import RECORD_NAME
-
     folder = Path(folder)
     record = {}
     if os.path.lexists(folder / RECORD_NAME):
@@ -87,10 +81,8 @@ def _model_file_problem(folder: Path) -> Optional[str]:
 
 def model_bin_problem(path: Path) -> Optional[str]:
     """Why the file ``path`` is not a whole CTranslate2 ``model.bin``, in words after its name."""
-    try:
-        from ctranslate2.specs.model_spec import CURRENT_BINARY_VERSION as newest_readable
-    except ImportError:  # the specs need numpy; the reader alone does not
-        newest_readable = WALKED_VERSION
+    from ctranslate2.specs.model_spec import CURRENT_BINARY_VERSION as newest_readable
+
     size = path.stat().st_size
     if size == 0:
         return "is empty"
@@ -135,9 +127,7 @@ def model_bin_problem(path: Path) -> Optional[str]:
                 type_id, payload = take("<BI", f"variable {name!r}")
                 if type_id >= len(TYPE_SIZES):
                     return f"is damaged: variable {name!r} has the unknown type id {type_id}"
-                elements = 1
-                for dimension in shape:
-                    elements *= dimension
+                elements = math.prod(shape)
                 if payload != elements * TYPE_SIZES[type_id]:
                     return (f"is damaged: variable {name!r} of shape {list(shape)} holds {payload} bytes, "
                             f"not {elements * TYPE_SIZES[type_id]}")
@@ -182,11 +172,12 @@ def _config_problem(folder: Path) -> Optional[str]:
 
 
 def _vocabulary_problem(folder: Path) -> Optional[str]:
-    for name in VOCABULARY_NAMES:
-        for suffix in ("json", "txt"):
-            problem = vocabulary_problem(folder / f"{name}.{suffix}")
-            if problem is not None:
-                return problem
+    for name in VOCABULARY_FILES:
+        if (folder / name).is_file():
+            try:
+                read_vocabulary(folder / name)
+            except DamagedFolderError as err:
+                return str(err)
     return None
 
 
@@ -208,21 +199,9 @@ def read_vocabulary(path: Path) -> list:
     return tokens
 
 
-def vocabulary_problem(path: Path) -> Optional[str]:
-    if not path.is_file():
-        return None
-    try:
-        read_vocabulary(path)
-    except DamagedFolderError as err:
-        return str(err)
-    return None
-
-
 def reexport_advice(folder) -> str:
     """What to do about a damaged folder: the export command, with the checkpoint and weight type
     its record names where it can be read."""
-    from .export_ctranslate2 import QUANTIZATIONS, RECORD_NAME
-
     try:
         record = read_export_record(Path(folder), RECORD_NAME)
     except (OSError, ValueError):

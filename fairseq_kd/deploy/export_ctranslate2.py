@@ -15,7 +15,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..checkpoints import task_state
 from ..errors import InputError
+from ..fingerprint import dictionary_sha256, fingerprint
 from . import import_ctranslate2
 from .layout import LayoutChecker, check_positions_decoder_and_widths, normformer_modules
 from .model_folder import ExportFolder, read_export_record
@@ -138,9 +140,6 @@ def _data_dictionaries(task_cfg, folder: str, flag: str) -> Tuple[str, str, list
 
 def _check_dictionaries_fit(state: dict, dictionaries: list, flag: str) -> None:
     """The dictionaries fit the model's embeddings and the hashes the checkpoint records, if any."""
-    from ..checkpoints import task_state
-    from ..fingerprint import dictionary_sha256
-
     for side, prefix, dictionary in (("source", "encoder", dictionaries[0]), ("target", "decoder", dictionaries[1])):
         weight = state["model"].get(f"{prefix}.embed_tokens.weight")
         if weight is not None and weight.size(0) != len(dictionary):
@@ -258,7 +257,6 @@ def export_ctranslate2(checkpoint: str, output: str, quantization: str = "int8",
     """Write the CTranslate2 model folder ``output`` from ``checkpoint``; return a summary.
 
     ``int8_weight_bits`` (int8 quantisations only; default 7): see :func:`round_int8_weights`."""
-    from ..fingerprint import dictionary_sha256, fingerprint
     from .export_fairseq import count_parameters
 
     if quantization not in QUANTIZATIONS:

@@ -16,6 +16,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..fingerprint import dictionary_sha256, fingerprint
 from .export_ctranslate2 import CTranslate2ExportError, LoadedTransformer, load_transformer
 from .export_fairseq import FAIRSEQ_BUFFER_SUFFIXES, count_parameters
 from .layout import LayoutChecker, check_positions_decoder_and_widths, normformer_modules
@@ -236,8 +237,6 @@ def _self_check(transformers, family: str, folder: Path, loaded: LoadedTransform
 def export_hf(checkpoint: str, output: str, data: Optional[str] = None, spm_model: Optional[str] = None,
               overwrite: bool = False) -> dict:
     """Write the Hugging Face folder ``output`` from ``checkpoint``; return a summary."""
-    from ..fingerprint import dictionary_sha256, fingerprint
-
     try:  # before any work: a missing extra is one line naming the fix
         import transformers
     except ImportError as err:

@@ -3,10 +3,8 @@
 The engine of a ``save_pretrained`` teacher folder for ``fairseq-kd-seqkd`` (``--engine
 transformers``) and ``fairseq-kd-translate --model DIR``, on data binarised in the teacher's
 vocabulary (``fairseq-kd-hf-data``). Hugging Face's beam search is given fairseq-generate's rules
-as the CTranslate2 engine is (fairseq's length limit with ``</s>`` forced, ``--min-len``, no
-``<pad>`` nor rows without a symbol in the data's dictionary, ``lenpen``, a multilingual teacher's
-target-language tag first), so the same flags decode alike whatever the engine; the folder's own
-``generation_config.json`` is not read. Design notes: ``docs/design/deploy.md``.
+as the CTranslate2 engine is; the folder's own ``generation_config.json`` is not read. Design
+notes: ``docs/design/deploy.md``.
 """
 from __future__ import annotations
 
@@ -26,11 +24,9 @@ class HuggingFaceDecodingError(InputError):
 
 
 def first_target_symbol(folder, dataset, target_dictionary, flag: str) -> Optional[int]:
-    """The symbol every hypothesis of the teacher in ``folder`` must start with, as a fairseq index:
-    for a multilingual tokenizer (one with ``src_lang`` and ``tgt_lang``: M2M100, NLLB) the
-    target-language tag that starts every target sentence of ``dataset``; None for a tokenizer
-    without languages (Marian). Refuses, in one line, a multilingual teacher's split whose targets
-    are missing or do not all start with the same language tag."""
+    """The fairseq index every hypothesis of the teacher in ``folder`` must start with: for a
+    multilingual tokenizer (M2M100, NLLB) the target-language tag that starts every target sentence
+    of ``dataset``; None for a tokenizer without languages (Marian)."""
     from ..models.hf_teacher import load_tokenizer
 
     tokenizer = load_tokenizer(folder)
@@ -86,9 +82,6 @@ class HuggingFaceEngine:
             decoder_start_token_id=model.decoder_start_token_id, eos_token_id=self.hf_eos, pad_token_id=self.hf_pad)
         self.suppressed = sorted({self.hf_pad, *unwritable})
 
-    def max_length(self, longest_source: int, settings: DecodingSettings) -> int:
-        return fairseq_length_limit(longest_source, settings, self.max_positions)
-
     def generation_config(self, settings: DecodingSettings, limit: int):
         from transformers import GenerationConfig
 
@@ -102,13 +95,11 @@ class HuggingFaceEngine:
 
     @torch.no_grad()
     def translate(self, sources: Sequence[Sequence[int]], settings: DecodingSettings,
-                  longest_source: Optional[int] = None) -> List[Hypothesis]:
-        """Decode one fairseq batch of source id sequences (each ending with ``</s>``): the best
-        hypotheses of each (``settings.nbest``, sentence by sentence), as target dictionary ids ending with ``</s>``."""
+                  longest_source: int) -> List[Hypothesis]:
+        """As :meth:`fairseq_kd.deploy.ctranslate2_engine.CTranslate2Engine.translate`."""
         if not sources:
             return []
-        longest = longest_source if longest_source is not None else max(len(s) for s in sources)
-        limit = self.max_length(longest, settings)
+        limit = fairseq_length_limit(longest_source, settings, self.max_positions)
         pad = self.model.fairseq_pad
         device = next(self.hf_model.parameters()).device
         src_tokens = torch.full((len(sources), max(len(s) for s in sources)), pad, dtype=torch.long)

@@ -14,6 +14,9 @@ import uuid
 from pathlib import Path
 from typing import Dict, Iterator, Optional, Type
 
+from ..errors import OUTPUT_FOLDER, FileAccessError, InputError, message_of, path_problem
+from ..fingerprint import file_sha256
+
 #: the key of an export record that lists the export's files: {relative path: {"bytes", "sha256"}}
 FILES_KEY = "files"
 
@@ -21,8 +24,6 @@ FILES_KEY = "files"
 def file_inventory(folder: Path, record_name: str) -> Dict[str, dict]:
     """{relative path: {"bytes": size, "sha256": digest}} of every file under ``folder`` but the
     record itself, for the record (what ``--overwrite`` and the readers check against)."""
-    from ..fingerprint import file_sha256
-
     inventory = {}
     for path in sorted(Path(folder).rglob("*")):
         name = path.relative_to(folder).as_posix()
@@ -34,8 +35,6 @@ def file_inventory(folder: Path, record_name: str) -> Dict[str, dict]:
 def recorded_file_problem(folder: Path, name: str, entry) -> Optional[str]:
     """Why the file ``name`` of ``folder`` is not the one its record lists as ``entry`` (absent, of
     another size or content), in words after the file's name; None when it is that file."""
-    from ..fingerprint import file_sha256
-
     path = Path(folder) / name
     if not isinstance(entry, dict) or Path(name).is_absolute() or ".." in Path(name).parts:
         return "has a damaged entry in the export's record"
@@ -54,8 +53,6 @@ def recorded_file_problem(folder: Path, name: str, entry) -> Optional[str]:
 
 def read_export_record(folder: Path, record_name: str) -> dict:
     """The export record of ``folder`` as a dict; InputError naming the file when it is not one."""
-    from ..errors import FileAccessError, InputError, message_of
-
     path = Path(folder) / record_name
     if not path.is_file():
         raise InputError(f"{str(path)!r} is not a file")
@@ -135,8 +132,6 @@ class ExportFolder:
 
     def check(self) -> Path:
         """The output as a Path, or ``error`` in one line before anything is touched."""
-        from ..errors import OUTPUT_FOLDER, path_problem
-
         out = self.path
         if out.name in ("", ".."):  # "." or "..": the folder would be renamed from inside itself
             raise self.error(f"output {self.output!r}: give the folder by its name (e.g. ../NAME)")
