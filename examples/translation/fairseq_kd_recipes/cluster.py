@@ -173,7 +173,6 @@ def shell_commands(plan: RecipePlan, array_tasks: Optional[int] = None) -> str:
 
 # ----------------------------------------------------------------------------- SLURM batch scripts
 
-#: runs one step unless it finished before with the same command; STOP_AFTER=STEP ends the job there
 _RUN_STEP = r'''
 # run_step STEP COMMAND...: run COMMAND into logs/STEP.log unless STEP finished before with this very
 # command (its marker in sbatch-done/ holds the command); STOP_AFTER=STEP ends the job after STEP.

@@ -296,11 +296,8 @@ def preflight(plan: RecipePlan) -> None:
     """Refuse, before any step runs, a training step that would have to replace checkpoints."""
     runner = StepRunner(plan.workdir / "stamps")
     for step in plan.steps:
-        if step.save_dir is None or not checkpoints_in(step.save_dir):
-            continue
-        if runner.is_done(_as_step(step, lambda *_: None)):
-            continue
-        check_checkpoint_folder(step.save_dir, step.settings, step.inputs)
+        if step.save_dir and checkpoints_in(step.save_dir) and not runner.is_done(_as_step(step, lambda *_: None)):
+            check_checkpoint_folder(step.save_dir, step.settings, step.inputs)
 
 
 def write_manifest(plan: RecipePlan) -> None:

@@ -110,7 +110,6 @@ def resolve_profile(name: str, gpus: Optional[int], device_count: Callable[[], i
     """The profile (``auto``: gpu when GPUs are named or a CUDA device is visible, else cpu) and
     the GPUs per node (0 on the CPU). A plan that is only printed takes ``gpus`` as named, without
     looking for devices (a cluster's login node has none)."""
-    named = print_only and gpus is not None
     if name == "auto":
         name = "gpu" if gpus is not None or device_count() > 0 else "cpu"
     if name not in PROFILES:
@@ -120,7 +119,7 @@ def resolve_profile(name: str, gpus: Optional[int], device_count: Callable[[], i
         if gpus is not None:
             raise RecipeError(f"--gpus applies to the gpu profile only (this run uses --profile {name})")
         return profile, 0
-    if named:
+    if print_only and gpus is not None:
         if gpus < 1:
             raise RecipeError(f"--gpus-per-node must be >= 1, got {gpus}")
         return profile, gpus
@@ -575,9 +574,7 @@ class RecipePlan:
 
     def add_validation_comparison(self) -> None:
         """Every student's validation nll on one axis (and the teacher's when trained here)."""
-        systems = [method.name for method in self.methods]
-        if self.options.teacher is None:
-            systems = [TEACHER] + systems
+        systems = ([TEACHER] if self.options.teacher is None else []) + [method.name for method in self.methods]
         logs = [self.save_dir(system) / "train.log" for system in systems]
         figure = self.workdir / "plots" / "validation-nll.png"
         command = [*python_module("fairseq_kd.cli.plot"), "compare"]
