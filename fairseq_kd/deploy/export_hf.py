@@ -207,15 +207,12 @@ def _write_tokenizer(transformers, folder: Path, dictionary, spm_model: Optional
 def _self_check(transformers, family: str, folder: Path, loaded: LoadedTransformer) -> float:
     """The largest logit difference between the saved folder (``from_pretrained``, offline) and the
     fairseq model on a small padded batch; refuses the export above :data:`SELF_CHECK_TOLERANCE`."""
-    cls = getattr(transformers, FAMILIES[family])
-    hf_model = cls.from_pretrained(str(folder), local_files_only=True).eval()
+    hf_model = getattr(transformers, FAMILIES[family]).from_pretrained(str(folder), local_files_only=True).eval()
     dictionary = loaded.target_dictionary
-    n = len(dictionary)
     generator = torch.Generator().manual_seed(0)
-    lengths = [5, 3]
     first = dictionary.nspecial
-    rows = [torch.randint(first, max(first + 1, n), (length,), generator=generator).tolist() + [dictionary.eos()]
-            for length in lengths]
+    rows = [torch.randint(first, max(first + 1, len(dictionary)), (length,), generator=generator).tolist()
+            + [dictionary.eos()] for length in (5, 3)]
     width = max(len(r) for r in rows)
     pad = dictionary.pad()
     right = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
