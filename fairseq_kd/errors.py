@@ -49,10 +49,8 @@ def _file_in_the_way(path: Path) -> Optional[Path]:
 
 
 def path_problem(path, expected: str) -> Optional[str]:
-    """Why ``path`` is not the ``expected`` kind of path (:data:`FILE`: an existing readable file;
-    :data:`FOLDER`: an existing folder; :data:`OUTPUT_FILE` / :data:`OUTPUT_FOLDER`: absent or of
-    that kind, with no file where a parent folder must be), in words for a message ("is a folder,
-    not a file"); None when it is fine."""
+    """Why ``path`` is not the ``expected`` kind (an existing readable file or folder; an output: absent
+    or of that kind, with no file where a parent folder must be), in words; None when it is fine."""
     path = Path(path)
     if expected in (FILE, FOLDER):
         wanted_dir = expected == FOLDER

@@ -91,8 +91,7 @@ def restoring_masters(load_state_dict):
 
 
 def install() -> None:
-    """Install both parts (idempotent): replace ``fairseq.options.parse_args_and_arch``, which every
-    fairseq command looks up there when it parses, and ``FP16Optimizer``'s state-dict methods."""
+    """Install both parts (idempotent)."""
     from fairseq import options
     from fairseq.optim.fp16_optimizer import _FP16OptimizerMixin
 

@@ -168,10 +168,8 @@ def _first(ids, count=5) -> str:
 
 def read_generate_output(path: Path, expected_sentences: Optional[int] = None,
                          allow_partial: bool = False) -> GenerateOutput:
-    """A fairseq-generate output file's id-sorted hypotheses (its ``D-`` lines, else ``H-``; the
-    best of an n-best list) and references, checked complete against ``expected_sentences`` (else
-    ids ``0..max``): :class:`IncompleteGenerateOutputError` unless ``allow_partial``, which returns
-    the sentences there are with the problems listed (``docs/design/scoring.md``)."""
+    """A fairseq-generate output file's hypotheses and references, checked complete against
+    ``expected_sentences`` (else ids ``0..max``) unless ``allow_partial`` (``docs/design/scoring.md``)."""
     path = Path(path)
     scanned = _scan_generate_lines(read_lines(path, "fairseq-generate output"))
     source, chosen = _paired_sentences(path, scanned)
