@@ -42,10 +42,12 @@ PYTHONPATH="$ROOT/examples/translation${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m fair
 if [[ -f "$WORKDIR/report/results.md" && " $* " != *" --dry-run "* ]]; then
     RESULTS_DIR="${QUALITY_RESULTS_DIR:-$ROOT/docs/results}"
     mkdir -p "$RESULTS_DIR"
-    # The main table, then one per other student shape (results_2l.md: CKD's 2+2 students against no_kd_2l)
-    # and per further seed (results_seed2.md), then what holds on every seed (--student-seeds).
-    cat "$WORKDIR/report/results.md" $(ls "$WORKDIR"/report/results_*.md 2>/dev/null | grep -v results_tokenized) \
-        $(ls "$WORKDIR"/report/seeds.md 2>/dev/null) > "$RESULTS_DIR/multi30k_fr_en_${PROFILE}.md"
+    # The tables this invocation's plan wrote (report/tables.txt, in step order; an earlier invocation's
+    # tables in the same folder are not copied): the main table, one per other student shape
+    # (results_2l.md: CKD's 2+2 students against no_kd_2l) and per further seed (results_seed2.md),
+    # then what holds on every seed (seeds.md, --student-seeds); not the tokenised-BLEU tables.
+    mapfile -t TABLES < <(grep -v '^results_tokenized' "$WORKDIR/report/tables.txt")
+    cat "${TABLES[@]/#/$WORKDIR/report/}" > "$RESULTS_DIR/multi30k_fr_en_${PROFILE}.md"
     echo "report copied to $RESULTS_DIR/multi30k_fr_en_${PROFILE}.md"
     # Each system's test translations as scored (BPE removed, Moses-detokenised), one line per test
     # sentence: with them a later session can add systems and recompute the paired tests
@@ -58,8 +60,9 @@ from pathlib import Path
 from fairseq_kd.scoring.detok import detokenize_lines, read_generate_output
 workdir, out = Path(sys.argv[1]), Path(sys.argv[2])
 systems = 0
-for table in sorted((workdir / "report").glob("results*.json")):
-    if table.name.startswith("results_tokenized"):
+for name in (workdir / "report" / "tables.txt").read_text(encoding="utf-8").split():
+    table = workdir / "report" / name.replace(".md", ".json")
+    if not name.startswith("results") or name.startswith("results_tokenized"):
         continue
     report = json.loads(table.read_text(encoding="utf-8"))
     for row in report["systems"]:

@@ -653,9 +653,12 @@ def test_quality_benchmark_command_runs_its_steps_on_tiny_data(tmp_path):
     for system in (TEACHER, "no_kd"):
         lines = (hypotheses / f"{system}.en").read_text(encoding="utf-8").splitlines()
         assert len(lines) == SMOKE_SIZES["test_2016_flickr"] and "@@" not in " ".join(lines)
-    # A second run skips every step.
+    # A second run skips every step, and copies only the tables of its own plan: not a table that an
+    # earlier invocation with other --student-seeds left in the working folder.
+    (tmp_path / "work" / "report" / "results_seed9.md").write_text("a stale table\n", encoding="utf-8")
     again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert again.returncode == 0 and re.search(r"ran 0 step\(s\)", again.stdout), again.stdout[-2000:]
+    assert (tmp_path / "results" / "multi30k_fr_en_smoke.md").read_text() == copied
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 4, 8])

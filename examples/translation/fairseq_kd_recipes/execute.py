@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from .plan import RecipePlan, RecipeStep
 
 MANIFEST_NAME = "recipe.json"
+#: the results tables (Markdown) of the last run, one file name a line, in report/
+TABLES_NAME = "tables.txt"
 TRAIN_RECORD_NAME = "recipe_train.json"
 #: version of recipe_train.json: a record of another format is one that does not match
 TRAIN_RECORD_FORMAT = 2
@@ -320,5 +322,13 @@ def run_plan(plan: RecipePlan) -> RecipeResult:
             raise RecipeError(f"step {step.name}: {error} (log: {step.log})") from None
         except RecipeError as error:
             raise RecipeError(f"step {step.name} failed: {error}") from None
+    # The tables this plan wrote, in step order: a working folder re-run with other --methods or
+    # --student-seeds still holds an earlier plan's tables, which scripts/quality_benchmark.sh must not copy.
+    report = plan.workdir / "report"
+    tables = [path.name for step in plan.steps for path in step.outputs if path.parent == report and path.suffix == ".md"]
+    listing, index = "".join(name + "\n" for name in tables), report / TABLES_NAME
+    if not index.is_file() or index.read_text(encoding="utf-8") != listing:  # a run that skips everything writes nothing
+        report.mkdir(parents=True, exist_ok=True)
+        index.write_text(listing, encoding="utf-8")
     return RecipeResult(executed=list(runner.executed), skipped=list(runner.skipped),
                         report_markdowns=[prefix.with_name(prefix.name + ".md") for prefix in plan.report_prefixes])
