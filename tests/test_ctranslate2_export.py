@@ -24,7 +24,7 @@ def trained(tiny_data_bin, tmp_path_factory):
     save = tmp_path_factory.mktemp("ct2_model")
     run_cli("fairseq-train", tiny_data_bin, "--task", "translation", *TINY_TEACHER_ARGS,
             "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", *COMMON_TRAIN_ARGS,
-            "--max-update", "150", "--save-dir", save, "--user-dir", USER_DIR)
+            "--max-update", "150", "--save-dir", save, "--user-dir", USER_DIR, warm=True)
     return save / "checkpoint_last.pt"
 
 
@@ -35,7 +35,7 @@ def exported(trained, tmp_path_factory):
     for quantization in ("float32", "int8"):
         folder = root / quantization
         summary = json.loads(run_cli("fairseq-kd-export", trained, folder, "--format", "ctranslate2",
-                                     "--quantization", quantization).stdout)
+                                     "--quantization", quantization, warm=True).stdout)
         assert summary["quantization"] == quantization and summary["parameters"] > 0
         folders[quantization] = folder
     return folders
@@ -43,12 +43,12 @@ def exported(trained, tmp_path_factory):
 
 def _generate(data, model, *flags):
     return run_cli("fairseq-generate", data, "--task", "translation", "--path", model, "--gen-subset", "test",
-                   "--batch-size", "16", "--required-batch-size-multiple", "1", "--user-dir", USER_DIR, *flags).stdout
+                   "--batch-size", "16", "--required-batch-size-multiple", "1", "--user-dir", USER_DIR, *flags, warm=True).stdout
 
 
 def _translate(data, folder, out, *flags, subset="test"):
     run_cli("fairseq-kd-translate", data, "--model", folder, "--gen-subset", subset, "--batch-size", "16",
-            "--threads", "1", "--results-path", out, *flags)
+            "--threads", "1", "--results-path", out, *flags, warm=True)
     return (out / f"generate-{subset}.txt").read_text()
 
 
@@ -132,7 +132,7 @@ def test_the_scorer_reads_the_output_like_fairseq_generates(tiny_data_bin, expor
     ct2 = tmp_path / "ct2"
     _translate(tiny_data_bin, exported["float32"], ct2, "--beam", "5")
     run_module("fairseq_kd.cli.score", "--generate-output", ct2 / "generate-test.txt", "--system", "ct2",
-               "--output-json", tmp_path / "s.json")
+               "--output-json", tmp_path / "s.json", warm=True)
     score = json.loads((tmp_path / "s.json").read_text())
     text = (ct2 / "generate-test.txt").read_text()
     hypotheses, references = _lines(text, "D"), {int(i): r for i, r in re.findall(r"^T-(\d+)\t(.*)$", text, re.M)}
@@ -190,7 +190,7 @@ def test_int8_decodes_nearly_what_float32_decodes(tiny_data_bin, exported, tmp_p
 
 def test_the_plain_export_loads_with_from_pretrained(trained, tiny_data_bin, tmp_path):
     plain = tmp_path / "plain.pt"
-    run_cli("fairseq-kd-export", trained, plain)
+    run_cli("fairseq-kd-export", trained, plain, warm=True)
     code = (
         "import sys\n"
         "from fairseq.models.transformer import TransformerModel\n"
@@ -234,9 +234,10 @@ def test_overwrite_replaces_a_model_folder_whole(trained, tmp_path):
     import hashlib
 
     folder = tmp_path / "model"
-    run_cli("fairseq-kd-export", trained, folder, "--format", "ctranslate2", "--quantization", "float32")
+    run_cli("fairseq-kd-export", trained, folder, "--format", "ctranslate2", "--quantization", "float32", warm=True)
     first = (folder / "model.bin").stat().st_size
-    run_cli("fairseq-kd-export", trained, folder, "--format", "ctranslate2", "--quantization", "int8", "--overwrite")
+    run_cli("fairseq-kd-export", trained, folder, "--format", "ctranslate2", "--quantization", "int8", "--overwrite",
+            warm=True)
     assert (folder / "model.bin").stat().st_size < first
     record = json.loads((folder / "fairseq_kd_export.json").read_text())
     assert record["quantization"] == "int8"
@@ -297,7 +298,7 @@ def test_an_architecture_ctranslate2_cannot_express_is_refused_naming_it(tiny_da
     save = tmp_path / "mixed_norm"
     run_cli("fairseq-train", tiny_data_bin, "--task", "translation", *TINY_TEACHER_ARGS, "--encoder-normalize-before",
             "--activation-fn", "tanh", "--criterion", "label_smoothed_cross_entropy", *COMMON_TRAIN_ARGS,
-            "--max-update", "1", "--save-dir", save, "--user-dir", USER_DIR)
+            "--max-update", "1", "--save-dir", save, "--user-dir", USER_DIR, warm=True)
     line = _refusal(save / "checkpoint_last.pt", tmp_path / "out", "--format", "ctranslate2")
     assert "cannot be expressed in CTranslate2" in line
     assert "--activation-fn tanh" in line and "normalize-before" in line
