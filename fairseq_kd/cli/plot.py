@@ -32,8 +32,8 @@ CHECKPOINT_FIGURES = ("alignment", "alp")
 
 
 def figure_weights_from_checkpoint(figure: str, checkpoint: Path) -> dict:
-    """The weights ``fairseq-kd-plot FIGURE`` draws (the JSON ``--input`` format), read from a
-    fairseq-train checkpoint (torch and fairseq imported here only)."""
+    """The weights ``fairseq-kd-plot FIGURE`` draws (the JSON ``--input`` format; ``figure`` one of
+    :data:`CHECKPOINT_FIGURES`), read from a fairseq-train checkpoint (torch and fairseq imported here only)."""
     checkpoint = require_path(checkpoint, "--checkpoint", FILE)
     import fairseq_kd
 

@@ -219,7 +219,8 @@ class AlignToDistillCriterion(KDCriterionBase):
 
         teacher_shape = self.teacher.shape
         student_shape = task.require_student_shape(self.criterion_name())
-        # With lambda_0 = 0 nothing is built or captured: the criterion is exactly CE + mu * KD.
+        # With lambda_0 = 0 nothing is built or captured: the criterion is exactly CE + mu * KD, with no
+        # parameter left unused by the optimizer or DDP.
         kinds = tuple(self.kind_weights) if self.lambda_0 != 0 else ()
         self.alignments = nn.ModuleDict()
         for kind in kinds:

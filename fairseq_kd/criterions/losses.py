@@ -73,8 +73,9 @@ def masked_row_kl(student_log_probs: Tensor, mask: Tensor, teacher_probs: Tensor
 
 
 def masked_log_softmax_kl(teacher_logits: Tensor, student_logits: Tensor, mask: Tensor) -> Tensor:
-    """:func:`masked_row_kl` of ``softmax(t)`` and ``softmax(s)`` over the True entries of ``mask``
-    (a finite fill elsewhere, so a row without one stays finite), per row, float32."""
+    """``KL(softmax(teacher) || softmax(student))`` per row over the True entries of ``mask`` (a finite
+    fill elsewhere, so a row without one stays finite), float32. The teacher comes first here, the
+    student first in :func:`masked_row_kl`."""
     fill = torch.finfo(torch.float32).min
     teacher_log_probs = torch.log_softmax(teacher_logits.float().masked_fill(~mask, fill), -1)
     student_log_probs = torch.log_softmax(student_logits.float().masked_fill(~mask, fill), -1)

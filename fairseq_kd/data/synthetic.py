@@ -313,7 +313,8 @@ def write_corpus(out_dir: Union[str, Path], seed: int = 1, train_size: int = 200
                  target_lang: str = "tgt", force: bool = False) -> str:
     """Write ``{train,valid,test}.{source_lang,target_lang}`` and ``corpus.json`` into ``out_dir``:
     "reused" when it holds this corpus unchanged, else "written". Another non-empty ``out_dir`` is
-    refused (:class:`CorpusExistsError`) unless ``force``: the corpus files are then overwritten."""
+    refused (:class:`CorpusExistsError`) unless ``force``: the corpus files and the manifest are
+    then overwritten, other files kept."""
     out_dir = Path(out_dir)
     for name, size in (("train_size", train_size), ("valid_size", valid_size), ("test_size", test_size)):
         if not isinstance(size, int) or size < 1:

@@ -26,7 +26,8 @@ class HuggingFaceDecodingError(InputError):
 def first_target_symbol(folder, dataset, target_dictionary, flag: str) -> Optional[int]:
     """The fairseq index every hypothesis of the teacher in ``folder`` must start with: for a
     multilingual tokenizer (M2M100, NLLB) the target-language tag that starts every target sentence
-    of ``dataset``; None for a tokenizer without languages (Marian)."""
+    of ``dataset``; None for a tokenizer without languages (Marian). Refuses, in one line, a
+    multilingual teacher's split whose targets are missing or do not all start with one tag."""
     from ..models.hf_teacher import load_tokenizer
 
     tokenizer = load_tokenizer(folder)

@@ -163,7 +163,7 @@ def plot_training_curves(
     records: Sequence[LogRecord], extra_keys: Sequence[str] = (), columns: int = 3, title: Optional[str] = None
 ) -> Figure:
     """One panel per statistic (:func:`curve_keys`), each with a curve per split, against the
-    update number."""
+    update number. Raises if an ``extra_keys`` entry never occurs, or if nothing is plottable."""
     records = [record for record in records if record.num_updates is not None]
     present = {key for record in records for key in record.values}
     missing = [key for key in extra_keys if key not in present]
@@ -197,7 +197,8 @@ def plot_training_curves(
 
 def plot_run_comparison(runs: Dict[str, Sequence[LogRecord]], key: str = "nll_loss", split: str = "valid",
                         title: Optional[str] = None) -> Figure:
-    """One statistic of several training runs on one axis against updates."""
+    """One statistic of several training runs on one axis against updates; raises naming a run
+    without that statistic."""
     if not runs:
         raise InputError("no runs given")
     figure = Figure(figsize=(6.4, 4.2), layout="constrained")

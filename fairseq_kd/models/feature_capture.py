@@ -160,6 +160,8 @@ def attention_maps(kind: str, probs: Tensor, features: CapturedFeatures, future:
                    scores: Optional[Tensor], values: Optional[Tensor], layers: Tuple[int, ...]) -> AttentionMaps:
     """The :class:`AttentionMaps` of one kind (``scores`` zeroed in place outside ``attendable``);
     ``future``: ``(query, key)``, True at keys a query may not see yet (decoder self-attention)."""
+    if probs.size(0) != len(layers):  # a capture subclass's _maps gives one stack entry per layer index
+        raise ValueError(f"{kind}: {probs.size(0)} attention maps captured for layers {layers}")
     _, bsz, _, tq, tk = probs.shape
     source_queries, source_keys = kind == ENCODER_SELF, kind in (ENCODER_SELF, DECODER_CROSS)
     key_padding_mask = features.source_padding_mask if source_keys else features.target_padding_mask

@@ -145,13 +145,13 @@ def read_checked_config(folder):
     # own classes): no common class
     except Exception as err:  # noqa: BLE001
         raise refuse(folder, f"{CONFIG_FILE} is not a valid {config['model_type']} config ({type(err).__name__}: "
-                     f"{_first_line(err)}); fix it or save the model again with save_pretrained") from None
+                     f"{_first_lines(err)}); fix it or save the model again with save_pretrained") from None
     hf_folder.check_floating_point(header, refusal)
     hf_folder.check_config_fits_weights(hf_config, config, header, refusal)
     return config, cls, hf_config
 
 
-def _first_line(err: BaseException) -> str:
+def _first_lines(err: BaseException) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return " ".join(lines[:2]) if lines else ""
 
