@@ -18,6 +18,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -390,6 +391,17 @@ def test_bad_requests_fail_before_anything_runs(tmp_path, capsys):
         build_plan(RecipeOptions(pair="iwslt14_de_en", profile="cpu", workdir=damaged))
     with pytest.raises(SystemExit):
         recipe_cli.cli_main(["iwslt99_xx_yy"])
+
+
+def test_a_missing_fairseq_is_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """fairseq is no declared dependency of the plugin: the recipe refuses to plan without it, rather
+    than starting hours of preparation that end in a step's log at fairseq-preprocess."""
+    monkeypatch.setitem(sys.modules, "fairseq", None)  # `import fairseq` raises ImportError
+    workdir = tmp_path / "work"
+    assert recipe_cli.cli_main(["iwslt14_de_en", "--profile", "cpu", "--workdir", str(workdir)]) == 2
+    error = capsys.readouterr().err
+    assert "fairseq-kd needs fairseq, which cannot be imported" in error and error.count("\n") == 1, error
+    assert not workdir.exists()
 
 
 def test_checkpoint_folder_is_used_only_by_the_same_training(tmp_path):

@@ -747,6 +747,10 @@ def build_plan(options: RecipeOptions, executor: Optional[Callable[[Sequence[str
             raise RecipeError("--data uses an already prepared corpus: --archives would not be read; give one of them")
         check_prepared_data(pair, options.data)
     check_archives(pair, options.archives)
+    try:  # the plugin declares no fairseq dependency: a missing one is refused here, not in a step's log
+        fairseq_kd.check_fairseq()
+    except fairseq_kd.FairseqMissingError as error:
+        raise RecipeError(str(error)) from None
     workdir = (options.workdir or Path("work_dirs") / "recipes" / pair.name / profile.name).resolve()
     check_workdir(workdir, pair, profile)
     plan = RecipePlan(options, pair, profile, launch, methods, workdir, executor or CommandExecutor(), hf_teacher)
