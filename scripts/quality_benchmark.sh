@@ -39,15 +39,25 @@ fi
 WORKDIR="${QUALITY_WORKDIR:-$ROOT/work_dirs/quality/multi30k_fr_en/$PROFILE}"
 
 PYTHONPATH="$ROOT/examples/translation${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m fairseq_kd_recipes.recipe multi30k_fr_en --profile "$PROFILE" --workdir "$WORKDIR" "${source_args[@]}" "$@"
-if [[ -f "$WORKDIR/report/results.md" && " $* " != *" --dry-run "* ]]; then
+# Only after a run (not --dry-run, --print-commands or --sbatch): report/tables.txt names the tables
+# that run's plan wrote.
+if [[ -f "$WORKDIR/report/tables.txt" && " $* " != *" --dry-run "* && " $* " != *" --print-commands "* \
+      && " $* " != *" --sbatch"* ]]; then
     RESULTS_DIR="${QUALITY_RESULTS_DIR:-$ROOT/docs/results}"
     mkdir -p "$RESULTS_DIR"
     # The tables this invocation's plan wrote (report/tables.txt, in step order; an earlier invocation's
     # tables in the same folder are not copied): the main table, one per other student shape
     # (results_2l.md: CKD's 2+2 students against no_kd_2l) and per further seed (results_seed2.md),
     # then what holds on every seed (seeds.md, --student-seeds); not the tokenised-BLEU tables.
-    mapfile -t TABLES < <(grep -v '^results_tokenized' "$WORKDIR/report/tables.txt")
-    cat "${TABLES[@]/#/$WORKDIR/report/}" > "$RESULTS_DIR/multi30k_fr_en_${PROFILE}.md"
+    TABLES=()
+    while IFS= read -r name; do
+        if [[ -n "$name" && "$name" != results_tokenized* ]]; then TABLES+=("$WORKDIR/report/$name"); fi
+    done < "$WORKDIR/report/tables.txt"
+    if [[ ${#TABLES[@]} -eq 0 ]]; then
+        echo "quality_benchmark.sh: $WORKDIR/report/tables.txt names no results table; nothing copied" >&2
+        exit 1
+    fi
+    cat "${TABLES[@]}" > "$RESULTS_DIR/multi30k_fr_en_${PROFILE}.md"
     echo "report copied to $RESULTS_DIR/multi30k_fr_en_${PROFILE}.md"
     # Each system's test translations as scored (BPE removed, Moses-detokenised), one line per test
     # sentence: with them a later session can add systems and recompute the paired tests

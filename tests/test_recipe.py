@@ -671,6 +671,13 @@ def test_quality_benchmark_command_runs_its_steps_on_tiny_data(tmp_path):
     again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert again.returncode == 0 and re.search(r"ran 0 step\(s\)", again.stdout), again.stdout[-2000:]
     assert (tmp_path / "results" / "multi30k_fr_en_smoke.md").read_text() == copied
+    # Printing the commands copies nothing, even where no run has listed its tables (a folder of an
+    # older recipe): the copy is never made from an empty list (which would copy stdin).
+    (tmp_path / "work" / "report" / "tables.txt").unlink()
+    printed = subprocess.run(command + ["--print-commands"], capture_output=True, text=True, env=env, timeout=900,
+                             stdin=subprocess.DEVNULL)
+    assert printed.returncode == 0 and "report copied" not in printed.stdout, printed.stderr[-2000:]
+    assert (tmp_path / "results" / "multi30k_fr_en_smoke.md").read_text() == copied
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 4, 8])
