@@ -64,17 +64,16 @@ if [[ -f "$WORKDIR/report/tables.txt" && " $* " != *" --dry-run "* && " $* " != 
     # (fairseq-kd-score --hyp FILE --ref REF --ref-is-plain) without retraining these models.
     HYP_DIR="$RESULTS_DIR/multi30k_fr_en_${PROFILE}_hypotheses"
     mkdir -p "$HYP_DIR"
-    "$PY" - "$WORKDIR" "$HYP_DIR" <<'PYEOF'
+    "$PY" - "$WORKDIR" "$HYP_DIR" "${TABLES[@]}" <<'PYEOF'
 import json, sys
 from pathlib import Path
 from fairseq_kd.scoring.detok import detokenize_lines, read_generate_output
-workdir, out = Path(sys.argv[1]), Path(sys.argv[2])
+workdir, out, tables = Path(sys.argv[1]), Path(sys.argv[2]), [Path(path) for path in sys.argv[3:]]
 systems = 0
-for name in (workdir / "report" / "tables.txt").read_text(encoding="utf-8").split():
-    table = workdir / "report" / name.replace(".md", ".json")
-    if not name.startswith("results") or name.startswith("results_tokenized"):
+for table in tables:
+    if not table.name.startswith("results"):  # seeds.md lists no system's decoding
         continue
-    report = json.loads(table.read_text(encoding="utf-8"))
+    report = json.loads(table.with_suffix(".json").read_text(encoding="utf-8"))
     for row in report["systems"]:
         parsed = read_generate_output(workdir / "generate" / row["system"] / "generate-test.txt",
                                       expected_sentences=report["n_sentences"])
